@@ -1,0 +1,418 @@
+"""plan.json (format ``pipec.plan/1``): the compiled plan, its types, reader and writer.
+
+Every part of the compiler writes its fields (see DESIGN.md): the language
+writes ``spec``, the tracer ``model``, the partitioner ``stages``, ``edges``
+and ``ties``, the lowering ``ranks`` (here: ``program``), the simulator
+``prediction``. A schedule-only plan has no ``model``, unit costs and
+stages without signatures. :func:`read_plan` checks the whole schema and
+names the exact field of a malformed file; inputs beyond :data:`LIMITS` are
+refused, not attempted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from pipec.compiler.ir import FIELDS, IRError, Instruction, Op, Program
+from pipec.compiler.schema import Reader, SchemaError
+from pipec.compiler.timeline import Timeline
+
+__all__ = [
+    "FORMAT",
+    "LIMITS",
+    "PlanError",
+    "Signature",
+    "Cost",
+    "Stage",
+    "Edge",
+    "Tie",
+    "Link",
+    "Mesh",
+    "Plan",
+    "check_limits",
+    "read_plan",
+    "load_plan",
+    "write_plan",
+    "plan_to_json",
+]
+
+FORMAT = "pipec.plan/1"
+
+LIMITS = {"pp": 4096, "num_stages": 65536, "num_microbatches": 65536, "instructions": 5_000_000}
+"""Checked before lowering and when reading a plan."""
+
+
+class PlanError(SchemaError):
+    """A plan file is unreadable, malformed, or beyond the limits."""
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """A tensor crossing a stage boundary: name, shape and dtype (``"float32"``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def num_bytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * _DTYPE_BYTES.get(self.dtype, 4)
+
+
+_DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cost:
+    """Per-microbatch cost of a stage's forward, backward and its two halves."""
+
+    fwd: float = 1.0
+    bwd: float = 2.0
+    bwd_i: float = 1.0
+    bwd_w: float = 1.0
+
+
+UNIT_COST = Cost()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stage:
+    stage: int
+    rank: int
+    nodes: tuple[str, ...] = ()
+    params: tuple[str, ...] = ()
+    """Canonical parameter names (as in the unpartitioned model's state dict)."""
+    inputs: tuple[Signature, ...] = ()
+    outputs: tuple[Signature, ...] = ()
+    cost: Cost = UNIT_COST
+    activation_bytes: int | None = None
+    """Bytes saved for backward per microbatch."""
+    param_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Edge:
+    """Data flows from ``src_stage`` to ``dst_stage`` (a skip edge may jump stages)."""
+
+    src_stage: int
+    dst_stage: int
+    tensors: tuple[Signature, ...] = ()
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.num_bytes for t in self.tensors)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tie:
+    """A weight used by several stages; ``name`` is its canonical name."""
+
+    name: str
+    stages: tuple[int, ...]
+    params: tuple[str, ...]
+    """The name of the tied parameter in each stage of ``stages``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Link:
+    latency_s: float
+    bandwidth_Bps: float
+
+
+DEFAULT_LINKS: Mapping[str, Link] = {
+    "pp": Link(latency_s=1e-5, bandwidth_Bps=25e9),
+    "dp": Link(latency_s=1e-5, bandwidth_Bps=25e9),
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Mesh:
+    pp: int
+    dp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    def coords(self, global_rank: int) -> tuple[int, int]:
+        """(pp rank, dp rank) of a global rank; global rank = pp x dp_size + dp."""
+        return divmod(global_rank, self.dp)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    mesh: Mesh
+    num_stages: int
+    num_microbatches: int
+    placement: tuple[int, ...]
+    program: Program
+    stages: tuple[Stage, ...] = ()
+    edges: tuple[Edge, ...] = ()
+    ties: tuple[Tie, ...] = ()
+    links: Mapping[str, Link] = field(default_factory=lambda: dict(DEFAULT_LINKS))
+    spec: Mapping[str, Any] = field(default_factory=dict)
+    model: Mapping[str, Any] | None = None
+    prediction: Timeline | None = None
+    pipec_version: str = ""
+    format: str = FORMAT
+
+    @property
+    def unit_costs(self) -> bool:
+        return self.model is None
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _instr_json(ins: Instruction) -> dict[str, Any]:
+    d: dict[str, Any] = {"op": ins.op.value}
+    for name in FIELDS[ins.op]:
+        d[name] = getattr(ins, name)
+    if ins.batch is not None:
+        d["batch"] = ins.batch
+    return d
+
+
+def _sig_json(s: Signature) -> dict[str, Any]:
+    return {"name": s.name, "shape": list(s.shape), "dtype": s.dtype}
+
+
+def plan_to_json(plan: Plan) -> dict[str, Any]:
+    """The plan as a JSON-ready dict (``ranks`` included)."""
+    out: dict[str, Any] = {"format": plan.format, "pipec_version": plan.pipec_version, "spec": dict(plan.spec)}
+    if plan.model is not None:
+        out["model"] = dict(plan.model)
+    out["mesh"] = {"pp": plan.mesh.pp, "dp": plan.mesh.dp}
+    out["num_stages"] = plan.num_stages
+    out["num_microbatches"] = plan.num_microbatches
+    out["placement"] = list(plan.placement)
+    stages = []
+    for st in plan.stages:
+        d: dict[str, Any] = {
+            "stage": st.stage,
+            "rank": st.rank,
+            "nodes": list(st.nodes),
+            "params": list(st.params),
+            "inputs": [_sig_json(s) for s in st.inputs],
+            "outputs": [_sig_json(s) for s in st.outputs],
+            "cost": {"fwd": st.cost.fwd, "bwd": st.cost.bwd, "bwd_i": st.cost.bwd_i, "bwd_w": st.cost.bwd_w},
+        }
+        if st.activation_bytes is not None:
+            d["activation_bytes"] = st.activation_bytes
+        if st.param_bytes is not None:
+            d["param_bytes"] = st.param_bytes
+        stages.append(d)
+    out["stages"] = stages
+    out["edges"] = [
+        {"src_stage": e.src_stage, "dst_stage": e.dst_stage, "tensors": [_sig_json(t) for t in e.tensors]}
+        for e in plan.edges
+    ]
+    out["ties"] = [{"name": t.name, "stages": list(t.stages), "params": list(t.params)} for t in plan.ties]
+    out["links"] = {k: {"latency_s": v.latency_s, "bandwidth_Bps": v.bandwidth_Bps} for k, v in plan.links.items()}
+    out["ranks"] = [
+        {"rank": r, "instructions": [_instr_json(i) for i in instrs]} for r, instrs in enumerate(plan.program.ranks)
+    ]
+    if plan.prediction is not None:
+        out["prediction"] = plan.prediction.to_json()
+    return out
+
+
+def write_plan(plan: Plan, path: str) -> None:
+    """Write plan.json: small fields indented, one instruction and one event per line."""
+    obj = plan_to_json(plan)
+    ranks = obj.pop("ranks")
+    prediction = obj.pop("prediction", None)
+    dumps = json.dumps
+    with open(path, "w", encoding="utf-8") as f:
+        head = dumps(obj, indent=1)
+        f.write(head[:-2])  # drop the closing "\n}"
+        f.write(',\n "ranks": [')
+        for r, rank in enumerate(ranks):
+            f.write(("," if r else "") + f'\n  {{"rank": {rank["rank"]}, "instructions": [\n   ')
+            f.write(",\n   ".join(dumps(i, separators=(",", ":")) for i in rank["instructions"]))
+            f.write("\n  ]}")
+        f.write("\n ]")
+        if prediction is not None:
+            events = prediction.pop("events")
+            f.write(',\n "prediction": ' + dumps(prediction, separators=(",", ":"))[:-1])
+            f.write(',"events":[\n   ')
+            f.write(",\n   ".join(dumps(e, separators=(",", ":")) for e in events))
+            f.write("\n ]}")
+        f.write("\n}\n")
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def check_limits(*, pp: int, num_stages: int, num_microbatches: int, instructions: int | None = None) -> None:
+    """Refuse configurations beyond DESIGN's limits, before any work is done."""
+    got = {"pp": pp, "num_stages": num_stages, "num_microbatches": num_microbatches}
+    if instructions is not None:
+        got["instructions"] = instructions
+    names = {"pp": "pp ranks", "num_stages": "stages", "num_microbatches": "microbatches", "instructions": "instructions"}
+    for key, value in got.items():
+        if value > LIMITS[key]:
+            raise PlanError(
+                f"{value} {names[key]} is beyond pipec's limit of {LIMITS[key]}; "
+                f"use at most {LIMITS[key]} {names[key]}"
+            )
+
+
+def _sigs(rd: Reader, key: str) -> tuple[Signature, ...]:
+    out = []
+    for s in rd.items(key, required=False):
+        out.append(Signature(s.str("name"), s.ints("shape", lo=0), s.str("dtype")))
+    return tuple(out)
+
+
+def _read_instructions(rd: Reader, num_ranks: int, num_stages: int, num_mb: int) -> Program:
+    ranks = []
+    seen = 0
+    for r, rank_rd in enumerate(rd.items("ranks")):
+        got_rank = rank_rd.int("rank")
+        if got_rank != r:
+            raise rank_rd.error("rank", f"expected {r} (ranks are listed in order)", got_rank)
+        raw = rank_rd.list("instructions")
+        seen += len(raw)
+        if seen > LIMITS["instructions"]:
+            raise PlanError(f"{rd.where}.ranks: more than {LIMITS['instructions']} instructions; refused")
+        out = []
+        bounds = {"stage": num_stages, "to_stage": num_stages, "from_stage": num_stages, "microbatch": num_mb, "peer": num_ranks}
+        for i, d in enumerate(raw):
+            where = f"{rd.where}.ranks[{r}].instructions[{i}]"
+            if not isinstance(d, dict):
+                raise PlanError(f"{where}: expected an object, got {d!r:.60}")
+            try:
+                op = Op(d.get("op"))
+            except ValueError:
+                raise PlanError(
+                    f"{where}.op: unknown opcode {d.get('op')!r}; expected one of "
+                    + ", ".join(o.value for o in Op)
+                ) from None
+            kw: dict[str, Any] = {}
+            for name in FIELDS[op]:
+                v = d.get(name)
+                if name == "group":
+                    if not isinstance(v, str) or not (v == "dp" or v.startswith("tie.")):
+                        raise PlanError(f"{where}.group: expected 'dp' or 'tie.<name>', got {v!r:.60}")
+                elif type(v) is not int or not 0 <= v < bounds[name]:
+                    raise PlanError(f"{where}.{name}: expected an integer in 0..{bounds[name] - 1}, got {v!r:.60}")
+                kw[name] = v
+            extra = set(d) - set(FIELDS[op]) - {"op", "batch"}
+            if extra:
+                raise PlanError(f"{where}: {op.value} takes no field {sorted(extra)[0]!r}")
+            b = d.get("batch")
+            if b is not None:
+                if type(b) is not int or b < 0:
+                    raise PlanError(f"{where}.batch: expected a non-negative integer, got {b!r:.60}")
+                if op is Op.ALLREDUCE or op is Op.OPTIM_STEP or op in (Op.FWD, Op.BWD, Op.BWD_I, Op.BWD_W):
+                    raise PlanError(f"{where}.batch: only sends and receives can be batched, not {op.value}")
+                kw["batch"] = b
+            out.append(Instruction(op, **kw))
+        ranks.append(tuple(out))
+    if len(ranks) != num_ranks:
+        raise PlanError(f"{rd.where}.ranks: expected {num_ranks} ranks (mesh.pp), got {len(ranks)}")
+    return Program(tuple(ranks))
+
+
+def load_plan(obj: Any, where: str = "plan") -> Plan:
+    """Build a :class:`Plan` from parsed JSON, checking the whole schema."""
+    try:
+        rd = Reader(obj, where)
+        fmt = rd.str("format")
+        if fmt != FORMAT:
+            raise rd.error("format", f"expected {FORMAT!r}", fmt)
+        mesh_rd = rd.sub("mesh")
+        mesh = Mesh(pp=mesh_rd.int("pp", lo=1), dp=mesh_rd.int("dp", lo=1))
+        num_stages = rd.int("num_stages", lo=1)
+        num_mb = rd.int("num_microbatches", lo=1)
+        check_limits(pp=mesh.pp, num_stages=num_stages, num_microbatches=num_mb)
+        placement = rd.ints("placement", lo=0, hi=mesh.pp - 1)
+        if len(placement) != num_stages:
+            raise rd.error("placement", f"expected one pp rank per stage ({num_stages})", list(placement))
+        stages = []
+        for i, s in enumerate(rd.items("stages", required=False)):
+            c = s.sub("cost", required=False)
+            cost = UNIT_COST if c is None else Cost(
+                fwd=c.num("fwd", lo=0), bwd=c.num("bwd", lo=0), bwd_i=c.num("bwd_i", lo=0), bwd_w=c.num("bwd_w", lo=0)
+            )
+            stage = Stage(
+                stage=s.int("stage", lo=0, hi=num_stages - 1),
+                rank=s.int("rank", lo=0, hi=mesh.pp - 1),
+                nodes=s.strs("nodes", required=False) or (),
+                params=s.strs("params", required=False) or (),
+                inputs=_sigs(s, "inputs"),
+                outputs=_sigs(s, "outputs"),
+                cost=cost,
+                activation_bytes=s.int("activation_bytes", lo=0, required=False),
+                param_bytes=s.int("param_bytes", lo=0, required=False),
+            )
+            if stage.stage != i:
+                raise s.error("stage", f"expected {i} (stages are listed in order)", stage.stage)
+            if stage.rank != placement[i]:
+                raise s.error("rank", f"expected {placement[i]} (placement[{i}])", stage.rank)
+            stages.append(stage)
+        if stages and len(stages) != num_stages:
+            raise rd.error("stages", f"expected {num_stages} stages", f"{len(stages)} stages")
+        edges = tuple(
+            Edge(
+                src_stage=e.int("src_stage", lo=0, hi=num_stages - 1),
+                dst_stage=e.int("dst_stage", lo=0, hi=num_stages - 1),
+                tensors=_sigs(e, "tensors"),
+            )
+            for e in rd.items("edges", required=False)
+        )
+        ties = tuple(
+            Tie(name=t.str("name"), stages=t.ints("stages", lo=0, hi=num_stages - 1), params=t.strs("params"))
+            for t in rd.items("ties", required=False)
+        )
+        links_rd = rd.sub("links", required=False)
+        links = dict(DEFAULT_LINKS)
+        if links_rd is not None:
+            for axis in links_rd.obj:
+                lk = links_rd.sub(axis)
+                links[axis] = Link(latency_s=lk.num("latency_s", lo=0), bandwidth_Bps=lk.num("bandwidth_Bps", lo=1e-30))
+        program = _read_instructions(rd, mesh.pp, num_stages, num_mb)
+        pred = rd.dict("prediction", required=False)
+        return Plan(
+            mesh=mesh,
+            num_stages=num_stages,
+            num_microbatches=num_mb,
+            placement=placement,
+            program=program,
+            stages=tuple(stages),
+            edges=edges,
+            ties=ties,
+            links=links,
+            spec=rd.dict("spec", required=False) or {},
+            model=rd.dict("model", required=False),
+            prediction=None if pred is None else Timeline.from_json(pred, f"{where}.prediction"),
+            pipec_version=rd.str("pipec_version", required=False) or "",
+        )
+    except (SchemaError, IRError) as e:
+        if isinstance(e, PlanError):
+            raise
+        raise PlanError(str(e)) from None
+
+
+def read_plan(path: str) -> Plan:
+    """Read and schema-check a plan file; errors name the file and the field."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except OSError as e:
+        raise PlanError(f"{path}: cannot read plan: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlanError(f"{path}: not a JSON file: {e}") from None
+    try:
+        return load_plan(obj)
+    except PlanError as e:
+        raise PlanError(f"{path}: {e}") from None

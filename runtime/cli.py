@@ -1,0 +1,4 @@
+"""The ``pipec`` command."""
+
+def main(argv=None) -> int:
+    return 0

@@ -1,0 +1,177 @@
+"""Compute orders: what each pp rank computes, and in which order.
+
+A :class:`ComputeOrder` is the output of every schedule family and the input of
+the compiler's lowering pass. It holds compute actions only (no
+communication); the lowering adds sends, receives and collectives. Everything
+here is pure Python over integers, so a schedule can be generated, checked and
+golden-tested without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = [
+    "Kind",
+    "Action",
+    "ComputeOrder",
+    "ScheduleError",
+    "loop_placement",
+    "v_placement",
+    "validate_order",
+]
+
+
+class ScheduleError(ValueError):
+    """A schedule's rule is broken by the requested configuration.
+
+    ``rule`` names the rule (for example ``"zbv.chunks"``), so tools and tests
+    can tell errors apart without matching on message text.
+    """
+
+    def __init__(self, message: str, *, rule: str = "") -> None:
+        super().__init__(message)
+        self.rule = rule
+
+
+class Kind(str, Enum):
+    """The four compute kinds. Their values are the text-form letters."""
+
+    F = "F"
+    """Forward of one stage on one microbatch (the last stage also computes the loss)."""
+    B = "B"
+    """Full backward: input grads and weight grads together."""
+    I = "I"  # noqa: E741 (the letter is the contract)
+    """Input-grad half of a split backward (zero-bubble schedules)."""
+    W = "W"
+    """Weight-grad half of a split backward; comes after the matching ``I``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One compute action: ``kind`` of ``stage`` on ``microbatch``."""
+
+    kind: Kind
+    stage: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}{self.stage}.{self.microbatch}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ComputeOrder:
+    """Per pp rank, the compute actions it runs, in order.
+
+    ``placement[s]`` is the pp rank that owns stage ``s``; ``ranks[r]`` is the
+    ordered tuple of actions of pp rank ``r``.
+    """
+
+    num_ranks: int
+    num_microbatches: int
+    placement: tuple[int, ...]
+    ranks: tuple[tuple[Action, ...], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.placement)
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages pp rank ``rank`` owns, in model order."""
+        return [s for s, r in enumerate(self.placement) if r == rank]
+
+    def text(self) -> str:
+        """One line per rank, e.g. ``0: F0.0 F0.1 B0.0 ...``."""
+        return "\n".join(
+            f"{r}: " + " ".join(str(a) for a in actions) for r, actions in enumerate(self.ranks)
+        )
+
+
+def loop_placement(num_ranks: int, num_stages: int) -> tuple[int, ...]:
+    """Stage ``s`` on pp rank ``s mod P`` (torch's ``"loop"`` style)."""
+    return tuple(s % num_ranks for s in range(num_stages))
+
+
+def v_placement(num_ranks: int, num_stages: int) -> tuple[int, ...]:
+    """The V shape: stages ``0..P-1`` go up the ranks, ``P..2P-1`` come back down."""
+    if num_stages != 2 * num_ranks:
+        raise ScheduleError(
+            f"the v placement needs exactly 2 stages per rank ({2 * num_ranks} stages "
+            f"for {num_ranks} ranks), got {num_stages}",
+            rule="placement.v",
+        )
+    return tuple(s if s < num_ranks else 2 * num_ranks - 1 - s for s in range(num_stages))
+
+
+def validate_order(order: ComputeOrder) -> None:
+    """Check the invariants every compute order must hold.
+
+    - ``placement`` maps every stage to a rank in ``0..P-1`` and
+      ``len(ranks) == P``;
+    - every action's stage is owned by the rank that runs it;
+    - every (stage, microbatch) has exactly one ``F`` and exactly one backward:
+      one ``B``, or one ``I`` followed later by one ``W``;
+    - on its rank, the ``F`` comes before the backward.
+
+    Cross-stage data dependencies depend on the stage graph and are proved by
+    the compiler's verifier. Raises :class:`ScheduleError` naming the rank and
+    action.
+    """
+    num_ranks, num_mb = order.num_ranks, order.num_microbatches
+    num_stages = order.num_stages
+    if len(order.ranks) != num_ranks:
+        raise ScheduleError(
+            f"order has {len(order.ranks)} rank lists for {num_ranks} ranks", rule="order.ranks"
+        )
+    for s, r in enumerate(order.placement):
+        if not 0 <= r < num_ranks:
+            raise ScheduleError(
+                f"stage {s} is placed on rank {r}, outside 0..{num_ranks - 1}",
+                rule="order.placement",
+            )
+    # state per (stage, mb): 0 nothing, 1 forward done, 2 input-grad done, 3 complete
+    state = [[0] * num_mb for _ in range(num_stages)]
+    for rank, actions in enumerate(order.ranks):
+        for index, action in enumerate(actions):
+            where = f"rank {rank}, action {index} ({action})"
+            s, m = action.stage, action.microbatch
+            if not (0 <= s < num_stages and 0 <= m < num_mb):
+                raise ScheduleError(
+                    f"{where}: stage must be in 0..{num_stages - 1} and microbatch in "
+                    f"0..{num_mb - 1}",
+                    rule="order.range",
+                )
+            if order.placement[s] != rank:
+                raise ScheduleError(
+                    f"{where}: stage {s} is placed on rank {order.placement[s]}, not {rank}",
+                    rule="order.placement",
+                )
+            current = state[s][m]
+            kind = action.kind
+            if kind is Kind.F:
+                if current != 0:
+                    raise ScheduleError(f"{where}: second forward", rule="order.duplicate")
+                state[s][m] = 1
+            elif kind is Kind.B or kind is Kind.I:
+                if current == 0:
+                    raise ScheduleError(f"{where}: backward before its forward", rule="order.deps")
+                if current != 1:
+                    raise ScheduleError(f"{where}: second backward", rule="order.duplicate")
+                state[s][m] = 3 if kind is Kind.B else 2
+            else:  # W
+                if current != 2:
+                    raise ScheduleError(
+                        f"{where}: weight-grad W needs its input-grad I{s}.{m} earlier on "
+                        "the same rank",
+                        rule="order.deps",
+                    )
+                state[s][m] = 3
+    for s in range(num_stages):
+        for m in range(num_mb):
+            if state[s][m] != 3:
+                missing = {0: "F, backward", 1: "backward", 2: f"W{s}.{m}"}[state[s][m]]
+                raise ScheduleError(
+                    f"rank {order.placement[s]}: stage {s} microbatch {m} is missing {missing}",
+                    rule="order.missing",
+                )
