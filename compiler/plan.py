@@ -96,6 +96,8 @@ class Stage:
     activation_bytes: int | None = None
     """Bytes saved for backward per microbatch."""
     param_bytes: int | None = None
+    num_params: int | None = None
+    """Parameters this stage holds (a tied weight counts on each stage holding a copy)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -209,6 +211,8 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
             d["activation_bytes"] = st.activation_bytes
         if st.param_bytes is not None:
             d["param_bytes"] = st.param_bytes
+        if st.num_params is not None:
+            d["num_params"] = st.num_params
         stages.append(d)
     out["stages"] = stages
     out["edges"] = [
@@ -354,6 +358,7 @@ def load_plan(obj: Any, where: str = "plan") -> Plan:
                 cost=cost,
                 activation_bytes=s.int("activation_bytes", lo=0, required=False),
                 param_bytes=s.int("param_bytes", lo=0, required=False),
+                num_params=s.int("num_params", lo=0, required=False),
             )
             if stage.stage != i:
                 raise s.error("stage", f"expected {i} (stages are listed in order)", stage.stage)
