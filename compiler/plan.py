@@ -121,6 +121,8 @@ class Tie:
     stages: tuple[int, ...]
     params: tuple[str, ...]
     """The name of the tied parameter in each stage of ``stages``."""
+    num_bytes: int | None = None
+    """Size of the tied weight (for the all-reduce's cost)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -219,7 +221,11 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
         {"src_stage": e.src_stage, "dst_stage": e.dst_stage, "tensors": [_sig_json(t) for t in e.tensors]}
         for e in plan.edges
     ]
-    out["ties"] = [{"name": t.name, "stages": list(t.stages), "params": list(t.params)} for t in plan.ties]
+    out["ties"] = [
+        {"name": t.name, "stages": list(t.stages), "params": list(t.params)}
+        | ({} if t.num_bytes is None else {"num_bytes": t.num_bytes})
+        for t in plan.ties
+    ]
     out["links"] = {k: {"latency_s": v.latency_s, "bandwidth_Bps": v.bandwidth_Bps} for k, v in plan.links.items()}
     out["ranks"] = [
         {"rank": r, "instructions": [_instr_json(i) for i in instrs]} for r, instrs in enumerate(plan.program.ranks)
@@ -376,7 +382,12 @@ def load_plan(obj: Any, where: str = "plan") -> Plan:
             for e in rd.items("edges", required=False)
         )
         ties = tuple(
-            Tie(name=t.str("name"), stages=t.ints("stages", lo=0, hi=num_stages - 1), params=t.strs("params"))
+            Tie(
+            name=t.str("name"),
+            stages=t.ints("stages", lo=0, hi=num_stages - 1),
+            params=t.strs("params"),
+            num_bytes=t.int("num_bytes", lo=0, required=False),
+        )
             for t in rd.items("ties", required=False)
         )
         links_rd = rd.sub("links", required=False)
