@@ -1,0 +1,209 @@
+"""Moving tensors between ranks: torch.distributed, or an in-process fake for tests.
+
+The executor talks to a :class:`Transport` only: post a list of sends and
+receives (one ``batch_isend_irecv`` when there are several), all-reduce a
+tensor over a group, wait. :class:`TorchTransport` does it with
+torch.distributed (gloo on CPU, NCCL on CUDA); :class:`FakeWorld` runs every
+rank as a thread of one process with first-in, first-out channels per pair of
+ranks, as gloo and NCCL match messages, so the executor's logic is tested
+fast without launching processes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+__all__ = ["P2P", "Work", "Transport", "TorchTransport", "FakeWorld", "FakeTransport", "TransportTimeout"]
+
+
+class TransportTimeout(RuntimeError):
+    """A fake-transport wait ran past its timeout (a real one raises torch's own error)."""
+
+
+@dataclass(frozen=True, slots=True)
+class P2P:
+    """One point-to-point post: send ``tensor`` to, or receive it from, global rank ``peer``."""
+
+    send: bool
+    tensor: torch.Tensor
+    peer: int
+
+
+class Work(Protocol):
+    def wait(self) -> object: ...
+
+
+class Transport(Protocol):
+    rank: int
+
+    def post(self, ops: Sequence[P2P]) -> list[Work]: ...
+
+    def all_reduce(self, tensor: torch.Tensor, group: tuple[int, ...], *, average: bool = False) -> Work: ...
+
+    def barrier(self) -> None: ...
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+class TorchTransport:
+    """torch.distributed: ``groups`` maps a tuple of global ranks to its process group."""
+
+    def __init__(self, groups: dict[tuple[int, ...], object], world_group: object | None = None) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank = dist.get_rank()
+        self.groups = groups
+        self.world_group = world_group
+
+    def post(self, ops: Sequence[P2P]) -> list[Work]:
+        dist = self.dist
+        if len(ops) == 1:
+            op = ops[0]
+            fn = dist.isend if op.send else dist.irecv
+            return [fn(op.tensor, op.peer)]
+        return list(dist.batch_isend_irecv([dist.P2POp(dist.isend if o.send else dist.irecv, o.tensor, o.peer) for o in ops]))
+
+    def all_reduce(self, tensor: torch.Tensor, group: tuple[int, ...], *, average: bool = False) -> Work:
+        if len(group) == 1:
+            return _Done()
+        dist = self.dist
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        if average and tensor.device.type == "cpu":
+            # gloo's AVG: sum then divide, exactly as the reference averages
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.groups[group], async_op=True)
+            return _Scaled(work, tensor, 1.0 / len(group))
+        return dist.all_reduce(tensor, op=op, group=self.groups[group], async_op=True)
+
+    def barrier(self) -> None:
+        self.dist.barrier(group=self.world_group)
+
+
+class _Scaled:
+    def __init__(self, work: Work, tensor: torch.Tensor, scale: float) -> None:
+        self.work, self.tensor, self.scale = work, tensor, scale
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.tensor.mul_(self.scale)
+
+
+# ----------------------------------------------------------------------------- in-process fake
+
+
+class _Channel:
+    """Messages from one rank to another, matched to receives in posting order."""
+
+    def __init__(self) -> None:
+        self.messages: deque[torch.Tensor] = deque()
+        self.pending: deque["_FakeRecv"] = deque()
+
+
+class _FakeRecv:
+    def __init__(self, world: "FakeWorld", channel: _Channel, buffer: torch.Tensor, src: int, dst: int) -> None:
+        self.world, self.channel, self.buffer, self.src, self.dst = world, channel, buffer, src, dst
+        self.filled = False
+
+    def wait(self) -> None:
+        world = self.world
+        with world.cond:
+            ok = world.cond.wait_for(lambda: self._fill_until_me(), timeout=world.timeout)
+            if not ok:
+                raise TransportTimeout(f"rank {self.dst}: receive from rank {self.src} timed out after {world.timeout} s")
+
+    def _fill_until_me(self) -> bool:
+        ch = self.channel
+        while not self.filled and ch.messages and ch.pending:
+            recv = ch.pending.popleft()
+            msg = ch.messages.popleft()
+            if msg.numel() != recv.buffer.numel() or msg.dtype != recv.buffer.dtype:
+                raise RuntimeError(f"rank {recv.dst}: message from rank {recv.src} is {msg.dtype}{list(msg.shape)}, "
+                                   f"the receive buffer {recv.buffer.dtype}{list(recv.buffer.shape)}")
+            recv.buffer.copy_(msg.view(recv.buffer.shape))
+            recv.filled = True
+        return self.filled
+
+
+class FakeWorld:
+    """Shared state of an in-process 'world' of ranks running as threads."""
+
+    def __init__(self, world_size: int, timeout: float = 30.0) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        self.cond = threading.Condition()
+        self.channels: dict[tuple[int, int], _Channel] = {}
+        self.collectives: dict[tuple, list] = {}
+        self.calls: dict[tuple[int, tuple[int, ...]], int] = {}
+        self.barrier_ = threading.Barrier(world_size, timeout=timeout)
+
+    def channel(self, src: int, dst: int) -> _Channel:
+        ch = self.channels.get((src, dst))
+        if ch is None:
+            ch = self.channels[(src, dst)] = _Channel()
+        return ch
+
+    def transport(self, rank: int) -> "FakeTransport":
+        return FakeTransport(self, rank)
+
+
+class _FakeCollective:
+    def __init__(self, world: FakeWorld, key: tuple, tensor: torch.Tensor, average: bool, size: int) -> None:
+        self.world, self.key, self.tensor, self.average, self.size = world, key, tensor, average, size
+
+    def wait(self) -> None:
+        world = self.world
+        with world.cond:
+            ok = world.cond.wait_for(lambda: len(world.collectives[self.key][0]) == self.size, timeout=world.timeout)
+            if not ok:
+                raise TransportTimeout(f"collective {self.key} timed out after {world.timeout} s")
+            total = world.collectives[self.key][1]
+            if total is None:
+                total = torch.stack(world.collectives[self.key][0]).sum(0)
+                world.collectives[self.key][1] = total
+        self.tensor.copy_(total / self.size if self.average else total)
+
+
+class FakeTransport:
+    def __init__(self, world: FakeWorld, rank: int) -> None:
+        self.world = world
+        self.rank = rank
+
+    def post(self, ops: Sequence[P2P]) -> list[Work]:
+        world = self.world
+        works: list[Work] = []
+        with world.cond:
+            for op in ops:
+                if op.send:
+                    world.channel(self.rank, op.peer).messages.append(op.tensor.detach().clone())
+                    works.append(_Done())
+                else:
+                    ch = world.channel(op.peer, self.rank)
+                    recv = _FakeRecv(world, ch, op.tensor, op.peer, self.rank)
+                    ch.pending.append(recv)
+                    works.append(recv)
+            world.cond.notify_all()
+        return works
+
+    def all_reduce(self, tensor: torch.Tensor, group: tuple[int, ...], *, average: bool = False) -> Work:
+        if len(group) == 1:
+            return _Done()
+        world = self.world
+        with world.cond:
+            n = world.calls.get((self.rank, group), 0)
+            world.calls[(self.rank, group)] = n + 1
+            key = (group, n)
+            slot = world.collectives.setdefault(key, [[], None])
+            slot[0].append(tensor.detach().clone())
+            world.cond.notify_all()
+        return _FakeCollective(world, key, tensor, average, len(group))
+
+    def barrier(self) -> None:
+        self.world.barrier_.wait()
