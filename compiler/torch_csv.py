@@ -1,0 +1,507 @@
+"""Interop with torch.distributed.pipelining's schedule CSV (pure Python, no torch).
+
+torch writes a schedule as one CSV row per pp rank, one cell per action
+(``PipelineScheduleMulti._dump_csv``, ``_PipelineScheduleRuntime._dump_csv``)
+and reads it back with ``_load_csv(path, format=...)``. A cell is
+``<stage><type><microbatch>``: ``2F0``, ``1I3``, ``0SEND_F1``,
+``0REDUCE_GRAD``; an empty cell is an idle slot. There are two forms:
+
+- ``compute_only``: F, B, I, W (torch's ``_load_csv`` refuses anything else
+  there, REDUCE_GRAD included) - the input of torch's own lowering. It maps to
+  a :class:`~pipec.schedules.order.ComputeOrder`; pipec's lowering turns that
+  into a Program.
+- ``compute_comms``: the lowered form, which torch's runtime executes as is.
+  It maps to a :class:`~pipec.compiler.ir.Program` directly.
+
+The mapping (DESIGN, "torch.distributed.pipelining CSV"):
+
+============  =====================================================
+torch         pipec
+============  =====================================================
+``sF m``      ``FWD`` (``Fs.m``); ``B``/``I``/``W`` alike
+``sSEND_Fm``  ``SEND_ACT`` s.m to stage s+1 (``SAs.m>s+1@peer``)
+``sRECV_Fm``  ``RECV_ACT`` s.m from stage s-1 (``RAs.m<s-1@peer``)
+``sSEND_Bm``  ``SEND_GRAD`` s.m to stage s-1 (``SGs.m>s-1@peer``)
+``sRECV_Bm``  ``RECV_GRAD`` s.m from stage s+1 (``RGs.m<s+1@peer``)
+``sREDUCE_GRAD``  ``ALLREDUCE`` over dp (``ARs:dp``); dropped when dp = 1
+``UNSHARD``/``RESHARD``  dropped (FSDP only)
+``OVERLAP_F_B``  refused
+============  =====================================================
+
+torch's comms always join adjacent stages; ``peer`` is the pp rank that owns
+the other stage, inferred (like torch does) from where compute actions
+appear. Between adjacent stages on one rank (the tip of a V) torch passes
+tensors locally and writes no comm, as pipec's lowering does. An imported
+Program ends each rank with ``OPTIM_STEP`` (torch steps the optimizer outside
+the schedule).
+
+Export is the reverse. torch's CSV has no batches: each post becomes its own
+cell (torch issues each as its own ``batch_isend_irecv``), so batch ids are
+lost; import yields unbatched posts, which is how torch will run them, so
+``pipec check`` on an imported file proves what torch executes. torch's
+runtime also scales gradients by 1/M in ``REDUCE_GRAD``, so the
+``compute_comms`` export writes a ``REDUCE_GRAD`` for every stage: where the
+Program's ``AR<s>:dp`` is, or at dp = 1 right after the stage's last backward (and its send)
+(where torch's own lowering puts it). Skip edges (comms between non-adjacent
+stages) and tie-group all-reduces have no torch equivalent and are refused.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from pipec.compiler.ir import COMM_OPS as _COMM_OPS, COMPUTE_OPS, Instruction, Op, Program
+from pipec.schedules.order import Action, ComputeOrder, Kind
+
+__all__ = [
+    "TorchCsvError",
+    "TorchAction",
+    "TorchSchedule",
+    "parse_torch_csv",
+    "read_torch_csv",
+    "format_torch_csv",
+    "write_torch_csv",
+]
+
+Form = Literal["compute_only", "compute_comms"]
+FORMS: tuple[str, ...] = ("compute_only", "compute_comms")
+
+
+class TorchCsvError(ValueError):
+    """A torch schedule CSV cannot be read, or a program cannot be written as one."""
+
+
+# torch's _ComputationType values, longest first so the alternation matches whole names.
+COMPUTE_TYPES = ("F", "B", "I", "W")
+COMM_TYPES = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+OTHER_TYPES = ("REDUCE_GRAD", "UNSHARD", "RESHARD")
+_CELL_RE = re.compile(r"(\d+)(REDUCE_GRAD|UNSHARD|RESHARD|SEND_F|RECV_F|SEND_B|RECV_B|[FBIW])(\d*)")
+
+_KIND_OF = {"F": Kind.F, "B": Kind.B, "I": Kind.I, "W": Kind.W}
+_OP_OF_KIND = {Kind.F: Op.FWD, Kind.B: Op.BWD, Kind.I: Op.BWD_I, Kind.W: Op.BWD_W}
+_TYPE_OF_OP = {
+    Op.FWD: "F", Op.BWD: "B", Op.BWD_I: "I", Op.BWD_W: "W",
+    Op.SEND_ACT: "SEND_F", Op.RECV_ACT: "RECV_F", Op.SEND_GRAD: "SEND_B", Op.RECV_GRAD: "RECV_B",
+}
+# Per comm type: the pipec op, the other stage's offset, and whether it is a send.
+_COMM = {
+    "SEND_F": (Op.SEND_ACT, +1, True),
+    "RECV_F": (Op.RECV_ACT, -1, False),
+    "SEND_B": (Op.SEND_GRAD, -1, True),
+    "RECV_B": (Op.RECV_GRAD, +1, False),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TorchAction:
+    """One cell of torch's CSV: ``type`` is torch's ``_ComputationType`` value."""
+
+    stage: int
+    type: str
+    microbatch: int | None = None
+
+    def text(self) -> str:
+        """The cell text torch writes: ``2F0``, ``0SEND_B3``, ``1REDUCE_GRAD``."""
+        return f"{self.stage}{self.type}{'' if self.microbatch is None else self.microbatch}"
+
+    __str__ = text
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TorchSchedule:
+    """A torch schedule CSV, parsed and checked.
+
+    ``rows[r]`` holds pp rank ``r``'s cells in order (``None`` = idle cell).
+    ``placement``, ``num_microbatches`` and ``kind`` are inferred from the
+    cells: a stage lives on the rank whose row computes it; ``kind`` is
+    ``"compute_comms"`` when any cell is a send, receive, UNSHARD or RESHARD
+    (or, on a single rank, REDUCE_GRAD).
+    """
+
+    kind: Form
+    rows: tuple[tuple[TorchAction | None, ...], ...]
+    placement: tuple[int, ...]
+    num_microbatches: int
+    source: str = "<csv>"
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.placement)
+
+    def to_order(self) -> ComputeOrder:
+        """The compute actions of every row, in order (either form)."""
+        ranks = tuple(
+            tuple(Action(_KIND_OF[a.type], a.stage, a.microbatch) for a in row if a is not None and a.type in _KIND_OF)
+            for row in self.rows
+        )
+        return ComputeOrder(
+            num_ranks=self.num_ranks,
+            num_microbatches=self.num_microbatches,
+            placement=self.placement,
+            ranks=ranks,
+        )
+
+    def to_program(self, *, dp: int = 1) -> Program:
+        """The Program of a ``compute_comms`` file.
+
+        ``REDUCE_GRAD`` becomes ``AR<s>:dp`` when ``dp > 1`` and is dropped at
+        ``dp == 1``; UNSHARD/RESHARD are dropped; each rank ends with ``OPT``.
+        A ``compute_only`` file has no comms: lower :meth:`to_order` instead.
+        """
+        if self.kind != "compute_comms":
+            raise TorchCsvError(
+                f"{self.source}: a compute_only schedule has no sends or receives, so it is "
+                "not a Program; lower its compute order instead (TorchSchedule.to_order(), "
+                "then pipec's lowering), or export torch's compute_comms form"
+            )
+        if dp < 1:
+            raise TorchCsvError(f"dp must be >= 1, got {dp}")
+        ranks = []
+        for rank, row in enumerate(self.rows):
+            out: list[Instruction] = []
+            for a in row:
+                if a is None or a.type in ("UNSHARD", "RESHARD"):
+                    continue
+                if a.type in _KIND_OF:
+                    out.append(Instruction(_OP_OF_KIND[_KIND_OF[a.type]], a.stage, a.microbatch))
+                elif a.type == "REDUCE_GRAD":
+                    if dp > 1:
+                        out.append(Instruction(Op.ALLREDUCE, a.stage, group="dp"))
+                else:
+                    op, offset, is_send = _COMM[a.type]
+                    other = a.stage + offset
+                    out.append(
+                        Instruction(
+                            op,
+                            a.stage,
+                            a.microbatch,
+                            to_stage=other if is_send else None,
+                            from_stage=None if is_send else other,
+                            peer=self.placement[other],
+                        )
+                    )
+            out.append(Instruction(Op.OPTIM_STEP))
+            ranks.append(tuple(out))
+        return Program(tuple(ranks))
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _where(source: str, rank: int, col: int, cell: str) -> str:
+    return f"{source}: rank {rank} (row {rank + 1}), column {col + 1} ({cell!r})"
+
+
+def _parse_cell(cell: str, source: str, rank: int, col: int) -> TorchAction | None:
+    text = cell.strip()
+    if not text:
+        return None
+    if "OVERLAP_F_B" in text:
+        raise TorchCsvError(
+            f"{_where(source, rank, col, cell)}: OVERLAP_F_B (DualPipeV's fused forward+backward) "
+            "is not supported: pipec runs one compute action at a time; write its sub-actions "
+            "as separate cells (e.g. '0F7,3B1' for '(0F7;3B1)OVERLAP_F_B')"
+        )
+    m = _CELL_RE.fullmatch(text)
+    if m is None:
+        raise TorchCsvError(
+            f"{_where(source, rank, col, cell)}: not a torch action; expected "
+            "<stage><type><microbatch> with type one of F, B, I, W, SEND_F, RECV_F, SEND_B, "
+            "RECV_B (e.g. '2F0', '0SEND_F1'), or <stage>REDUCE_GRAD / UNSHARD / RESHARD"
+        )
+    stage, typ, mb = int(m[1]), m[2], m[3]
+    if typ in OTHER_TYPES:
+        if mb and typ == "REDUCE_GRAD":
+            raise TorchCsvError(
+                f"{_where(source, rank, col, cell)}: REDUCE_GRAD takes no microbatch; "
+                f"write '{stage}REDUCE_GRAD'"
+            )
+        return TorchAction(stage, typ, None)
+    if not mb:
+        raise TorchCsvError(
+            f"{_where(source, rank, col, cell)}: {typ} needs a microbatch number, "
+            f"e.g. '{stage}{typ}0'"
+        )
+    return TorchAction(stage, typ, int(mb))
+
+
+def _check_compute(
+    rows: list[list[TorchAction | None]], source: str
+) -> tuple[tuple[int, ...], int]:
+    """Infer placement and M; check each (stage, mb) gets one F and one backward, in order."""
+    owner: dict[int, tuple[int, int]] = {}  # stage -> (rank, column of its first compute)
+    state: dict[tuple[int, int], str] = {}  # (stage, mb) -> "F" | "I" | "done"
+    max_stage = max_mb = -1
+    for rank, row in enumerate(rows):
+        for col, a in enumerate(row):
+            if a is None:
+                continue
+            max_stage = max(max_stage, a.stage)
+            if a.type not in _KIND_OF:
+                continue
+            where = _where(source, rank, col, a.text())
+            s, mb = a.stage, a.microbatch
+            assert mb is not None
+            max_mb = max(max_mb, mb)
+            if s in owner and owner[s][0] != rank:
+                r0, c0 = owner[s]
+                raise TorchCsvError(
+                    f"{where}: stage {s} is computed on rank {r0} (row {r0 + 1}, column {c0 + 1}) "
+                    f"and on rank {rank}; a stage lives on one rank: move its actions to one row"
+                )
+            owner.setdefault(s, (rank, col))
+            cur = state.get((s, mb))
+            if a.type == "F":
+                if cur is not None:
+                    raise TorchCsvError(f"{where}: second forward of stage {s} microbatch {mb}; keep one")
+                state[(s, mb)] = "F"
+            elif a.type in ("B", "I"):
+                if cur is None:
+                    raise TorchCsvError(
+                        f"{where}: backward of stage {s} microbatch {mb} before its forward "
+                        f"{s}F{mb}; put the forward earlier in the row"
+                    )
+                if cur != "F":
+                    raise TorchCsvError(f"{where}: second backward of stage {s} microbatch {mb}; keep one")
+                state[(s, mb)] = "I" if a.type == "I" else "done"
+            else:  # W
+                if cur != "I":
+                    raise TorchCsvError(
+                        f"{where}: weight-grad W of stage {s} microbatch {mb} needs its input-grad "
+                        f"{s}I{mb} earlier in the same row"
+                    )
+                state[(s, mb)] = "done"
+    if max_stage < 0:
+        raise TorchCsvError(f"{source}: no actions; expected one row per rank with cells like '0F0'")
+    num_stages, num_mb = max_stage + 1, max_mb + 1
+    for s in range(num_stages):
+        if s not in owner:
+            raise TorchCsvError(
+                f"{source}: stage {s} has no compute action in any row, so its rank is unknown; "
+                f"stages must be numbered 0..{num_stages - 1} and each computed somewhere"
+            )
+        rank = owner[s][0]
+        for mb in range(num_mb):
+            cur = state.get((s, mb))
+            if cur != "done":
+                missing = {None: f"{s}F{mb} and its backward", "F": f"a backward ({s}B{mb} or {s}I{mb})", "I": f"{s}W{mb}"}[cur]
+                raise TorchCsvError(
+                    f"{source}: rank {rank} (row {rank + 1}): stage {s} microbatch {mb} is missing "
+                    f"{missing}; every stage needs all {num_mb} microbatches"
+                )
+    return tuple(owner[s][0] for s in range(num_stages)), num_mb
+
+
+def _check_others(rows: list[list[TorchAction | None]], placement: tuple[int, ...], source: str) -> None:
+    """Comm and REDUCE_GRAD cells: on the stage's own rank, between adjacent stages on two ranks."""
+    num_stages = len(placement)
+    for rank, row in enumerate(rows):
+        for col, a in enumerate(row):
+            if a is None or a.type in _KIND_OF:
+                continue
+            where = _where(source, rank, col, a.text())
+            if a.stage >= num_stages or placement[a.stage] != rank:
+                on = "no rank" if a.stage >= num_stages else f"rank {placement[a.stage]}"
+                raise TorchCsvError(
+                    f"{where}: stage {a.stage} is computed on {on}, so its {a.type} belongs in "
+                    f"that rank's row, not rank {rank}'s"
+                )
+            if a.type not in _COMM:
+                continue
+            other = a.stage + _COMM[a.type][1]
+            if not 0 <= other < num_stages:
+                raise TorchCsvError(
+                    f"{where}: {a.type} of stage {a.stage} goes to stage {other}, which does not "
+                    f"exist (stages 0..{num_stages - 1}); remove the cell"
+                )
+            if placement[other] == rank:
+                raise TorchCsvError(
+                    f"{where}: stages {a.stage} and {other} are both on rank {rank}; torch passes "
+                    "tensors between them locally, so there is no send or receive; remove the cell"
+                )
+
+
+def parse_torch_csv(text: str, *, form: Form | None = None, source: str = "<csv>") -> TorchSchedule:
+    """Parse a torch schedule CSV given as text.
+
+    ``form`` checks the file is of that form (default: inferred from its cells).
+    Errors name the rank, row and column of the offending cell and its text.
+    """
+    if form is not None and form not in FORMS:
+        raise TorchCsvError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
+    raw_rows = list(csv.reader(io.StringIO(text)))
+    while raw_rows and not any(c.strip() for c in raw_rows[-1]):
+        raw_rows.pop()  # trailing blank lines; torch never writes a rank without actions
+    rows = [[_parse_cell(c, source, r, i) for i, c in enumerate(row)] for r, row in enumerate(raw_rows)]
+    placement, num_mb = _check_compute(rows, source)
+    _check_others(rows, placement, source)
+    # A single rank needs no comms: there, torch's REDUCE_GRAD marks the lowered form too
+    # (a multi-rank file with REDUCE_GRAD and no comms is a Single schedule's order, e.g. GPipe's).
+    lowered = ("UNSHARD", "RESHARD", "REDUCE_GRAD") if len(rows) == 1 else ("UNSHARD", "RESHARD")
+    has_comms = any(a is not None and (a.type in _COMM or a.type in lowered) for row in rows for a in row)
+    kind: Form = "compute_comms" if has_comms else "compute_only"
+    if form == "compute_only" and has_comms:
+        rank, col, a = next(
+            (r, i, a) for r, row in enumerate(rows) for i, a in enumerate(row)
+            if a is not None and a.type not in _KIND_OF and a.type != "REDUCE_GRAD"
+        )
+        raise TorchCsvError(
+            f"{_where(source, rank, col, a.text())}: a compute_only schedule holds F, B, I and W "
+            "only; read it as compute_comms (or drop the form to infer it)"
+        )
+    if form is not None:
+        kind = form
+    idle = sorted(set(range(len(rows))) - set(placement))
+    if idle:
+        raise TorchCsvError(
+            f"{source}: rank {idle[0]} (row {idle[0] + 1}) computes no stage; every rank must own "
+            f"at least one stage (got {len(rows)} rows for {len(placement)} stages)"
+        )
+    return TorchSchedule(
+        kind=kind,
+        rows=tuple(tuple(r) for r in rows),
+        placement=placement,
+        num_microbatches=num_mb,
+        source=source,
+    )
+
+
+def read_torch_csv(path: str | os.PathLike[str], *, form: Form | None = None) -> TorchSchedule:
+    """Read a torch schedule CSV file (``_dump_csv``'s output, either form)."""
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise TorchCsvError(f"{os.fspath(path)}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise TorchCsvError(f"{os.fspath(path)}: not a text file: {e}") from None
+    return parse_torch_csv(text, form=form, source=os.fspath(path))
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _compute_rows(source: Program | ComputeOrder) -> list[list[str]]:
+    if isinstance(source, ComputeOrder):
+        return [[f"{a.stage}{a.kind.value}{a.microbatch}" for a in actions] for actions in source.ranks]
+    return [
+        [f"{i.stage}{_TYPE_OF_OP[i.op]}{i.microbatch}" for i in instrs if i.op in COMPUTE_OPS]
+        for instrs in source.ranks
+    ]
+
+
+def _check_exportable(program: Program) -> None:
+    """Refuse what torch cannot express: skip edges, tie groups, comms within a rank."""
+    for rank, instrs in enumerate(program.ranks):
+        for index, ins in enumerate(instrs):
+            where = f"rank {rank}, instruction {index} ({ins.text()})"
+            if ins.op is Op.ALLREDUCE and ins.group != "dp":
+                raise TorchCsvError(
+                    f"{where}: torch's schedule has no tie-group all-reduce (torch keeps one "
+                    "untied copy per stage); untie the weight or keep this plan in pipec"
+                )
+            if ins.op in _TYPE_OF_OP and ins.op not in COMPUTE_OPS:
+                other = ins.to_stage if ins.to_stage is not None else ins.from_stage
+                typ = _TYPE_OF_OP[ins.op]
+                assert ins.stage is not None and other is not None
+                if other != ins.stage + _COMM[typ][1]:
+                    raise TorchCsvError(
+                        f"{where}: a skip edge between stages {ins.stage} and {other}; torch's "
+                        f"{typ} only joins adjacent stages ({ins.stage} and "
+                        f"{ins.stage + _COMM[typ][1]}); repartition so that each stage only feeds "
+                        "the next, or keep this plan in pipec"
+                    )
+                if ins.peer == rank:
+                    raise TorchCsvError(
+                        f"{where}: a send or receive within rank {rank}; torch passes tensors "
+                        "between stages on one rank locally; lower without it"
+                    )
+
+
+def _reduce_grad_slots(instrs: tuple[Instruction, ...]) -> dict[int, list[int]]:
+    """Where torch's lowering puts the REDUCE_GRAD of stages without ``AR<s>:dp``.
+
+    After the stage's last B or W, and after that B's own SEND_GRAD when it
+    follows among the posts right after it: index -> stages to reduce there.
+    """
+    has_ar = {i.stage for i in instrs if i.op is Op.ALLREDUCE}
+    last: dict[int, int] = {}
+    for index, ins in enumerate(instrs):
+        if ins.op is Op.BWD or ins.op is Op.BWD_W:
+            assert ins.stage is not None
+            last[ins.stage] = index
+    slots: dict[int, list[int]] = {}
+    for s, index in sorted(last.items(), key=lambda kv: kv[1]):
+        if s in has_ar:
+            continue
+        bwd, at = instrs[index], index
+        if bwd.op is Op.BWD:
+            j = index + 1
+            while j < len(instrs) and instrs[j].op in _COMM_OPS:
+                ins = instrs[j]
+                if ins.op is Op.SEND_GRAD and (ins.stage, ins.microbatch) == (bwd.stage, bwd.microbatch):
+                    at = j
+                    break
+                j += 1
+        slots.setdefault(at, []).append(s)
+    return slots
+
+
+def _comms_rows(program: Program) -> list[list[str]]:
+    rows = []
+    for instrs in program.ranks:
+        slots = _reduce_grad_slots(instrs)
+        row = []
+        for index, ins in enumerate(instrs):
+            if ins.op is Op.ALLREDUCE:
+                row.append(f"{ins.stage}REDUCE_GRAD")
+            elif ins.op is not Op.OPTIM_STEP:
+                row.append(f"{ins.stage}{_TYPE_OF_OP[ins.op]}{ins.microbatch}")
+            row.extend(f"{s}REDUCE_GRAD" for s in slots.get(index, ()))
+        rows.append(row)
+    return rows
+
+
+def format_torch_csv(source: Program | ComputeOrder, *, form: Form = "compute_only") -> str:
+    """torch's CSV text for a Program or a ComputeOrder (see :func:`write_torch_csv`)."""
+    if form not in FORMS:
+        raise TorchCsvError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
+    if isinstance(source, Program):
+        _check_exportable(source)
+    if form == "compute_only":
+        rows = _compute_rows(source)
+    elif isinstance(source, ComputeOrder):
+        raise TorchCsvError(
+            "the compute_comms form needs a Program (sends and receives); lower the compute "
+            "order first, or export form='compute_only'"
+        )
+    else:
+        rows = _comms_rows(source)
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\r\n").writerows(rows)
+    return out.getvalue()
+
+
+def write_torch_csv(
+    source: Program | ComputeOrder, path: str | os.PathLike[str], *, form: Form = "compute_only"
+) -> None:
+    """Write ``source`` as torch's schedule CSV, loadable with ``_load_csv(path, format=form)``.
+
+    ``compute_only``: each rank's F/B/I/W in order (no REDUCE_GRAD: torch's
+    loader refuses it there and adds its own). ``compute_comms`` (a Program
+    only): every instruction but ``OPT``, with a ``REDUCE_GRAD`` per stage.
+    Skip edges and tie-group all-reduces are refused (:class:`TorchCsvError`).
+    """
+    text = format_torch_csv(source, form=form)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        f.write(text)
+
