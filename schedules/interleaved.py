@@ -1,0 +1,156 @@
+"""Multi-chunk schedules on the loop placement: interleaved 1F1B and looped BFS.
+
+Rank r holds chunks c = 0..v-1, chunk c being stage ``c*P + r``.
+
+``interleaved_1f1b``: Narayanan et al., "Efficient Large-Scale Language Model
+Training on GPU Clusters Using Megatron-LM" (SC 2021), Section 2.2.2, in the
+form of torch 2.13's ``ScheduleInterleaved1F1B`` (``_calculate_single_rank_operations``
+with ``_get_warmup_ops`` and ``_get_1f1b_rank_ops``,
+torch/distributed/pipelining/schedules.py), which relaxes the paper's
+``M % P == 0`` to rounds: ``rounds = max(1, M // P)`` rounds of
+``mpr = M // rounds`` microbatches, legal when ``M % rounds == 0``. Forwards
+go round by round, within a round chunk by chunk (depth first); backwards
+likewise with the chunks reversed. Rank r runs
+``min((v-1)*mpr + 2*(P-1-r), v*M)`` warm-up forwards, then (forward, backward)
+pairs, then the remaining backwards. The order equals the compute actions
+of torch's ``pipeline_order`` in order (the runtime drops its idle slots).
+
+``looped_bfs``: Lamy-Poirier, "Breadth-First Pipeline Parallelism" (MLSys
+2023), in the form of torch 2.13's ``ScheduleLoopedBFS._calculate_single_rank_operations``:
+all forwards of chunk 0, then of chunk 1, ...; then the backwards of the
+last chunk down to chunk 0, each in reverse microbatch order.
+"""
+
+from __future__ import annotations
+
+from pipec.schedules.order import (
+    ComputeOrder,
+    Kind,
+    ScheduleError,
+    check_counts,
+    gc_paused,
+    loop_placement,
+    make_action,
+)
+
+__all__ = [
+    "interleaved_1f1b",
+    "check_interleaved_1f1b",
+    "interleaved_rounds",
+    "interleaved_warmup",
+    "looped_bfs",
+    "check_looped_bfs",
+]
+
+
+def interleaved_rounds(num_ranks: int, num_microbatches: int) -> tuple[int, int]:
+    """``(rounds, microbatches per round)`` as torch's ``ScheduleInterleaved1F1B.__init__``."""
+    rounds = max(1, num_microbatches // num_ranks)
+    return rounds, num_microbatches // rounds
+
+
+def _rounds_fit(num_ranks: int, num_microbatches: int) -> bool:
+    rounds, _ = interleaved_rounds(num_ranks, num_microbatches)
+    return num_microbatches % rounds == 0
+
+
+def interleaved_warmup(rank: int, *, num_ranks: int, num_microbatches: int, num_chunks: int) -> int:
+    """Warm-up forwards on ``rank``: torch's ``_get_warmup_ops`` with factor 2,
+    ``min((v-1)*mpr + 2*(P-1-rank), v*M)``."""
+    _, per_round = interleaved_rounds(num_ranks, num_microbatches)
+    return min((num_chunks - 1) * per_round + 2 * (num_ranks - 1 - rank), num_chunks * num_microbatches)
+
+
+def check_interleaved_1f1b(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> list[str]:
+    """Interleaved 1F1B's rules: v >= 2; ``M % max(1, M // P) == 0`` (what torch accepts)."""
+    check_counts(
+        "interleaved_1f1b", num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks
+    )
+    if num_chunks < 2:
+        raise ScheduleError(
+            f"interleaved_1f1b needs at least 2 chunks per rank, got --virtual {num_chunks}; "
+            "use --virtual 2, or --schedule 1f1b for one chunk",
+            rule="interleaved_1f1b.chunks",
+        )
+    rounds, _ = interleaved_rounds(num_ranks, num_microbatches)
+    if num_microbatches % rounds:
+        lower = next(m for m in range(num_microbatches - 1, 0, -1) if _rounds_fit(num_ranks, m))
+        upper = next(m for m in range(num_microbatches + 1, 2 * num_microbatches + 1) if _rounds_fit(num_ranks, m))
+        raise ScheduleError(
+            f"interleaved_1f1b needs the microbatches to be a multiple of its rounds, "
+            f"max(1, M // P) = {rounds} (torch's ScheduleInterleaved1F1B rule), got "
+            f"--microbatches {num_microbatches} with --ranks {num_ranks}; use --microbatches "
+            f"{lower} or {upper}",
+            rule="interleaved_1f1b.microbatches",
+        )
+    warnings = []
+    if num_microbatches < num_ranks:
+        warnings.append(
+            f"interleaved_1f1b with fewer microbatches ({num_microbatches}) than ranks "
+            f"({num_ranks}) never reaches its steady state; use --microbatches >= {num_ranks}"
+        )
+    return warnings
+
+
+def interleaved_1f1b(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> ComputeOrder:
+    """The interleaved 1F1B order (see the module docstring)."""
+    check_interleaved_1f1b(num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks)
+    P, M, v = num_ranks, num_microbatches, num_chunks
+    _, mpr = interleaved_rounds(P, M)
+    F, B = Kind.F, Kind.B
+    total = v * M
+    # The k-th forward (or backward) of a rank: round k // (mpr*v), chunk
+    # (k // mpr) % v (reversed for backwards), microbatch round*mpr + k % mpr.
+    fwd_offset = [((k // mpr) % v) * P for k in range(total)]
+    bwd_offset = [(v - 1) * P - o for o in fwd_offset]
+    mb_of = [(k // (mpr * v)) * mpr + k % mpr for k in range(total)]
+    ranks = []
+    with gc_paused():
+        for r in range(P):
+            warmup = interleaved_warmup(r, num_ranks=P, num_microbatches=M, num_chunks=v)
+            out = [make_action(F, fwd_offset[k] + r, mb_of[k]) for k in range(warmup)]
+            append = out.append
+            for k in range(total - warmup):
+                f = warmup + k
+                append(make_action(F, fwd_offset[f] + r, mb_of[f]))
+                append(make_action(B, bwd_offset[k] + r, mb_of[k]))
+            out += [make_action(B, bwd_offset[k] + r, mb_of[k]) for k in range(total - warmup, total)]
+            ranks.append(tuple(out))
+    return ComputeOrder(
+        num_ranks=P, num_microbatches=M, placement=loop_placement(P, v * P), ranks=tuple(ranks)
+    )
+
+
+def check_looped_bfs(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> list[str]:
+    """Looped BFS's rules: v >= 2, any M >= 1."""
+    check_counts("looped_bfs", num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks)
+    if num_chunks < 2:
+        raise ScheduleError(
+            f"looped_bfs needs at least 2 chunks per rank, got --virtual {num_chunks}; "
+            "use --virtual 2, or --schedule gpipe for one chunk",
+            rule="looped_bfs.chunks",
+        )
+    warnings = []
+    if num_microbatches < num_ranks:
+        warnings.append(
+            f"looped_bfs with fewer microbatches ({num_microbatches}) than ranks ({num_ranks}) "
+            f"leaves every rank idle between its chunks; use --microbatches >= {num_ranks}"
+        )
+    return warnings
+
+
+def looped_bfs(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> ComputeOrder:
+    """The looped BFS order (see the module docstring)."""
+    check_looped_bfs(num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks)
+    P, M, v = num_ranks, num_microbatches, num_chunks
+    F, B = Kind.F, Kind.B
+    ranks = []
+    with gc_paused():
+        for r in range(P):
+            stages = range(r, v * P, P)
+            out = [make_action(F, s, m) for s in stages for m in range(M)]
+            out += [make_action(B, s, m) for s in reversed(stages) for m in reversed(range(M))]
+            ranks.append(tuple(out))
+    return ComputeOrder(
+        num_ranks=P, num_microbatches=M, placement=loop_placement(P, v * P), ranks=tuple(ranks)
+    )

@@ -1,0 +1,78 @@
+"""1F1B: a warm-up of forwards, then one backward and one forward in turn.
+
+Source: Narayanan et al., "PipeDream: Generalized Pipeline Parallelism for DNN
+Training" (SOSP 2019), the 1F1B steady state, in the flushed form of
+Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM" (SC 2021), Section 2.2.1 (PipeDream-Flush). The
+per-rank order equals what torch 2.13's ``Schedule1F1B._step_microbatches``
+(torch/distributed/pipelining/schedules.py) executes: ``min(M, P - r)``
+warm-up forwards on rank r, then "1B1F" (a backward, then a forward while
+forwards remain), then the remaining backwards. (Its ``pipeline_order`` is
+wrong on the last rank, see notes/torch-pipelining.md §0.3; the runtime loop
+is the reference.) torch refuses M < P; here M < P is the same loop with
+the warm-up capped at M, and check_one_f_one_b warns about it.
+"""
+
+from __future__ import annotations
+
+from pipec.schedules.order import (
+    Action,
+    ComputeOrder,
+    Kind,
+    ScheduleError,
+    check_counts,
+    gc_paused,
+    loop_placement,
+    make_action,
+)
+
+__all__ = ["one_f_one_b", "check_one_f_one_b", "one_f_one_b_rank"]
+
+
+def check_one_f_one_b(*, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> list[str]:
+    """1F1B's rules: one chunk per rank, any M >= 1; M < P warns."""
+    check_counts("1f1b", num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks)
+    if num_chunks != 1:
+        raise ScheduleError(
+            f"1f1b runs exactly 1 chunk per rank, got --virtual {num_chunks}; use --virtual 1, "
+            f"or --schedule interleaved_1f1b --virtual {num_chunks}",
+            rule="1f1b.chunks",
+        )
+    warnings = []
+    if num_microbatches < num_ranks:
+        warnings.append(
+            f"1f1b with fewer microbatches ({num_microbatches}) than ranks ({num_ranks}) never "
+            "reaches its steady state (torch's Schedule1F1B refuses it); use --microbatches >= "
+            f"{num_ranks}"
+        )
+    return warnings
+
+
+def one_f_one_b_rank(kind_b: Kind, stage: int, num_warmup: int, num_microbatches: int) -> list[Action]:
+    """One rank's 1F1B order on ``stage``: ``num_warmup`` forwards, then
+    backward-first alternation, then the remaining backwards; backwards are of
+    ``kind_b`` (``B``, or ``I`` for a split backward)."""
+    F = Kind.F
+    out = [make_action(F, stage, m) for m in range(num_warmup)]
+    append = out.append
+    for b in range(num_microbatches - num_warmup):
+        append(make_action(kind_b, stage, b))
+        append(make_action(F, stage, num_warmup + b))
+    out += [make_action(kind_b, stage, b) for b in range(num_microbatches - num_warmup, num_microbatches)]
+    return out
+
+
+def one_f_one_b(*, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> ComputeOrder:
+    """Rank r: ``F`` x min(M, P-r), then ``B, F`` pairs, then the remaining ``B``."""
+    check_one_f_one_b(num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks)
+    M = num_microbatches
+    with gc_paused():
+        ranks = tuple(
+            tuple(one_f_one_b_rank(Kind.B, r, min(M, num_ranks - r), M)) for r in range(num_ranks)
+        )
+    return ComputeOrder(
+        num_ranks=num_ranks,
+        num_microbatches=M,
+        placement=loop_placement(num_ranks, num_ranks),
+        ranks=ranks,
+    )
