@@ -302,12 +302,11 @@ def _axis_lines(span: float, unit: str, bar: int, pad: int) -> list[Text]:
         if start > last_end and start >= 0:
             labels[start : start + len(label)] = label
             last_end = start + len(label)
-    tail = f" {name}"
-    if last_end + len(tail) <= bar:
-        labels[bar - len(tail) :] = tail
+    # the unit sits under the rank labels, where there is always room
+    unit_label = name.rjust(pad - 1) + " " if len(name) < pad else " " * pad
     return [
         Text(" " * pad + "".join(ruler), style="dim", no_wrap=True, overflow="crop"),
-        Text(" " * pad + "".join(labels), style="dim", no_wrap=True, overflow="crop"),
+        Text(unit_label + "".join(labels), style="dim", no_wrap=True, overflow="crop"),
     ]
 
 
@@ -413,7 +412,9 @@ def render_terminal(
 
 
 def _rank_cells(tl: Timeline, rank: int, has_act: bool, has_mem: bool) -> list[str]:
-    r = next(x for x in tl.per_rank if x.rank == rank)
+    r = next((x for x in tl.per_rank if x.rank == rank), None)
+    if r is None:  # a rank with events but no totals: nothing to say, so say nothing
+        return [""] * (4 + has_act + has_mem)
     cells = [
         format_time(r.compute, tl.time_unit),
         format_time(r.comm_wait, tl.time_unit),

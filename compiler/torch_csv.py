@@ -76,9 +76,7 @@ class TorchCsvError(ValueError):
     """A torch schedule CSV cannot be read, or a program cannot be written as one."""
 
 
-# torch's _ComputationType values, longest first so the alternation matches whole names.
-COMPUTE_TYPES = ("F", "B", "I", "W")
-COMM_TYPES = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+# One cell: <stage><torch _ComputationType value><microbatch>; OVERLAP_F_B is refused before this.
 OTHER_TYPES = ("REDUCE_GRAD", "UNSHARD", "RESHARD")
 _CELL_RE = re.compile(r"(\d+)(REDUCE_GRAD|UNSHARD|RESHARD|SEND_F|RECV_F|SEND_B|RECV_B|[FBIW])(\d*)")
 
@@ -164,9 +162,9 @@ class TorchSchedule:
                 "then pipec's lowering), or export torch's compute_comms form"
             )
         if dp < 1:
-            raise TorchCsvError(f"dp must be >= 1, got {dp}")
+            raise TorchCsvError(f"dp must be >= 1 (the number of pipeline replicas), got {dp}")
         ranks = []
-        for rank, row in enumerate(self.rows):
+        for row in self.rows:
             out: list[Instruction] = []
             for a in row:
                 if a is None or a.type in ("UNSHARD", "RESHARD"):
@@ -301,12 +299,21 @@ def _check_compute(
     return tuple(owner[s][0] for s in range(num_stages)), num_mb
 
 
-def _check_others(rows: list[list[TorchAction | None]], placement: tuple[int, ...], source: str) -> None:
-    """Comm and REDUCE_GRAD cells: on the stage's own rank, between adjacent stages on two ranks."""
+def _check_others(
+    rows: list[list[TorchAction | None]], placement: tuple[int, ...], num_mb: int, source: str
+) -> None:
+    """Comm cells: on the stage's own rank, between adjacent stages on two ranks.
+    REDUCE_GRAD: once per stage, after all of its backwards (as torch's runtime needs)."""
     num_stages = len(placement)
     for rank, row in enumerate(rows):
+        num_bwd: dict[int, int] = {}  # stage -> B and W cells so far in this row
+        reduced: set[int] = set()
         for col, a in enumerate(row):
-            if a is None or a.type in _KIND_OF:
+            if a is None:
+                continue
+            if a.type in ("B", "W"):
+                num_bwd[a.stage] = num_bwd.get(a.stage, 0) + 1
+            if a.type in _KIND_OF:
                 continue
             where = _where(source, rank, col, a.text())
             if a.stage >= num_stages or placement[a.stage] != rank:
@@ -315,6 +322,15 @@ def _check_others(rows: list[list[TorchAction | None]], placement: tuple[int, ..
                     f"{where}: stage {a.stage} is computed on {on}, so its {a.type} belongs in "
                     f"that rank's row, not rank {rank}'s"
                 )
+            if a.type == "REDUCE_GRAD":
+                done = num_bwd.get(a.stage, 0)
+                if a.stage in reduced or done < num_mb:
+                    why = "a second one" if a.stage in reduced else f"after {done} of its {num_mb} backwards"
+                    raise TorchCsvError(
+                        f"{where}: REDUCE_GRAD of stage {a.stage} comes once, after the stage's last "
+                        f"backward (B or W); got {why}: move it after the last one, or drop it"
+                    )
+                reduced.add(a.stage)
             if a.type not in _COMM:
                 continue
             other = a.stage + _COMM[a.type][1]
@@ -343,7 +359,7 @@ def parse_torch_csv(text: str, *, form: Form | None = None, source: str = "<csv>
         raw_rows.pop()  # trailing blank lines; torch never writes a rank without actions
     rows = [[_parse_cell(c, source, r, i) for i, c in enumerate(row)] for r, row in enumerate(raw_rows)]
     placement, num_mb = _check_compute(rows, source)
-    _check_others(rows, placement, source)
+    _check_others(rows, placement, num_mb, source)
     # A single rank needs no comms: there, torch's REDUCE_GRAD marks the lowered form too
     # (a multi-rank file with REDUCE_GRAD and no comms is a Single schedule's order, e.g. GPipe's).
     lowered = ("UNSHARD", "RESHARD", "REDUCE_GRAD") if len(rows) == 1 else ("UNSHARD", "RESHARD")

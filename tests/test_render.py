@@ -132,6 +132,14 @@ def test_terminal_p8_m16_fits_the_width_with_one_row_per_rank(width):
     assert bar >= width - len("rank 0 ") - 1  # time is scaled to the whole width
     assert "1f1b P=8 M=16" in lines[0]
     assert any("forward" in line for line in lines) and any("idle" in line for line in lines)
+    assert any(line.lstrip().startswith("units 0 ") for line in lines)  # the time axis
+
+
+def test_terminal_axis_of_a_measured_timeline_is_in_readable_seconds():
+    meas = measured_from(one_f_one_b(2, 4), dp=1, sec_per_unit=0.02)  # step 0.301 s
+    lines = text_of(render_terminal(meas, width=80), 80)
+    axis = next(line for line in lines if line.lstrip().startswith("ms 0 "))
+    assert "300" in axis
 
 
 def test_terminal_blocks_sit_where_the_events_are_and_idle_is_dotted():
