@@ -30,7 +30,8 @@ from pipec.compiler.torch_csv import (
     write_torch_csv,
 )
 from pipec.compiler.verify import verify
-from pipec.schedules.order import Action, ComputeOrder, Kind, validate_order
+from pipec.schedules import build_order
+from pipec.schedules.order import ComputeOrder, validate_order
 
 S = pytest.importorskip("torch.distributed.pipelining.schedules")
 
@@ -67,18 +68,7 @@ def csv_rows(path) -> list[list[str]]:
 
 
 def one_f_one_b(P: int, M: int) -> ComputeOrder:
-    """1F1B with stage r on rank r: warm-up forwards, then one forward, one backward."""
-    ranks = []
-    for r in range(P):
-        warm = min(P - 1 - r, M)
-        seq, f = [Action(Kind.F, r, m) for m in range(warm)], warm
-        for b in range(M):
-            if f < M:
-                seq.append(Action(Kind.F, r, f))
-                f += 1
-            seq.append(Action(Kind.B, r, b))
-        ranks.append(tuple(seq))
-    return ComputeOrder(num_ranks=P, num_microbatches=M, placement=tuple(range(P)), ranks=tuple(ranks))
+    return build_order("1f1b", num_ranks=P, num_microbatches=M)
 
 
 def unit_plan(order: ComputeOrder, program: Program, dp: int = 1) -> Plan:
@@ -268,8 +258,13 @@ def test_torch_dualpipev_is_refused_for_overlap_f_b(tmp_path):
 
 
 def our_orders() -> list[ComputeOrder]:
-    orders = [one_f_one_b(4, 8), one_f_one_b(3, 2), one_f_one_b(1, 3)]
-    for name, P, v, M in (TORCH_CASES[0], TORCH_CASES[3], TORCH_CASES[4]):
+    """pipec's own schedules (P, M, v), and a few torch orders read back."""
+    configs = [
+        ("gpipe", 3, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 1, 3, 1), ("1f1b", 3, 2, 1),
+        ("interleaved_1f1b", 4, 8, 2), ("looped_bfs", 2, 3, 2), ("zb_h1", 4, 8, 1), ("zbv", 4, 8, 2),
+    ]
+    orders = [build_order(n, num_ranks=P, num_microbatches=M, num_chunks=v) for n, P, M, v in configs]
+    for name, P, v, M in (TORCH_CASES[0], TORCH_CASES[3]):
         rows = torch_order(torch_schedule(name, P, v, M).pipeline_order)
         orders.append(parse_torch_csv("\n".join(",".join(r) for r in rows)).to_order())
     return orders
