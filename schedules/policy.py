@@ -5,8 +5,8 @@ turns it into a :class:`ComputeOrder` for (P, M, v). Every rank:
 
 1. lists its forwards and its backwards in chunk order. Microbatches go in
    rounds; ``depth_first`` rounds hold ``mpr = M // max(1, M // P)``
-   microbatches (torch's ``ScheduleInterleaved1F1B``; the last round may be
-   shorter), ``breadth_first`` has one round of all M (torch's
+   microbatches (torch's ``ScheduleInterleaved1F1B``; where the rounds do not
+   divide M, the last rounds take one more), ``breadth_first`` has one round of all M (torch's
    ``ScheduleLoopedBFS``). Within a round, forwards visit the rank's chunks
    0..v-1 and backwards v-1..0, each over the round's microbatches
    (ascending, or descending with ``backward_microbatches="descending"``);
@@ -21,8 +21,9 @@ turns it into a :class:`ComputeOrder` for (P, M, v). Every rank:
 
 The named schedules gpipe, 1f1b, interleaved_1f1b, looped_bfs and zb_h1 are
 presets of it (:data:`PRESETS`); the tests check that each preset builds
-exactly its named form's order. The knobs follow prior art:
-Megatron-LM's warm-up count (``get_forward_backward_func``), torch's
+exactly its named form's order. The knobs follow prior art: Megatron-LM's
+warm-up count (``forward_backward_pipelining_without_interleaving``:
+``P - r - 1`` warm-up microbatches, then forward-first pairs), torch's
 interleaved warm-up formula (``_get_warmup_ops``) and depth-first rounds, the
 BFS paper's breadth-first loop (Lamy-Poirier, MLSys 2023), and the Zero Bubble
 W placement. A policy that cannot run raises :class:`ScheduleError` (rule
@@ -74,7 +75,9 @@ class Policy:
     """Forwards rank r runs before it starts alternating: ``warmup(r)`` (an int in
     0..v*M), ``"all"`` (v*M: every forward first, as GPipe), or None: the
     chunk order's default (:func:`default_warmup`), which gives 1F1B's order
-    on one chunk and torch's interleaved order on several, whatever the priority."""
+    on one chunk and torch's interleaved order on several, whatever the priority
+    (raised, where the rounds or backward order need it, to the least warm-up
+    that keeps every backward after its own forward)."""
     priority: str = "backward"
     """``"backward"``: after the warm-up each pair is (backward, forward), as torch's
     ``Schedule1F1B`` loop; ``"forward"``: (forward, backward), as torch's interleaved
@@ -182,9 +185,10 @@ def default_warmup(policy: Policy, rank: int, *, num_ranks: int, num_microbatche
       P - r - 1 plus the first steady-state forward);
     - several chunks on the loop: torch's interleaved ``_get_warmup_ops``
       plus its first steady-state forward, ``min((v-1)*mpr + 2*(P-1-r) + 1, v*M)``;
-    - the V placement: ``min(mpr + P, 2M)``, enough to reach the V's turn
-      (rank r's first backward, on stage 2P-1-r, needs its own chunk-1
-      forward, the (mpr+1)-th) and to cover the walk back.
+    - the V placement: ``min(mpr + P, 2M)``: past the V's turn (rank r's
+      first backward, on stage 2P-1-r, needs its own chunk-1 forward, the
+      (mpr+1)-th). It runs, but is not tuned: depth-first rounds suit the loop,
+      and on the V their unit-cost bubble stays far above ``zbv``'s.
     """
     P, M, v = num_ranks, num_microbatches, num_chunks
     if policy.chunk_order == "breadth_first":

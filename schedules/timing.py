@@ -164,51 +164,68 @@ def estimate(order: ComputeOrder, *, costs: Costs = UNIT) -> Estimate:
     """
     num_ranks, num_mb, num_stages = order.num_ranks, order.num_microbatches, order.num_stages
     size = num_stages * num_mb
-    done: list[list[float | None]] = [[None] * size for _ in range(3)]
-    durations = {k: costs.of(k) for k in Kind}
-    tables = {Kind.F: _F, Kind.B: _BACK, Kind.I: _BACK, Kind.W: _W}
+    # completion times, flat: table * size + stage * M + microbatch (None: not run yet)
+    done: list[float | None] = [None] * (3 * size)
+    F, B, I = Kind.F, Kind.B, Kind.I
+    dur_f, dur_b, dur_i, dur_w = costs.fwd, costs.bwd, costs.bwd_i, costs.bwd_w
+    last_stage = num_stages - 1
     ranks = order.ranks
     pc = [0] * num_ranks
     clock = [0.0] * num_ranks
     busy = [0.0] * num_ranks
     starts: list[list[float]] = [[] for _ in range(num_ranks)]
-    waiting: dict[tuple[int, int, int], list[int]] = {}
-    waits: dict[int, tuple[int, int, int]] = {}
+    waiting: dict[int, list[int]] = {}
+    waits: dict[int, int] = {}
     runnable = deque(range(num_ranks))
     while runnable:
         r = runnable.popleft()
         actions = ranks[r]
+        record = starts[r].append
         i, t = pc[r], clock[r]
-        while i < len(actions):
+        n = len(actions)
+        while i < n:
             a = actions[i]
-            kind, s, m = a.kind, a.stage, a.microbatch
+            kind = a.kind
+            here = a.stage * num_mb + a.microbatch
+            # dependencies: at most two flat keys
+            if kind is F:
+                first = here - num_mb if a.stage > 0 else -1
+                second = -1
+                key, dur = here, dur_f
+            elif kind is B or kind is I:
+                first = here
+                second = size + here + num_mb if a.stage < last_stage else -1  # backward of stage + 1
+                key, dur = size + here, dur_b if kind is B else dur_i
+            else:
+                first, second = size + here, -1
+                key, dur = 2 * size + here, dur_w
             start = t
-            blocked = None
-            for dep in _dependencies(kind, s, m, num_stages):
-                table, ds, dm = dep
-                end = done[table][ds * num_mb + dm]
+            blocked = -1
+            for dep in (first, second):
+                if dep < 0:
+                    continue
+                end = done[dep]
                 if end is None:
                     blocked = dep
                     break
                 if end > start:
                     start = end
-            if blocked is not None:
+            if blocked >= 0:
                 waiting.setdefault(blocked, []).append(r)
                 waits[r] = blocked
                 break
-            dur = durations[kind]
             t = start + dur
             busy[r] += dur
-            starts[r].append(start)
-            key = (tables[kind], s, m)
-            done[key[0]][s * num_mb + m] = t
+            record(start)
+            done[key] = t
             woken = waiting.pop(key, None)
             if woken:
                 runnable.extend(woken)
             i += 1
         pc[r], clock[r] = i, t
     if any(pc[r] < len(ranks[r]) for r in range(num_ranks)):
-        raise _deadlock(ranks, pc, waits, order.placement)
+        unflat = {r: (k // size, (k % size) // num_mb, k % num_mb) for r, k in waits.items()}
+        raise _deadlock(ranks, pc, unflat, order.placement)
     return Estimate(
         step_time=max(clock, default=0.0),
         busy=tuple(busy),
