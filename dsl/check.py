@@ -1,0 +1,550 @@
+"""The semantic pass: statements and flags -> a :class:`~pipec.dsl.spec.Spec`.
+
+Driven by the key table: each statement's key must be in :data:`KEYS`
+(did-you-mean otherwise), each value is converted by its key's kind, flags
+override the file, and defaults are filled in. Then the cross-key rules run,
+in order, each a small function of the resolution state (``RULES``): the
+mesh (stages = pp x virtual, placement), the schedule table's rules, the
+model's input and partition, the training settings. Every error points at
+the value at fault; a rule broken by a default points at the statement that
+made the rule apply.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+from pipec.dsl import ast
+from pipec.dsl.ast import NO_SPAN, Span
+from pipec.dsl.errors import DSLError, DSLWarning, Source, did_you_mean
+from pipec.dsl.expr import ExprError, referenced_names
+from pipec.dsl.keys import DERIVED, KEYS
+from pipec.dsl.kinds import Ctx
+from pipec.dsl.structured import DTYPES, Kwargs, OrderDraft
+from pipec.dsl.order import ORDER_NAMES, build_order, expand_block, read_csv, shape
+from pipec.dsl.parse import Parsed, parse_value
+from pipec.dsl.spec import Origin, Spec
+from pipec.dsl.values import OrderSpec, literal_text
+from pipec.schedules import SCHEDULES, check_rules
+from pipec.schedules.order import ScheduleError, loop_placement, v_placement
+
+__all__ = ["check", "flag_node", "command_line"]
+
+CUSTOM = ("schedule", "policy", "order")
+"""The keys that choose the schedule: at most one of them is given."""
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+def command_line(overrides: Mapping[str, Any]) -> tuple[Source, list[tuple[str, str, Span]]]:
+    """The flags as one line of text (the "source" of flag errors), and each
+    flag's (key, value text, span of the value)."""
+    parts: list[str] = []
+    entries: list[tuple[str, str, Span]] = []
+    col = 1
+    for key, value in overrides.items():
+        if key not in KEYS:
+            raise DSLError(f"unknown key '{key}'", Source("<command line>", "").locate(NO_SPAN),
+                           [did_you_mean(key, KEYS)])
+        spec_key = KEYS[key]
+        if key == "model_args" and isinstance(value, Mapping):
+            texts = [f"{k}={literal_text(v)}" for k, v in value.items()]
+        elif key == "model_args" and isinstance(value, (list, tuple)):
+            texts = [str(v) for v in value]  # repeated --model-arg k=v
+        elif isinstance(value, str):
+            texts = [value]
+        else:
+            texts = [spec_key.kind.show(value)]
+        for text in texts:
+            text = text.replace("\n", " ").replace("\r", " ")
+            start = col + len(spec_key.flag) + 1
+            parts.append(f"{spec_key.flag} {text}")
+            entries.append((key, text, Span(1, start, 1, start + max(1, len(text)))))
+            col += len(parts[-1]) + 1
+    return Source("<command line>", " ".join(parts)), entries
+
+
+def flag_node(key: str, text: str, source: Source, span: Span) -> ast.Node:
+    """Parse a flag's value text (written at ``span`` of ``source``) as ``key``'s value."""
+    kind = KEYS[key].kind
+    if kind.raw_flag(text):
+        return ast.String(text, span)
+    wrap = key == "model_args" or (
+        key == "policy" and "=" in text and not re.match(r"\s*(\(|[A-Za-z_0-9]+\s*\()", text))
+    if wrap:
+        return parse_value(" " * (span.col - 2) + "(" + text + ")", source)
+    return parse_value(" " * (span.col - 1) + text, source)
+
+
+# ----------------------------------------------------------------------------- the resolution state
+
+
+class _State:
+    """Values, their origins and syntax nodes while keys are resolved."""
+
+    def __init__(self, anchor: Source, base_dir: str) -> None:
+        self.anchor = anchor
+        self.base_dir = base_dir
+        self.values: dict[str, Any] = {}
+        self.origins: dict[str, Origin] = {}
+        self.warnings: list[DSLWarning] = []
+        self.form = "named"
+        self.order_draft: OrderDraft | None = None
+
+    def given(self, key: str) -> bool:
+        return key in self.origins and self.origins[key].given
+
+    def default(self, key: str, value: Any, note: str = "") -> None:
+        self.values[key] = value
+        self.origins[key] = Origin("default", note=note)
+
+    def _place(self, key: str, fallback: tuple[str, ...]) -> tuple[Source, Span, Origin]:
+        for k in (key, *fallback):
+            origin = self.origins.get(k)
+            if origin is not None and origin.given:
+                return origin.source, origin.span, origin
+        return self.anchor, NO_SPAN, self.origins.get(key, Origin("default"))
+
+    def _note(self, key: str, origin: Origin) -> str:
+        own = self.origins.get(key)
+        if own is not None and not own.given:
+            return f"{key} was not set: its default is {self.values.get(key)!s}" + (
+                f" ({own.note})" if own.note else "") + f"; set `{key}` to change it"
+        return ""
+
+    def error(self, key: str, message: str, *hints: str, fallback: tuple[str, ...] = ()) -> DSLError:
+        """An error at ``key``'s value; at the first given of ``fallback`` when ``key`` is a default."""
+        source, span, origin = self._place(key, fallback)
+        return source.error(span, self._wording(message, key), *hints, self._note(key, origin))
+
+    def item_error(self, key: str, index: int, message: str, *hints: str) -> DSLError:
+        """An error at the ``index``-th item of ``key``'s (given) value."""
+        return self.origins[key].source.error(self.item_span(key, index), message, *hints)
+
+    def warn(self, key: str, message: str, *hints: str, fallback: tuple[str, ...] = ()) -> None:
+        source, span, origin = self._place(key, fallback)
+        self.warnings.append(source.warning(span, self._wording(message, key), *hints, self._note(key, origin)))
+
+    def _wording(self, message: str, key: str) -> str:
+        """Schedule messages name flags (``--virtual 3``); a value from the file is named by its key."""
+        for k, spec_key in KEYS.items():
+            origin = self.origins.get(k)
+            if origin is not None and origin.kind == "flag":
+                continue
+            for flag in spec_key.flags:
+                message = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", k, message)
+        return message
+
+    def item_span(self, key: str, index: int) -> Span:
+        node = self.origins[key].node
+        items = getattr(node, "items", None) or ()
+        return items[index].span if 0 <= index < len(items) else self.origins[key].span
+
+
+# ----------------------------------------------------------------------------- collection
+
+
+def _collect(parsed: Parsed | None, overrides: Mapping[str, Any], st: _State) -> dict[str, tuple[ast.Node, Origin]]:
+    """Each given key's syntax node and origin: the file's statements, then the flags over them."""
+    given: dict[str, tuple[ast.Node, Origin]] = {}
+    if parsed is not None:
+        source = parsed.source
+        for stmt in parsed.file.statements:
+            name = stmt.key.name
+            if name not in KEYS:
+                raise source.error(stmt.key.span, f"unknown key '{name}'", *_unknown_key_hints(name, given))
+            if name in given:
+                first = given[name][1].span
+                raise source.error(stmt.key.span, f"'{name}' is set twice",
+                                   f"it is first set at line {first.line}; remove one")
+            value = stmt.value
+            if name == "model" and isinstance(value, ast.Call) and isinstance(value.func, ast.String):
+                if value.args:
+                    raise source.error(value.args[0].span, "model arguments are written name=value")
+                given["model_args"] = (ast.Group((), value.kwargs, value.span),
+                                       Origin("file", source, value.span, node=value))
+                value = value.func
+            if name == "model_args" and "model_args" in given:
+                raise source.error(stmt.key.span, "model_args is set twice: here and after model",
+                                   "keep the arguments in one place")
+            given[name] = (value, Origin("file", source, value.span, node=value))
+    if overrides:
+        cmd, entries = command_line(overrides)
+        flagged_custom = any(k in CUSTOM for k in overrides)
+        if flagged_custom:
+            for k in CUSTOM:
+                given.pop(k, None)
+        for key, text, span in entries:
+            node = flag_node(key, text, cmd, span)
+            origin = Origin("flag", cmd, node.span, flag=KEYS[key].flag, node=node)
+            if key == "model_args" and key in given and given[key][1].kind == "flag":
+                old_node, _ = given[key]
+                node = ast.Group((), old_node.kwargs + node.kwargs, node.span)
+            elif key == "model_args" and key in given:
+                old_node, _ = given[key]
+                names = {kw.name.name for kw in node.kwargs}
+                kept = tuple(kw for kw in old_node.kwargs if kw.name.name not in names)
+                node = ast.Group((), kept + node.kwargs, node.span)
+            given[key] = (node, origin)
+    return given
+
+
+def _unknown_key_hints(name: str, given: Mapping[str, Any]) -> tuple[str, ...]:
+    if name in DTYPES and "input" in given:
+        return ("an input is written NAME: DTYPE[DIMS]; is the ':' after the input's name missing?",)
+    hint = did_you_mean(name, KEYS)
+    return (hint,) if hint else ("the keys are listed in docs/reference.md",)
+
+
+def _convert(given: Mapping[str, tuple[ast.Node, Origin]], st: _State) -> None:
+    for key, (node, origin) in given.items():
+        ctx = Ctx(key, origin.source, st.base_dir if origin.kind == "file" else ".")
+        kind = KEYS[key].kind
+        if key == "model_args" and origin.kind == "flag":
+            kind = Kwargs()
+        value = kind.convert(node, ctx)
+        if key == "model_args":
+            # a repeated argument: the last one wins (flags come after the file's)
+            value = MappingProxyType(dict(value))
+        st.values[key] = value
+        st.origins[key] = origin
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def _form(st: _State) -> None:
+    """Which of schedule / policy / order chooses the schedule."""
+    chosen = [k for k in CUSTOM if st.given(k)]
+    if len(chosen) > 1:
+        first, second = chosen[0], chosen[1]
+        raise st.error(second, f"{second} and {first} both choose the schedule", f"keep one of them")
+    if "order" in chosen:
+        st.form = "order"
+        st.order_draft = st.values.pop("order")
+        st.values["schedule"], st.origins["schedule"] = "order", st.origins["order"]
+    elif "policy" in chosen:
+        st.form = "policy"
+        st.values["schedule"], st.origins["schedule"] = "policy", st.origins["policy"]
+        st.default("order", None)
+    else:
+        if not st.given("schedule"):
+            st.default("schedule", KEYS["schedule"].default)
+        st.default("policy", None)
+        st.default("order", None)
+    if st.form == "order":
+        st.default("policy", None)
+
+
+def _input_batch(st: _State) -> int | None:
+    inputs = st.values.get("input")
+    if not inputs:
+        return None
+    batch = inputs[0].shape[0]
+    for t in inputs[1:]:
+        if t.shape[0] != batch:
+            raise st.error("input", f"inputs disagree on the batch size (their first dimension): "
+                           f"{inputs[0].name} has {batch}, {t.name} has {t.shape[0]}")
+    return batch
+
+
+def _default_microbatches(st: _State) -> None:
+    pp = st.values["pp"]
+    batch = _input_batch(st)
+    if batch is None:
+        st.default("microbatches", min(2 * pp, 65536), "2 x pp")
+    else:
+        best = max(d for d in range(1, min(2 * pp, batch) + 1) if batch % d == 0)
+        st.default("microbatches", best, f"the largest divisor of the input batch {batch} up to 2 x pp")
+
+
+def _mesh(st: _State) -> None:
+    """pp, virtual, stages, placement, microbatches of a named or policy schedule."""
+    if st.form == "order":
+        return _mesh_of_order(st)
+    if not st.given("pp"):
+        st.default("pp", KEYS["pp"].default)
+    pp = st.values["pp"]
+    placement = st.values.get("placement") if st.given("placement") else None
+    if not st.given("virtual"):
+        if st.given("stages"):
+            if st.values["stages"] % pp:
+                raise st.error("stages", f"stages {st.values['stages']} is not a multiple of pp {pp}",
+                               "every rank holds the same number of stages")
+            st.default("virtual", st.values["stages"] // pp, "stages / pp")
+        elif isinstance(placement, tuple):
+            if len(placement) % pp:
+                raise st.error("placement", f"placement lists {len(placement)} stages, not a multiple of pp {pp}")
+            st.default("virtual", len(placement) // pp, "placement's stages / pp")
+        elif placement == "v":
+            st.default("virtual", 2, "the v placement")
+        elif st.form == "named":
+            st.default("virtual", SCHEDULES[st.values["schedule"]].default_chunks, "the schedule's")
+        else:
+            preset = st.values["policy"].preset
+            st.default("virtual", SCHEDULES[preset].default_chunks if preset in SCHEDULES else 1,
+                       "the preset's" if preset else "1")
+    v = st.values["virtual"]
+    if pp * v > 65536:
+        raise st.error("virtual", f"pp x virtual = {pp} x {v} = {pp * v} stages, beyond pipec's limit of 65536",
+                       fallback=("pp",))
+    if st.given("stages") and st.values["stages"] != pp * v:
+        raise st.error("stages", f"stages {st.values['stages']} must equal pp x virtual = {pp} x {v} = {pp * v}",
+                       "give stages or virtual; the other follows")
+    if not st.given("stages"):
+        st.default("stages", pp * v, "pp x virtual")
+    if not st.given("microbatches"):
+        _default_microbatches(st)
+
+
+def _placement(st: _State) -> None:
+    """placement: given (checked against the mesh and the schedule) or the schedule's."""
+    if st.form == "order":
+        return
+    pp, v, stages = st.values["pp"], st.values["virtual"], st.values["stages"]
+    if not st.given("placement"):
+        if st.form == "named":
+            st.default("placement", SCHEDULES[st.values["schedule"]].placement, "the schedule's")
+        else:
+            st.default("placement", "loop")
+    placement = st.values["placement"]
+    if placement == "v" and v != 2:
+        raise st.error("placement", f"the v placement needs exactly 2 chunks per rank, got virtual {v}",
+                       "use virtual 2, or placement loop", fallback=("virtual",))
+    if isinstance(placement, tuple):
+        if st.form == "policy":
+            raise st.error("placement", "a policy places stages by loop or v, not by an explicit list",
+                           "an explicit placement needs an explicit order")
+        if len(placement) != stages:
+            raise st.error("placement", f"placement lists {len(placement)} stages, but there are {stages} "
+                           f"(pp {pp} x virtual {v})")
+        for i, r in enumerate(placement):
+            if r >= pp:
+                raise st.item_error("placement", i, f"rank {r} is outside the pipeline: pp is {pp}",
+                                    f"ranks are 0..{pp - 1}")
+        counts = [placement.count(r) for r in range(pp)]
+        if any(c != v for c in counts):
+            r = next(r for r, c in enumerate(counts) if c != v)
+            raise st.error("placement", f"rank {r} holds {counts[r]} stages; every rank must hold "
+                           f"virtual = {v}")
+    if st.form == "named":
+        info = SCHEDULES[st.values["schedule"]]
+        wanted = loop_placement(pp, stages) if info.placement == "loop" else (
+            v_placement(pp, stages) if stages == 2 * pp else None)
+        as_list = (placement if isinstance(placement, tuple) else
+                   loop_placement(pp, stages) if placement == "loop" else
+                   v_placement(pp, stages) if stages == 2 * pp else None)
+        if placement != info.placement and (wanted is None or as_list != wanted):
+            raise st.error("placement", f"{info.name} needs placement {info.placement}, got "
+                           f"{KEYS['placement'].kind.show(placement)}",
+                           f"use placement {info.placement}, or an explicit order for another placement")
+
+
+def _mesh_of_order(st: _State) -> None:
+    """pp, microbatches, stages, virtual and placement of an explicit order:
+    what it covers, unless given (then they must agree)."""
+    draft = st.order_draft
+    origin = st.origins["order"]
+    names = {ORDER_NAMES[n] for n in referenced_names(draft.block) if n in ORDER_NAMES} if draft.block else set()
+    env: dict[str, int] = {}
+    if "ranks" in names or st.given("pp"):
+        if not st.given("pp"):
+            st.default("pp", KEYS["pp"].default)
+        env["ranks"] = st.values["pp"]
+    if "microbatches" in names:
+        if not st.given("pp"):
+            raise st.error("order", "the order uses microbatches (M), so pp must be set",
+                           "set pp, or write the order without M")
+        if not st.given("microbatches"):
+            _default_microbatches(st)
+        env["microbatches"] = st.values["microbatches"]
+    if "chunks" in names:
+        if not st.given("virtual"):
+            raise st.error("order", "the order uses chunks (V), so virtual must be set", "set virtual")
+        env["chunks"] = st.values["virtual"]
+    if draft.block is not None:
+        expanded = expand_block(draft.block, env, origin.source)
+    else:
+        expanded = read_csv(draft.path, draft.base_dir, draft.node, origin.source)
+    num_ranks, num_mb, placement = shape(expanded)
+    for key, found, what in (("pp", num_ranks, "ranks"), ("microbatches", num_mb, "microbatches")):
+        if key not in st.values:
+            st.default(key, found, "from the order")
+        elif st.values[key] < found:
+            raise st.error(key, f"the order uses {found} {what}, but {key} is {st.values[key]}",
+                           f"set {key} {found}", fallback=("order",))
+    pp = st.values["pp"]
+    if num_ranks < pp:
+        raise st.error("order", f"the order has actions for {num_ranks} ranks, but pp is {pp}",
+                       f"add rank clauses up to rank {pp - 1}")
+    stages = len(placement)
+    if stages % pp or any(placement.count(r) != stages // pp for r in range(pp)):
+        raise st.error("order", "every rank must hold the same number of stages; the order places "
+                       + ", ".join(f"{placement.count(r)} on rank {r}" for r in range(pp)))
+    v = stages // pp
+    for key, found in (("stages", stages), ("virtual", v)):
+        if key not in st.values:
+            st.default(key, found, "from the order")
+        elif st.values[key] != found:
+            raise st.error(key, f"the order has {found} {'stages' if key == 'stages' else 'chunks per rank'}, "
+                           f"but {key} is {st.values[key]}", f"set {key} {found}, or leave it out")
+    named = "loop" if placement == loop_placement(pp, stages) else (
+        "v" if stages == 2 * pp and placement == v_placement(pp, stages) else placement)
+    if st.given("placement"):
+        want = st.values["placement"]
+        want_list = (loop_placement(pp, stages) if want == "loop" else
+                     v_placement(pp, stages) if want == "v" and stages == 2 * pp else want)
+        if tuple(want_list) != placement:
+            s = next((i for i in range(stages) if i >= len(want_list) or want_list[i] != placement[i]), 0)
+            raise st.error("placement", f"the order runs stage {s} on rank {placement[s]}, but placement "
+                           f"{KEYS['placement'].kind.show(want)} puts it "
+                           + (f"on rank {want_list[s]}" if s < len(want_list) else "nowhere"),
+                           "leave placement out: an order places its own stages")
+    else:
+        st.default("placement", named, "from the order")
+    order = build_order(expanded, num_ranks=pp, num_microbatches=st.values["microbatches"], placement=placement)
+    st.values["order"] = OrderSpec("inline" if draft.block is not None else "csv", draft.path, order)
+
+
+def _model(st: _State) -> None:
+    """The model's input, microbatches, costs, partition and recompute."""
+    for key in ("dp", "model", "model_args", "input", "partition", "trace", "init", "peak_flops", "device_memory",
+                "links", "steps", "seed", "optimizer", "lr", "lr_schedule", "grad_clip", "dtype",
+                "recompute", "data", "loss", "checkpoint_dir", "checkpoint_every"):
+        if key not in st.values:
+            st.default(key, KEYS[key].default)
+    has_model = st.values["model"] is not None
+    if has_model and not st.values["input"]:
+        raise st.error("model", "a model needs an example input to be traced",
+                       "add the input of one dp replica's batch, such as: input tokens: int64[16, 128]")
+    if st.given("model_args") and not has_model:
+        raise st.error("model_args", "model_args without a model", 'add: model "pkg.module:factory"')
+    if st.given("input") and not has_model:
+        st.warn("input", "input is used only with a model; this plan is schedule-only")
+    batch = _input_batch(st)
+    m = st.values["microbatches"]
+    if batch is not None and batch % m:
+        divisors = [d for d in range(1, batch + 1) if batch % d == 0][:12]
+        raise st.error("microbatches", f"microbatches {m} does not divide the input's batch of {batch}",
+                       "use one of " + ", ".join(map(str, divisors)), fallback=("input",))
+    if not st.given("costs"):
+        st.default("costs", "flops" if has_model else "unit", "a model is given" if has_model else "no model")
+    elif st.values["costs"] != "unit" and not has_model:
+        raise st.error("costs", f"costs {st.values['costs']} needs a model to measure",
+                       "use costs unit for a schedule-only plan, or add a model")
+    part = st.values["partition"]
+    stages = st.values["stages"]
+    if part.method == "split" and len(part.split_before) + 1 != stages:
+        raise st.error("partition", f"{len(part.split_before)} split points make {len(part.split_before) + 1} "
+                       f"stages, but there are {stages}",
+                       f"give {stages - 1} split point{'s' if stages != 2 else ''}", fallback=("stages",))
+    recompute = st.values["recompute"]
+    if recompute == "all":
+        st.values["recompute"] = tuple(range(stages))
+    else:
+        for i, s in enumerate(recompute):
+            if s >= stages:
+                raise st.item_error("recompute", i, f"stage {s} does not exist: there are {stages} stages",
+                                    f"stages are 0..{stages - 1}")
+
+
+_RULE_KEYS = {"ranks": "pp", "microbatches": "microbatches", "chunks": "virtual", "placement": "placement"}
+
+
+def _schedule_rules(st: _State) -> None:
+    """The schedule table's rules (chunks, microbatches) for a named schedule."""
+    if st.form != "named":
+        return
+    pp, m, v = st.values["pp"], st.values["microbatches"], st.values["virtual"]
+    name = st.values["schedule"]
+    try:
+        warnings = check_rules(name, num_ranks=pp, num_microbatches=m, num_chunks=v)
+    except ScheduleError as err:
+        key = _RULE_KEYS.get(err.rule.rpartition(".")[2], "schedule")
+        raise st.error(key, str(err), fallback=("schedule",)) from None
+    for w in warnings:
+        st.warn("microbatches", w, fallback=("schedule", "pp"))
+
+
+def _policy_rules(st: _State) -> None:
+    """The policy's settings for these counts; its warm-up evaluated on every rank."""
+    if st.form != "policy":
+        return
+    spec = st.values["policy"]
+    origin = st.origins["policy"]
+    node = origin.node
+    kwargs = {kw.name.name: kw for kw in getattr(node, "kwargs", ())}
+    pp, m, v = st.values["pp"], st.values["microbatches"], st.values["virtual"]
+    try:
+        policy = spec.policy(placement=st.values["placement"], num_ranks=pp, num_microbatches=m, num_chunks=v)
+    except ScheduleError as err:
+        field = err.rule.rpartition(".")[2]
+        where = kwargs[field].span if field in kwargs else origin.span
+        raise origin.source.error(where, str(err)) from None
+    total = v * m
+    for field, lo, hi in (("warmup", 0, total), ("max_in_flight", 1, None)):
+        fn = getattr(policy, field)
+        if not callable(fn):
+            continue
+        span = kwargs[field].value.span if field in kwargs else origin.span
+        for rank in range(pp):
+            try:
+                value = fn(rank)
+            except ExprError as err:
+                raise origin.source.error(err.span, err.message + f" (on rank {rank})", *err.hints) from None
+            if value < lo or (hi is not None and value > hi):
+                bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+                fix = ("cap it with min(..., chunks * M)" if hi is not None and value > hi else
+                       f"use max({lo}, ...)")
+                raise origin.source.error(span, f"{field} is {value} on rank {rank}, outside {bound}"
+                                          + (f" (chunks {v} x microbatches {m})" if hi else ""), fix)
+
+
+def _training(st: _State) -> None:
+    sched = st.values["lr_schedule"]
+    if sched.min_lr > st.values["lr"]:
+        raise st.error("lr_schedule", f"min_lr {sched.min_lr:g} is above lr {st.values['lr']:g}",
+                       "min_lr is where the decay ends; keep it at or below lr")
+    if sched.warmup and sched.warmup >= st.values["steps"]:
+        st.warn("lr_schedule", f"the warm-up lasts {sched.warmup} steps but the run takes "
+                f"{st.values['steps']}: the learning rate never reaches lr", fallback=("steps",))
+    if st.values["checkpoint_every"] and st.values["checkpoint_dir"] is None:
+        raise st.error("checkpoint_every", "checkpoint_every needs checkpoint_dir",
+                       'add: checkpoint_dir "ckpt"')
+    if st.given("checkpoint_dir") and not st.values["checkpoint_every"]:
+        st.warn("checkpoint_dir", "checkpoint_dir is set but checkpoint_every is 0: no checkpoint is written",
+                "add: checkpoint_every 100")
+
+
+RULES: tuple[Callable[[_State], None], ...] = (
+    _form, _mesh, _schedule_rules, _placement, _model, _policy_rules, _training,
+)
+"""The cross-key rules, in the order they run; each may fill in defaults the next ones read."""
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def check(parsed: Parsed | None, overrides: Mapping[str, Any] | None = None, *, base_dir: str = ".") -> Spec:
+    """Resolve a parsed file (or None) and flag overrides into a :class:`Spec`."""
+    anchor = parsed.source if parsed is not None else command_line(overrides or {})[0]
+    st = _State(anchor, base_dir)
+    given = _collect(parsed, overrides or {}, st)
+    _convert(given, st)
+    for rule in RULES:
+        rule(st)
+    assert set(st.values) == set(KEYS), set(KEYS) ^ set(st.values)
+    ordered = {k: st.values[k] for k in KEYS}
+    return Spec(values=ordered, origins={k: st.origins[k] for k in KEYS}, warnings=tuple(st.warnings),
+                anchor=anchor)
+
+
+def base_dir_of(filename: str) -> str:
+    """The folder a schedule file's relative paths are relative to."""
+    if filename.startswith("<"):
+        return "."
+    return os.path.dirname(os.path.abspath(filename))

@@ -1,0 +1,262 @@
+"""The key table: every key of a schedule file, in one place.
+
+Each :class:`Key` gives the key's name, the kind of value it takes (which
+checks it: :mod:`pipec.dsl.kinds`), its default, its ``pipec compile`` flag,
+its meaning, its constraints and an example. The semantic pass
+(:mod:`pipec.dsl.check`), the flags (:mod:`pipec.dsl.cli`) and the reference
+page (:mod:`pipec.dsl.reference`, ``docs/reference.md``) are all driven from
+:data:`KEYS`, so they cannot drift apart. Names and flags are DESIGN.md's
+contract ("Keys and flags").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from pipec.dsl import kinds as k
+from pipec.dsl import structured as sk
+from pipec.dsl.values import Links, LRSchedule, Optimizer, Partition
+from pipec.schedules import SCHEDULES
+from pipec.schedules.policy import PRESETS
+
+__all__ = ["Key", "KEYS", "GROUPS", "DERIVED", "key_of_flag"]
+
+
+class _Derived:
+    """Marks a default computed from other keys (described by ``default_doc``)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "DERIVED"
+
+
+DERIVED: Any = _Derived()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Key:
+    name: str
+    kind: k.Kind
+    default: Any
+    """The typed default, or :data:`DERIVED` when other keys decide it."""
+    default_doc: str
+    """The default as the reference page shows it."""
+    flag: str
+    aliases: tuple[str, ...] = ()
+    group: str
+    meaning: str
+    constraints: str = ""
+    example: str
+    repeatable: bool = False
+    """The flag may be given several times (``--model-arg k=v``)."""
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return (self.flag, *self.aliases)
+
+
+GROUPS = ("Schedule and mesh", "Custom schedules", "Model", "Costs and hardware", "Training")
+
+_CURRENT = sk.OPTIMIZERS["adamw"]
+
+KEYS: dict[str, Key] = {key.name: key for key in (
+    # ------------------------------------------------------------------ schedule and mesh
+    Key(name="schedule", kind=k.Choice(tuple(SCHEDULES)), default="1f1b", default_doc="1f1b",
+        flag="--schedule", group="Schedule and mesh",
+        meaning="The named pipeline schedule (see the schedule table below). With `policy` or `order` "
+                "the schedule is custom and this key reads `policy` or `order`.",
+        constraints="Each schedule's rules on chunks and microbatches apply (zbv: exactly 2 chunks per rank "
+                    "on the v placement; interleaved_1f1b: at least 2 chunks). Not together with `policy` "
+                    "or `order`.",
+        example="schedule interleaved_1f1b"),
+    Key(name="pp", kind=k.Int(1, 4096, "pipeline ranks"), default=2, default_doc="2",
+        flag="--ranks", aliases=("--pp",), group="Schedule and mesh",
+        meaning="Pipeline ranks P: the number of places in the pipeline.",
+        constraints="1..4096 (pipec's limit).",
+        example="pp 4"),
+    Key(name="dp", kind=k.Int(1, 65536), default=1, default_doc="1",
+        flag="--dp", group="Schedule and mesh",
+        meaning="Data-parallel replicas D of the whole pipeline. World size is pp x dp; global rank = "
+                "pp_rank x dp + dp_rank.",
+        constraints="1..65536.",
+        example="dp 2"),
+    Key(name="virtual", kind=k.Int(1, 65536), default=DERIVED, default_doc="the schedule's chunks per rank "
+        "(1; interleaved_1f1b, looped_bfs and zbv: 2)",
+        flag="--virtual", group="Schedule and mesh",
+        meaning="Chunks v per rank (virtual stages): each rank holds v of the S = pp x v stages.",
+        constraints="stages = pp x virtual <= 65536; gpipe, 1f1b and zb_h1 take 1, zbv exactly 2, "
+                    "interleaved_1f1b and looped_bfs 2 or more.",
+        example="virtual 2"),
+    Key(name="stages", kind=k.Int(1, 65536, "stages"), default=DERIVED,
+        default_doc="pp x virtual", flag="--stages", group="Schedule and mesh",
+        meaning="Stages S the model is cut into. Give it or `virtual`, not necessarily both.",
+        constraints="A multiple of pp; must equal pp x virtual; 1..65536 (pipec's limit).",
+        example="stages 8"),
+    Key(name="placement", kind=sk.PlacementKind(), default=DERIVED,
+        default_doc="the schedule's (loop; zbv: v)", flag="--placement", group="Schedule and mesh",
+        meaning="Which pp rank holds each stage: `loop` (stage s on rank s mod P), `v` (the V shape: "
+                "s < P on rank s, then back down), or an explicit list giving each stage's rank.",
+        constraints="`v` needs exactly 2 chunks per rank. A list has one entry per stage, each in "
+                    "0..pp-1, every rank holding `virtual` stages. A named schedule needs its own "
+                    "placement.",
+        example="placement 0, 1, 1, 0"),
+    Key(name="microbatches", kind=k.Int(1, 65536, "microbatches"), default=DERIVED,
+        default_doc="2 x pp (with an input: the largest divisor of its batch up to 2 x pp)",
+        flag="--microbatches", group="Schedule and mesh",
+        meaning="Microbatches M per step; each input's batch (its first dimension) is split into M.",
+        constraints="1..65536 (pipec's limit); divides each input's batch; the schedule's rules "
+                    "(interleaved_1f1b: M divisible by max(1, M // P)). 1f1b with M < pp warns.",
+        example="microbatches 8"),
+    # ------------------------------------------------------------------ custom schedules
+    Key(name="policy", kind=sk.PolicyKind(tuple(PRESETS)), default=None, default_doc="none",
+        flag="--policy", group="Custom schedules",
+        meaning="A custom schedule declared by policy: warm-up depth per rank, backward or forward "
+                "priority, backward split, where weight-grad work goes, chunk order. See "
+                "\"Custom schedules\" above.",
+        constraints="Settings: warmup (expression or all), priority (backward|forward), split_backward "
+                    "(on|off), weight_grad (immediate|bubbles|end; not immediate needs split_backward on), "
+                    "chunk_order (depth_first|breadth_first), backward_microbatches (ascending|descending), "
+                    "max_in_flight (expression or max; with weight_grad bubbles). Placement loop or v.",
+        example="policy (warmup=min(P - rank, M), priority=backward)"),
+    Key(name="order", kind=sk.OrderKind(), default=None, default_doc="none",
+        flag="--order", group="Custom schedules",
+        meaning="A custom schedule given as an explicit per-rank order: rank clauses, or a "
+                "torch.distributed.pipelining compute-only CSV file (path relative to the schedule file).",
+        constraints="Every (stage, microbatch) gets one F and one backward (B, or I then W) on the rank "
+                    "that holds the stage. pp, microbatches, virtual and placement default to what the "
+                    "order covers.",
+        example='order "schedule.csv"'),
+    # ------------------------------------------------------------------ model
+    Key(name="model", kind=k.Maybe(k.Target()), default=None, default_doc="none (a schedule-only plan)",
+        flag="--model", group="Model",
+        meaning="The model factory, \"pkg.module:function\", optionally followed by its keyword "
+                "arguments (which set `model_args`).",
+        constraints="A dotted module path, a colon and a function name; the factory is imported when "
+                    "the plan is compiled, not when the file is checked.",
+        example='model "pipec.examples.gpt:build" (layers=8, dim=256, heads=4, vocab=1000, seq=128)'),
+    Key(name="model_args", kind=sk.Kwargs(), default=MappingProxyType({}), default_doc="none",
+        flag="--model-arg", group="Model", repeatable=True,
+        meaning="Keyword arguments of the model factory. `--model-arg k=v` sets one (repeatable) and "
+                "keeps the file's others.",
+        constraints="Literal values: numbers, strings, true/false, none, tuples. Not together with "
+                    "arguments written after `model`.",
+        example="model_args (layers=8, dim=256)"),
+    Key(name="input", kind=k.Maybe(sk.Tensors()), default=None, default_doc="none",
+        flag="--input", group="Model",
+        meaning="The example input of one dp replica's whole batch: name, dtype and shape of each "
+                "model input. The model is traced with it; its batch is split into microbatches.",
+        constraints=f"dtypes: {', '.join(sk.DTYPES)}. Required with `model`.",
+        example="input tokens: int64[16, 128]"),
+    Key(name="partition", kind=sk.PartitionKind(), default=Partition("balanced", "flops"),
+        default_doc="balanced(by=flops)", flag="--partition", group="Model",
+        meaning="How the model is cut into stages: balanced by params, flops, time (measured) or "
+                "memory, minimising the slowest stage; or split before the named modules.",
+        constraints="`split before` names stages - 1 module paths in model order (checked against "
+                    "the model when it is traced).",
+        example="partition split before layers.2, layers.4, layers.6"),
+    Key(name="trace", kind=k.Choice(("auto", "fx", "export")), default="auto", default_doc="auto",
+        flag="--trace", group="Model",
+        meaning="How the model is traced: torch.fx, torch.export, or auto (fx, falling back to export).",
+        example="trace export"),
+    Key(name="init", kind=k.Choice(("module", "exact")), default="module", default_doc="module",
+        flag="--init", group="Model",
+        meaning="Initial weights: `module` (each module's reset_parameters under a generator seeded from "
+                "(seed, module name); independent of the partition) or `exact` (the factory's own "
+                "initialisation on CPU; small models).",
+        example="init exact"),
+    # ------------------------------------------------------------------ costs and hardware
+    Key(name="costs", kind=k.Choice(("unit", "flops", "profile")), default=DERIVED,
+        default_doc="unit without a model, flops with one", flag="--costs", group="Costs and hardware",
+        meaning="Where stage costs come from: unit (F=1, B=2, I=W=1), flops (FLOPs at peak_flops), "
+                "profile (measured on this machine). flops is the default with a model: reproducible, "
+                "machine-independent and fast; profile is best when compiling on the target hardware.",
+        constraints="flops and profile need a model.",
+        example="costs profile"),
+    Key(name="peak_flops", kind=k.Maybe(k.FLOP_RATE), default=None, default_doc="none",
+        flag="--peak-flops", group="Costs and hardware",
+        meaning="The device's peak FLOP rate: converts flops costs to seconds and gives MFU. None: "
+                "flops costs stay relative (converted at 1 TFLOP/s) and MFU is not reported.",
+        constraints="Positive; FLOP/s, GFLOP/s, TFLOP/s, PFLOP/s (or a plain number in FLOP/s).",
+        example="peak_flops 312TFLOP/s"),
+    Key(name="device_memory", kind=k.Maybe(k.SIZE), default=None, default_doc="none (not checked)",
+        flag="--device-memory", group="Costs and hardware",
+        meaning="Memory per device: a plan whose predicted peak exceeds it on any rank is refused.",
+        constraints="Positive; B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (or a plain number of bytes).",
+        example="device_memory 80GB"),
+    Key(name="links", kind=sk.LinksKind(), default=Links(pp=sk.DEFAULT_LINK, dp=sk.DEFAULT_LINK),
+        default_doc="pp(latency=10us, bandwidth=25GB/s), dp(latency=10us, bandwidth=25GB/s)",
+        flag="--links", group="Costs and hardware",
+        meaning="Latency and bandwidth per mesh axis: a message costs latency + bytes / bandwidth; "
+                "an all-reduce over n replicas 2(n-1)/n x bytes / bandwidth.",
+        constraints="Axes pp and dp; an axis or setting left out keeps its default. --links replaces "
+                    "the whole key.",
+        example="links pp(latency=5us, bandwidth=50GB/s), dp(latency=20us, bandwidth=12.5GB/s)"),
+    # ------------------------------------------------------------------ training
+    Key(name="steps", kind=k.Int(1, 10**9), default=10, default_doc="10", flag="--steps",
+        group="Training", meaning="Optimizer steps a run takes (`pipec run --steps` overrides the plan's).",
+        example="steps 100"),
+    Key(name="seed", kind=k.Int(0, 2**63 - 1), default=0, default_doc="0", flag="--seed",
+        group="Training", meaning="Seed of the initial weights and the synthetic data.",
+        example="seed 1234"),
+    Key(name="optimizer", kind=sk.OptimizerKind(),
+        default=Optimizer("adamw", tuple((n, d) for n, (d, _) in _CURRENT.items())),
+        default_doc="adamw(betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01)",
+        flag="--optimizer", group="Training",
+        meaning="The optimizer and its settings (torch's names and defaults; settings left out keep "
+                "them). adamw: betas, eps, weight_decay (0.01); adam: the same (weight_decay 0); "
+                "sgd: momentum, dampening, weight_decay, nesterov.",
+        constraints="The learning rate is the `lr` key, not a setting.",
+        example="optimizer adamw(betas=(0.9, 0.95), weight_decay=0.1)"),
+    Key(name="lr", kind=k.Real(0.0, lo_open=True), default=3e-4, default_doc="3e-4", flag="--lr",
+        group="Training", meaning="Peak learning rate.", constraints="Positive.", example="lr 1e-3"),
+    Key(name="lr_schedule", kind=sk.LRScheduleKind(), default=LRSchedule("constant"), default_doc="constant",
+        flag="--lr-schedule", group="Training",
+        meaning="Learning rate over the steps: `warmup` steps ramping linearly from 0, then constant, "
+                "or a cosine or linear decay to `min_lr` at the last step.",
+        constraints="warmup < steps (warns otherwise); min_lr <= lr.",
+        example="lr_schedule cosine(warmup=10, min_lr=3e-5)"),
+    Key(name="grad_clip", kind=k.Maybe(k.Real(0.0, lo_open=True)), default=None, default_doc="none",
+        flag="--grad-clip", group="Training",
+        meaning="Clip the global gradient norm (over one replica's pp ranks, each tied weight once) "
+                "to this value before each step.",
+        constraints="Positive, or none.", example="grad_clip 1.0"),
+    Key(name="dtype", kind=k.Choice(("float32", "bfloat16", "float16")), default="float32",
+        default_doc="float32", flag="--dtype", group="Training",
+        meaning="Parameter and activation dtype of the run.", example="dtype bfloat16"),
+    Key(name="recompute", kind=sk.RecomputeKind(), default=(), default_doc="none", flag="--recompute",
+        group="Training",
+        meaning="Activation recomputation: none, all stages, or the listed stages. A recomputed stage "
+                "saves only its inputs and runs its forward again in the backward.",
+        constraints="Stages in 0..stages-1. The resolved value is the tuple of stages.",
+        example="recompute stages 0, 1"),
+    Key(name="data", kind=k.Target(("synthetic",)), default="synthetic", default_doc="synthetic",
+        flag="--data", group="Training",
+        meaning="Training data: synthetic tokens from the seed, or \"pkg.module:fn\" called as "
+                "fn(step, dp_rank, dp_size) returning (inputs, targets) for that replica's batch.",
+        example='data "mypkg.data:batches"'),
+    Key(name="loss", kind=k.Target(("cross_entropy", "mse")), default="cross_entropy",
+        default_doc="cross_entropy", flag="--loss", group="Training",
+        meaning="Loss of the last stage: cross_entropy, mse, or \"pkg.module:fn\" called as "
+                "fn(output, target). The step's loss is the mean over microbatches.",
+        example="loss mse"),
+    Key(name="checkpoint_dir", kind=k.Maybe(k.Text()), default=None, default_doc="none",
+        flag="--checkpoint-dir", group="Training",
+        meaning="Folder of the run's distributed checkpoints (torch.distributed.checkpoint).",
+        example='checkpoint_dir "ckpt/run1"'),
+    Key(name="checkpoint_every", kind=k.Int(0, 10**9), default=0, default_doc="0 (off)",
+        flag="--checkpoint-every", group="Training",
+        meaning="Write a checkpoint every N steps; 0 writes none.",
+        constraints="Above 0 needs checkpoint_dir.", example="checkpoint_every 50"),
+)}
+"""Every key, in the order of the reference page."""
+
+
+def key_of_flag(flag: str) -> str | None:
+    """The key a flag sets (aliases included), or None."""
+    for key in KEYS.values():
+        if flag in key.flags:
+            return key.name
+    return None

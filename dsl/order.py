@@ -1,0 +1,321 @@
+"""Explicit orders: expand an ``order`` block, or read torch's compute-only CSV.
+
+An order block has one clause per rank (or per range of ranks)::
+
+    order
+      rank 0: F0.0..3 (B0.m F0.m+4 for m in 0..3) B0.4..7
+      rank r in 1..3: F(r).0..3-r (B(r).m F(r).m+4-r for m in 0..3+r) B(r).4+r..7
+
+``F0.0..3`` is a range of microbatches (both ends included; empty when the end
+is below the start), ``(... for m in A..B)`` repeats its actions for each m,
+and fields are integer expressions (:mod:`pipec.dsl.expr`) over loop
+variables and ``ranks``/``P``, ``microbatches``/``M``, ``chunks``/``V``.
+Expansion is bounded: more than :data:`MAX_ACTIONS` actions (or loop
+iterations) are refused at the range that overflows, before the work is done.
+
+A CSV file (torch.distributed.pipelining's ``_dump_csv`` compute-only form)
+has one row per rank and one cell per action (``2F0``: stage 2, forward,
+microbatch 0; an empty cell is an idle slot).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from pipec.dsl import ast
+from pipec.dsl.ast import Span
+from pipec.dsl.errors import DSLError, Source
+from pipec.dsl.expr import ExprError, compile_int
+from pipec.schedules.order import Action, ComputeOrder, Kind, ScheduleError, validate_order
+
+__all__ = ["MAX_ACTIONS", "ORDER_NAMES", "Expanded", "expand_block", "read_csv", "shape", "build_order"]
+
+MAX_ACTIONS = 5_000_000
+"""Most actions (and loop iterations) an order may expand to: DESIGN's instruction limit."""
+
+MAX_INDEX = 65535
+"""Largest stage or microbatch index (DESIGN's limits S, M <= 65536)."""
+
+MAX_CSV_BYTES = 64 * 2**20
+
+ORDER_NAMES = {"ranks": "ranks", "P": "ranks", "microbatches": "microbatches", "M": "microbatches",
+               "chunks": "chunks", "V": "chunks"}
+"""Names an order block's fields may use besides its loop variables."""
+
+_KINDS = {"F": Kind.F, "B": Kind.B, "I": Kind.I, "W": Kind.W}
+
+
+@dataclass(slots=True)
+class Expanded:
+    """Per rank: its actions and, for each, the span (in ``source``) that produced it.
+    ``span`` is the order's value in ``owner`` (the schedule file or command line)."""
+
+    source: Source
+    owner: Source
+    span: Span
+    actions: dict[int, list[Action]] = field(default_factory=dict)
+    spans: dict[int, list[Span]] = field(default_factory=dict)
+    clauses: dict[int, Span] = field(default_factory=dict)
+
+
+class _Budget:
+    __slots__ = ("left",)
+
+    def __init__(self) -> None:
+        self.left = MAX_ACTIONS
+
+    def take(self, n: int, span: Span, source: Source) -> None:
+        if n > self.left:
+            raise source.error(span, f"the order expands to more than {MAX_ACTIONS:,} actions, pipec's limit")
+        self.left -= n
+
+
+def _compile(node: ast.Node, names: dict[str, str], source: Source):
+    try:
+        return compile_int(node, names)
+    except ExprError as err:
+        raise source.error(err.span, err.message, *err.hints) from None
+
+
+def _eval(fn, env, source: Source) -> int:
+    try:
+        return fn(env)
+    except ExprError as err:
+        raise source.error(err.span, err.message, *err.hints) from None
+
+
+def _index(value: int, node: ast.Node, what: str, source: Source) -> int:
+    if value < 0:
+        hint = "ranges are written FIRST..LAST, such as 0..3" if isinstance(node, ast.BinOp) else ""
+        raise source.error(node.span, f"{what} {value} is negative", hint)
+    if value > MAX_INDEX:
+        raise source.error(node.span, f"{what} {value} is beyond pipec's limit of {MAX_INDEX}")
+    return value
+
+
+def _compile_body(body, names: dict[str, str], source: Source):
+    """Compile elements into functions ``run(env, emit)``."""
+    runs = []
+    for elem in body:
+        if isinstance(elem, ast.Action):
+            runs.append(_compile_action(elem, names, source))
+        else:
+            assert isinstance(elem, ast.Repeat)
+            runs.append(_compile_repeat(elem, names, source))
+    return runs
+
+
+def _compile_action(elem: ast.Action, names, source: Source):
+    kind = _KINDS[elem.kind]
+    stage_fn = _compile(elem.stage, names, source)
+    mb_fn = _compile(elem.microbatch, names, source)
+    end_fn = _compile(elem.end, names, source) if elem.end is not None else None
+
+    def run(env, emit, budget: _Budget) -> None:
+        stage = _index(_eval(stage_fn, env, source), elem.stage, "stage", source)
+        first = _index(_eval(mb_fn, env, source), elem.microbatch, "microbatch", source)
+        if end_fn is None:
+            budget.take(1, elem.span, source)
+            emit(Action(kind, stage, first), elem.span)
+            return
+        last = _eval(end_fn, env, source)
+        if last < first:
+            return
+        _index(last, elem.end, "microbatch", source)
+        budget.take(last - first + 1, elem.span, source)
+        for m in range(first, last + 1):
+            emit(Action(kind, stage, m), elem.span)
+
+    return run
+
+
+def _loop_var(var: ast.Word, names, source: Source) -> None:
+    if var.name in names:
+        raise source.error(var.span, f"loop variable '{var.name}' hides a name already in use",
+                           "pick another name, such as k")
+
+
+def _compile_repeat(elem: ast.Repeat, names, source: Source):
+    _loop_var(elem.var, names, source)
+    start_fn = _compile(elem.start, names, source)
+    end_fn = _compile(elem.end, names, source)
+    body = _compile_body(elem.body, {**names, elem.var.name: elem.var.name}, source)
+    var = elem.var.name
+
+    def run(env, emit, budget: _Budget) -> None:
+        first, last = _eval(start_fn, env, source), _eval(end_fn, env, source)
+        if last < first:
+            return
+        budget.take(last - first + 1, elem.span, source)  # iterations count too: bounded time
+        for value in range(first, last + 1):
+            inner = {**env, var: value}
+            for r in body:
+                r(inner, emit, budget)
+
+    return run
+
+
+def expand_block(block: ast.OrderBlock, env: dict[str, int], source: Source) -> Expanded:
+    """Expand an order block. ``env`` binds the canonical names it may use
+    (``ranks``, ``microbatches``, ``chunks``); a name used but not bound is an error."""
+    names = {alias: canon for alias, canon in ORDER_NAMES.items() if canon in env}
+    out = Expanded(source, source, block.span)
+    budget = _Budget()
+    num_ranks = env.get("ranks")
+    for clause in block.clauses:
+        if clause.var is None:
+            ranks = [(_index(clause.rank.value, clause.rank, "rank", source), {})]
+            body = _compile_body(clause.body, names, source)
+        else:
+            _loop_var(clause.var, names, source)
+            first = _eval(_compile(clause.rank, names, source), env, source)
+            last = _eval(_compile(clause.end, names, source), env, source)
+            _index(first, clause.rank, "rank", source)
+            if last >= first:
+                _index(last, clause.end, "rank", source)
+            budget.take(max(0, last - first + 1), clause.span, source)
+            ranks = [(r, {clause.var.name: r}) for r in range(first, last + 1)]
+            body = _compile_body(clause.body, {**names, clause.var.name: clause.var.name}, source)
+        for rank, bound in ranks:
+            if num_ranks is not None and rank >= num_ranks:
+                raise source.error(clause.span, f"rank {rank} is outside the pipeline: pp is {num_ranks}",
+                                   f"ranks are 0..{num_ranks - 1}")
+            if rank in out.actions:
+                first_at = out.clauses[rank]
+                raise source.error(clause.span, f"rank {rank} is given twice",
+                                   f"its first clause is at line {first_at.line}")
+            if rank > 4095:
+                raise source.error(clause.span, f"rank {rank} is beyond pipec's limit of 4096 pipeline ranks")
+            acts: list[Action] = []
+            spans: list[Span] = []
+
+            def emit(action: Action, span: Span) -> None:
+                acts.append(action)
+                spans.append(span)
+
+            local = {**env, **bound}
+            for run in body:
+                run(local, emit, budget)
+            out.actions[rank], out.spans[rank], out.clauses[rank] = acts, spans, clause.span
+    return out
+
+
+_COMPUTE = re.compile(r"(\d+)(F|B|I|W)(\d+)")
+_COMMS = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|REDUCE_GRAD|UNSHARD|RESHARD)(\d*)")
+
+
+def read_csv(path: str, base_dir: str, node: ast.Node, source: Source) -> Expanded:
+    """Read a torch compute-only CSV order (path relative to ``base_dir``)."""
+    full = path if os.path.isabs(path) else os.path.join(base_dir, path)
+    try:
+        size = os.path.getsize(full)
+        if size > MAX_CSV_BYTES:
+            raise source.error(node.span, f"order file '{path}' is {size:,} bytes, more than pipec reads "
+                               f"({MAX_CSV_BYTES:,})")
+        with open(full, encoding="utf-8") as f:
+            text = f.read()
+    except DSLError:
+        raise
+    except (OSError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise source.error(node.span, f"cannot read order file '{path}': {reason}",
+                           f"paths are relative to {'the schedule file' if base_dir != '.' else 'this folder'}"
+                           f" ({os.path.abspath(base_dir)})") from None
+    csv_source = Source(path, text)
+    lines = text.split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if not lines:
+        raise source.error(node.span, f"order file '{path}' is empty")
+    out = Expanded(csv_source, source, node.span)
+    budget = _Budget()
+    for row, line in enumerate(lines):
+        acts: list[Action] = []
+        spans: list[Span] = []
+        col = 1
+        for cell in line.rstrip("\r").split(","):
+            text_cell = cell.strip()
+            start = col + (len(cell) - len(cell.lstrip()))
+            span = Span(row + 1, start, row + 1, start + max(1, len(text_cell)))
+            col += len(cell) + 1
+            if not text_cell:
+                continue
+            m = _COMPUTE.fullmatch(text_cell)
+            if m is None:
+                if _COMMS.fullmatch(text_cell):
+                    raise csv_source.error(span, f"'{text_cell}' is a communication action: this is torch's "
+                                           "compute+comms form", "pipec reads the compute-only form here; "
+                                           "use `pipec import FILE.csv` for the other")
+                if "OVERLAP_F_B" in text_cell:
+                    raise csv_source.error(span, "OVERLAP_F_B actions are not supported",
+                                           "write the overlapped F and B as two cells")
+                raise csv_source.error(span, f"unknown action '{text_cell}'",
+                                       "cells look like 2F0 (stage 2, forward, microbatch 0); kinds are F, B, I, W")
+            stage, kind, mb = int(m.group(1)), m.group(2), int(m.group(3))
+            if stage > MAX_INDEX or mb > MAX_INDEX:
+                raise csv_source.error(span, f"'{text_cell}' is beyond pipec's limit of {MAX_INDEX} "
+                                       "for a stage or microbatch")
+            budget.take(1, span, csv_source)
+            acts.append(Action(_KINDS[kind], stage, mb))
+            spans.append(span)
+        if row > 4095:
+            raise csv_source.error(Span(row + 1, 1, row + 1, 2), "more than 4096 rows (ranks), pipec's limit")
+        out.actions[row], out.spans[row] = acts, spans
+        out.clauses[row] = Span(row + 1, 1, row + 1, max(2, len(line) + 1))
+    return out
+
+
+def _placement(exp: Expanded) -> tuple[int, ...]:
+    owner: dict[int, int] = {}
+    for rank in sorted(exp.actions):
+        for action, span in zip(exp.actions[rank], exp.spans[rank]):
+            other = owner.setdefault(action.stage, rank)
+            if other != rank:
+                raise exp.source.error(span, f"stage {action.stage} runs on rank {other} and on rank {rank}",
+                                       "a stage belongs to one rank: every action of a stage goes in "
+                                       "that rank's clause")
+    num_stages = max(owner, default=-1) + 1
+    for s in range(num_stages):
+        if s not in owner:
+            raise exp.owner.error(exp.span, f"stage {s} appears in no rank's order",
+                                   f"stages are numbered 0..{num_stages - 1} without gaps")
+    return tuple(owner[s] for s in range(num_stages))
+
+
+def shape(exp: Expanded) -> tuple[int, int, tuple[int, ...]]:
+    """(ranks, microbatches, placement) an expanded order covers."""
+    if not any(exp.actions.values()):
+        raise exp.owner.error(exp.span, "the order has no actions")
+    num_ranks = max(exp.actions) + 1
+    for r in range(num_ranks):
+        if r not in exp.actions:
+            raise exp.owner.error(exp.span, f"rank {r} has no actions", f"add `rank {r}: ...`")
+    placement = _placement(exp)
+    num_mb = 1 + max((a.microbatch for acts in exp.actions.values() for a in acts), default=0)
+    return num_ranks, num_mb, placement
+
+
+_AT_ACTION = re.compile(r"^rank (\d+), action (\d+) ")
+_AT_RANK = re.compile(r"^rank (\d+): ")
+
+
+def build_order(exp: Expanded, *, num_ranks: int, num_microbatches: int, placement: tuple[int, ...]) -> ComputeOrder:
+    """The :class:`ComputeOrder`, validated; a broken invariant is reported at the action."""
+    ranks = tuple(tuple(exp.actions.get(r, ())) for r in range(num_ranks))
+    order = ComputeOrder(num_ranks=num_ranks, num_microbatches=num_microbatches, placement=placement, ranks=ranks)
+    try:
+        validate_order(order)
+    except ScheduleError as err:
+        message = str(err)
+        m = _AT_ACTION.match(message)
+        if m and int(m.group(1)) in exp.spans and int(m.group(2)) < len(exp.spans[int(m.group(1))]):
+            span = exp.spans[int(m.group(1))][int(m.group(2))]
+        else:
+            m = _AT_RANK.match(message)
+            if m and int(m.group(1)) in exp.clauses:
+                raise exp.source.error(exp.clauses[int(m.group(1))], f"invalid order: {message}") from None
+            raise exp.owner.error(exp.span, f"invalid order: {message}") from None
+        raise exp.source.error(span, f"invalid order: {message}") from None
+    return order

@@ -1,0 +1,400 @@
+"""Structured value kinds: model arguments, inputs, partition, placement,
+recompute, optimizer, learning-rate schedule, links, policy and order.
+
+See :mod:`pipec.dsl.kinds` for the kind protocol (``convert``, ``show``,
+``raw_flag``) and the scalar kinds these are built from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from pipec.dsl import ast
+from pipec.dsl.errors import DSLError, did_you_mean
+from pipec.dsl.expr import ExprError, compile_int
+from pipec.dsl.kinds import (
+    BANDWIDTH,
+    DURATION,
+    Choice,
+    Ctx,
+    Int,
+    Kind,
+    Real,
+    got,
+    literal,
+    number_of,
+    settings_of,
+    unknown_setting,
+    value_text,
+)
+from pipec.dsl.values import (
+    Link,
+    Links,
+    LRSchedule,
+    Optimizer,
+    Partition,
+    PolicySpec,
+    TensorSpec,
+    literal_text,
+)
+
+__all__ = [
+    "Kwargs", "Tensors", "PartitionKind", "PlacementKind", "RecomputeKind", "OptimizerKind",
+    "LRScheduleKind", "LinksKind", "PolicyKind", "OrderKind", "OrderDraft", "DTYPES", "OPTIMIZERS",
+    "POLICY_NAMES", "POLICY_SETTINGS", "PARTITION_MEASURES", "DEFAULT_LINK",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Kwargs(Kind):
+    """Keyword arguments of literals: ``(layers=8, dim=256)``."""
+
+    doc = "keyword arguments such as (layers=8, dim=256)"
+
+    def convert(self, node: ast.Node, ctx: Ctx) -> Mapping[str, Any]:
+        if not isinstance(node, ast.Group):
+            raise self._wrong(node, ctx)
+        out = {kw.name.name: literal(kw.value, ctx, "a model argument") for kw in settings_of(node, ctx, ctx.key)}
+        return MappingProxyType(out)
+
+    def show(self, value: Any) -> str:
+        return "(" + ", ".join(f"{k}={literal_text(v)}" for k, v in value.items()) + ")"
+
+
+DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+@dataclass(frozen=True, slots=True)
+class Tensors(Kind):
+    doc = "one or more typed inputs such as tokens: int64[16, 128]"
+
+    def convert(self, node: ast.Node, ctx: Ctx) -> tuple[TensorSpec, ...]:
+        items = node.items if isinstance(node, ast.Seq) else (node,)
+        out, names = [], set()
+        for item in items:
+            if not isinstance(item, ast.Typed):
+                raise ctx.error(item, f"{ctx.key} needs NAME: DTYPE[DIMS], got {ast.describe(item)}",
+                                "for example input tokens: int64[16, 128]")
+            t = item.type
+            if not isinstance(t, ast.Subscript):
+                raise ctx.error(t, "an input's type is DTYPE[DIMS], such as int64[16, 128]")
+            if t.name.name not in DTYPES:
+                raise ctx.error(t.name, f"unknown dtype '{t.name.name}'",
+                                did_you_mean(t.name.name, DTYPES) or "dtypes: " + ", ".join(DTYPES))
+            if not t.items:
+                raise ctx.error(t, "an input needs at least one dimension (the batch)")
+            dims = []
+            for d in t.items:
+                v = number_of(d, ctx)
+                if not isinstance(v, int) or not 1 <= v <= 2**31:
+                    raise ctx.error(d, f"a dimension must be a whole number in 1..{2**31}, got {got(d)}")
+                dims.append(v)
+            if item.name.name in names:
+                raise ctx.error(item.name, f"input '{item.name.name}' is given twice")
+            names.add(item.name.name)
+            out.append(TensorSpec(item.name.name, t.name.name, tuple(dims)))
+        return tuple(out)
+
+    def show(self, value: Any) -> str:
+        return "none" if value is None else ", ".join(t.text() for t in value)
+
+
+PARTITION_MEASURES = ("params", "flops", "time", "memory")
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionKind(Kind):
+    doc = "balanced(by=params|flops|time|memory), or split before MODULE, ..."
+
+    def convert(self, node: ast.Node, ctx: Ctx) -> Partition:
+        if isinstance(node, ast.Phrase) and node.head == "split before":
+            paths = []
+            for item in node.items:
+                if isinstance(item, ast.Path):
+                    paths.append(item.text)
+                elif isinstance(item, ast.Word):
+                    paths.append(item.name)
+                else:
+                    raise ctx.error(item, f"a split point is a module path such as layers.4, got {got(item)}")
+                if paths[-1] in paths[:-1]:
+                    raise ctx.error(item, f"split point '{paths[-1]}' is given twice")
+            return Partition("split", None, tuple(paths))
+        if isinstance(node, ast.Word) and node.name == "balanced":
+            return Partition("balanced", "flops")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Word) and node.func.name == "balanced":
+            by = "flops"
+            for kw in settings_of(node, ctx, "balanced"):
+                if kw.name.name != "by":
+                    raise unknown_setting(kw, ctx, "balanced", ["by"])
+                by = Choice(PARTITION_MEASURES).convert(kw.value, Ctx("by", ctx.source))
+            return Partition("balanced", by)
+        if isinstance(node, (ast.Word, ast.Call)) and not isinstance(getattr(node, "func", None), ast.String):
+            name = node.name if isinstance(node, ast.Word) else node.func.name
+            raise ctx.error(node, f"unknown partition '{name}'",
+                            did_you_mean(name, ["balanced", "split"]) or "write balanced(by=flops) or "
+                            "split before layers.4")
+        raise self._wrong(node, ctx)
+
+    def show(self, value: Any) -> str:
+        return value.text()
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementKind(Kind):
+    doc = "loop, v, or the rank of each stage (0, 1, 1, 0)"
+
+    def convert(self, node: ast.Node, ctx: Ctx) -> str | tuple[int, ...]:
+        if isinstance(node, ast.Word) and node.name in ("loop", "v"):
+            return node.name
+        if isinstance(node, ast.Word):
+            raise ctx.error(node, f"unknown placement '{node.name}'",
+                            did_you_mean(node.name, ["loop", "v"]) or "placement is loop, v, or a list of ranks")
+        items = node.items if isinstance(node, (ast.Seq, ast.List)) else (node,)
+        ranks = []
+        for item in items:
+            v = number_of(item, ctx)
+            if not isinstance(v, int) or v < 0:
+                raise ctx.error(item, f"a placement entry is a pp rank (a whole number >= 0), got {got(item)}")
+            ranks.append(v)
+        if len(ranks) > 65536:
+            raise ctx.error(node, f"placement lists {len(ranks)} stages, beyond pipec's limit of 65536")
+        return tuple(ranks)
+
+    def show(self, value: Any) -> str:
+        return value if isinstance(value, str) else ", ".join(map(str, value))
+
+
+@dataclass(frozen=True, slots=True)
+class RecomputeKind(Kind):
+    doc = "none, all, or stages N, ..."
+
+    def convert(self, node: ast.Node, ctx: Ctx) -> str | tuple[int, ...]:
+        if isinstance(node, ast.Word) and node.name in ("none", "all"):
+            return () if node.name == "none" else "all"
+        if isinstance(node, ast.Phrase) and node.head == "stages":
+            stages = []
+            for item in node.items:
+                v = number_of(item, ctx)
+                if not isinstance(v, int) or v < 0:
+                    raise ctx.error(item, f"a stage is a whole number >= 0, got {got(item)}")
+                if v in stages:
+                    raise ctx.error(item, f"stage {v} is listed twice")
+                stages.append(v)
+            return tuple(sorted(stages))
+        if isinstance(node, ast.Word):
+            raise ctx.error(node, f"unknown recompute '{node.name}'",
+                            did_you_mean(node.name, ["none", "all", "stages"]) or "write none, all, or stages 0, 1")
+        raise self._wrong(node, ctx, "write none, all, or stages 0, 1")
+
+    def show(self, value: Any) -> str:
+        if value == "all":
+            return "all"
+        return "stages " + ", ".join(map(str, value)) if value else "none"
+
+
+def _betas(node: ast.Node, ctx: Ctx) -> tuple[float, float]:
+    value = literal(node, ctx)
+    if not (isinstance(value, tuple) and len(value) == 2
+            and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in value)):
+        raise ctx.error(node, "betas must be two numbers in [0, 1), such as (0.9, 0.999)")
+    return (float(value[0]), float(value[1]))
+
+
+def _onoff(node: ast.Node, ctx: Ctx) -> bool:
+    if isinstance(node, ast.Word) and node.name in ("on", "off", "true", "false"):
+        return node.name in ("on", "true")
+    raise ctx.error(node, f"{ctx.key} is on or off, got {got(node)}")
+
+
+_NONNEG = Real(0.0)
+_UNIT_INTERVAL = Real(0.0, hi=1.0)
+_POS = Real(0.0, lo_open=True)
+
+# name -> setting -> (default, converter)
+OPTIMIZERS: dict[str, dict[str, tuple[Any, Any]]] = {
+    "adamw": {"betas": ((0.9, 0.999), _betas), "eps": (1e-8, _POS.convert), "weight_decay": (0.01, _NONNEG.convert)},
+    "adam": {"betas": ((0.9, 0.999), _betas), "eps": (1e-8, _POS.convert), "weight_decay": (0.0, _NONNEG.convert)},
+    "sgd": {"momentum": (0.0, _UNIT_INTERVAL.convert), "dampening": (0.0, _UNIT_INTERVAL.convert),
+            "weight_decay": (0.0, _NONNEG.convert), "nesterov": (False, _onoff)},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerKind(Kind):
+    doc = "adamw, adam or sgd, with settings such as adamw(betas=(0.9, 0.95), weight_decay=0.1)"
+
+    def convert(self, node: ast.Node, ctx: Ctx) -> Optimizer:
+        name_node = node.func if isinstance(node, ast.Call) else node
+        if not isinstance(name_node, ast.Word):
+            raise self._wrong(node, ctx)
+        if name_node.name not in OPTIMIZERS:
+            raise ctx.error(name_node, f"unknown optimizer '{name_node.name}'",
+                            did_you_mean(name_node.name, OPTIMIZERS) or "optimizers: " + ", ".join(OPTIMIZERS))
+        table = OPTIMIZERS[name_node.name]
+        values = {k: default for k, (default, _) in table.items()}
+        for kw in settings_of(node, ctx, name_node.name) if isinstance(node, ast.Call) else ():
+            if kw.name.name == "lr":
+                raise ctx.error(kw.name, "the learning rate is its own key", "set it with: lr 3e-4")
+            if kw.name.name not in table:
+                raise unknown_setting(kw, ctx, name_node.name, table)
+            values[kw.name.name] = table[kw.name.name][1](kw.value, Ctx(kw.name.name, ctx.source))
+        if values.get("nesterov") and not values.get("momentum"):
+            raise ctx.error(node, "sgd with nesterov=on needs momentum > 0")
+        return Optimizer(name_node.name, tuple(values.items()))
+
+    def show(self, value: Any) -> str:
+        return value.text()
+
+
+@dataclass(frozen=True, slots=True)
+class LRScheduleKind(Kind):
+    doc = "constant, cosine or linear, with warmup=STEPS and (decays) min_lr=LR"
+
+    def convert(self, node: ast.Node, ctx: Ctx) -> LRSchedule:
+        name_node = node.func if isinstance(node, ast.Call) else node
+        names = ("constant", "cosine", "linear")
+        if not isinstance(name_node, ast.Word):
+            raise self._wrong(node, ctx)
+        if name_node.name not in names:
+            raise ctx.error(name_node, f"unknown lr_schedule '{name_node.name}'",
+                            did_you_mean(name_node.name, names) or "lr_schedule is constant, cosine or linear")
+        warmup, min_lr = 0, 0.0
+        known = ["warmup"] + (["min_lr"] if name_node.name != "constant" else [])
+        for kw in settings_of(node, ctx, name_node.name) if isinstance(node, ast.Call) else ():
+            if kw.name.name == "warmup":
+                warmup = Int(0, 10**9).convert(kw.value, Ctx("warmup", ctx.source))
+            elif kw.name.name == "min_lr" and "min_lr" in known:
+                min_lr = _NONNEG.convert(kw.value, Ctx("min_lr", ctx.source))
+            else:
+                raise unknown_setting(kw, ctx, name_node.name, known)
+        return LRSchedule(name_node.name, warmup, min_lr)
+
+    def show(self, value: Any) -> str:
+        return value.text()
+
+
+DEFAULT_LINK = Link(latency_s=1e-5, bandwidth_Bps=25e9)
+
+
+@dataclass(frozen=True, slots=True)
+class LinksKind(Kind):
+    doc = "pp(latency=TIME, bandwidth=RATE), dp(...)"
+
+    def convert(self, node: ast.Node, ctx: Ctx) -> Links:
+        items = node.items if isinstance(node, ast.Seq) else (node,)
+        axes = {"pp": DEFAULT_LINK, "dp": DEFAULT_LINK}
+        seen: set[str] = set()
+        for item in items:
+            if not (isinstance(item, ast.Call) and isinstance(item.func, ast.Word)):
+                raise ctx.error(item, f"links are given per mesh axis: pp(latency=10us, bandwidth=25GB/s), got "
+                                f"{ast.describe(item)}")
+            axis = item.func.name
+            if axis not in axes:
+                raise ctx.error(item.func, f"unknown mesh axis '{axis}'", did_you_mean(axis, axes) or "axes: pp, dp")
+            if axis in seen:
+                raise ctx.error(item.func, f"links for {axis} are given twice")
+            seen.add(axis)
+            latency, bandwidth = axes[axis].latency_s, axes[axis].bandwidth_Bps
+            for kw in settings_of(item, ctx, axis):
+                if kw.name.name == "latency":
+                    latency = DURATION.convert(kw.value, Ctx("latency", ctx.source))
+                elif kw.name.name == "bandwidth":
+                    bandwidth = BANDWIDTH.convert(kw.value, Ctx("bandwidth", ctx.source))
+                else:
+                    raise unknown_setting(kw, ctx, f"{axis} link", ["latency", "bandwidth"])
+            axes[axis] = Link(latency_s=latency, bandwidth_Bps=bandwidth)
+        return Links(pp=axes["pp"], dp=axes["dp"])
+
+    def show(self, value: Any) -> str:
+        return value.text()
+
+
+POLICY_NAMES = {"rank": "rank", "ranks": "ranks", "P": "ranks", "chunks": "chunks", "V": "chunks",
+                "microbatches": "microbatches", "M": "microbatches", "stages": "stages", "S": "stages"}
+"""Names a policy expression may use, with their aliases."""
+
+_POLICY_CHOICES = {
+    "priority": ("backward", "forward"),
+    "weight_grad": ("immediate", "bubbles", "end"),
+    "chunk_order": ("depth_first", "breadth_first"),
+    "backward_microbatches": ("ascending", "descending"),
+}
+POLICY_SETTINGS = ("warmup", "priority", "split_backward", "weight_grad", "chunk_order",
+                   "backward_microbatches", "max_in_flight")
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyKind(Kind):
+    presets: tuple[str, ...] = ()
+    doc = "(setting=value, ...), or a preset name, optionally with settings: 1f1b(warmup=...)"
+
+    def convert(self, node: ast.Node, ctx: Ctx) -> PolicySpec:
+        preset = None
+        if isinstance(node, (ast.Word, ast.Call)):
+            name_node = node.func if isinstance(node, ast.Call) else node
+            if not isinstance(name_node, ast.Word):
+                raise self._wrong(node, ctx)
+            if name_node.name not in self.presets:
+                raise ctx.error(name_node, f"unknown policy preset '{name_node.name}'",
+                                did_you_mean(name_node.name, self.presets) or "presets: " + ", ".join(self.presets))
+            preset = name_node.name
+        elif not isinstance(node, ast.Group):
+            raise self._wrong(node, ctx, "for example policy (warmup=P - 1 - rank, priority=backward)")
+        settings = []
+        for kw in settings_of(node, ctx, "policy") if not isinstance(node, ast.Word) else ():
+            name, value = kw.name.name, kw.value
+            sub = Ctx(name, ctx.source)
+            if name in _POLICY_CHOICES:
+                settings.append((name, Choice(_POLICY_CHOICES[name]).convert(value, sub)))
+            elif name == "split_backward":
+                settings.append((name, _onoff(value, sub)))
+            elif name in ("warmup", "max_in_flight"):
+                word = "all" if name == "warmup" else "max"
+                if isinstance(value, ast.Word) and value.name == word:
+                    settings.append((name, word))
+                    continue
+                try:
+                    settings.append((name, compile_int(value, POLICY_NAMES)))
+                except ExprError as err:
+                    raise ctx.source.error(err.span, err.message, *err.hints) from None
+            elif name == "placement":
+                raise ctx.error(kw.name, "a policy's placement is the placement key", "write: placement v")
+            else:
+                raise unknown_setting(kw, ctx, "policy", POLICY_SETTINGS)
+        return PolicySpec(preset, tuple(settings))
+
+    def show(self, value: Any) -> str:
+        return value.text()
+
+
+@dataclass(frozen=True, slots=True)
+class OrderDraft:
+    """An ``order`` value before the mesh is known: the block, or a CSV path."""
+
+    block: ast.OrderBlock | None
+    path: str | None
+    node: ast.Node
+    base_dir: str
+
+
+@dataclass(frozen=True, slots=True)
+class OrderKind(Kind):
+    doc = 'an order block (rank 0: F0.0 ...), or a torch compute-only CSV file "order.csv"'
+
+    def convert(self, node: ast.Node, ctx: Ctx) -> OrderDraft:
+        if isinstance(node, ast.OrderBlock):
+            return OrderDraft(node, None, node, ctx.base_dir)
+        if isinstance(node, ast.String):
+            if not node.value:
+                raise ctx.error(node, "order needs a CSV file name")
+            return OrderDraft(None, node.value, node, ctx.base_dir)
+        raise self._wrong(node, ctx, 'write rank clauses (order rank 0: F0.0 B0.0) or a file: order "x.csv"')
+
+    def show(self, value: Any) -> str:
+        return "none" if value is None else value.text()
+
+    def raw_flag(self, text: str) -> bool:
+        return not text.lstrip().startswith(("rank", '"'))
+

@@ -1,0 +1,258 @@
+"""The typed values of structured keys, as a :class:`~pipec.dsl.Spec` holds them.
+
+Plain keys resolve to ints, floats, strings, bools, None or tuples; the keys
+below resolve to these small frozen dataclasses. Each has ``to_json()``
+(what plan.json's ``spec`` records) and ``text()`` (the schedule-file syntax
+that writes it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from pipec.dsl.expr import IntExpr
+from pipec.schedules.order import ComputeOrder
+
+__all__ = [
+    "TensorSpec",
+    "Partition",
+    "Optimizer",
+    "LRSchedule",
+    "Link",
+    "Links",
+    "PolicySpec",
+    "OrderSpec",
+    "literal_text",
+    "literal_json",
+]
+
+
+def literal_text(value: Any) -> str:
+    """Schedule-file text of a literal (model arguments, optimizer settings)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, tuple):
+        return "(" + ", ".join(literal_text(v) for v in value) + ")"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def literal_json(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [literal_json(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One example input: ``tokens: int64[16, 128]`` (one dp replica's batch;
+    the first dimension is the batch and is split into microbatches)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def text(self) -> str:
+        return f"{self.name}: {self.dtype}[{', '.join(map(str, self.shape))}]"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclass(frozen=True, slots=True)
+class Partition:
+    """How the model is cut into stages: ``balanced`` by a measure, or ``split``
+    before the named modules (``split_before``, in model order)."""
+
+    method: str
+    """``"balanced"`` or ``"split"``."""
+    by: str | None = None
+    """For ``balanced``: ``"params"``, ``"flops"``, ``"time"`` or ``"memory"``."""
+    split_before: tuple[str, ...] = ()
+    """For ``split``: module paths such as ``layers.4``; S - 1 of them."""
+
+    def text(self) -> str:
+        if self.method == "split":
+            return "split before " + ", ".join(self.split_before)
+        return f"balanced(by={self.by})"
+
+    def to_json(self) -> dict[str, Any]:
+        if self.method == "split":
+            return {"method": "split", "split_before": list(self.split_before)}
+        return {"method": "balanced", "by": self.by}
+
+
+@dataclass(frozen=True, slots=True)
+class Optimizer:
+    """The optimizer and its settings, every setting filled in (torch's names)."""
+
+    name: str
+    """``"adamw"``, ``"adam"`` or ``"sgd"``."""
+    settings: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The settings as keyword arguments for the torch optimizer (lr apart)."""
+        return dict(self.settings)
+
+    def text(self) -> str:
+        inner = ", ".join(f"{k}={literal_text(v)}" for k, v in self.settings)
+        return f"{self.name}({inner})" if inner else self.name
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, **{k: literal_json(v) for k, v in self.settings}}
+
+
+@dataclass(frozen=True, slots=True)
+class LRSchedule:
+    """Learning rate over steps: ``warmup`` steps of linear ramp from 0, then
+    ``constant``, or a ``cosine``/``linear`` decay to ``min_lr`` at the last step."""
+
+    name: str
+    warmup: int = 0
+    min_lr: float = 0.0
+
+    def text(self) -> str:
+        if self.name == "constant" and not self.warmup:
+            return "constant"
+        args = [f"warmup={self.warmup}"] if self.warmup else []
+        if self.name != "constant" and self.min_lr:
+            args.append(f"min_lr={self.min_lr!r}")
+        return f"{self.name}({', '.join(args)})" if args else self.name
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "warmup": self.warmup}
+        if self.name != "constant":
+            out["min_lr"] = self.min_lr
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """A mesh axis's point-to-point cost: latency + bytes / bandwidth."""
+
+    latency_s: float
+    bandwidth_Bps: float
+
+    def to_json(self) -> dict[str, float]:
+        return {"latency_s": self.latency_s, "bandwidth_Bps": self.bandwidth_Bps}
+
+
+def _seconds_text(s: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9)):
+        if s >= scale or unit == "ns":
+            return f"{s / scale:g}{unit}"
+    raise AssertionError
+
+
+def _rate_text(bps: float) -> str:
+    for unit, scale in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("KB/s", 1e3), ("B/s", 1.0)):
+        if bps >= scale or unit == "B/s":
+            return f"{bps / scale:g}{unit}"
+    raise AssertionError
+
+
+@dataclass(frozen=True, slots=True)
+class Links:
+    """Link costs per mesh axis (``pp``: activations and grads between stages;
+    ``dp``: the gradient all-reduce)."""
+
+    pp: Link
+    dp: Link
+
+    def text(self) -> str:
+        return ", ".join(
+            f"{axis}(latency={_seconds_text(link.latency_s)}, bandwidth={_rate_text(link.bandwidth_Bps)})"
+            for axis, link in (("pp", self.pp), ("dp", self.dp))
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pp": self.pp.to_json(), "dp": self.dp.to_json()}
+
+    def as_dict(self) -> dict[str, Link]:
+        return {"pp": self.pp, "dp": self.dp}
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    """A schedule declared by policy (see :class:`pipec.schedules.policy.Policy`).
+
+    ``preset`` names the policy it starts from (None: the defaults); ``settings``
+    are the fields the file sets, ``warmup``/``max_in_flight`` compiled to
+    expressions of the rank (or the words ``all``/``max``).
+    """
+
+    preset: str | None
+    settings: tuple[tuple[str, Any], ...]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return dict(self.settings).get(name, default)
+
+    def policy(self, *, placement: str, num_ranks: int, num_microbatches: int, num_chunks: int):
+        """The :class:`~pipec.schedules.policy.Policy` for these counts (names bound)."""
+        from dataclasses import replace
+
+        from pipec.schedules.policy import PRESETS, Policy
+
+        env = {"ranks": num_ranks, "microbatches": num_microbatches, "chunks": num_chunks,
+               "stages": num_ranks * num_chunks}
+        base = PRESETS[self.preset] if self.preset else Policy()
+        fields: dict[str, Any] = {}
+        for name, value in self.settings:
+            fields[name] = _bind(value, env) if isinstance(value, IntExpr) else value
+        return replace(base, placement=placement, **fields)
+
+    def text(self) -> str:
+        inner = ", ".join(f"{k}={_setting_text(v)}" for k, v in self.settings)
+        if self.preset:
+            return f"{self.preset}({inner})" if inner else self.preset
+        return f"({inner})"
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"preset": self.preset}
+        for k, v in self.settings:
+            out[k] = _setting_text(v) if isinstance(v, IntExpr) else v
+        return out
+
+
+def _setting_text(value: Any) -> str:
+    if isinstance(value, IntExpr):
+        return value.text
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def _bind(expr: IntExpr, env: Mapping[str, int]) -> Callable[[int], int]:
+    def of_rank(rank: int) -> int:
+        return expr({**env, "rank": rank})
+
+    of_rank.__doc__ = expr.text
+    return of_rank
+
+
+@dataclass(frozen=True, slots=True)
+class OrderSpec:
+    """A schedule given as an explicit per-rank order: inline (``order`` block)
+    or a torch.distributed.pipelining compute-only CSV file (``path``)."""
+
+    form: str
+    """``"inline"`` or ``"csv"``."""
+    path: str | None
+    order: ComputeOrder = field(compare=False)
+
+    def text(self) -> str:
+        if self.form == "csv":
+            return '"' + (self.path or "") + '"'
+        return "\n".join(f"  rank {r}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.order.ranks))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "form": self.form,
+            **({"path": self.path} if self.path else {}),
+            "ranks": [" ".join(map(str, acts)) for acts in self.order.ranks],
+        }
