@@ -35,7 +35,7 @@ from typing import Sequence
 from pipec.compiler.ir import Instruction, Op, Program
 from pipec.compiler.plan import Edge, Tie
 from pipec.compiler.simulate import Costs
-from pipec.schedules.order import Action, ComputeOrder, Kind, ScheduleError
+from pipec.schedules.order import ComputeOrder, Kind, ScheduleError
 
 __all__ = ["lower", "schedule_times"]
 
@@ -149,35 +149,38 @@ def lower(
         consumers[e.src_stage].append(e.dst_stage)
     finish = schedule_times(order, producers, consumers, costs)
 
-    # slots[r][i + 1]: the (key, instruction) posts after compute i of rank r (slot 0: before the first)
+    # slots[r][i + 1]: posts after compute i of rank r (slot 0: before the first), as
+    # (key, op, stage, microbatch, other stage, peer) until their batch is known
     slots: list[list[list[tuple]]] = [[[] for _ in range(len(order.ranks[r]) + 1)] for r in range(P)]
     last_backward: dict[int, tuple[int, int]] = {}
+    F, W = Kind.F, Kind.W
     for r, actions in enumerate(order.ranks):
+        fin = finish[r]
+        mine = slots[r]
         for i, a in enumerate(actions):
             s, m, kind = a.stage, a.microbatch, a.kind
-            f = finish[r][i]
-            if kind is Kind.F:
-                others = [c for c in consumers[s] if placement[c] != r]
-            elif kind is Kind.W:
-                others = []
-            else:
-                others = [p for p in producers[s] if placement[p] != r]
-            if kind is Kind.B or kind is Kind.W:
+            if kind is F:
+                others = consumers[s]
+                send_op, recv_op = Op.SEND_ACT, Op.RECV_ACT
+            elif kind is W:
                 last_backward[s] = (r, i)
+                continue
+            else:
+                if kind is Kind.B:
+                    last_backward[s] = (r, i)
+                others = producers[s]
+                send_op, recv_op = Op.SEND_GRAD, Op.RECV_GRAD
+            f = fin[i]
             for j, other in enumerate(others):
                 q = placement[other]
+                if q == r:
+                    continue
                 key = (f, r, i, j)
-                if kind is Kind.F:
-                    send = Instruction(Op.SEND_ACT, s, m, to_stage=other, peer=q)
-                    recv = Instruction(Op.RECV_ACT, other, m, from_stage=s, peer=r)
-                else:
-                    send = Instruction(Op.SEND_GRAD, s, m, to_stage=other, peer=q)
-                    recv = Instruction(Op.RECV_GRAD, other, m, from_stage=s, peer=r)
-                slots[r][i + 1].append((key, send))
-                slots[q][bisect_right(finish[q], f)].append((key, recv))
+                mine[i + 1].append((key, send_op, s, m, other, q))
+                slots[q][bisect_right(finish[q], f)].append((key, recv_op, other, m, s, r))
     if dp > 1:
         for s, (r, i) in last_backward.items():
-            slots[r][i + 1].append(((finish[r][i], r, i, float("inf")), Instruction(Op.ALLREDUCE, s, group="dp")))
+            slots[r][i + 1].append(((finish[r][i], r, i, float("inf")), Op.ALLREDUCE, s, None, None, None))
 
     ranks = []
     for r, actions in enumerate(order.ranks):
@@ -185,18 +188,20 @@ def lower(
         batch = 0
         for i in range(len(actions) + 1):
             if i:
-                out.append(_compute(actions[i - 1]))
+                a = actions[i - 1]
+                out.append(Instruction(_COMPUTE_OP[a.kind], a.stage, a.microbatch))
             posts = slots[r][i]
             if not posts:
                 continue
-            posts.sort(key=lambda kv: kv[0])
-            run: list[Instruction] = []
-            for _key, ins in posts:
-                if ins.op is Op.ALLREDUCE:
+            if len(posts) > 1:
+                posts.sort(key=_first)
+            run: list[tuple] = []
+            for post in posts:
+                if post[1] is Op.ALLREDUCE:
                     batch = _flush(run, out, batch)
-                    out.append(ins)
+                    out.append(Instruction(Op.ALLREDUCE, post[2], group="dp"))
                 else:
-                    run.append(ins)
+                    run.append(post)
             batch = _flush(run, out, batch)
         for tie in sorted(ties, key=lambda t: t.name):
             mine = sorted(s for s in tie.stages if placement[s] == r)
@@ -207,19 +212,22 @@ def lower(
     return Program(tuple(ranks))
 
 
+def _first(post: tuple) -> tuple:
+    return post[0]
+
+
 _COMPUTE_OP = {Kind.F: Op.FWD, Kind.B: Op.BWD, Kind.I: Op.BWD_I, Kind.W: Op.BWD_W}
 
 
-def _compute(a: Action) -> Instruction:
-    return Instruction(_COMPUTE_OP[a.kind], a.stage, a.microbatch)
-
-
-def _flush(run: list[Instruction], out: list[Instruction], batch: int) -> int:
+def _flush(run: list[tuple], out: list[Instruction], batch: int) -> int:
     """Append a run of p2p posts: a lone post as is, several as one batch."""
-    if len(run) == 1:
-        out.append(run[0])
-    elif run:
-        out.extend(Instruction(i.op, i.stage, i.microbatch, i.to_stage, i.from_stage, i.peer, batch=batch) for i in run)
-        batch += 1
+    if not run:
+        return batch
+    b = batch if len(run) > 1 else None
+    for _key, op, s, m, other, peer in run:
+        if op is Op.SEND_ACT or op is Op.SEND_GRAD:
+            out.append(Instruction(op, s, m, to_stage=other, peer=peer, batch=b))
+        else:
+            out.append(Instruction(op, s, m, from_stage=other, peer=peer, batch=b))
     run.clear()
-    return batch
+    return batch if b is None else batch + 1

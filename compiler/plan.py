@@ -12,7 +12,7 @@ refused, not attempted.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from pipec.compiler.ir import FIELDS, IRError, Instruction, Op, Program
@@ -235,26 +235,39 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
     return out
 
 
+def _instr_line(ins: Instruction) -> str:
+    """One instruction as compact JSON, formatted directly (json.dumps per instruction is the slow part)."""
+    op = ins.op
+    if op is Op.FWD or op is Op.BWD or op is Op.BWD_I or op is Op.BWD_W:
+        return f'{{"op":"{op.value}","stage":{ins.stage},"microbatch":{ins.microbatch}}}'
+    if op is Op.OPTIM_STEP:
+        return '{"op":"OPTIM_STEP"}'
+    if op is Op.ALLREDUCE:
+        return f'{{"op":"ALLREDUCE","stage":{ins.stage},"group":{json.dumps(ins.group)}}}'
+    other = f'"to_stage":{ins.to_stage}' if ins.to_stage is not None else f'"from_stage":{ins.from_stage}'
+    batch = "" if ins.batch is None else f',"batch":{ins.batch}'
+    return f'{{"op":"{op.value}","stage":{ins.stage},"microbatch":{ins.microbatch},{other},"peer":{ins.peer}{batch}}}'
+
+
 def write_plan(plan: Plan, path: str) -> None:
     """Write plan.json: small fields indented, one instruction and one event per line."""
-    obj = plan_to_json(plan)
-    ranks = obj.pop("ranks")
-    prediction = obj.pop("prediction", None)
-    dumps = json.dumps
+    head = plan_to_json(replace(plan, program=Program(()), prediction=None))
+    del head["ranks"]
     with open(path, "w", encoding="utf-8") as f:
-        head = dumps(obj, indent=1)
-        f.write(head[:-2])  # drop the closing "\n}"
+        f.write(json.dumps(head, indent=1)[:-2])  # without the closing "\n}"
         f.write(',\n "ranks": [')
-        for r, rank in enumerate(ranks):
-            f.write(("," if r else "") + f'\n  {{"rank": {rank["rank"]}, "instructions": [\n   ')
-            f.write(",\n   ".join(dumps(i, separators=(",", ":")) for i in rank["instructions"]))
+        for r, instrs in enumerate(plan.program.ranks):
+            f.write(("," if r else "") + f'\n  {{"rank": {r}, "instructions": [\n   ')
+            f.write(",\n   ".join(map(_instr_line, instrs)))
             f.write("\n  ]}")
         f.write("\n ]")
-        if prediction is not None:
-            events = prediction.pop("events")
-            f.write(',\n "prediction": ' + dumps(prediction, separators=(",", ":"))[:-1])
+        if plan.prediction is not None:
+            pred = plan.prediction.to_json()
+            pred.pop("events")
+            f.write(',\n "prediction": ' + json.dumps(pred, separators=(",", ":"))[:-1])
             f.write(',"events":[\n   ')
-            f.write(",\n   ".join(dumps(e, separators=(",", ":")) for e in events))
+            f.write(",\n   ".join(
+                f'[{e.rank},{json.dumps(e.op)},{e.start!r},{e.end!r}]' for e in plan.prediction.events))
             f.write("\n ]}")
         f.write("\n}\n")
 

@@ -16,14 +16,17 @@ sum over listed ranks of their bubble time over ``num_ranks x step_time``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
 __all__ = ["Event", "RankTime", "Timeline"]
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One instruction on one rank: ``op`` is its text form (``F0.3``, ``AR0:dp``)."""
+class Event(NamedTuple):
+    """One instruction on one rank: ``op`` is its text form (``F0.3``, ``AR0:dp``).
+
+    A ``NamedTuple`` (immutable, typed, and cheap to build: timelines of large
+    plans hold hundreds of thousands of events).
+    """
 
     rank: int
     op: str

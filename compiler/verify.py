@@ -30,7 +30,8 @@ from typing import Mapping, Sequence
 
 from pipec.compiler.ir import Instruction, Op, Program
 from pipec.compiler.plan import Edge, Plan, Stage, Tie
-from pipec.compiler.simulate import MODELS, Costs, Deadlock, Execution, chain_edges, execute, plan_costs
+from pipec.compiler.engine import BUFFERED, MODELS, Costs, Deadlock, Execution, decode, execute
+from pipec.compiler.simulate import chain_edges, plan_costs
 
 __all__ = ["VerifyError", "Proof", "verify", "verify_program"]
 
@@ -258,9 +259,11 @@ def verify_program(
 
     # proof 3: no deadlock, under both comm models
     executions = {}
+    decoded = decode(program, placement=placement, num_microbatches=M, edges=edges, costs=costs)
     for model in MODELS:
         try:
-            executions[model] = execute(program, placement=placement, edges=edges, costs=costs, model=model, ties=ties)
+            executions[model] = execute(program, placement=placement, num_microbatches=M, edges=edges, costs=costs,
+                                        model=model, ties=ties, decoded=decoded, record_events=model == BUFFERED)
         except Deadlock as e:
             raise VerifyError(str(e)) from None
     return Proof(executions)

@@ -1,0 +1,586 @@
+"""The event loop that executes a Program under a comm model: simulator and deadlock proof.
+
+Each rank runs its instructions in order; an instruction starts at the latest
+of its rank's clock and the completion of what it needs (a dataflow over
+times, so no priority queue: the loop is linear in the number of
+instructions). Two comm models (DESIGN, "What the verifier proves"):
+
+- ``buffered`` (gloo-like): posts never block; a send and its receive
+  complete once both are posted (plus the transfer time); uses of received
+  buffers wait; collectives block every member until all have arrived;
+  ``OPT`` first waits for the rank's outstanding posts.
+- ``in_order`` (NCCL-like): a rank's comm posts, collectives included,
+  complete in the order posted. A batch is one unit: its posts may complete
+  in any order, and the next unit starts when the whole batch is done. A send
+  completes only when its receive is in the unit heading the peer's queue; a
+  collective when it heads the queue of every member. Collectives do not
+  block the host; ``OPT`` waits for its own completion, so for the queue.
+
+If no rank can move while some have instructions left, the program
+deadlocks: :class:`Deadlock` carries the cycle of waiting instructions, one
+line per rank.
+
+Internally every instruction is decoded once into a tuple and every thing an
+instruction can wait for is an integer key, which keeps the loop fast enough
+for the 780K-instruction plans of the compile benchmark.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from pipec.compiler.ir import Op, Program
+from pipec.compiler.plan import Edge, Tie
+from pipec.compiler.timeline import Event
+
+__all__ = ["BUFFERED", "IN_ORDER", "MODELS", "OPTIM_GROUP", "Costs", "Deadlock", "Execution", "Decoded",
+           "decode", "execute", "group_members"]
+
+BUFFERED = "buffered"
+IN_ORDER = "in_order"
+MODELS = (BUFFERED, IN_ORDER)
+
+OPTIM_GROUP = "pp"
+"""The group of the grad-norm collective inside ``OPT``: all pp ranks."""
+
+# decoded opcodes
+_COMPUTE, _SEND, _RECV, _AR, _OPT = range(5)
+
+
+class Deadlock(Exception):
+    """No rank can move. ``lines`` describe the waiting instructions, one per rank."""
+
+    def __init__(self, model: str, lines: Sequence[str]) -> None:
+        self.model = model
+        self.lines = tuple(lines)
+        super().__init__(f"deadlock under the {model} model:\n" + "\n".join("  " + ln for ln in lines))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Costs:
+    """Durations of everything a program does, in seconds (or units)."""
+
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+    bwd_i: tuple[float, ...]
+    bwd_w: tuple[float, ...]
+    transfer: Mapping[tuple[int, int], float]
+    """Per edge (src_stage, dst_stage): one microbatch's message over the pp link."""
+    allreduce: Mapping[tuple[str, int], float]
+    """Per (group, stage): the all-reduce's duration."""
+    optim_step: float = 0.0
+    activation_bytes: tuple[int, ...] = ()
+    """Per stage: bytes saved per microbatch in flight (empty when unknown)."""
+    time_unit: str = "s"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Execution:
+    """What one run of the event loop found."""
+
+    model: str
+    step_time: float
+    compute: tuple[float, ...]
+    comm_wait: tuple[float, ...]
+    peak_activations: tuple[int, ...]
+    """Per rank: most microbatches held at once (F done, last backward part not)."""
+    peak_activation_bytes: tuple[int, ...]
+    events: tuple[Event, ...]
+
+
+def group_members(group: str, rank: int, num_ranks: int, ties: Sequence[Tie], placement: Sequence[int]) -> tuple[int, ...]:
+    """The pp ranks taking part in a collective of ``group`` issued on ``rank``."""
+    if group == "dp":
+        return (rank,)  # dp replicas of one pp rank run the same program
+    if group == OPTIM_GROUP:
+        return tuple(range(num_ranks))
+    name = group[4:]
+    for t in ties:
+        if t.name == name:
+            return tuple(sorted({placement[s] for s in t.stages}))
+    raise KeyError(group)
+
+
+class _Keys:
+    """Integer keys for what instructions wait for.
+
+    Messages on edge src->dst for microbatch m: activations ``(src*S+dst)*M+m``,
+    grads offset by S*S*M; local completions of a forward or an input-grad
+    backward follow. Collectives and drains use tuples (they are rare).
+    """
+
+    def __init__(self, num_stages: int, num_mb: int) -> None:
+        S, M = num_stages, num_mb
+        self.S, self.M = S, M
+        self.grad = S * S * M
+        self.fwd_done = 2 * S * S * M
+        self.bwd_done = self.fwd_done + S * M
+
+    def act(self, src: int, dst: int, m: int) -> int:
+        return (src * self.S + dst) * self.M + m
+
+    def gradk(self, src: int, dst: int, m: int) -> int:
+        return self.grad + (src * self.S + dst) * self.M + m
+
+    def describe(self, key: int) -> tuple[str, int, int, int]:
+        """(kind, a, b, m): ("A"|"G", src, dst, m) or ("F"|"B", stage, -1, m)."""
+        if key >= self.fwd_done:
+            kind = "F" if key < self.bwd_done else "B"
+            rest = key - (self.fwd_done if kind == "F" else self.bwd_done)
+            return kind, rest // self.M, -1, rest % self.M
+        kind = "A" if key < self.grad else "G"
+        rest = key - (0 if kind == "A" else self.grad)
+        edge, m = divmod(rest, self.M)
+        src, dst = divmod(edge, self.S)
+        return kind, src, dst, m
+
+
+def _message_text(kind: str, src: int, dst: int, m: int, placement: Sequence[int], send: bool) -> str:
+    if kind == "A":
+        return f"SA{src}.{m}>{dst}@{placement[dst]}" if send else f"RA{dst}.{m}<{src}@{placement[src]}"
+    return f"SG{dst}.{m}>{src}@{placement[src]}" if send else f"RG{src}.{m}<{dst}@{placement[dst]}"
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """A program decoded for the loop; reusable across comm models with the same costs."""
+
+    ranks: tuple[tuple[tuple, ...], ...]
+    keys: _Keys
+
+
+def decode(program: Program, *, placement: Sequence[int], num_microbatches: int, edges: Sequence[Edge],
+           costs: Costs) -> Decoded:
+    """Decode every instruction once: its waits as integer keys, its duration."""
+    S = len(placement)
+    keys = _Keys(S, num_microbatches)
+    producers: list[list[int]] = [[] for _ in range(S)]
+    consumers: list[list[int]] = [[] for _ in range(S)]
+    for e in edges:
+        producers[e.dst_stage].append(e.src_stage)
+        consumers[e.src_stage].append(e.dst_stage)
+    M = num_microbatches
+    act_bytes = costs.activation_bytes or (0,) * S
+    transfer = costs.transfer
+    fwd_done, bwd_done = keys.fwd_done, keys.bwd_done
+    deps_cache: dict[tuple[Op, int, int], tuple[int, ...]] = {}
+    out = []
+    for r, instrs in enumerate(program.ranks):
+        dec = []
+        for ins in instrs:
+            op = ins.op
+            if op is Op.FWD or op is Op.BWD or op is Op.BWD_I or op is Op.BWD_W:
+                s, m = ins.stage, ins.microbatch
+                base = deps_cache.get((op, s, r))
+                if base is None:
+                    # dependency keys at microbatch 0; microbatch m adds m
+                    if op is Op.FWD:
+                        base = tuple(fwd_done + p * M if placement[p] == r else keys.act(p, s, 0) for p in producers[s])
+                    elif op is Op.BWD_W:
+                        base = (bwd_done + s * M,)
+                    else:
+                        base = (fwd_done + s * M,) + tuple(
+                            bwd_done + c * M if placement[c] == r else keys.gradk(s, c, 0) for c in consumers[s])
+                    deps_cache[(op, s, r)] = base
+                deps = tuple(k + m for k in base)
+                if op is Op.FWD:
+                    dec.append((_COMPUTE, deps, costs.fwd[s], fwd_done + s * M + m, 1, act_bytes[s]))
+                elif op is Op.BWD:
+                    dec.append((_COMPUTE, deps, costs.bwd[s], bwd_done + s * M + m, -1, -act_bytes[s]))
+                elif op is Op.BWD_I:
+                    dec.append((_COMPUTE, deps, costs.bwd_i[s], bwd_done + s * M + m, 0, 0))
+                else:
+                    dec.append((_COMPUTE, deps, costs.bwd_w[s], -1, -1, -act_bytes[s]))
+            elif op is Op.SEND_ACT:
+                dec.append((_SEND, keys.act(ins.stage, ins.to_stage, ins.microbatch),
+                            transfer.get((ins.stage, ins.to_stage), 0.0), ins.batch))
+            elif op is Op.RECV_ACT:
+                dec.append((_RECV, keys.act(ins.from_stage, ins.stage, ins.microbatch),
+                            transfer.get((ins.from_stage, ins.stage), 0.0), ins.batch))
+            elif op is Op.SEND_GRAD:
+                dec.append((_SEND, keys.gradk(ins.to_stage, ins.stage, ins.microbatch),
+                            transfer.get((ins.to_stage, ins.stage), 0.0), ins.batch))
+            elif op is Op.RECV_GRAD:
+                dec.append((_RECV, keys.gradk(ins.stage, ins.from_stage, ins.microbatch),
+                            transfer.get((ins.stage, ins.from_stage), 0.0), ins.batch))
+            elif op is Op.ALLREDUCE:
+                dec.append((_AR, ins.group, costs.allreduce.get((ins.group, ins.stage), 0.0)))
+            else:
+                dec.append((_OPT, OPTIM_GROUP, costs.optim_step))
+        out.append(tuple(dec))
+    return Decoded(tuple(out), keys)
+
+
+class _Engine:
+    def __init__(self, program: Program, decoded: Decoded, placement: Sequence[int], ties: Sequence[Tie],
+                 model: str, record_events: bool) -> None:
+        self.program = program
+        self.dec = decoded.ranks
+        self.keys = decoded.keys
+        self.placement = placement
+        self.ties = ties
+        self.model = model
+        self.record_events = record_events
+        P = program.num_ranks
+        self.P = P
+        self.done: dict = {}
+        self.waiters: dict = {}
+        self.runnable: deque[int] = deque(range(P))
+        self.pc = [0] * P
+        self.clock = [0.0] * P
+        self.compute = [0.0] * P
+        self.wait = [0.0] * P
+        self.blocked_on: list = [None] * P
+        self.events: list[Event] = []
+        self.in_flight = [0] * P
+        self.in_flight_bytes = [0] * P
+        self.peak = [0] * P
+        self.peak_bytes = [0] * P
+        self.coll_calls: list[dict[str, int]] = [{} for _ in range(P)]
+        self.arrivals: dict[tuple, list] = {}
+        self.arrived = [False] * P
+        self.members_cache: dict[tuple[str, int], tuple[int, ...]] = {}
+        # buffered model: posted[(key, is_send)] = (rank, time)
+        self.posted: dict = {}
+        self.outstanding = [0] * P
+        self.comm_done = [0.0] * P
+        # in-order model: per rank a deque of units [ops, pending, done_time]; op = (kind, key, post, dur, members)
+        self.queues: list[deque] = [deque() for _ in range(P)]
+        self.at_head: dict = {}
+        self.coll_heads: dict[tuple, list] = {}
+
+    def resolve(self, key, t: float) -> None:
+        self.done[key] = t
+        ws = self.waiters.pop(key, None)
+        if ws:
+            self.runnable.extend(ws)
+
+    def block(self, r: int, key) -> None:
+        self.blocked_on[r] = key
+        w = self.waiters.get(key)
+        if w is None:
+            self.waiters[key] = [r]
+        else:
+            w.append(r)
+
+    def members(self, group: str, r: int) -> tuple[int, ...]:
+        got = self.members_cache.get((group, r))
+        if got is None:
+            got = self.members_cache[(group, r)] = group_members(group, r, self.P, self.ties, self.placement)
+        return got
+
+    def collective_key(self, r: int, group: str) -> tuple:
+        calls = self.coll_calls[r]
+        k = calls.get(group, 0)
+        calls[group] = k + 1
+        return ("C", group, k)
+
+    # ------------------------------------------------------------------ buffered p2p
+
+    def post_buffered(self, r: int, key: int, is_send: bool, xfer: float, t: float) -> None:
+        other = self.posted.pop((key, not is_send), None)
+        self.outstanding[r] += 1
+        if other is None:
+            self.posted[(key, is_send)] = (r, t)
+            return
+        q, t_other = other
+        done_t = (t if t > t_other else t_other) + xfer
+        self.resolve(key, done_t)
+        for x in (r, q):
+            self.outstanding[x] -= 1
+            if done_t > self.comm_done[x]:
+                self.comm_done[x] = done_t
+            if self.outstanding[x] == 0:
+                self.resolve(("D", x), self.comm_done[x])
+
+    # ------------------------------------------------------------------ in-order queues
+
+    def enqueue(self, r: int, ops: list, t: float) -> None:
+        q = self.queues[r]
+        q.append([ops, len(ops), 0.0])
+        if len(q) == 1:
+            self.activate(r, t)
+
+    def activate(self, r: int, head_time: float) -> None:
+        """Make the unit heading rank r's queue current; chain the completions it allows."""
+        todo = [(r, head_time)]
+        while todo:
+            r, head_time = todo.pop()
+            q = self.queues[r]
+            if not q:
+                continue
+            unit = q[0]
+            for kind, key, post, dur, members in unit[0]:
+                ready = post if post > head_time else head_time
+                if kind == "C":
+                    slot = self.coll_heads.get(key)
+                    if slot is None:
+                        slot = self.coll_heads[key] = [len(members), ready, []]
+                    slot[0] -= 1
+                    if ready > slot[1]:
+                        slot[1] = ready
+                    slot[2].append((r, unit))
+                    if slot[0] == 0:
+                        del self.coll_heads[key]
+                        t = slot[1] + dur
+                        self.resolve(key, t)
+                        for x, u in slot[2]:
+                            self._unit_op_done(x, u, t, todo)
+                    continue
+                side = kind == "S"
+                other = self.at_head.pop((key, not side), None)
+                if other is None:
+                    self.at_head[(key, side)] = (r, unit, ready)
+                    continue
+                x, u, ready_other = other
+                t = (ready if ready > ready_other else ready_other) + dur
+                self.resolve(key, t)
+                self._unit_op_done(r, unit, t, todo)
+                self._unit_op_done(x, u, t, todo)
+
+    def _unit_op_done(self, r: int, unit: list, t: float, todo: list) -> None:
+        unit[1] -= 1
+        if t > unit[2]:
+            unit[2] = t
+        if unit[1] == 0:
+            q = self.queues[r]
+            assert q[0] is unit
+            q.popleft()
+            todo.append((r, unit[2]))
+
+    # ------------------------------------------------------------------ the rank loop
+
+    def advance(self, r: int) -> None:
+        dec = self.dec[r]
+        n = len(dec)
+        pc = self.pc[r]
+        clock = self.clock[r]
+        done = self.done
+        in_order = self.model == IN_ORDER
+        while pc < n:
+            d = dec[pc]
+            code = d[0]
+            if code == _COMPUTE:
+                start = clock
+                for key in d[1]:
+                    t = done.get(key)
+                    if t is None:
+                        self.pc[r], self.clock[r] = pc, clock
+                        self.block(r, key)
+                        return
+                    if t > start:
+                        start = t
+                self.wait[r] += start - clock
+                end = start + d[2]
+                if d[3] >= 0:
+                    self.resolve(d[3], end)
+                if d[4]:
+                    self.in_flight[r] += d[4]
+                    self.in_flight_bytes[r] += d[5]
+                    if d[4] > 0:
+                        if self.in_flight[r] > self.peak[r]:
+                            self.peak[r] = self.in_flight[r]
+                        if self.in_flight_bytes[r] > self.peak_bytes[r]:
+                            self.peak_bytes[r] = self.in_flight_bytes[r]
+                self.compute[r] += d[2]
+                if self.record_events:
+                    self.events.append(Event(r, self.program.ranks[r][pc].text(), start, end))
+                clock = end
+                pc += 1
+            elif code == _SEND or code == _RECV:
+                if not in_order:
+                    self.post_buffered(r, d[1], code == _SEND, d[2], clock)
+                    pc += 1
+                    continue
+                batch = d[3]
+                ops = []
+                while True:
+                    ops.append(("S" if d[0] == _SEND else "R", d[1], clock, d[2], None))
+                    pc += 1
+                    if batch is None or pc >= n:
+                        break
+                    d = dec[pc]
+                    if d[0] not in (_SEND, _RECV) or d[3] != batch:
+                        break
+                self.enqueue(r, ops, clock)
+            else:  # a collective: ALLREDUCE, or the grad-norm collective of OPT
+                is_opt = code == _OPT
+                if not self.arrived[r]:
+                    group, dur = d[1], d[2]
+                    arrive = clock
+                    if is_opt and not in_order:
+                        # the step needs every posted send and receive complete
+                        if self.outstanding[r]:
+                            done.pop(("D", r), None)
+                            self.pc[r], self.clock[r] = pc, clock
+                            self.block(r, ("D", r))
+                            return
+                        arrive = max(clock, self.comm_done[r])
+                    ckey = self.collective_key(r, group)
+                    members = self.members(group, r)
+                    self.arrived[r] = True
+                    self.blocked_on[r] = ckey
+                    if in_order:
+                        self.enqueue(r, [("C", ckey, clock, dur, members)], clock)
+                        if not is_opt:  # an all-reduce does not block the host
+                            self.arrived[r] = False
+                            self.blocked_on[r] = None
+                            if self.record_events:
+                                self.events.append(Event(r, self.program.ranks[r][pc].text(), clock, clock))
+                            pc += 1
+                            continue
+                    else:
+                        slot = self.arrivals.get(ckey)
+                        if slot is None:
+                            slot = self.arrivals[ckey] = [len(members), arrive]
+                        slot[0] -= 1
+                        if arrive > slot[1]:
+                            slot[1] = arrive
+                        if slot[0] == 0:
+                            del self.arrivals[ckey]
+                            self.resolve(ckey, slot[1] + dur)
+                ckey = self.blocked_on[r]
+                t = done.get(ckey)
+                if t is None:
+                    self.pc[r], self.clock[r] = pc, clock
+                    self.block(r, ckey)
+                    return
+                self.arrived[r] = False
+                self.blocked_on[r] = None
+                end = t if t > clock else clock
+                self.wait[r] += end - clock
+                if self.record_events:
+                    self.events.append(Event(r, self.program.ranks[r][pc].text(), clock, end))
+                clock = end
+                pc += 1
+        self.pc[r], self.clock[r] = pc, clock
+        self.blocked_on[r] = None
+
+    def run(self) -> Execution:
+        runnable = self.runnable
+        advance = self.advance
+        while runnable:
+            advance(runnable.popleft())
+        stuck = [r for r in range(self.P) if self.pc[r] < len(self.dec[r])]
+        if self.model == IN_ORDER:
+            leftover = [r for r in range(self.P) if self.queues[r]]
+        else:
+            leftover = [r for r in range(self.P) if self.outstanding[r]]
+        if stuck or leftover:
+            raise Deadlock(self.model, self.explain())
+        ends = self.clock + (self.comm_done if self.model == BUFFERED else [])
+        return Execution(
+            model=self.model,
+            step_time=max(ends, default=0.0),
+            compute=tuple(self.compute),
+            comm_wait=tuple(self.wait),
+            peak_activations=tuple(self.peak),
+            peak_activation_bytes=tuple(self.peak_bytes),
+            events=tuple(self.events),
+        )
+
+    # ------------------------------------------------------------------ deadlock reports
+
+    def explain(self) -> list[str]:
+        """One line per rank of the wait-for cycle (or of every waiting rank if there is none)."""
+        waits: dict[int, tuple[str, int | None]] = {}
+        for r in range(self.P):
+            line, other = self.describe(r)
+            if line is not None:
+                waits[r] = (line, other)
+        cycle = _find_cycle({r: o for r, (_, o) in waits.items() if o is not None})
+        chosen = cycle if cycle else sorted(waits)
+        return [f"rank {r}: {waits[r][0]}" for r in chosen]
+
+    def _text(self, key: int, send: bool) -> tuple[str, int]:
+        """The post of a message key, and the rank at its other end."""
+        kind, src, dst, m = self.keys.describe(key)
+        text = _message_text(kind, src, dst, m, self.placement, send)
+        # the other end: the receiver of a send, the sender of a receive
+        sender = self.placement[src] if kind == "A" else self.placement[dst]
+        receiver = self.placement[dst] if kind == "A" else self.placement[src]
+        return text, (receiver if send else sender)
+
+    def describe(self, r: int) -> tuple[str | None, int | None]:
+        """What rank r waits for, and which rank should provide it."""
+        instrs = self.program.ranks[r]
+        pc = self.pc[r]
+        here = f"{instrs[pc].text()} (instruction {pc})" if pc < len(instrs) else "end of program"
+        if self.model == IN_ORDER and self.queues[r]:
+            for kind, key, _post, _dur, members in self.queues[r][0][0]:
+                if key in self.done:
+                    continue
+                if kind == "C":
+                    arrived = {x for x, _ in self.coll_heads.get(key, [0, 0, []])[2]}
+                    missing = [x for x in members if x not in arrived]
+                    if missing:
+                        return (f"{here} waits; its comm queue is headed by collective {key[1]} #{key[2]}, which "
+                                f"rank {missing[0]} has not reached"), missing[0]
+                    continue
+                send = kind == "S"
+                mine, other = self._text(key, send)
+                theirs, _ = self._text(key, not send)
+                return (f"{here} waits; its comm queue is headed by {mine}, whose "
+                        f"{'receive' if send else 'send'} {theirs} is not at the head of rank {other}'s queue"), other
+        key = self.blocked_on[r]
+        if key is None:
+            if pc >= len(instrs) and self.model == BUFFERED and self.outstanding[r]:
+                for (k, is_send), (x, _t) in self.posted.items():
+                    if x == r:
+                        text, other = self._text(k, is_send)
+                        return f"posted {text}, which rank {other} never matches", other
+            return None, None
+        if isinstance(key, int):
+            kind, a, _b, m = self.keys.describe(key)
+            if kind in ("F", "B"):
+                return f"{here} waits for {kind}{a}.{m}, which comes later on the same rank", r
+            text, sender = self._text(key, False)
+            return f"{here} waits for {text}, which rank {sender} has not sent", sender
+        if key[0] == "C":
+            group = key[1]
+            members = self.members(group, r)
+            waiting = [x for x in members if x != r and self.blocked_on[x] != key]
+            other = waiting[0] if waiting else None
+            name = "OPT's grad-norm collective" if group == OPTIM_GROUP else f"collective {group} #{key[2]}"
+            who = f", which rank {other} has not reached" if other is not None else ""
+            return f"{here} waits in {name}{who}", other
+        for (k, is_send), (x, _t) in self.posted.items():  # ("D", r): waits for its posts
+            if x == r:
+                text, other = self._text(k, is_send)
+                return f"{here} waits for {text} to complete, which rank {other} never matches", other
+        return f"{here} waits for its posted communication to complete", None
+
+
+def _find_cycle(edges: Mapping[int, int]) -> list[int]:
+    """A cycle in the wait-for graph (each rank waits for at most one other)."""
+    if not edges:
+        return []
+    import networkx as nx  # off the fast path: only for deadlock reports
+
+    try:
+        cyc = nx.find_cycle(nx.DiGraph(list(edges.items())))
+    except nx.NetworkXNoCycle:
+        return []
+    return [u for u, _ in cyc]
+
+
+def execute(
+    program: Program,
+    *,
+    placement: Sequence[int],
+    num_microbatches: int,
+    edges: Sequence[Edge],
+    costs: Costs,
+    model: str = BUFFERED,
+    ties: Sequence[Tie] = (),
+    decoded: Decoded | None = None,
+    record_events: bool = True,
+) -> Execution:
+    """Run the event loop; raises :class:`Deadlock` if the program cannot finish."""
+    if model not in MODELS:
+        raise ValueError(f"unknown comm model {model!r}; expected one of {', '.join(MODELS)}")
+    if decoded is None:
+        decoded = decode(program, placement=placement, num_microbatches=num_microbatches, edges=edges, costs=costs)
+    return _Engine(program, decoded, placement, ties, model, record_events).run()

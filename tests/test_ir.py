@@ -1,0 +1,164 @@
+"""The instruction IR: text form and its parser, plan.json round trips and schema errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipec.compiler.ir import Instruction, IRError, Op, Program, parse_instruction, parse_program
+from pipec.compiler.plan import (
+    LIMITS,
+    Cost,
+    Edge,
+    Link,
+    Mesh,
+    Plan,
+    PlanError,
+    Signature,
+    Stage,
+    Tie,
+    load_plan,
+    plan_to_json,
+    read_plan,
+    write_plan,
+)
+from pipec.compiler.timeline import Event, Timeline
+
+TEXT = """0: F0.0 [SA0.0>1@1 RG0.0<1@1] B0.0 AR0:dp AR0:tie.wte OPT
+1: RA1.0<0@0 F1.0 I1.0 [SG1.0>0@0] W1.0 AR1:tie.wte OPT"""
+
+
+def test_text_round_trip():
+    prog = parse_program(TEXT)
+    assert prog.text() == TEXT
+    assert parse_program(prog.text()) == prog
+    assert prog.ranks[0][1] == Instruction(Op.SEND_ACT, 0, 0, to_stage=1, peer=1, batch=0)
+    assert prog.ranks[1][3].batch == 0  # batch ids restart on each rank
+
+
+@pytest.mark.parametrize(
+    "token, ins",
+    [
+        ("F0.3", Instruction(Op.FWD, 0, 3)),
+        ("B12.0", Instruction(Op.BWD, 12, 0)),
+        ("I0.1", Instruction(Op.BWD_I, 0, 1)),
+        ("W0.1", Instruction(Op.BWD_W, 0, 1)),
+        ("SA0.3>1@1", Instruction(Op.SEND_ACT, 0, 3, to_stage=1, peer=1)),
+        ("RA1.3<0@0", Instruction(Op.RECV_ACT, 1, 3, from_stage=0, peer=0)),
+        ("SG1.3>0@0", Instruction(Op.SEND_GRAD, 1, 3, to_stage=0, peer=0)),
+        ("RG0.3<1@1", Instruction(Op.RECV_GRAD, 0, 3, from_stage=1, peer=1)),
+        ("AR0:dp", Instruction(Op.ALLREDUCE, 0, group="dp")),
+        ("AR3:tie.wte.weight", Instruction(Op.ALLREDUCE, 3, group="tie.wte.weight")),
+        ("OPT", Instruction(Op.OPTIM_STEP)),
+    ],
+)
+def test_every_opcode_parses_and_prints(token, ins):
+    assert parse_instruction(token) == ins
+    assert ins.text() == token
+
+
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ("0: F0", "not an instruction: 'F0'"),
+        ("0: SA0.1<1@1", "SA takes '>'"),
+        ("1: F0.0", "expected rank 0"),
+        ("0: [F0.0 SA0.0>1@1]", "only sends and receives can be batched"),
+        ("0: [SA0.0>1@1", "'[' not closed"),
+        ("0: SA0.0>1@1]", "']' without '['"),
+        ("", "empty program"),
+        ("0 F0.0", "expected '<rank>: instructions'"),
+    ],
+)
+def test_text_errors_say_where(text, where):
+    with pytest.raises(IRError, match=None) as e:
+        parse_program(text)
+    assert where in str(e.value)
+
+
+def _plan() -> Plan:
+    sig = Signature("h", (2, 8), "float32")
+    return Plan(
+        mesh=Mesh(pp=2, dp=1),
+        num_stages=2,
+        num_microbatches=1,
+        placement=(0, 1),
+        program=parse_program("0: F0.0 SA0.0>1@1 RG0.0<1@1 B0.0 AR0:tie.w OPT\n1: RA1.0<0@0 F1.0 B1.0 SG1.0>0@0 AR1:tie.w OPT"),
+        stages=(
+            Stage(stage=0, rank=0, nodes=("a",), params=("w",), inputs=(Signature("x", (2, 8), "float32"),),
+                  outputs=(sig,), cost=Cost(fwd=0.5, bwd=1.0, bwd_i=0.5, bwd_w=0.5), activation_bytes=64,
+                  param_bytes=256, num_params=64),
+            Stage(stage=1, rank=1, params=("head.w",), inputs=(sig,), outputs=(Signature("y", (2, 8), "float32"),)),
+        ),
+        edges=(Edge(src_stage=0, dst_stage=1, tensors=(sig,)),),
+        ties=(Tie(name="w", stages=(0, 1), params=("w", "head.w"), num_bytes=256),),
+        links={"pp": Link(latency_s=1e-5, bandwidth_Bps=1e9), "dp": Link(latency_s=2e-5, bandwidth_Bps=2e9)},
+        spec={"schedule": "1f1b", "pp": 2},
+        model={"target": "m:f", "kwargs": {}, "trace": "fx", "fingerprint": "abc"},
+        prediction=Timeline.build(step_time=4.0, busy={0: (3.0, 0.5), 1: (2.0, 1.0)},
+                                  events=[Event(0, "F0.0", 0.0, 1.0)], peak_activations={0: 1, 1: 1}),
+        pipec_version="0.1.0",
+    )
+
+
+def test_plan_json_round_trip(tmp_path):
+    plan = _plan()
+    path = tmp_path / "plan.json"
+    write_plan(plan, str(path))
+    back = read_plan(str(path))
+    assert back == plan
+    assert plan_to_json(back) == json.loads(path.read_text())
+
+
+def _corrupt(path, mutate):
+    obj = plan_to_json(_plan())
+    mutate(obj)
+    path.write_text(json.dumps(obj))
+    return path
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda o: o.update(format="pipec.plan/9"), "plan.format: expected 'pipec.plan/1'"),
+        (lambda o: o["mesh"].update(pp="two"), "plan.mesh.pp: expected an integer"),
+        (lambda o: o.pop("num_stages"), "plan.num_stages: required field is missing"),
+        (lambda o: o["ranks"][1]["instructions"][0].update(peer=7), "plan.ranks[1].instructions[0].peer: expected an integer in 0..1"),
+        (lambda o: o["ranks"][0]["instructions"][2].update(op="JUMP"), "plan.ranks[0].instructions[2].op: unknown opcode 'JUMP'"),
+        (lambda o: o["ranks"][0]["instructions"][0].update(microbatch=-1), "plan.ranks[0].instructions[0].microbatch"),
+        (lambda o: o["ranks"][0]["instructions"][0].update(group="dp"), "FWD takes no field 'group'"),
+        (lambda o: o["ranks"][0]["instructions"][4].update(group="world"), ".group: expected 'dp' or 'tie.<name>'"),
+        (lambda o: o["stages"][1].update(rank=0), "plan.stages[1].rank: expected 1 (placement[1])"),
+        (lambda o: o["stages"][0]["cost"].update(fwd=-1), "plan.stages[0].cost.fwd"),
+        (lambda o: o["edges"][0]["tensors"][0].update(shape=[2, "x"]), "plan.edges[0].tensors[0].shape[1]"),
+        (lambda o: o.update(placement=[0]), "plan.placement: expected one pp rank per stage"),
+        (lambda o: o["ranks"].pop(), "plan.ranks: expected 2 ranks"),
+        (lambda o: o["prediction"].update(step_time="x"), "plan.prediction.step_time: expected a number"),
+        (lambda o: o["mesh"].update(pp=LIMITS["pp"] + 1), "beyond pipec's limit of 4096"),
+        (lambda o: o.update(num_microbatches=70000), "70000 microbatches is beyond pipec's limit of 65536"),
+    ],
+)
+def test_schema_errors_name_the_field(tmp_path, mutate, message):
+    path = _corrupt(tmp_path / "bad.json", mutate)
+    with pytest.raises(PlanError) as e:
+        read_plan(str(path))
+    assert message in str(e.value)
+    assert str(path) in str(e.value)
+
+
+def test_unreadable_files(tmp_path):
+    with pytest.raises(PlanError, match="cannot read plan"):
+        read_plan(str(tmp_path / "missing.json"))
+    (tmp_path / "x.json").write_text("{not json")
+    with pytest.raises(PlanError, match="not a JSON file"):
+        read_plan(str(tmp_path / "x.json"))
+    with pytest.raises(PlanError, match="expected an object"):
+        load_plan([1, 2])
+
+
+def test_program_counts():
+    prog = parse_program(TEXT)
+    assert isinstance(prog, Program)
+    assert prog.num_ranks == 2
+    assert prog.num_instructions == sum(len(r) for r in prog.ranks)
