@@ -12,7 +12,6 @@ import csv
 import io
 import subprocess
 import sys
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -87,7 +86,7 @@ def lowered(order: ComputeOrder, dp: int = 1) -> Program:
 
 
 def unbatched(program: Program) -> Program:
-    return Program(tuple(tuple(replace(i, batch=None) for i in r) for r in program.ranks))
+    return Program(tuple(tuple(i._replace(batch=None) for i in r) for r in program.ranks))
 
 
 def torch_order(actions: dict) -> list[list[str]]:
