@@ -1,0 +1,309 @@
+"""Stage costs (seconds per microbatch) and the per-node weights the balancer uses.
+
+Sources, most trusted first (DESIGN, *Cost model*):
+
+- ``profile``: each stage runs here on real tensors of the plan's microbatch
+  shape, with the thread count each rank will run with; forward, input
+  backward (``autograd.grad`` w.r.t. the stage inputs) and full backward are
+  timed, a few repetitions after a warm-up, and the median kept; weight
+  backward = full - input backward.
+- ``flops``: forward FLOPs from ``torch.utils.flop_counter`` at a device peak.
+  Backward: a node that uses parameters (a linear layer) costs its forward
+  FLOPs once for the input gradient and once for the weight gradient; any other
+  node (attention's matmuls) twice its forward FLOPs, all input gradient.
+- ``unit``: F=1, B=2, I=W=1.
+
+With recompute on for a stage, the forward is run again before the backward:
+input backward (and so the full backward) gains one forward, and the saved
+activations shrink to the stage's inputs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.fx import Interpreter, Node
+
+from pipec.compiler.partition import Cuts, Split, _nbytes, _tensor_meta
+from pipec.compiler.plan import UNIT_COST, Cost
+from pipec.compiler.trace import FrontendError, Traced, example_inputs, instantiate, to_dtype, trace_model
+
+__all__ = [
+    "COST_SOURCES",
+    "StageCost",
+    "node_weights",
+    "stage_flops",
+    "stage_activation_bytes",
+    "stage_costs",
+    "with_recompute",
+    "time_nodes",
+]
+
+COST_SOURCES = ("unit", "flops", "profile")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageCost:
+    """What the cost pass knows of one stage (per microbatch)."""
+
+    cost: Cost
+    activation_bytes: int
+    """Saved for backward (with recompute: the stage's inputs)."""
+    full_activation_bytes: int
+    """Saved for backward without recompute: what a recomputed stage holds during its backward."""
+    flops: tuple[int, int, int]
+    """Forward, input-backward and weight-backward FLOPs."""
+
+
+def _param_nodes(traced: Traced) -> set[Node]:
+    """Compute nodes that use a parameter (the weight-gradient side of the backward)."""
+    params = {id(p) for p in traced.param_of.values()}
+    out = set()
+    for node in traced.gm.graph.nodes:
+        if node.op == "call_module":
+            if any(True for _ in traced.gm.get_submodule(str(node.target)).parameters()):
+                out.add(node)
+        elif node.op == "get_attr":
+            obj: Any = traced.gm
+            for part in str(node.target).split("."):
+                obj = getattr(obj, part)
+            if id(obj) in params:
+                out.update(node.users)
+    return out
+
+
+def _node_flops(traced: Traced, nodes: Sequence[Node]) -> tuple[int, int, int]:
+    with_params = _param_nodes(traced)
+    fwd = bwd_i = bwd_w = 0
+    for n in nodes:
+        f = int(n.meta.get("pipec_flops", 0))
+        fwd += f
+        if n in with_params:
+            bwd_i += f
+            bwd_w += f
+        else:
+            bwd_i += 2 * f
+    return fwd, bwd_i, bwd_w
+
+
+def _stage_nodes(split: Split, s: int) -> list[Node]:
+    by_name = {n.name: n for n in split.traced.gm.graph.nodes}
+    return [by_name[name] for name in split.parts[s].nodes]
+
+
+def stage_flops(split: Split, s: int) -> tuple[int, int, int]:
+    """Forward, input-backward and weight-backward FLOPs of stage ``s`` per microbatch."""
+    return _node_flops(split.traced, _stage_nodes(split, s))
+
+
+def stage_activation_bytes(split: Split, s: int) -> int:
+    """Bytes autograd saves in stage ``s`` per microbatch, plus the outputs it keeps for its backward."""
+    saved: dict[int, int] = {}
+    for n in _stage_nodes(split, s):
+        for key, nbytes in n.meta.get("pipec_saved", ()):
+            saved[key] = nbytes
+    by_name = {n.name: n for n in split.graph_module.graph.nodes}
+    for sig in split.parts[s].outputs:
+        key, nbytes = by_name[sig.name].meta.get("pipec_storage", (("out", sig.name), sig.num_bytes))
+        saved[key] = nbytes
+    return sum(saved.values())
+
+
+def with_recompute(cost: Cost) -> Cost:
+    """The stage's forward runs again before its backward."""
+    return Cost(fwd=cost.fwd, bwd=cost.bwd + cost.fwd, bwd_i=cost.bwd_i + cost.fwd, bwd_w=cost.bwd_w)
+
+
+# ----------------------------------------------------------------------------- balancer weights
+
+
+def node_weights(traced: Traced, cuts: Cuts, by: str, *, times: Mapping[str, float] | None = None,
+                 bytes_per_param: int = 16) -> list[float]:
+    """One weight per node of ``cuts.nodes`` for ``balanced(by=...)``.
+
+    ``params``: parameters first used by the node; ``flops``: forward FLOPs;
+    ``time``: measured forward seconds (``times``, from :func:`time_nodes`);
+    ``memory``: ``bytes_per_param`` x first-used parameters plus the bytes
+    the node saves for backward.
+    """
+    if by == "flops":
+        return [float(n.meta.get("pipec_flops", 0)) for n in cuts.nodes]
+    if by == "time":
+        assert times is not None
+        return [times.get(n.name, 0.0) for n in cuts.nodes]
+    first_use = _first_use_params(traced, cuts)
+    if by == "params":
+        return [float(first_use.get(n, 0)) for n in cuts.nodes]
+    if by == "memory":
+        return [
+            float(bytes_per_param * first_use.get(n, 0) + sum(b for _, b in n.meta.get("pipec_saved", ())))
+            for n in cuts.nodes
+        ]
+    raise FrontendError(f"balanced(by=...) must be one of params, flops, time, memory, got {by!r}")
+
+
+def _first_use_params(traced: Traced, cuts: Cuts) -> dict[Node, int]:
+    canon_by_id = {id(p): c for c, p in traced.param_of.items()}
+    seen: set[str] = set()
+    out: dict[Node, int] = {}
+    for n in cuts.nodes:
+        found: list[nn.Parameter] = []
+        if n.op == "call_module":
+            found.extend(traced.gm.get_submodule(str(n.target)).parameters())
+        for a in n.all_input_nodes:
+            if a.op == "get_attr":
+                obj: Any = traced.gm
+                for part in str(a.target).split("."):
+                    obj = getattr(obj, part)
+                if isinstance(obj, nn.Parameter):
+                    found.append(obj)
+        for p in found:
+            c = canon_by_id.get(id(p))
+            if c is not None and c not in seen:
+                seen.add(c)
+                out[n] = out.get(n, 0) + p.numel()
+    return out
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+class _NodeTimer(Interpreter):
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.times: dict[str, float] = {}
+
+    def run_node(self, n: Node) -> Any:
+        t0 = time.perf_counter()
+        out = super().run_node(n)
+        self.times[n.name] = time.perf_counter() - t0
+        return out
+
+
+def _threads(num: int) -> Callable[[], None]:
+    old = torch.get_num_threads()
+    torch.set_num_threads(max(1, num))
+    return lambda: torch.set_num_threads(old)
+
+
+def time_nodes(traced: Traced, target: str, kwargs: Mapping[str, Any], *, threads: int = 1, reps: int = 3) -> dict[str, float]:
+    """Median forward seconds of every node, on a real CPU copy of the model (it must fit in memory)."""
+    model, _ = instantiate(target, kwargs, mode="cpu", seed=0)
+    example = example_inputs(traced.inputs, device="cpu")
+    real = trace_model(model, traced.inputs, example, mode=traced.path)
+    if real.fingerprint != traced.fingerprint:
+        raise FrontendError("balanced(by=time): the model traces differently on CPU than on meta; balance by flops instead")
+    restore = _threads(threads)
+    try:
+        runs: dict[str, list[float]] = {}
+        args = [example[n.target] for n in real.gm.graph.nodes if n.op == "placeholder"]
+        for rep in range(reps + 1):
+            timer = _NodeTimer(real.gm)
+            timer.run(*args)
+            if rep:
+                for k, v in timer.times.items():
+                    runs.setdefault(k, []).append(v)
+    finally:
+        restore()
+    return {k: statistics.median(v) for k, v in runs.items()}
+
+
+def _random_inputs(sigs: Sequence[Any]) -> list[torch.Tensor]:
+    out = []
+    for sig in sigs:
+        dt = to_dtype(sig.dtype)
+        if dt.is_floating_point:
+            out.append(torch.randn(sig.shape, dtype=dt).requires_grad_())
+        else:
+            out.append(torch.zeros(sig.shape, dtype=dt))
+    return out
+
+
+def _profile_stage(mod: nn.Module, sigs: Sequence[Any], reps: int, autocast: str | None) -> Cost:
+    inputs = _random_inputs(sigs)
+    float_inputs = [x for x in inputs if x.requires_grad]
+    params = [p for p in mod.parameters() if p.requires_grad]
+    fwd_t, bi_t, b_t = [], [], []
+    for rep in range(reps + 1):
+        ctx = torch.autocast("cpu", dtype=to_dtype(autocast)) if autocast else torch.autocast("cpu", enabled=False)
+        t0 = time.perf_counter()
+        with ctx:
+            outs = [o for o in mod(*inputs) if o.requires_grad]
+        t1 = time.perf_counter()
+        grads = [torch.randn_like(o) for o in outs]
+        t2 = time.perf_counter()
+        if float_inputs and outs:
+            torch.autograd.grad(outs, float_inputs, grads, retain_graph=True)
+        t3 = time.perf_counter()
+        if outs:
+            torch.autograd.grad(outs, float_inputs + params, grads)
+        t4 = time.perf_counter()
+        if rep:
+            fwd_t.append(t1 - t0)
+            bi_t.append(t3 - t2)
+            b_t.append(t4 - t3)
+    fwd, bwd_i, bwd = (statistics.median(x) for x in (fwd_t, bi_t, b_t))
+    bwd_i = min(bwd_i, bwd)
+    return Cost(fwd=fwd, bwd=bwd, bwd_i=bwd_i, bwd_w=bwd - bwd_i)
+
+
+def stage_costs(
+    split: Split,
+    source: str,
+    *,
+    recompute: frozenset[int] = frozenset(),
+    peak_flops: float | None = None,
+    threads: int = 1,
+    reps: int = 3,
+    autocast: str | None = None,
+    target: str = "",
+    kwargs: Mapping[str, Any] | None = None,
+) -> tuple[StageCost, ...]:
+    """Costs and activation bytes of every stage of ``split`` from ``source`` (``unit``/``flops``/``profile``)."""
+    if source not in COST_SOURCES:
+        raise FrontendError(f"costs must be one of {', '.join(COST_SOURCES)}, got {source!r}")
+    num = split.num_stages
+    flops = [stage_flops(split, s) for s in range(num)]
+    if source == "unit":
+        base = [UNIT_COST] * num
+    elif source == "flops":
+        if not peak_flops or peak_flops <= 0:
+            raise FrontendError(
+                "costs flops converts FLOPs to seconds at a device peak, but peak_flops is not set; "
+                "set peak_flops (e.g. peak_flops 989e12 for an H100 in bf16) or use costs profile"
+            )
+        base = [Cost(fwd=f / peak_flops, bwd=(i + w) / peak_flops, bwd_i=i / peak_flops, bwd_w=w / peak_flops) for f, i, w in flops]
+    else:
+        base = _profile(split, threads=threads, reps=reps, autocast=autocast, target=target, kwargs=kwargs or {})
+    out = []
+    for s in range(num):
+        full = stage_activation_bytes(split, s)
+        if s in recompute:
+            cost, act = with_recompute(base[s]), sum(x.num_bytes for x in split.parts[s].inputs)
+        else:
+            cost, act = base[s], full
+        out.append(StageCost(cost=cost, activation_bytes=act, full_activation_bytes=full, flops=flops[s]))
+    return tuple(out)
+
+
+def _profile(split: Split, *, threads: int, reps: int, autocast: str | None, target: str, kwargs: Mapping[str, Any]) -> list[Cost]:
+    from pipec.compiler.stages import materialize  # costs -> stages -> partition; imported late to keep layers clear
+
+    _, buffers = instantiate(target, kwargs, mode="skeleton")
+    gen = torch.Generator().manual_seed(0)
+    values = {c: (torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype) for c, p in split.traced.param_of.items()}
+    restore = _threads(threads)
+    try:
+        costs = []
+        for s in range(split.num_stages):
+            mod = materialize(split, s, {c: values[c] for c in split.parts[s].params}, buffers, "cpu")
+            costs.append(_profile_stage(mod, split.parts[s].inputs, reps, autocast))
+            del mod
+    finally:
+        restore()
+    return costs

@@ -1,0 +1,147 @@
+"""The model front end's one entry point: :func:`build_stage_graph`.
+
+The driver resolves the schedule file's model keys into a
+:class:`ModelRequest`; this runs the front end's passes in order and returns
+the :class:`~pipec.compiler.graph.StageGraph` that becomes plan.json's
+``model``, ``stages``, ``edges`` and ``ties``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from pipec.compiler import costs as costs_pass
+from pipec.compiler.graph import StageGraph, make_graph
+from pipec.compiler.partition import Balanced, Markers, SplitBefore, analyse_cuts, assign_stages, split_graph
+from pipec.compiler.plan import Stage
+from pipec.compiler.trace import FrontendError, InputSpec, example_inputs, instantiate, propagate, to_dtype, trace_model
+
+__all__ = ["ModelRequest", "InputSpec", "SplitBefore", "Balanced", "Markers", "FrontendError", "microbatch_inputs", "build_stage_graph"]
+
+_AUTOCAST = ("bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelRequest:
+    """What the driver passes, from the resolved schedule-file keys."""
+
+    target: str
+    """``"pkg.module:factory"`` (key ``model``)."""
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Factory arguments (key ``model_args``)."""
+    inputs: tuple[InputSpec, ...]
+    """One dp replica's batch (key ``input``); dim 0 is split into microbatches."""
+    num_microbatches: int
+    num_stages: int
+    partition: SplitBefore | Balanced | Markers | None = None
+    """``None``: the model's ``pipe_split()`` markers if it has any, else ``Balanced("flops")``."""
+    costs: str = "flops"
+    """``unit`` | ``flops`` | ``profile``."""
+    trace: str = "auto"
+    """``auto`` | ``fx`` | ``export``."""
+    recompute: bool | frozenset[int] = False
+    """``True`` for every stage, or the set of stages that recompute."""
+    dtype: str = "float32"
+    """``bfloat16``/``float16``: the runtime's autocast; signatures and sizes are traced under it."""
+    peak_flops: float | None = None
+    """FLOP/s of one device, for ``costs flops``."""
+    threads_per_rank: int = 1
+    """Threads each rank runs with, for ``costs profile`` and ``balanced(by=time)``."""
+    profile_reps: int = 3
+
+
+def microbatch_inputs(req: ModelRequest) -> tuple[InputSpec, ...]:
+    """The inputs of one microbatch: dim 0 divided by ``num_microbatches``."""
+    if req.num_microbatches < 1:
+        raise FrontendError(f"microbatches must be at least 1, got {req.num_microbatches}")
+    if not req.inputs:
+        raise FrontendError("a model needs at least one input, e.g. input tokens: int64[16, 128]")
+    out = []
+    for spec in req.inputs:
+        if not spec.shape:
+            raise FrontendError(f"input {spec.name!r} needs a batch dimension (dim 0), got a scalar")
+        batch = spec.shape[0]
+        if batch % req.num_microbatches:
+            raise FrontendError(
+                f"input {spec.name!r} has batch {batch} (dim 0), which {req.num_microbatches} microbatches do not divide; "
+                f"use a batch that is a multiple of {req.num_microbatches} or a microbatch count dividing {batch}"
+            )
+        to_dtype(spec.dtype, f"input {spec.name!r}'s dtype")
+        out.append(InputSpec(spec.name, spec.dtype, (batch // req.num_microbatches, *spec.shape[1:])))
+    return tuple(out)
+
+
+def _recompute_set(req: ModelRequest) -> frozenset[int]:
+    if req.recompute is True:
+        return frozenset(range(req.num_stages))
+    if not req.recompute:
+        return frozenset()
+    bad = sorted(s for s in req.recompute if not 0 <= s < req.num_stages)
+    if bad:
+        raise FrontendError(f"recompute names stage {bad[0]}, but stages are 0..{req.num_stages - 1}")
+    return frozenset(req.recompute)
+
+
+def build_stage_graph(req: ModelRequest, *, placement: Sequence[int] | None = None) -> StageGraph:
+    """Trace, partition and cost the model of ``req``; stages get ranks from ``placement`` if given."""
+    inputs = microbatch_inputs(req)
+    recompute = _recompute_set(req)
+    if req.dtype not in ("float32", *_AUTOCAST):
+        raise FrontendError(f"dtype must be float32, bfloat16 or float16, got {req.dtype!r}")
+    autocast = req.dtype if req.dtype in _AUTOCAST else None
+    # 1. build the model with no real memory: meta, or fake CPU tensors when autocast decides dtypes
+    fake_mode = FakeTensorMode() if autocast else None
+    model, _ = instantiate(req.target, req.kwargs, mode="fake" if fake_mode else "meta", fake_mode=fake_mode)
+    with fake_mode if fake_mode else contextlib.nullcontext():
+        example = example_inputs(inputs, device="cpu" if fake_mode else "meta")
+    # 2. trace (fx, or torch.export where fx cannot or would hide layers a split point names)
+    paths = req.partition.paths if isinstance(req.partition, SplitBefore) else ()
+    traced = trace_model(model, inputs, example, mode=req.trace, split_paths=paths)
+    # 3. shapes, dtypes, FLOPs and saved bytes on every node
+    propagate(traced, example, fake_mode=fake_mode, autocast=autocast)
+    # 4. where cuts can go, and the partition
+    cuts = analyse_cuts(traced)
+    weights = None
+    if isinstance(req.partition, Balanced) or (req.partition is None and not cuts.marker_cuts):
+        by = req.partition.by if isinstance(req.partition, Balanced) else "flops"
+        times = costs_pass.time_nodes(traced, req.target, req.kwargs, threads=req.threads_per_rank) if by == "time" else None
+        weights = costs_pass.node_weights(traced, cuts, by, times=times)
+    stage_of = assign_stages(traced, cuts, req.partition, req.num_stages, weights)
+    # 5. split with torch.fx split_module: stage inputs/outputs, skip edges, tie groups
+    split = split_graph(traced, stage_of, req.num_stages)
+    # 6. costs and saved activations per stage
+    stage_costs = costs_pass.stage_costs(
+        split, req.costs, recompute=recompute, peak_flops=req.peak_flops, threads=req.threads_per_rank,
+        reps=req.profile_reps, autocast=autocast, target=req.target, kwargs=req.kwargs,
+    )
+    ranks = list(placement) if placement is not None else [-1] * req.num_stages
+    if len(ranks) != req.num_stages:
+        raise FrontendError(f"placement needs one pp rank per stage ({req.num_stages}), got {len(ranks)}")
+    stages = tuple(
+        Stage(
+            stage=p.stage, rank=int(ranks[p.stage]), nodes=p.nodes, params=p.params, inputs=p.inputs, outputs=p.outputs,
+            cost=c.cost, activation_bytes=c.activation_bytes, param_bytes=p.param_bytes, num_params=p.num_params,
+        )
+        for p, c in zip(split.parts, stage_costs)
+    )
+    model_d = {
+        "target": req.target,
+        "kwargs": dict(req.kwargs),
+        "trace": traced.path,
+        "fingerprint": traced.fingerprint,
+        "fingerprint_parts": dict(traced.fingerprint_parts),
+        "inputs": [{"name": s.name, "shape": list(s.shape), "dtype": s.dtype} for s in inputs],
+        "traced_on": "fake" if fake_mode else "meta",
+    }
+    notes = (f"trace: auto fell back to torch.export: {traced.fallback}",) if traced.fallback else ()
+    return StageGraph(
+        model=model_d, stages=stages, edges=split.edges, ties=split.ties,
+        graph=make_graph(stages, split.edges, split.ties), recompute=recompute,
+        full_activation_bytes=tuple(c.full_activation_bytes for c in stage_costs),
+        flops=tuple(c.flops for c in stage_costs), notes=notes,
+    )
+

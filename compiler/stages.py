@@ -1,0 +1,361 @@
+"""Runnable stage modules for the runtime, rebuilt from a plan.
+
+:func:`build_stages` re-traces the model a plan names (on the meta device),
+checks the fingerprint and names the part that differs, splits the graph
+exactly as the plan's stages record it (their node names), and materialises
+only the requested stages: no process ever holds another stage's parameters.
+
+Initialisation (DESIGN, *Runtime*), so weights do not depend on the partition
+and equal :func:`build_reference`'s for the same seed:
+
+- ``module``: each module that owns a parameter's canonical name is
+  materialised alone and initialised by its own ``reset_parameters()`` (for
+  Hugging Face models without one, the model's ``_init_weights(module)``)
+  with the CPU generator seeded from ``(seed, canonical module name)``.
+- ``exact``: the whole model is built on CPU by its factory after
+  ``torch.manual_seed(seed)``; each stage keeps its part (small models).
+
+Tied copies start equal (one canonical name, one value). Buffers come from a
+real CPU construction with parameters on meta, so a causal mask computed in
+``__init__`` is right.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx import GraphModule
+from torch.utils._pytree import tree_leaves
+
+from pipec.compiler.partition import Split, split_graph
+from pipec.compiler.plan import Plan
+from pipec.compiler.trace import (
+    FrontendError,
+    InputSpec,
+    Traced,
+    example_inputs,
+    instantiate,
+    propagate,
+    trace_model,
+)
+
+__all__ = ["INIT_MODES", "StageModule", "ReferenceModule", "build_stages", "build_reference", "materialize", "initial_values", "module_seed"]
+
+INIT_MODES = ("module", "exact")
+
+
+class StageModule(GraphModule):
+    """One pipeline stage: ``forward(*inputs)`` returns a tuple of its outputs.
+
+    Inputs and outputs follow the plan's ``stages[s].inputs`` / ``.outputs``
+    order; the last stage returns the model's outputs (flattened). Parameters
+    keep the model's attribute paths (``blocks.4.attn.qkv.weight``);
+    :meth:`canonical_params` maps canonical names (a tied weight's first name
+    in module order) to this stage's parameters.
+    """
+
+    def __init__(self, root: nn.Module, graph: torch.fx.Graph, *, stage: int, input_names: tuple[str, ...],
+                 output_names: tuple[str, ...], canonical: Mapping[str, str], param_order: tuple[str, ...]) -> None:
+        super().__init__(root, graph, f"Stage{stage}")
+        self.param_order = param_order
+        self.stage = stage
+        self.input_names = input_names
+        self.output_names = output_names
+        self.canonical = dict(canonical)
+        """Local parameter name -> canonical name."""
+
+    def canonical_params(self) -> dict[str, nn.Parameter]:
+        """Canonical name -> parameter, in the model's parameter order."""
+        out: dict[str, nn.Parameter] = {}
+        for name, p in self.named_parameters(remove_duplicate=False):
+            out.setdefault(self.canonical[name], p)
+        return {c: out[c] for c in self.param_order}
+
+
+class ReferenceModule(nn.Module):
+    """The unpartitioned model: ``forward(*inputs)`` returns its outputs as the last stage does."""
+
+    def __init__(self, model: nn.Module, input_names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.model = model
+        self.input_names = input_names
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.model(**dict(zip(self.input_names, inputs)))
+        return tuple(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+
+    def canonical_params(self) -> dict[str, nn.Parameter]:
+        return dict(self.model.named_parameters())
+
+
+# ----------------------------------------------------------------------------- initial values
+
+
+def module_seed(seed: int, module_name: str) -> int:
+    """The generator seed of one module under ``init module``."""
+    digest = hashlib.sha256(f"{seed}:{module_name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _owner(name: str) -> tuple[str, str]:
+    mod, _, attr = name.rpartition(".")
+    return mod, attr
+
+
+def _module_init(target: str, kwargs: Mapping[str, Any], needed: Iterable[str], seed: int) -> dict[str, torch.Tensor]:
+    scratch, _ = instantiate(target, kwargs, mode="meta")
+    canonical = dict(scratch.named_parameters())
+    needed = set(needed)
+    owners = {_owner(n)[0] for n in needed}
+    values: dict[str, torch.Tensor] = {}
+    init_weights = getattr(scratch, "_init_weights", None)
+    for mod_name, mod in scratch.named_modules():
+        if mod_name not in owners:
+            continue
+        mod.to_empty(device="cpu", recurse=False)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(module_seed(seed, mod_name))
+            reset = getattr(mod, "reset_parameters", None) or getattr(mod, "_reset_parameters", None)
+            if callable(reset):
+                reset()
+            elif callable(init_weights):
+                init_weights(mod)
+            else:
+                raise FrontendError(
+                    f"init module: module {mod_name!r} ({type(mod).__name__}) owns parameters but has no "
+                    "reset_parameters(); give it one, or use init exact"
+                )
+        for key, p in mod._parameters.items():
+            name = f"{mod_name}.{key}" if mod_name else key
+            if p is not None and name in needed:
+                if p.device.type == "meta":
+                    raise FrontendError(f"init module: {type(mod).__name__}.reset_parameters() left {name!r} uninitialised; use init exact")
+                values[name] = p.detach().clone()
+    missing = needed - set(values)
+    assert not missing, sorted(missing)[:3]
+    del canonical
+    return values
+
+
+def initial_values(target: str, kwargs: Mapping[str, Any], needed: Iterable[str], *, seed: int, init: str
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """Initial values of the ``needed`` canonical parameters, and (``exact``) all buffers."""
+    if init == "module":
+        return _module_init(target, kwargs, needed, seed), None
+    if init == "exact":
+        model, _ = instantiate(target, kwargs, mode="cpu", seed=seed)
+        params = dict(model.named_parameters())
+        return {n: params[n].detach() for n in needed}, {n: b for n, b in model.named_buffers(remove_duplicate=False)}
+    raise FrontendError(f"init must be one of {', '.join(INIT_MODES)}, got {init!r}")
+
+
+# ----------------------------------------------------------------------------- materialising
+
+
+def _retarget(gm: GraphModule, device: torch.device, traced_on: str) -> None:
+    """Devices baked into the graph at trace time (meta, or cpu under fake tensors) become ``device``."""
+
+    def fix(a: Any) -> Any:
+        if isinstance(a, torch.device) and a.type == traced_on:
+            return device
+        if isinstance(a, (tuple, list)):
+            return type(a)(fix(x) for x in a)
+        return a
+
+    for node in gm.graph.nodes:
+        node.args = tuple(fix(a) for a in node.args)
+        node.kwargs = {k: fix(v) for k, v in node.kwargs.items()}
+
+
+def _clone_tree(mod: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
+    """A copy of ``mod``'s module tree whose parameter and buffer slots can be refilled
+    without touching the original (tensors are not copied)."""
+    if id(mod) in memo:
+        return memo[id(mod)]
+    new = copy.copy(mod)
+    memo[id(mod)] = new
+    new._parameters = dict(mod._parameters)
+    new._buffers = dict(mod._buffers)
+    new._modules = {k: None if v is None else _clone_tree(v, memo) for k, v in mod._modules.items()}
+    return new
+
+
+def _resolve(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def materialize(split: Split, s: int, values: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
+                device: str | torch.device = "cpu", *, traced_on: str = "meta") -> StageModule:
+    """Stage ``s`` of ``split`` with real parameters (``values`` by canonical name) and buffers (by name).
+
+    The traced model's modules are not modified: the stage gets a copy of each
+    module tree it calls, refilled with fresh tensors on ``device``.
+    """
+    device = torch.device(device)
+    part = split.parts[s]
+    graph = split.stage_graph(s)
+    canon_by_id = {id(p): c for c, p in split.traced.param_of.items()}
+    fresh: dict[str, nn.Parameter] = {}
+    canonical: dict[str, str] = {}
+
+    def param(p: nn.Parameter, local: str) -> nn.Parameter:
+        canon = canon_by_id[id(p)]
+        canonical[local] = canon
+        if canon not in fresh:
+            fresh[canon] = nn.Parameter(values[canon].to(device, copy=True), requires_grad=p.requires_grad)
+        return fresh[canon]
+
+    def buffer(name: str) -> torch.Tensor:
+        if name not in buffers:
+            raise FrontendError(f"stage {s}: buffer {name!r} has no value; register the model's buffers in __init__")
+        return buffers[name].to(device, copy=True)
+
+    memo: dict[int, nn.Module] = {}
+    attrs: dict[str, Any] = {}
+    for node in graph.nodes:
+        if node.op not in ("call_module", "get_attr") or node.target in attrs:
+            continue
+        target = str(node.target)
+        obj = _resolve(split.traced.gm, target)
+        if isinstance(obj, nn.Module):
+            root = _clone_tree(obj, memo)
+            for mod_name, mod in root.named_modules(prefix=target, remove_duplicate=False):
+                for key, p in list(mod._parameters.items()):
+                    if p is not None:
+                        mod._parameters[key] = param(p, f"{mod_name}.{key}")
+                for key, b in list(mod._buffers.items()):
+                    if b is not None:
+                        mod._buffers[key] = buffer(f"{mod_name}.{key}")
+                for key, v in list(vars(mod).items()):
+                    if isinstance(v, torch.Tensor) and (v.device.type == "meta" or isinstance(v, FakeTensor)):
+                        raise FrontendError(
+                            f"stage {s}: {type(mod).__name__} attribute {mod_name}.{key} is a tensor that is neither a "
+                            "parameter nor a buffer, so it has no value here; register it as a buffer"
+                        )
+            attrs[target] = root
+        elif isinstance(obj, nn.Parameter):
+            attrs[target] = param(obj, target)
+        elif isinstance(obj, torch.Tensor):
+            attrs[target] = buffer(target)
+        else:
+            attrs[target] = obj
+    assert set(fresh) == set(part.params), (sorted(fresh), part.params)
+    mod = StageModule(
+        attrs, graph, stage=s, input_names=tuple(x.name for x in part.inputs),
+        output_names=tuple(x.name for x in part.outputs), canonical=canonical, param_order=part.params,
+    )
+    _retarget(mod, device, traced_on)
+    mod.recompile()
+    return mod
+
+
+# ----------------------------------------------------------------------------- from a plan
+
+
+def _plan_inputs(plan: Plan) -> tuple[InputSpec, ...]:
+    model = plan.model
+    if not model:
+        raise FrontendError("this plan names no model (a schedule-only plan); run it with --emulate, or compile it with a model")
+    raw = model.get("inputs")
+    if not raw:
+        raise FrontendError("the plan's model has no inputs; re-compile it with this pipec")
+    return tuple(InputSpec(str(i["name"]), str(i["dtype"]), tuple(int(d) for d in i["shape"])) for i in raw)
+
+
+def _retrace(plan: Plan) -> tuple[Traced, dict[str, torch.Tensor], str]:
+    """Trace the plan's model as the compiler did; returns it, real buffers, and the device traced on."""
+    model_d = plan.model or {}
+    inputs = _plan_inputs(plan)
+    target, kwargs = str(model_d["target"]), dict(model_d.get("kwargs") or {})
+    skeleton, buffers = instantiate(target, kwargs, mode="skeleton")
+    if model_d.get("traced_on") == "fake":
+        fake_mode = FakeTensorMode()
+        model, _ = instantiate(target, kwargs, mode="fake", fake_mode=fake_mode)
+        with fake_mode:
+            example = example_inputs(inputs, device="cpu")
+        traced_on = "cpu"
+    else:
+        fake_mode, model, traced_on = None, skeleton, "meta"
+        example = example_inputs(inputs)
+    traced = trace_model(model, inputs, example, mode=str(model_d.get("trace", "auto")))
+    _check_fingerprint(plan, traced)
+    propagate(traced, example, fake_mode=fake_mode)
+    return traced, buffers, traced_on
+
+
+def _check_fingerprint(plan: Plan, traced: Traced) -> None:
+    model_d = plan.model or {}
+    if model_d.get("fingerprint") == traced.fingerprint:
+        return
+    parts = model_d.get("fingerprint_parts") or {}
+    names = {"trace": "trace path", "torch": "torch version (major.minor)", "graph": "traced graph", "params": "parameters (names, shapes, dtypes)"}
+    differ = [k for k in ("trace", "torch", "graph", "params") if parts.get(k) != traced.fingerprint_parts[k]]
+    detail = "; ".join(
+        f"{names[k]}: plan {parts.get(k)!s:.16} here {traced.fingerprint_parts[k]:.16}" for k in differ
+    ) or "the plan records no parts"
+    raise FrontendError(
+        f"the model {model_d.get('target')!r} re-traced here does not match the plan's fingerprint ({detail}); "
+        "re-compile the plan with this model, its arguments and this torch"
+    )
+
+
+def _split_from_plan(plan: Plan, traced: Traced) -> Split:
+    stage_of: dict[str, int] = {}
+    for st in plan.stages:
+        for name in st.nodes:
+            stage_of[name] = st.stage
+    split = split_graph(traced, stage_of, plan.num_stages)
+    for st, part in zip(plan.stages, split.parts):
+        got = [(x.name, x.shape) for x in part.inputs], [(x.name, x.shape) for x in part.outputs]
+        want = [(x.name, x.shape) for x in st.inputs], [(x.name, x.shape) for x in st.outputs]
+        if got != want:
+            raise FrontendError(
+                f"stage {st.stage}: the re-traced model's stage inputs/outputs {got} differ from the plan's {want}; re-compile the plan"
+            )
+    return split
+
+
+def build_stages(plan: Plan, stage_ids: Iterable[int], *, seed: int, init: str = "module",
+                 device: str | torch.device = "cpu") -> dict[int, StageModule]:
+    """The requested stages of ``plan`` as runnable modules (see module doc)."""
+    ids = sorted(set(stage_ids))
+    for s in ids:
+        if not 0 <= s < plan.num_stages:
+            raise FrontendError(f"stage {s} is not in the plan (stages 0..{plan.num_stages - 1})")
+    traced, buffers, traced_on = _retrace(plan)
+    split = _split_from_plan(plan, traced)
+    needed = {c for s in ids for c in split.parts[s].params}
+    model_d = plan.model or {}
+    values, exact_buffers = initial_values(str(model_d["target"]), dict(model_d.get("kwargs") or {}), needed, seed=seed, init=init)
+    return {s: materialize(split, s, values, exact_buffers or buffers, device, traced_on=traced_on) for s in ids}
+
+
+def build_reference(plan: Plan, *, seed: int, init: str = "module", device: str | torch.device = "cpu") -> ReferenceModule:
+    """The unpartitioned model, initialised as :func:`build_stages` initialises the stages."""
+    model_d = plan.model or {}
+    inputs = _plan_inputs(plan)
+    target, kwargs = str(model_d["target"]), dict(model_d.get("kwargs") or {})
+    if init == "exact":
+        model, _ = instantiate(target, kwargs, mode="cpu", seed=seed)
+    else:
+        model, buffers = instantiate(target, kwargs, mode="skeleton")
+        names = dict(model.named_parameters())
+        values, _ = initial_values(target, kwargs, names, seed=seed, init=init)
+        fresh = {id(p): nn.Parameter(values[n], requires_grad=p.requires_grad) for n, p in names.items()}
+        for mod_name, mod in model.named_modules(remove_duplicate=False):
+            prefix = f"{mod_name}." if mod_name else ""
+            for key, p in list(mod._parameters.items()):
+                if p is not None:
+                    mod._parameters[key] = fresh[id(p)]
+            for key, b in list(mod._buffers.items()):
+                if b is not None:
+                    mod._buffers[key] = buffers[prefix + key]
+    return ReferenceModule(model.to(device), tuple(i.name for i in inputs))
