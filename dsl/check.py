@@ -157,20 +157,23 @@ def _collect(parsed: Parsed | None, overrides: Mapping[str, Any], st: _State) ->
             name = stmt.key.name
             if name not in KEYS:
                 raise source.error(stmt.key.span, f"unknown key '{name}'", *_unknown_key_hints(name, given))
+            if name == "model_args" and "model_args" in given and "model" in given:
+                raise source.error(stmt.key.span, "model_args is set twice: here and after model",
+                                   "keep the arguments in one place")
             if name in given:
                 first = given[name][1].span
                 raise source.error(stmt.key.span, f"'{name}' is set twice",
                                    f"it is first set at line {first.line}; remove one")
             value = stmt.value
+            if name == "model" and "model_args" in given and isinstance(value, ast.Call):
+                raise source.error(value.span, "model_args is set twice: here and by the model_args key",
+                                   "keep the arguments in one place")
             if name == "model" and isinstance(value, ast.Call) and isinstance(value.func, ast.String):
                 if value.args:
                     raise source.error(value.args[0].span, "model arguments are written name=value")
                 given["model_args"] = (ast.Group((), value.kwargs, value.span),
                                        Origin("file", source, value.span, node=value))
                 value = value.func
-            if name == "model_args" and "model_args" in given:
-                raise source.error(stmt.key.span, "model_args is set twice: here and after model",
-                                   "keep the arguments in one place")
             given[name] = (value, Origin("file", source, value.span, node=value))
     if overrides:
         cmd, entries = command_line(overrides)
@@ -222,7 +225,8 @@ def _form(st: _State) -> None:
     chosen = [k for k in CUSTOM if st.given(k)]
     if len(chosen) > 1:
         first, second = chosen[0], chosen[1]
-        raise st.error(second, f"{second} and {first} both choose the schedule", f"keep one of them")
+        raise st.error(second, f"{first} and {second} both choose the schedule",
+                       f"keep one: `{first} ...` or `{second} ...`")
     if "order" in chosen:
         st.form = "order"
         st.order_draft = st.values.pop("order")
@@ -379,7 +383,7 @@ def _mesh_of_order(st: _State) -> None:
                            f"set {key} {found}", fallback=("order",))
     pp = st.values["pp"]
     if num_ranks < pp:
-        raise st.error("order", f"the order has actions for {num_ranks} ranks, but pp is {pp}",
+        raise st.error("order", f"the order has actions for {num_ranks} rank{'s' if num_ranks != 1 else ''}, but pp is {pp}",
                        f"add rank clauses up to rank {pp - 1}")
     stages = len(placement)
     if stages % pp or any(placement.count(r) != stages // pp for r in range(pp)):

@@ -156,7 +156,7 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                 "memory, minimising the slowest stage; or split before the named modules.",
         constraints="`split before` names stages - 1 module paths in model order (checked against "
                     "the model when it is traced).",
-        example="partition split before layers.2, layers.4, layers.6"),
+        example="partition split before blocks.2, blocks.4, blocks.6"),
     Key(name="trace", kind=k.Choice(("auto", "fx", "export")), default="auto", default_doc="auto",
         flag="--trace", group="Model",
         meaning="How the model is traced: torch.fx, torch.export, or auto (fx, falling back to export).",

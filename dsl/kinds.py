@@ -24,7 +24,7 @@ from pipec.dsl.values import literal_json, literal_text
 
 __all__ = [
     "Ctx", "Kind", "Int", "Real", "Unit", "Choice", "Maybe", "Text", "Target", "SIZE", "DURATION",
-    "BANDWIDTH", "FLOP_RATE", "literal", "to_json", "settings_of", "unknown_setting", "number_of", "got",
+    "BANDWIDTH", "FLOP_RATE", "UNIT_KINDS", "literal", "to_json", "settings_of", "unknown_setting", "number_of", "got",
 ]
 
 
@@ -169,6 +169,9 @@ class Unit(Kind):
                 raise self._wrong(node, ctx)
             scale = self.units.get(node.unit)
             if scale is None:
+                other = next((u for u in UNIT_KINDS if node.unit in u.units), None)
+                if other is not None:
+                    raise ctx.error(node, f"{ctx.key} needs {self.doc}, got {node.text}, {other.what}")
                 raise ctx.error(node, f"unknown unit '{node.unit}' for {self.what}",
                                 did_you_mean(node.unit, self.units) or "units: " + ", ".join(self.units))
             value = node.value * scale
@@ -205,6 +208,7 @@ FLOP_RATE = Unit("a FLOP rate", "FLOP/s", {
     "FLOP/s": 1, "GFLOP/s": 1e9, "TFLOP/s": 1e12, "PFLOP/s": 1e15, "GFLOPS": 1e9, "TFLOPS": 1e12,
     "PFLOPS": 1e15,
 }, "312TFLOP/s")
+UNIT_KINDS = (SIZE, DURATION, BANDWIDTH, FLOP_RATE)
 
 
 @dataclass(frozen=True, slots=True)

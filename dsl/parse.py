@@ -376,6 +376,12 @@ def _found(token: Token) -> str:
     return f"'{text}'"
 
 
+def _key_example(key: str) -> str:
+    from pipec.dsl.keys import KEYS  # the table knows each key's example
+
+    return f"for example: {KEYS[key].example}" if key in KEYS else ""
+
+
 def _statement_key(text: str, pos: int) -> str:
     """The last key-like word before ``pos``: the key a missing value belongs to."""
     words = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text[:pos])
@@ -421,6 +427,8 @@ def _syntax_error(err: UnexpectedInput, source: Source) -> DSLError:
         message, hint = _HINTS[label]
         key = _statement_key(text, pos)
         found = _found(token)
+        if label == "missing value":
+            hint = _key_example(key)
         return source.error(span, message.format(key=key, found=found), hint.format(key=key, found=found))
     expected = _expected_phrase(set(err.accepts or err.expected or ()))
     message = f"unexpected {_found(token)}" + (f"; expected {expected}" if expected else "")
