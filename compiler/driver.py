@@ -20,7 +20,7 @@ from pipec.compiler.verify import verify
 from pipec.schedules import build_order, check_rules
 from pipec.schedules.order import ComputeOrder, ScheduleError, validate_order
 
-__all__ = ["Compiled", "StageGraphParts", "compile_plan"]
+__all__ = ["Compiled", "StageGraphParts", "compile_plan", "prove_and_predict"]
 
 BUBBLE_WARNING = 0.5
 """A predicted bubble above this fraction gets a warning."""
@@ -93,17 +93,19 @@ def compile_plan(
     program = lower(order, edges=plan.edges, costs=costs, dp=dp, ties=plan.ties)  # comm and collectives
     check_limits(pp=num_ranks, num_stages=plan.num_stages, num_microbatches=num_microbatches,
                  instructions=program.num_instructions)
-    plan = replace(plan, program=program)
-    proof = verify(plan)                                         # the four proofs, both comm models
-    prediction = timeline_of(proof.executions[BUFFERED], costs,  # the predicted timeline and memory
-                             graph.static_bytes if graph else None)
-    plan = replace(plan, prediction=prediction)
-    if prediction.bubble_fraction > BUBBLE_WARNING:
-        warnings.append(f"the predicted bubble is {prediction.bubble_fraction:.0%} of the step; more microbatches "
-                        "or another schedule would waste less")
+    plan = prove_and_predict(replace(plan, program=program), graph.static_bytes if graph else None)
+    if plan.prediction.bubble_fraction > BUBBLE_WARNING:
+        warnings.append(f"the predicted bubble is {plan.prediction.bubble_fraction:.0%} of the step; more "
+                        "microbatches or another schedule would waste less")
     if device_memory is not None:                                # refuse what does not fit
-        _check_memory(prediction.per_rank, device_memory)
+        _check_memory(plan.prediction.per_rank, device_memory)
     return Compiled(plan, tuple(warnings))
+
+
+def prove_and_predict(plan: Plan, static_bytes: Sequence[int] | None = None) -> Plan:
+    """Verify a plan (all four proofs, both comm models) and attach its predicted timeline."""
+    proof = verify(plan)
+    return replace(plan, prediction=timeline_of(proof.executions[BUFFERED], plan_costs(plan), static_bytes))
 
 
 def _placed(stages: Sequence[Stage], placement: Sequence[int]) -> tuple[Stage, ...]:

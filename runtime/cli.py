@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, Sequence
+from typing import Sequence
 
 __all__ = ["main"]
 
@@ -65,6 +65,28 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_measured(path: str):
+    """The measured Timeline and dp size of a report.json."""
+    import json
+
+    from pipec.compiler.schema import SchemaError
+    from pipec.compiler.timeline import Timeline
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read report: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}: not a JSON file: {e}") from None
+    if not isinstance(report, dict) or "measured" not in report:
+        raise UsageError(f"{path}: not a report.json (no 'measured' timeline); write one with `pipec run --report`")
+    try:
+        return Timeline.from_json(report["measured"], f"{path}: measured"), int(report.get("mesh", {}).get("dp", 1))
+    except SchemaError as e:
+        raise UsageError(str(e)) from None
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from pipec.compiler.plan import read_plan
 
@@ -73,9 +95,96 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(plan.program.text())
         return 0
     if plan.prediction is None:
-        raise UsageError(f"{args.file} has no prediction; run `pipec check` or recompile it")
-    pred = plan.prediction
-    print(f"step time {pred.step_time:g} {pred.time_unit}, bubble {pred.bubble_fraction:.1%}")
+        from pipec.compiler.driver import prove_and_predict
+
+        plan = prove_and_predict(plan)
+    measured, dp = _load_measured(args.measured) if args.measured else (None, None)
+    from pipec.compiler.render import render_image, show
+
+    title = args.file
+    show(plan.prediction, measured=measured, dp=dp, title=title)
+    for path in filter(None, (args.svg, args.png)):
+        render_image(plan.prediction, path, measured=measured, dp=dp, title=title)
+        print(f"wrote {path}")
+    if args.trace:
+        from pipec.compiler.trace_export import write_perfetto
+
+        write_perfetto(plan.prediction, args.trace, measured=measured, dp=dp)
+        print(f"wrote {args.trace} (open it at https://ui.perfetto.dev)")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from pipec.compiler.driver import compile_plan, prove_and_predict
+    from pipec.compiler.plan import Mesh, Plan, Stage, write_plan
+    from pipec.compiler.simulate import chain_edges
+    from pipec.compiler.torch_csv import read_torch_csv
+
+    sched = read_torch_csv(args.file)
+    spec = {"pp": sched.num_ranks, "dp": args.dp, "microbatches": sched.num_microbatches, "order": args.file}
+    if sched.kind == "compute_comms":
+        plan = Plan(
+            mesh=Mesh(pp=sched.num_ranks, dp=args.dp),
+            num_stages=sched.num_stages,
+            num_microbatches=sched.num_microbatches,
+            placement=sched.placement,
+            program=sched.to_program(dp=args.dp),
+            stages=tuple(Stage(stage=s, rank=r) for s, r in enumerate(sched.placement)),
+            edges=chain_edges(sched.num_stages),
+            spec=spec,
+        )
+        plan = prove_and_predict(plan)
+    else:
+        plan = compile_plan(num_ranks=sched.num_ranks, num_microbatches=sched.num_microbatches,
+                            order=sched.to_order(), dp=args.dp, spec=spec).plan
+    write_plan(plan, args.output)
+    print(f"wrote {args.output}: {sched.kind.replace('_', '-')} torch schedule, {sched.num_ranks} ranks, "
+          f"{sched.num_stages} stages, {sched.num_microbatches} microbatches; verified, predicted bubble "
+          f"{plan.prediction.bubble_fraction:.1%}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from pipec.compiler.plan import read_plan
+    from pipec.compiler.torch_csv import write_torch_csv
+    from pipec.compiler.verify import verify
+
+    plan = read_plan(args.file)
+    verify(plan)  # never hand on a plan that fails its proofs
+    write_torch_csv(plan.program, args.torch_csv, form=args.form)
+    print(f"wrote {args.torch_csv} ({args.form.replace('_', '+')} form)")
+    return 0
+
+
+DEMO_SCHEDULES = (("1f1b", None), ("interleaved_1f1b", 2), ("zb_h1", None))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Compile three schedules for the same pipeline and show them side by side."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from pipec.compiler.driver import compile_plan
+    from pipec.compiler.render import render_terminal
+
+    console = Console()
+    P, M = args.ranks, args.microbatches
+    console.rule(f"[bold]pipec demo[/]: {P} pp ranks, {M} microbatches, unit costs (F=1, B=2, I=W=1)")
+    rows = []
+    for name, v in DEMO_SCHEDULES:
+        plan = compile_plan(schedule=name, num_ranks=P, num_microbatches=M, num_chunks=v).plan
+        pred = plan.prediction
+        title = f"{name}" + (f" (virtual {v})" if v else "")
+        console.print(render_terminal(pred, title=title))
+        console.print()
+        rows.append((title, plan.program.num_instructions, pred.step_time, pred.bubble_fraction,
+                     max(r.peak_activations for r in pred.per_rank)))
+    table = Table(title="verified plans, predicted side by side")
+    for col in ("schedule", "instructions", "step (units)", "bubble", "peak in flight (stage x microbatch)"):
+        table.add_column(col, justify="left" if col == "schedule" else "right")
+    for title, n, step, bubble, peak in rows:
+        table.add_row(title, str(n), f"{step:g}", f"{bubble:.1%}", str(peak))
+    console.print(table)
     return 0
 
 
@@ -102,11 +211,29 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="show a plan's predicted timeline and summary")
     s.add_argument("file")
     s.add_argument("--text", action="store_true", help="print the program in text form instead")
+    s.add_argument("--svg", metavar="FILE", help="also draw the timeline as an SVG picture")
+    s.add_argument("--png", metavar="FILE", help="also draw the timeline as a PNG picture")
+    s.add_argument("--trace", metavar="FILE", help="also write a Perfetto / Chrome trace")
+    s.add_argument("--measured", metavar="REPORT", help="draw a run's measured timeline (report.json) beside")
     s.set_defaults(func=cmd_show)
+
+    i = sub.add_parser("import", help="import a torch.distributed.pipelining schedule CSV as a verified plan")
+    i.add_argument("file")
+    i.add_argument("-o", "--output", default="plan.json")
+    i.add_argument("--dp", type=int, default=1, help="data-parallel replicas (REDUCE_GRAD becomes AR:dp)")
+    i.set_defaults(func=cmd_import)
+
+    e = sub.add_parser("export", help="export a plan as a torch.distributed.pipelining schedule CSV")
+    e.add_argument("file")
+    e.add_argument("--torch-csv", required=True, metavar="FILE")
+    e.add_argument("--form", choices=("compute_only", "compute_comms"), default="compute_only")
+    e.set_defaults(func=cmd_export)
+
+    d = sub.add_parser("demo", help="the main job: compile, show and compare schedules")
+    d.add_argument("--ranks", type=int, default=4)
+    d.add_argument("--microbatches", type=int, default=8)
+    d.set_defaults(func=cmd_demo)
     return p
-
-
-HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,76 @@
+"""The pipec command: exit codes, messages, files written. Run as a real process (``python -m pipec``)."""
+
+from __future__ import annotations
+
+import json
+
+from pipec.compiler.plan import read_plan
+
+
+def test_compile_check_show(cli, tmp_path):
+    out = cli("compile", "--schedule", "interleaved_1f1b", "--ranks", "4", "--virtual", "2", "--microbatches", "8",
+              "-o", "plan.json")
+    assert out.returncode == 0, out.stderr
+    assert "verified" in out.stdout and "15.8%" in out.stdout
+    plan = read_plan(str(tmp_path / "plan.json"))
+    assert plan.mesh.pp == 4 and plan.num_stages == 8 and plan.prediction is not None
+    out = cli("check", "plan.json")
+    assert out.returncode == 0 and "verified" in out.stdout
+    out = cli("show", "plan.json", "--svg", "t.svg", "--png", "t.png", "--trace", "t.json")
+    assert out.returncode == 0, out.stderr
+    assert "rank 3" in out.stdout and "bubble" in out.stdout
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "t.svg").read_text().lstrip().startswith("<?xml")
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    out = cli("show", "plan.json", "--text")
+    assert out.stdout.splitlines()[0].startswith("0: F0.0")
+
+
+def test_user_mistakes_exit_2_without_traceback(cli, tmp_path):
+    cases = [
+        (("compile", "--schedule", "zbv", "--ranks", "4", "--virtual", "3", "--microbatches", "8"), "zbv needs exactly 2"),
+        (("compile", "--schedule", "1f1c", "--ranks", "4", "--microbatches", "8"), "did you mean '1f1b'"),
+        (("check", "missing.json"), "cannot read plan"),
+        (("show", "missing.json"), "cannot read plan"),
+        (("compile", "--ranks", "5000", "--schedule", "gpipe", "--microbatches", "1"), "limit of 4096"),
+        (("import", "missing.csv"), "missing.csv"),
+        (("show", "plan.json", "--png", "x.gif"), None),
+    ]
+    (tmp_path / "plan.json").write_text("{}")
+    for args, message in cases:
+        out = cli(*args)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.startswith("pipec: error: ") or "usage:" in out.stderr
+        if message:
+            assert message in out.stderr, (args, out.stderr)
+
+
+def test_warnings_do_not_fail(cli):
+    out = cli("compile", "--schedule", "1f1b", "--ranks", "4", "--microbatches", "2", "-o", "p.json")
+    assert out.returncode == 0
+    assert "pipec: warning:" in out.stderr
+
+
+def test_torch_csv_round_trip_through_the_cli(cli, tmp_path):
+    assert cli("compile", "--schedule", "zbv", "--ranks", "2", "--virtual", "2", "--microbatches", "4", "-o",
+               "p.json").returncode == 0
+    for form in ("compute_only", "compute_comms"):
+        out = cli("export", "p.json", "--torch-csv", f"{form}.csv", "--form", form)
+        assert out.returncode == 0, out.stderr
+        out = cli("import", f"{form}.csv", "-o", f"{form}.json")
+        assert out.returncode == 0, out.stderr
+        assert "verified" in out.stdout
+        a, b = read_plan(str(tmp_path / "p.json")), read_plan(str(tmp_path / f"{form}.json"))
+        assert a.placement == b.placement and a.prediction.bubble_fraction == b.prediction.bubble_fraction
+    (tmp_path / "bad.csv").write_text("0F0,0B0,0OVERLAP_F_B\n")
+    out = cli("import", "bad.csv")
+    assert out.returncode == 2 and "OVERLAP_F_B" in out.stderr
+
+
+def test_demo_shows_three_schedules(cli):
+    out = cli("demo", timeout=300)
+    assert out.returncode == 0, out.stderr
+    for name in ("1f1b", "interleaved_1f1b", "zb_h1"):
+        assert name in out.stdout
+    assert "27.3%" in out.stdout and "11.1%" in out.stdout

@@ -1,0 +1,76 @@
+"""Packaging guards: the wheel's package list, no bare top-level modules, torch-free layers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import zipfile
+
+import pytest
+
+from conftest import PYTHON, REPO
+
+PACKAGES = {"pipec", "pipec.compiler", "pipec.schedules", "pipec.runtime", "pipec.dsl", "pipec.examples"}
+
+BLOCK_TORCH = textwrap.dedent(
+    """
+    import sys
+    class Block:
+        def find_spec(self, name, path=None, target=None):
+            if name.split('.')[0] in {names}:
+                raise ImportError('blocked for this test: ' + name)
+            return None
+    sys.meta_path.insert(0, Block())
+    """
+)
+
+
+def _python(code: str, tmp_path) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.timeout(300)
+def test_wheel_holds_only_pipec_packages(tmp_path):
+    out = subprocess.run(
+        [PYTHON, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        capture_output=True, text=True, timeout=280,
+    )
+    assert out.returncode == 0, out.stderr
+    (wheel,) = tmp_path.glob("pipec-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names}
+    assert top <= {"pipec", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}, top
+    packages = {n.rsplit("/", 1)[0].replace("/", ".") for n in names if n.endswith("/__init__.py")}
+    assert packages == PACKAGES
+    assert "pipec/dsl/grammar.lark" in names
+    assert any(n.startswith("pipec/examples/") and n.endswith(".pipe") for n in names)
+
+
+@pytest.mark.parametrize("bare", ["compiler", "schedules", "runtime", "dsl", "examples"])
+def test_no_bare_top_level_modules(tmp_path, bare):
+    out = _python(f"import {bare}", tmp_path)
+    assert out.returncode != 0 and "ModuleNotFoundError" in out.stderr
+
+
+def test_dsl_and_schedules_import_without_torch(tmp_path):
+    code = BLOCK_TORCH.format(names={"torch", "networkx"}) + "import pipec.dsl, pipec.schedules\nprint('ok')"
+    out = _python(code, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_schedule_only_compile_imports_neither_torch_nor_networkx(tmp_path):
+    code = textwrap.dedent(
+        """
+        import sys
+        from pipec.runtime.cli import main
+        rc = main(['compile', '--schedule', 'interleaved_1f1b', '--ranks', '4', '--virtual', '2',
+                   '--microbatches', '8', '-o', 'plan.json'])
+        heavy = sorted(m for m in ('torch', 'networkx', 'matplotlib') if m in sys.modules)
+        print(rc, heavy)
+        """
+    )
+    out = _python(code, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "0 []"
