@@ -18,7 +18,7 @@ from pipec.compiler.plan import DEFAULT_LINKS, Edge, Link, Mesh, Plan, Stage, Ti
 from pipec.compiler.simulate import BUFFERED, chain_edges, plan_costs, timeline_of
 from pipec.compiler.verify import verify
 from pipec.schedules import build_order, check_rules
-from pipec.schedules.order import ComputeOrder, ScheduleError, validate_order
+from pipec.schedules.order import ComputeOrder, ScheduleError, gc_paused, validate_order
 
 __all__ = ["Compiled", "StageGraphParts", "compile_plan", "prove_and_predict"]
 
@@ -58,6 +58,14 @@ def compile_plan(
     device_memory: int | None = None,
 ) -> Compiled:
     """Compile a schedule (by name, or a custom compute order) into a verified plan."""
+    with gc_paused():  # hundreds of thousands of acyclic objects: collections would only rescan them
+        return _compile(num_ranks=num_ranks, num_microbatches=num_microbatches, schedule=schedule,
+                        num_chunks=num_chunks, dp=dp, order=order, graph=graph, links=links, spec=spec,
+                        device_memory=device_memory)
+
+
+def _compile(*, num_ranks, num_microbatches, schedule, num_chunks, dp, order, graph, links, spec,
+             device_memory) -> Compiled:
     num_stages = (order.num_stages if order is not None else num_ranks * (num_chunks or 1))
     check_limits(pp=num_ranks, num_stages=num_stages, num_microbatches=num_microbatches)  # refuse what is too big
     warnings: list[str] = []
@@ -104,7 +112,8 @@ def compile_plan(
 
 def prove_and_predict(plan: Plan, static_bytes: Sequence[int] | None = None) -> Plan:
     """Verify a plan (all four proofs, both comm models) and attach its predicted timeline."""
-    proof = verify(plan)
+    with gc_paused():
+        proof = verify(plan)
     return replace(plan, prediction=timeline_of(proof.executions[BUFFERED], plan_costs(plan), static_bytes))
 
 

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 from pipec.compiler.ir import FIELDS, IRError, Instruction, Op, Program
 from pipec.compiler.schema import Reader, SchemaError
 from pipec.compiler.timeline import Timeline
+from pipec.schedules.order import gc_paused
 
 __all__ = [
     "FORMAT",
@@ -435,13 +436,14 @@ def load_plan(obj: Any, where: str = "plan") -> Plan:
 def read_plan(path: str) -> Plan:
     """Read and schema-check a plan file; errors name the file and the field."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f, gc_paused():
             obj = json.load(f)
     except OSError as e:
         raise PlanError(f"{path}: cannot read plan: {e.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PlanError(f"{path}: not a JSON file: {e}") from None
     try:
-        return load_plan(obj)
+        with gc_paused():
+            return load_plan(obj)
     except PlanError as e:
         raise PlanError(f"{path}: {e}") from None

@@ -95,62 +95,77 @@ def verify_program(
     ties_by_group = {f"tie.{t.name}": t for t in ties}
     _check_signatures(stages, edges)
 
-    # proof 1 and the raw material of proofs 2 and 4, in one pass per rank
-    computed: dict[tuple, tuple[int, int]] = {}     # ("F"|"B"|"I"|"W", s, m) -> (rank, index)
-    sent: dict[tuple, tuple[int, int]] = {}          # message key -> (rank, index)
-    received: dict[tuple, tuple[int, int]] = {}
-    order_out: dict[tuple[int, int], list[tuple]] = {}  # (a, b) -> message keys a sends b, in order
-    order_in: dict[tuple[int, int], list[tuple]] = {}   # (a, b) -> message keys b receives from a
-    backwards_done: dict[int, int] = {}              # stage -> completed backwards
+    # proof 1 and the raw material of proofs 2 and 4, in one pass per rank. Keys are integers:
+    # s*M+m for a (stage, microbatch), (src*S+dst)*M+m for a message on edge src->dst (+G for grads).
+    G = S * S * M
+    edge_keys = {src * S + dst for src, dst in edge_set}
+    fwd: dict[int, tuple[int, int]] = {}   # forwards done -> (rank, index)
+    bwd: dict[int, tuple[int, int]] = {}   # full or input-grad backwards done
+    inp: set[int] = set()                  # input-grad backwards (their W must follow)
+    wgt: dict[int, tuple[int, int]] = {}   # weight-grad backwards
+    sent: dict[int, tuple[int, int]] = {}
+    received: dict[int, tuple[int, int]] = {}
+    order_out: dict[tuple[int, int], list[int]] = {}  # (a, b) -> message keys a sends b, in order
+    order_in: dict[tuple[int, int], list[int]] = {}   # (a, b) -> message keys b receives from a
+    backwards_done: dict[int, int] = {}               # stage -> completed backwards
     collectives: list[list[str]] = []
+    FWD, BWD, BWD_I, BWD_W, AR, OPT = Op.FWD, Op.BWD, Op.BWD_I, Op.BWD_W, Op.ALLREDUCE, Op.OPTIM_STEP
+    SEND_ACT, RECV_ACT, SEND_GRAD = Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD
     for r, instrs in enumerate(program.ranks):
-        posted: set[tuple] = set()
         reduced: set[tuple[str, int]] = set()
         colls: list[str] = []
         last_batch, closed = None, set()
+        n = len(instrs)
         for i, ins in enumerate(instrs):
-            op, s, m = ins.op, ins.stage, ins.microbatch
-            if ins.batch != last_batch:
-                if ins.batch is not None and ins.batch in closed:
-                    raise VerifyError(f"{_at(r, i, ins)}: batch {ins.batch} is split; posts of one batch must be adjacent")
+            op, s, m, batch = ins.op, ins.stage, ins.microbatch, ins.batch
+            if batch != last_batch:
+                if batch is not None and batch in closed:
+                    raise VerifyError(f"{_at(r, i, ins)}: batch {batch} is split; posts of one batch must be adjacent")
                 if last_batch is not None:
                     closed.add(last_batch)
-                last_batch = ins.batch
-            if op is Op.OPTIM_STEP:
-                if i != len(instrs) - 1:
+                last_batch = batch
+            if op is OPT:
+                if i != n - 1:
                     raise VerifyError(f"{_at(r, i, ins)}: OPT must be the last instruction of the step")
                 colls.append("pp")
                 continue
-            if placement[s] != r and op not in (Op.SEND_GRAD, Op.RECV_GRAD, Op.SEND_ACT, Op.RECV_ACT):
+            if placement[s] != r:
                 raise VerifyError(f"{_at(r, i, ins)}: stage {s} is placed on rank {placement[s]}, not here")
-            if op is Op.FWD:
-                _once(computed, ("F", s, m), r, i, ins, "forward")
+            sm = s * M + m if m is not None else -1
+            if op is FWD:
+                if sm in fwd:
+                    _twice(fwd, sm, r, i, ins, "forward", s, m)
+                fwd[sm] = (r, i)
                 for p in producers[s]:
-                    need = ("F", p, m) if placement[p] == r else ("A", p, s, m)
-                    if (need not in computed or computed[need][0] != r) if need[0] == "F" else need not in posted:
-                        what = f"F{p}.{m}" if need[0] == "F" else f"RA{s}.{m}<{p}@{placement[p]}"
-                        raise VerifyError(f"{_at(r, i, ins)}: needs {what} earlier on rank {r}")
-            elif op is Op.BWD or op is Op.BWD_I:
-                if ("B", s, m) in computed:
-                    raise VerifyError(f"{_at(r, i, ins)}: second backward of stage {s} microbatch {m}")
-                _once(computed, ("B", s, m), r, i, ins, "backward")
-                if op is Op.BWD_I:
-                    computed[("I", s, m)] = (r, i)
-                if ("F", s, m) not in computed:
+                    if placement[p] == r:
+                        if p * M + m not in fwd:
+                            raise VerifyError(f"{_at(r, i, ins)}: needs F{p}.{m} earlier on rank {r}")
+                    elif (p * S + s) * M + m not in received:
+                        raise VerifyError(f"{_at(r, i, ins)}: needs RA{s}.{m}<{p}@{placement[p]} earlier on rank {r}")
+            elif op is BWD or op is BWD_I:
+                if sm in bwd:
+                    _twice(bwd, sm, r, i, ins, "backward", s, m)
+                if sm not in fwd:
                     raise VerifyError(f"{_at(r, i, ins)}: backward before its forward F{s}.{m}")
-                for c in consumers[s]:
-                    need = ("B", c, m) if placement[c] == r else ("G", s, c, m)
-                    if (need not in computed) if need[0] == "B" else need not in posted:
-                        what = f"B{c}.{m} (or I{c}.{m})" if need[0] == "B" else f"RG{s}.{m}<{c}@{placement[c]}"
-                        raise VerifyError(f"{_at(r, i, ins)}: needs {what} earlier on rank {r}")
-                if op is Op.BWD:
+                bwd[sm] = (r, i)
+                if op is BWD_I:
+                    inp.add(sm)
+                else:
                     backwards_done[s] = backwards_done.get(s, 0) + 1
-            elif op is Op.BWD_W:
-                if ("I", s, m) not in computed:
+                for c in consumers[s]:
+                    if placement[c] == r:
+                        if c * M + m not in bwd:
+                            raise VerifyError(f"{_at(r, i, ins)}: needs B{c}.{m} (or I{c}.{m}) earlier on rank {r}")
+                    elif G + (s * S + c) * M + m not in received:
+                        raise VerifyError(f"{_at(r, i, ins)}: needs RG{s}.{m}<{c}@{placement[c]} earlier on rank {r}")
+            elif op is BWD_W:
+                if sm not in inp:
                     raise VerifyError(f"{_at(r, i, ins)}: weight-grad W needs I{s}.{m} earlier on rank {r}")
-                _once(computed, ("W", s, m), r, i, ins, "weight-grad backward")
+                if sm in wgt:
+                    _twice(wgt, sm, r, i, ins, "weight-grad backward", s, m)
+                wgt[sm] = (r, i)
                 backwards_done[s] = backwards_done.get(s, 0) + 1
-            elif op is Op.ALLREDUCE:
+            elif op is AR:
                 group = ins.group
                 if group != "dp" and group not in ties_by_group:
                     known = ", ".join(sorted(ties_by_group)) or "none"
@@ -174,33 +189,44 @@ def verify_program(
                 if group != "dp":
                     colls.append(group)
             else:  # sends and receives
-                is_act = op is Op.SEND_ACT or op is Op.RECV_ACT
-                is_send = op is Op.SEND_ACT or op is Op.SEND_GRAD
+                is_act = op is SEND_ACT or op is RECV_ACT
+                is_send = op is SEND_ACT or op is SEND_GRAD
                 other = ins.to_stage if is_send else ins.from_stage
-                # the edge (src, dst) in model direction, and who sits at each end of this message
+                # the edge (src, dst) in model direction
                 src, dst = (s, other) if (is_act == is_send) else (other, s)
-                if (src, dst) not in edge_set:
+                if src * S + dst not in edge_keys:
                     raise VerifyError(f"{_at(r, i, ins)}: there is no edge {src}->{dst} in the stage graph")
-                if placement[s] != r:
-                    raise VerifyError(f"{_at(r, i, ins)}: stage {s} is placed on rank {placement[s]}, not here")
-                if ins.peer != placement[other]:
+                peer = ins.peer
+                if peer != placement[other]:
                     raise VerifyError(f"{_at(r, i, ins)}: stage {other} is on rank {placement[other]}, "
-                                      f"but the peer is {ins.peer}")
-                if ins.peer == r:
+                                      f"but the peer is {peer}")
+                if peer == r:
                     raise VerifyError(f"{_at(r, i, ins)}: stages {src} and {dst} are both on rank {r}; "
                                       "pass the tensor locally instead of a send to self")
-                key = ("A" if is_act else "G", src, dst, m)
+                key = (src * S + dst) * M + m + (0 if is_act else G)
                 if is_send:
-                    made = ("F", s, m) if is_act else ("B", s, m)
-                    if made not in computed or computed[made][0] != r:
+                    if sm not in (fwd if is_act else bwd):
                         what = f"F{s}.{m}" if is_act else f"B{s}.{m} (or I{s}.{m})"
                         raise VerifyError(f"{_at(r, i, ins)}: sends data that {what} makes, which has not run yet on rank {r}")
-                    _once(sent, key, r, i, ins, "send")
-                    order_out.setdefault((r, ins.peer), []).append(key)
+                    if key in sent:
+                        _twice(sent, key, r, i, ins, "send", s, m)
+                    sent[key] = (r, i)
+                    pair = (r, peer)
+                    lst = order_out.get(pair)
+                    if lst is None:
+                        order_out[pair] = [key]
+                    else:
+                        lst.append(key)
                 else:
-                    _once(received, key, r, i, ins, "receive")
-                    posted.add(key)
-                    order_in.setdefault((ins.peer, r), []).append(key)
+                    if key in received:
+                        _twice(received, key, r, i, ins, "receive", s, m)
+                    received[key] = (r, i)
+                    pair = (peer, r)
+                    lst = order_in.get(pair)
+                    if lst is None:
+                        order_in[pair] = [key]
+                    else:
+                        lst.append(key)
         if not instrs or instrs[-1].op is not Op.OPTIM_STEP:
             raise VerifyError(f"rank {r}: the program must end with OPT (the optimizer step)")
         # proof 4, per rank: every stage reduced over dp, every spanning tie reduced
@@ -215,14 +241,16 @@ def verify_program(
                                   f"the copies would drift")
         collectives.append(colls)
 
-    for s in range(S):
-        for m in range(M):
-            if ("F", s, m) not in computed:
-                raise VerifyError(f"rank {placement[s]}: stage {s} microbatch {m} has no forward F{s}.{m}")
-            if ("B", s, m) not in computed:
-                raise VerifyError(f"rank {placement[s]}: stage {s} microbatch {m} has no backward B{s}.{m}")
-            if ("I", s, m) in computed and ("W", s, m) not in computed:
-                raise VerifyError(f"rank {placement[s]}: stage {s} microbatch {m} has I{s}.{m} but no W{s}.{m}")
+    if len(fwd) != S * M or len(bwd) != S * M or len(wgt) != len(inp):
+        for s in range(S):
+            for m in range(M):
+                sm = s * M + m
+                if sm not in fwd:
+                    raise VerifyError(f"rank {placement[s]}: stage {s} microbatch {m} has no forward F{s}.{m}")
+                if sm not in bwd:
+                    raise VerifyError(f"rank {placement[s]}: stage {s} microbatch {m} has no backward B{s}.{m}")
+                if sm in inp and sm not in wgt:
+                    raise VerifyError(f"rank {placement[s]}: stage {s} microbatch {m} has I{s}.{m} but no W{s}.{m}")
 
     # proof 2: matching and FIFO order per directed pair
     for key, (r, i) in sent.items():
@@ -269,12 +297,10 @@ def verify_program(
     return Proof(executions)
 
 
-def _once(table: dict, key: tuple, r: int, i: int, ins: Instruction, what: str) -> None:
-    first = table.get(key)
-    if first is not None:
-        raise VerifyError(f"{_at(r, i, ins)}: second {what} of stage {key[1] if key[0] in 'FBIW' else ins.stage} "
-                          f"microbatch {key[-1]} (the first is rank {first[0]}, instruction {first[1]})")
-    table[key] = (r, i)
+def _twice(table: dict, key: int, r: int, i: int, ins: Instruction, what: str, s: int, m: int) -> None:
+    first = table[key]
+    raise VerifyError(f"{_at(r, i, ins)}: second {what} of stage {s} microbatch {m} "
+                      f"(the first is rank {first[0]}, instruction {first[1]})")
 
 
 def verify(plan: Plan) -> Proof:
