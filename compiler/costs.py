@@ -13,6 +13,10 @@ Sources, most trusted first (DESIGN, *Cost model*):
   node (attention's matmuls) twice its forward FLOPs, all input gradient.
 - ``unit``: F=1, B=2, I=W=1.
 
+A stage fed only by model inputs (stage 0) sends no gradient, so its input
+backward is 0 and its weight backward is the whole backward (torch's rule for
+the zero-bubble split).
+
 With recompute on for a stage, the forward is run again before the backward:
 input backward (and so the full backward) gains one forward, and the saved
 activations shrink to the stage's inputs.
@@ -115,8 +119,16 @@ def stage_activation_bytes(split: Split, s: int) -> int:
 
 
 def with_recompute(cost: Cost) -> Cost:
-    """The stage's forward runs again before its backward."""
+    """The stage's forward runs again before its backward (in the input half, or the weight half
+    of a stage whose input half does nothing)."""
+    if cost.bwd_i == 0:
+        return Cost(fwd=cost.fwd, bwd=cost.bwd + cost.fwd, bwd_i=0.0, bwd_w=cost.bwd_w + cost.fwd)
     return Cost(fwd=cost.fwd, bwd=cost.bwd + cost.fwd, bwd_i=cost.bwd_i + cost.fwd, bwd_w=cost.bwd_w)
+
+
+def _no_input_grad(cost: Cost) -> Cost:
+    """A stage fed only by model inputs sends no gradient: its whole backward is the weight half."""
+    return Cost(fwd=cost.fwd, bwd=cost.bwd, bwd_i=0.0, bwd_w=cost.bwd)
 
 
 # ----------------------------------------------------------------------------- balancer weights
@@ -213,19 +225,21 @@ def time_nodes(traced: Traced, target: str, kwargs: Mapping[str, Any], *, thread
     return {k: statistics.median(v) for k, v in runs.items()}
 
 
-def _random_inputs(sigs: Sequence[Any]) -> list[torch.Tensor]:
+def _random_inputs(sigs: Sequence[Any], sources: Sequence[int]) -> list[torch.Tensor]:
     out = []
-    for sig in sigs:
+    for sig, src in zip(sigs, sources):
         dt = to_dtype(sig.dtype)
-        if dt.is_floating_point:
+        if dt.is_floating_point and src >= 0:
             out.append(torch.randn(sig.shape, dtype=dt).requires_grad_())
+        elif dt.is_floating_point:
+            out.append(torch.randn(sig.shape, dtype=dt))
         else:
             out.append(torch.zeros(sig.shape, dtype=dt))
     return out
 
 
-def _profile_stage(mod: nn.Module, sigs: Sequence[Any], reps: int, autocast: str | None) -> Cost:
-    inputs = _random_inputs(sigs)
+def _profile_stage(mod: nn.Module, sigs: Sequence[Any], sources: Sequence[int], reps: int, autocast: str | None) -> Cost:
+    inputs = _random_inputs(sigs, sources)
     float_inputs = [x for x in inputs if x.requires_grad]
     params = [p for p in mod.parameters() if p.requires_grad]
     fwd_t, bi_t, b_t = [], [], []
@@ -282,6 +296,8 @@ def stage_costs(
         base = _profile(split, threads=threads, reps=reps, autocast=autocast, target=target, kwargs=kwargs or {})
     out = []
     for s in range(num):
+        if source != "unit" and all(src < 0 for src in split.parts[s].sources):
+            base[s] = _no_input_grad(base[s])
         full = stage_activation_bytes(split, s)
         if s in recompute:
             cost, act = with_recompute(base[s]), sum(x.num_bytes for x in split.parts[s].inputs)
@@ -302,7 +318,7 @@ def _profile(split: Split, *, threads: int, reps: int, autocast: str | None, tar
         costs = []
         for s in range(split.num_stages):
             mod = materialize(split, s, {c: values[c] for c in split.parts[s].params}, buffers, "cpu")
-            costs.append(_profile_stage(mod, split.parts[s].inputs, reps, autocast))
+            costs.append(_profile_stage(mod, split.parts[s].inputs, split.parts[s].sources, reps, autocast))
             del mod
     finally:
         restore()

@@ -10,10 +10,11 @@ A cut is possible where every value crossing it is a tensor, or a Python
 constant (``B, T, C = x.shape``) that the consumer gets folded in as a
 literal (the plan's shapes are static). A tuple of tensors or another
 non-tensor value crossing a cut makes it impossible; the error names the node.
-The balancer considers cuts between *units* (one repeated layer: the element
-of the first ``ModuleList``/``Sequential`` on a node's module path, or the
-node itself outside such lists) and falls back to every possible cut when
-there are too few.
+The balancer minimises the slowest stage over every possible cut, and
+prefers cuts between *units* (one repeated layer: the element of the first
+``ModuleList``/``Sequential`` on a node's module path, or the node itself
+outside such lists) when they make the slowest stage at most
+:data:`UNIT_SLACK` slower: fewer tensors cross there.
 
 :func:`split_graph` also routes model inputs a later stage uses through stage
 0 and model outputs an earlier stage makes through the last stage, so data
@@ -305,21 +306,33 @@ def assign_stages(
     return stage_of
 
 
+UNIT_SLACK = 0.05
+"""The balancer keeps cuts between layers when that makes the slowest stage at most this much slower."""
+
+
+def _best_cuts(candidates: list[int], weights: Sequence[float], num_nodes: int, num_stages: int) -> tuple[list[int], float]:
+    bounds = [0] + candidates + [num_nodes]
+    groups = [sum(weights[a:b]) for a, b in zip(bounds, bounds[1:])]
+    starts, worst = balance(groups, num_stages)
+    return [bounds[g] for g in starts], worst
+
+
 def _balanced_positions(cuts: Cuts, weights: Sequence[float], num_stages: int) -> list[int]:
     if num_stages == 1:
         return []
-    candidates = [i for i in range(len(cuts.nodes)) if cuts.valid[i] and cuts.unit_start[i]]
-    if len(candidates) < num_stages - 1:
-        candidates = [i for i in range(len(cuts.nodes)) if cuts.valid[i]]
-    if len(candidates) < num_stages - 1:
+    valid = [i for i in range(len(cuts.nodes)) if cuts.valid[i]]
+    if len(valid) < num_stages - 1:
         raise FrontendError(
-            f"cannot cut the model into {num_stages} stages: it has only {len(candidates)} places where only tensors "
-            f"cross; use at most {len(candidates) + 1} stages"
+            f"cannot cut the model into {num_stages} stages: it has only {len(valid)} places where only tensors "
+            f"cross; use at most {len(valid) + 1} stages"
         )
-    bounds = [0] + candidates + [len(cuts.nodes)]
-    groups = [sum(weights[a:b]) for a, b in zip(bounds, bounds[1:])]
-    starts, _ = balance(groups, num_stages)
-    return [bounds[g] for g in starts]
+    anywhere, worst = _best_cuts(valid, weights, len(cuts.nodes), num_stages)
+    units = [i for i in valid if cuts.unit_start[i]]
+    if len(units) >= num_stages - 1:
+        between, worst_units = _best_cuts(units, weights, len(cuts.nodes), num_stages)
+        if worst_units <= worst * (1 + UNIT_SLACK):
+            return between
+    return anywhere
 
 
 # ----------------------------------------------------------------------------- splitting

@@ -44,7 +44,17 @@ from pipec.compiler.trace import (
     trace_model,
 )
 
-__all__ = ["INIT_MODES", "StageModule", "ReferenceModule", "build_stages", "build_reference", "materialize", "initial_values", "module_seed"]
+__all__ = [
+    "INIT_MODES",
+    "StageModule",
+    "ReferenceModule",
+    "build_stages",
+    "build_reference",
+    "run_stages",
+    "materialize",
+    "initial_values",
+    "module_seed",
+]
 
 INIT_MODES = ("module", "exact")
 
@@ -359,3 +369,18 @@ def build_reference(plan: Plan, *, seed: int, init: str = "module", device: str 
                 if b is not None:
                     mod._buffers[key] = buffers[prefix + key]
     return ReferenceModule(model.to(device), tuple(i.name for i in inputs))
+
+
+def run_stages(stages: Mapping[int, StageModule], inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Run every stage in order in this process, routing values by name; the last stage's outputs.
+
+    ``inputs`` are the model inputs by name (one microbatch or a whole batch).
+    For tests and single-process checks.
+    """
+    values = dict(inputs)
+    out: tuple[torch.Tensor, ...] = ()
+    for s in sorted(stages):
+        mod = stages[s]
+        out = mod(*[values[n] for n in mod.input_names])
+        values.update(zip(mod.output_names, out))
+    return out

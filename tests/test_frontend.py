@@ -1,0 +1,306 @@
+"""The model front end end to end: split stages reproduce the model, initialisation, costs, memory, views."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipec.compiler.frontend import Balanced, FrontendError, InputSpec, ModelRequest, SplitBefore, build_stage_graph
+from pipec.compiler.graph import render_graph
+from pipec.compiler.ir import Program
+from pipec.compiler.memory import MemoryBudgetError, check_memory, predict_memory
+from pipec.compiler.plan import Mesh, Plan
+from pipec.compiler.stages import build_reference, build_stages, module_seed, run_stages
+
+GPT = "pipec.examples.gpt:build"
+GPT_ARGS = dict(layers=4, dim=32, heads=2, vocab=64, seq=16)
+TOKENS = InputSpec("tokens", "int64", (4, 16))
+
+
+def plan_of(sg, placement=None) -> Plan:
+    """A plan around a stage graph (no program: the front end's tests do not run a schedule)."""
+    num = sg.num_stages
+    placement = tuple(placement or range(num))
+    sg = sg.place(placement)
+    return Plan(mesh=Mesh(pp=max(placement) + 1), num_stages=num, num_microbatches=2, placement=placement,
+                program=Program(tuple(() for _ in range(max(placement) + 1))), stages=sg.stages, edges=sg.edges,
+                ties=sg.ties, model=sg.model)
+
+
+def request(target=GPT, kwargs=GPT_ARGS, inputs=(TOKENS,), stages=4, **kw) -> ModelRequest:
+    return ModelRequest(target=target, kwargs=kwargs, inputs=inputs, num_microbatches=2, num_stages=stages,
+                        costs=kw.pop("costs", "unit"), **kw)
+
+
+def batch_for(plan: Plan, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in plan.model["inputs"]:
+        shape = tuple(i["shape"])
+        if i["dtype"] == "int64":
+            out[i["name"]] = torch.randint(0, 64, shape, generator=gen)
+        else:
+            out[i["name"]] = torch.randn(shape, generator=gen)
+    return out
+
+
+def assert_stages_match(plan: Plan, loss_fn, *, init="module", seed=3, atol=1e-5):
+    """Stages run in order give the reference's outputs, loss and gradients (tied copies summed)."""
+    stages = build_stages(plan, range(plan.num_stages), seed=seed, init=init)
+    ref = build_reference(plan, seed=seed, init=init)
+    inputs = batch_for(plan)
+    want = ref(*inputs.values())
+    got = run_stages(stages, inputs)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=atol, rtol=1e-5)
+    loss_fn(got[0]).backward()
+    loss_fn(want[0]).backward()
+    summed: dict[str, torch.Tensor] = {}
+    for mod in stages.values():
+        for name, p in mod.canonical_params().items():
+            summed[name] = summed.get(name, 0) + p.grad
+    ref_params = ref.canonical_params()
+    assert set(summed) == set(ref_params)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(summed[name], p.grad, atol=atol, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    return stages, ref
+
+
+def cross_entropy(logits: torch.Tensor) -> torch.Tensor:
+    targets = torch.arange(logits.shape[0] * logits.shape[1]).remainder(logits.shape[-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
+
+
+def mse(out: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, torch.ones_like(out))
+
+
+# ----------------------------------------------------------------------------- correctness
+
+
+def test_gpt_stages_reproduce_outputs_and_gradients():
+    sg = build_stage_graph(request())
+    assert [st.rank for st in sg.stages] == [-1] * 4
+    plan = plan_of(sg)
+    stages, _ = assert_stages_match(plan, cross_entropy)
+    # the tied LM head: one canonical name, held by the first and last stage, copies start equal
+    (tie,) = plan.ties
+    assert tie.name == "wte.weight" and tie.stages == (0, 3) and tie.params == ("wte.weight", "lm_head.weight")
+    assert tie.num_bytes == 64 * 32 * 4
+    assert torch.equal(stages[0].canonical_params()["wte.weight"], stages[3].canonical_params()["wte.weight"])
+    assert dict(stages[3].named_parameters())["lm_head.weight"] is stages[3].canonical_params()["wte.weight"]
+    # the causal mask computed in __init__ survives meta tracing
+    mask = stages[1].get_buffer("blocks.1.attn.mask")
+    assert torch.equal(mask, torch.ones(16, 16, dtype=torch.bool).tril())
+
+
+def test_mlp_stages_reproduce_outputs_and_gradients():
+    x = InputSpec("x", "float32", (8, 16))
+    sg = build_stage_graph(request("pipec.examples.mlp:build", dict(layers=5, dim=16), (x,), stages=3))
+    assert not sg.ties and [(e.src_stage, e.dst_stage) for e in sg.edges] == [(0, 1), (1, 2)]
+    assert_stages_match(plan_of(sg), mse)
+
+
+def test_skip_connection_is_a_direct_edge_and_stages_match():
+    x = InputSpec("x", "float32", (8, 16))
+    sg = build_stage_graph(request("pipec.examples.skip:build", dict(layers=8, dim=16, skip_from=1, skip_to=6), (x,),
+                                   partition=SplitBefore(("blocks.2", "blocks.4", "blocks.6"))))
+    pairs = [(e.src_stage, e.dst_stage) for e in sg.edges]
+    assert pairs == [(0, 1), (0, 3), (1, 2), (2, 3)]
+    skip = next(e for e in sg.edges if (e.src_stage, e.dst_stage) == (0, 3))
+    assert [t.shape for t in skip.tensors] == [(4, 16)] and skip.num_bytes == 4 * 16 * 4
+    assert sg.graph.edges[0, 3]["skip"] and not sg.graph.edges[0, 1]["skip"]
+    # stage 3 receives both the chain value and the skip value, in its inputs' order
+    assert set(sg.stages[3].inputs) == set(sg.edges[1].tensors + sg.edges[3].tensors)
+    assert_stages_match(plan_of(sg), mse)
+
+
+def test_bfloat16_signatures_follow_autocast():
+    # cut inside the MLP: the GELU output crosses, and under bf16 autocast it is bf16
+    sg = build_stage_graph(request(kwargs=dict(GPT_ARGS, layers=2), stages=2, dtype="bfloat16",
+                                   partition=SplitBefore(("blocks.0.mlp.proj",))))
+    dtypes = {t.name: t.dtype for t in sg.edges[0].tensors}
+    assert dtypes["gelu"] == "bfloat16" and dtypes["add_1"] == "float32"
+    assert sg.model["traced_on"] == "fake"
+    plan = plan_of(sg)
+    stages = build_stages(plan, [0, 1], seed=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = stages[0](batch_for(plan)["tokens"])
+    assert [(o.dtype, tuple(o.shape)) for o in outs] == [(getattr(torch, t.dtype), t.shape) for t in sg.stages[0].outputs]
+
+
+# ----------------------------------------------------------------------------- initialisation
+
+
+def test_init_module_weights_do_not_depend_on_the_partition():
+    a = plan_of(build_stage_graph(request(stages=2)))
+    b = plan_of(build_stage_graph(request(stages=3, partition=SplitBefore(("blocks.1", "ln_f")))))
+    ref = build_reference(a, seed=7, init="module").canonical_params()
+    for plan in (a, b):
+        for mod in build_stages(plan, range(plan.num_stages), seed=7, init="module").values():
+            for name, p in mod.canonical_params().items():
+                assert torch.equal(p, ref[name]), name
+    # each module drew from its own generator: (seed, module name)
+    torch.manual_seed(module_seed(7, "blocks.0.attn.qkv"))
+    want = torch.nn.Linear(32, 96)
+    assert torch.equal(ref["blocks.0.attn.qkv.weight"], want.weight)
+    other = build_reference(a, seed=8, init="module").canonical_params()
+    assert not torch.equal(other["blocks.0.attn.qkv.weight"], ref["blocks.0.attn.qkv.weight"])
+
+
+def test_init_exact_is_the_factory_init_and_builds_only_requested_stages():
+    plan = plan_of(build_stage_graph(request(stages=4)))
+    only = build_stages(plan, [2], seed=5, init="exact")
+    assert list(only) == [2]
+    held = only[2].canonical_params()
+    assert tuple(held) == plan.stages[2].params
+    torch.manual_seed(5)
+    from pipec.examples.gpt import build
+
+    factory = dict(build(**GPT_ARGS).named_parameters())
+    for name, p in held.items():
+        assert torch.equal(p, factory[name])
+    assert_stages_match(plan, cross_entropy, init="exact")
+
+
+def test_build_stages_names_the_fingerprint_part_that_differs():
+    plan = plan_of(build_stage_graph(request(stages=2)))
+    other = dataclasses.replace(plan, model={**plan.model, "kwargs": dict(GPT_ARGS, layers=3)})
+    with pytest.raises(FrontendError, match="traced graph.*parameters"):
+        build_stages(other, [0], seed=0)
+    wider = dataclasses.replace(plan, model={**plan.model, "kwargs": dict(GPT_ARGS, dim=48)})
+    with pytest.raises(FrontendError, match="parameters") as err:
+        build_stages(wider, [0], seed=0)
+    assert "traced graph" not in str(err.value)
+    parts = dict(plan.model["fingerprint_parts"], torch="1.0")
+    old = dataclasses.replace(plan, model={**plan.model, "fingerprint": "0" * 64, "fingerprint_parts": parts})
+    with pytest.raises(FrontendError, match="torch version"):
+        build_stages(old, [0], seed=0)
+    with pytest.raises(FrontendError, match="no model"):
+        build_stages(dataclasses.replace(plan, model=None), [0], seed=0)
+
+
+# ----------------------------------------------------------------------------- costs and memory
+
+
+def test_flops_costs_recompute_and_activation_bytes():
+    x = InputSpec("x", "float32", (8, 16))
+    args = dict(layers=2, dim=16, hidden=32)
+    base = request("pipec.examples.mlp:build", args, (x,), stages=2, costs="flops", peak_flops=1e9,
+                   partition=SplitBefore(("blocks.1",)))
+    sg = build_stage_graph(base)
+    mb = 4  # batch 8 over 2 microbatches
+    block = 2 * mb * 16 * 32 * 2  # two linears: 2*M*K*N each
+    st0 = sg.stages[0]
+    assert sg.flops[0] == (block, block, block)
+    assert st0.cost.fwd == pytest.approx(block / 1e9) and st0.cost.bwd == pytest.approx(2 * block / 1e9)
+    assert st0.cost.bwd_i == 0 and st0.cost.bwd_w == st0.cost.bwd  # stage 0 sends no gradient
+    st1 = sg.stages[1]
+    assert st1.cost.bwd_i == pytest.approx(sg.flops[1][1] / 1e9) and st1.cost.bwd_w == pytest.approx(sg.flops[1][2] / 1e9)
+    assert st0.num_params == 16 * 32 + 32 + 32 * 16 + 16
+    assert st0.param_bytes == 4 * st0.num_params
+    # saved: x (fc's input), fc out (gelu's input), gelu out (proj's input), plus the output it keeps
+    assert st0.activation_bytes == mb * (16 + 32 + 32 + 16) * 4
+    rc = build_stage_graph(dataclasses.replace(base, recompute=frozenset({0})))
+    assert rc.stages[0].activation_bytes == mb * 16 * 4  # its input only
+    assert rc.full_activation_bytes[0] == st0.activation_bytes
+    assert rc.stages[0].cost.bwd == pytest.approx(st0.cost.bwd + st0.cost.fwd)
+    assert rc.stages[1].cost == sg.stages[1].cost
+    rc1 = build_stage_graph(dataclasses.replace(base, recompute=True))
+    assert rc1.stages[1].cost.bwd_i == pytest.approx(st1.cost.bwd_i + st1.cost.fwd)
+    assert rc1.stages[1].cost.bwd_w == st1.cost.bwd_w
+    with pytest.raises(FrontendError, match="peak_flops"):
+        build_stage_graph(dataclasses.replace(base, peak_flops=None))
+
+
+def test_profile_costs_are_measured_with_the_rank_thread_count():
+    x = InputSpec("x", "float32", (8, 16))
+    before = torch.get_num_threads()
+    sg = build_stage_graph(request("pipec.examples.mlp:build", dict(layers=4, dim=16), (x,), stages=2,
+                                   costs="profile", threads_per_rank=1, profile_reps=2))
+    assert torch.get_num_threads() == before
+    for st in sg.stages:
+        c = st.cost
+        assert c.fwd > 0 and c.bwd > 0 and c.bwd_w >= 0
+        assert c.bwd == pytest.approx(c.bwd_i + c.bwd_w)
+    assert sg.stages[0].cost.bwd_i == 0  # stage 0's input needs no gradient
+
+
+def test_memory_prediction_counts_each_held_copy():
+    sg = build_stage_graph(request(stages=4, partition=SplitBefore(("blocks.1", "blocks.2", "blocks.3"))))
+    placement = [0, 1, 1, 0]  # rank 0 holds both copies of the tied weight
+    in_flight = {0: {0: 3, 3: 1}, 1: {1: 2, 2: 2}}
+    report = predict_memory(sg, in_flight, placement=placement)
+    assert [r.rank for r in report] == [0, 1]
+    r0 = report[0]
+    assert [s.stage for s in r0.stages] == [0, 3]
+    assert r0.num_params == sg.stages[0].num_params + sg.stages[3].num_params
+    assert r0.state_bytes == 16 * r0.num_params
+    assert r0.activation_bytes == 3 * sg.stages[0].activation_bytes + sg.stages[3].activation_bytes
+    assert r0.total_bytes == r0.state_bytes + r0.activation_bytes
+    total = sum(p.numel() for p in _gpt_params())
+    tied = 64 * 32
+    assert sum(r.num_params for r in report) == total + tied
+    assert sum(r.state_bytes for r in predict_memory(sg, placement=placement)) == 16 * (total + tied)
+    check_memory(report, report[0].total_bytes)
+    with pytest.raises(MemoryBudgetError, match=r"pp rank 0 needs .* device_memory") as err:
+        check_memory(report, report[0].total_bytes - 1)
+    assert f"{r0.num_params:,} parameters x 16 bytes" in str(err.value)
+    plan = plan_of(sg, placement)
+    assert predict_memory(plan, in_flight) == report
+
+
+def _gpt_params():
+    from pipec.examples.gpt import build
+
+    with torch.device("meta"):
+        return list(build(**GPT_ARGS).parameters())
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_request_errors_say_what_to_do():
+    with pytest.raises(FrontendError, match="3 microbatches do not divide"):
+        build_stage_graph(dataclasses.replace(request(), num_microbatches=3))
+    with pytest.raises(FrontendError, match="not an argument of GPT.forward"):
+        build_stage_graph(request(inputs=(InputSpec("ids", "int64", (4, 16)),)))
+    with pytest.raises(FrontendError, match="pkg.module:factory"):
+        build_stage_graph(request(target="pipec.examples.gpt"))
+    with pytest.raises(FrontendError, match="no callable 'nope'"):
+        build_stage_graph(request(target="pipec.examples.gpt:nope"))
+    with pytest.raises(FrontendError, match="recompute names stage 9"):
+        build_stage_graph(request(recompute=frozenset({9})))
+    with pytest.raises(FrontendError, match="balanced"):
+        build_stage_graph(request(partition=Balanced("speed")))
+
+
+# ----------------------------------------------------------------------------- the graph view
+
+
+def test_render_writes_dot_source_and_says_how_to_render_without_dot(tmp_path, monkeypatch):
+    sg = build_stage_graph(request(stages=3, partition=SplitBefore(("blocks.1", "blocks.3")))).place([0, 1, 2])
+    assert render_graph(sg, tmp_path / "g.dot") == f"wrote {tmp_path / 'g.dot'}"
+    src = (tmp_path / "g.dot").read_text()
+    assert "stage 0 · rank 0" in src and "tie wte.weight" in src
+    (sig,) = sg.edges[0].tensors
+    assert f"{sig.name} [2, 16, 32] float32" + chr(10) + "4.0 KiB" in src
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    msg = render_graph(sg, tmp_path / "g.svg")
+    assert not (tmp_path / "g.svg").exists() and (tmp_path / "g.dot").exists()
+    assert "dot -Tsvg" in msg and "apt-get install graphviz" in msg
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz's dot program is not installed (apt-get install graphviz)")
+def test_render_draws_svg_and_png(tmp_path):
+    sg = build_stage_graph(request(stages=2))
+    assert render_graph(plan_of(sg, [0, 1]), tmp_path / "g.svg") == f"wrote {tmp_path / 'g.svg'}"
+    svg = (tmp_path / "g.svg").read_text()
+    assert svg.lstrip().startswith("<?xml") and "tie wte.weight" in svg
+    render_graph(sg.place([0, 1]), tmp_path / "g.png")
+    assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"

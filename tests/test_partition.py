@@ -1,0 +1,217 @@
+"""Partitioning: the balancer against brute force, split points, markers, impossible cuts, routing."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from pipec.compiler.costs import node_weights
+from pipec.compiler.frontend import Balanced, FrontendError, InputSpec, Markers, ModelRequest, SplitBefore, build_stage_graph
+from pipec.compiler.partition import analyse_cuts, assign_stages, balance, split_graph
+from pipec.compiler.stages import build_reference, build_stages, run_stages
+from pipec.compiler.trace import example_inputs, instantiate, pipe_split, propagate, trace_model
+from test_frontend import plan_of
+
+GPT = "pipec.examples.gpt:build"
+
+
+def traced_model(target, kwargs, inputs, mode="auto"):
+    model, _ = instantiate(target, kwargs, mode="meta")
+    example = example_inputs(inputs)
+    traced = trace_model(model, inputs, example, mode=mode)
+    propagate(traced, example)
+    return traced
+
+
+def brute_force(weights, valid, num_stages):
+    """The smallest possible slowest stage over every choice of valid cuts."""
+    positions = [i for i, ok in enumerate(valid) if ok]
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    best = float("inf")
+    for cuts in itertools.combinations(positions, num_stages - 1):
+        bounds = (0, *cuts, len(weights))
+        best = min(best, max(prefix[b] - prefix[a] for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+# ----------------------------------------------------------------------------- the balancer
+
+
+def test_balance_is_exact_on_random_weights():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 9)
+        weights = [rng.choice([0.0, rng.random() * 10, float(rng.randint(0, 5))]) for _ in range(n)]
+        stages = rng.randint(1, n)
+        starts, worst = balance(weights, stages)
+        assert len(starts) == stages - 1 and all(a < b for a, b in zip([0, *starts], [*starts, n]))
+        bounds = [0, *starts, n]
+        assert max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:])) == pytest.approx(worst)
+        assert worst == pytest.approx(brute_force(weights, [i > 0 for i in range(n)], stages))
+
+
+@pytest.mark.parametrize(
+    ("target", "kwargs", "inputs", "by", "stages"),
+    [
+        (GPT, dict(layers=3, dim=16, heads=2, vocab=32, seq=8), (InputSpec("tokens", "int64", (2, 8)),), "flops", 3),
+        (GPT, dict(layers=3, dim=16, heads=2, vocab=32, seq=8), (InputSpec("tokens", "int64", (2, 8)),), "params", 2),
+        (GPT, dict(layers=2, dim=16, heads=2, vocab=32, seq=8), (InputSpec("tokens", "int64", (2, 8)),), "memory", 3),
+        ("pipec.examples.mlp:build", dict(layers=5, dim=8), (InputSpec("x", "float32", (4, 8)),), "flops", 4),
+        ("pipec.examples.skip:build", dict(layers=6, dim=8, skip_from=0, skip_to=4), (InputSpec("x", "float32", (4, 8)),), "params", 3),
+    ],
+)
+def test_balancer_is_within_10_percent_of_brute_force(target, kwargs, inputs, by, stages):
+    traced = traced_model(target, kwargs, inputs)
+    cuts = analyse_cuts(traced)
+    weights = node_weights(traced, cuts, by)
+    stage_of = assign_stages(traced, cuts, Balanced(by), stages, weights)
+    assert sorted(set(stage_of.values())) == list(range(stages))
+    order = [stage_of[n.name] for n in cuts.nodes]
+    assert order == sorted(order)  # contiguous
+    slowest = max(sum(w for n, w in zip(cuts.nodes, weights) if stage_of[n.name] == s) for s in range(stages))
+    assert slowest <= 1.10 * brute_force(weights, cuts.valid, stages)
+
+
+def test_balancer_prefers_cuts_between_layers():
+    sg = build_stage_graph(ModelRequest(
+        target=GPT, kwargs=dict(layers=4, dim=32, heads=2, vocab=64, seq=16), inputs=(InputSpec("tokens", "int64", (4, 16)),),
+        num_microbatches=2, num_stages=2, costs="unit", partition=Balanced("params")))
+    # one tensor, the residual stream, crosses between two blocks
+    assert [t.shape for t in sg.edges[0].tensors] == [(2, 16, 32)]
+
+
+# ----------------------------------------------------------------------------- split points and markers
+
+
+def test_split_before_module_paths():
+    traced = traced_model(GPT, dict(layers=4, dim=16, heads=2, vocab=32, seq=8), (InputSpec("tokens", "int64", (2, 8)),))
+    cuts = analyse_cuts(traced)
+    stage_of = assign_stages(traced, cuts, SplitBefore(("blocks.2",)), 2)
+    first_of_1 = next(n for n in cuts.nodes if stage_of[n.name] == 1)
+    assert first_of_1.name == "blocks_2_ln1"
+    assert all(stage_of[n] == 0 for n in ("wte", "blocks_1_mlp_proj")) and stage_of["lm_head"] == 1
+    split = split_graph(traced, stage_of, 2)
+    assert split.parts[0].params[:2] == ("wte.weight", "wpe.weight")
+    assert "blocks.2.attn.qkv.weight" in split.parts[1].params
+    assert [s.name for s in split.parts[1].outputs] == ["lm_head"]
+
+
+def test_split_point_errors_name_the_problem():
+    traced = traced_model(GPT, dict(layers=2, dim=16, heads=2, vocab=32, seq=8), (InputSpec("tokens", "int64", (2, 8)),))
+    cuts = analyse_cuts(traced)
+    with pytest.raises(FrontendError, match=r"'block.1'.*did you mean blocks.1"):
+        assign_stages(traced, cuts, SplitBefore(("block.1",)), 2)
+    with pytest.raises(FrontendError, match="gives 2 stages but stages is 4"):
+        assign_stages(traced, cuts, SplitBefore(("blocks.1",)), 4)
+    mlp = traced_model("pipec.examples.mlp:build", dict(layers=2, dim=8), X)
+    with pytest.raises(FrontendError, match="leaves stage 0 empty"):
+        assign_stages(mlp, analyse_cuts(mlp), SplitBefore(("blocks.0",)), 2)
+    with pytest.raises(FrontendError, match="in model order"):
+        assign_stages(traced, cuts, SplitBefore(("blocks.1", "blocks.0")), 3)
+
+
+class Chunked(nn.Module):
+    """``chunk`` returns a tuple; its second half is read after ``post`` runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.post = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self.pre(x).chunk(2, dim=-1)
+        return self.post(parts[0]) + parts[1]
+
+
+class Shapes(nn.Module):
+    """``B, D = x.shape`` is read in the first stage and used in the second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, D = x.shape
+        h = self.a(x)
+        h = self.b(h)
+        return h.reshape(B, 2, D // 2) + x.reshape(B, 2, D // 2)
+
+
+class Marked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        pipe_split()
+        x = self.b(x)
+        pipe_split()
+        return self.c(x)
+
+
+def chunked() -> nn.Module:
+    return Chunked()
+
+
+def shapes() -> nn.Module:
+    return Shapes()
+
+
+def marked() -> nn.Module:
+    return Marked()
+
+
+X = (InputSpec("x", "float32", (4, 8)),)
+
+
+def test_a_tuple_crossing_a_cut_is_refused_naming_the_node():
+    traced = traced_model("test_partition:chunked", {}, X)
+    cuts = analyse_cuts(traced)
+    with pytest.raises(FrontendError, match=r"cannot split before 'post': node 'chunk' \(tuple of tensors\)"):
+        assign_stages(traced, cuts, SplitBefore(("post",)), 2)
+    # the balancer avoids it
+    stage_of = assign_stages(traced, cuts, Balanced("flops"), 2, node_weights(traced, cuts, "flops"))
+    assert stage_of["chunk"] == stage_of["getitem_1"]
+
+
+def test_python_values_crossing_a_cut_are_folded_and_inputs_routed_through_stage_0():
+    sg = build_stage_graph(ModelRequest(target="test_partition:shapes", inputs=(InputSpec("x", "float32", (8, 8)),),
+                                        num_microbatches=2, num_stages=2, costs="unit", partition=SplitBefore(("b",))))
+    # B and D are constants in stage 1; x reaches stage 1 from stage 0
+    names = [t.name for t in sg.edges[0].tensors]
+    assert names == ["a", "x_to_stages"]
+    assert all(st.inputs for st in sg.stages)
+    plan = plan_of(sg)
+    stages = build_stages(plan, [0, 1], seed=0)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(run_stages(stages, {"x": x})[0], build_reference(plan, seed=0)(x)[0])
+
+
+def test_pipe_split_markers_partition_the_model():
+    for mode in ("fx", "export"):
+        sg = build_stage_graph(ModelRequest(target="test_partition:marked", inputs=X, num_microbatches=1, num_stages=3,
+                                            costs="unit", trace=mode))
+        assert sg.model["trace"] == mode
+        assert [st.params for st in sg.stages] == [("a.weight", "a.bias"), ("b.weight", "b.bias"), ("c.weight", "c.bias")]
+    with pytest.raises(FrontendError, match="2 pipe_split markers gives 3 stages but stages is 2"):
+        build_stage_graph(ModelRequest(target="test_partition:marked", inputs=X, num_microbatches=1, num_stages=2,
+                                       costs="unit", partition=Markers()))
+    with pytest.raises(FrontendError, match="has none"):
+        build_stage_graph(ModelRequest(target="test_partition:shapes", inputs=X, num_microbatches=1, num_stages=2,
+                                       costs="unit", partition=Markers()))
+
+
+def test_too_many_stages_is_refused():
+    with pytest.raises(FrontendError, match="at most"):
+        build_stage_graph(ModelRequest(target="test_partition:marked", inputs=X, num_microbatches=1, num_stages=40,
+                                       costs="unit", partition=Balanced("flops")))

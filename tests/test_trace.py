@@ -1,0 +1,140 @@
+"""Tracing: fx or export on meta tensors, node annotations, the fingerprint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipec.compiler.trace import (
+    FrontendError,
+    InputSpec,
+    example_inputs,
+    instantiate,
+    is_pipe_split,
+    propagate,
+    trace_model,
+)
+
+GPT = "pipec.examples.gpt:build"
+ARGS = dict(layers=2, dim=16, heads=2, vocab=32, seq=8)
+TOKENS = (InputSpec("tokens", "int64", (2, 8)),)
+
+
+def trace(target=GPT, kwargs=ARGS, inputs=TOKENS, mode="auto", split_paths=()):
+    model, _ = instantiate(target, kwargs, mode="meta")
+    example = example_inputs(inputs)
+    traced = trace_model(model, inputs, example, mode=mode, split_paths=split_paths)
+    propagate(traced, example)
+    return traced
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.enc(x)
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) if x.sum() > 0 else x
+
+
+class Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x)) * 2
+
+
+def encoder() -> nn.Module:
+    return Encoder()
+
+
+def data_dependent() -> nn.Module:
+    return DataDependent()
+
+
+def plain() -> nn.Module:
+    return Plain()
+
+
+def test_fx_traces_the_gpt_on_meta_and_annotates_every_node():
+    traced = trace()
+    assert traced.path == "fx" and not traced.fallback
+    assert all(p.device.type == "meta" for p in traced.model.parameters())
+    nodes = {n.name: n for n in traced.gm.graph.nodes}
+    qkv = nodes["blocks_0_attn_qkv"]
+    assert tuple(qkv.meta["tensor_meta"].shape) == (2, 8, 48)
+    assert qkv.meta["pipec_flops"] == 2 * (2 * 8) * 16 * 48
+    assert nodes["scaled_dot_product_attention"].meta["pipec_flops"] > 0
+    assert nodes["blocks_0_attn_mask"].op == "get_attr"  # the causal-mask buffer is proxied, not baked in
+    assert nodes["getattr_1"].meta["pipec_value"] == torch.Size([2, 8])
+    # the tied weight has one canonical name, reachable from both of its names
+    assert traced.canonical["lm_head.weight"] == "wte.weight" and traced.canonical["wte.weight"] == "wte.weight"
+
+
+def test_saved_bytes_leave_out_parameters():
+    traced = trace("test_trace:plain", {}, (InputSpec("x", "float32", (4, 8)),))
+    nodes = {n.name: n for n in traced.gm.graph.nodes}
+    # the linear saves its input (weights are parameters, not activations); relu saves its output; x2 saves nothing
+    assert sum(b for _, b in nodes["fc"].meta["pipec_saved"]) == 4 * 8 * 4
+    assert sum(b for _, b in nodes["relu"].meta["pipec_saved"]) == 4 * 16 * 4
+    assert nodes["mul"].meta["pipec_saved"] == ()
+
+
+def test_fingerprint_is_stable_and_names_its_parts():
+    a, b = trace(), trace()
+    assert a.fingerprint == b.fingerprint and len(a.fingerprint) == 64
+    assert a.fingerprint_parts["torch"] == ".".join(torch.__version__.split(".")[:2])
+    deeper = trace(kwargs=dict(ARGS, layers=3))
+    assert {k for k in a.fingerprint_parts if a.fingerprint_parts[k] != deeper.fingerprint_parts[k]} == {"graph", "params"}
+    wider = trace(kwargs=dict(ARGS, dim=32))
+    assert {k for k in a.fingerprint_parts if a.fingerprint_parts[k] != wider.fingerprint_parts[k]} == {"params"}
+    exported = trace(mode="export")
+    assert exported.path == "export" and exported.fingerprint_parts["trace"] == "export"
+    assert exported.fingerprint != a.fingerprint
+
+
+def test_auto_falls_back_to_export_when_a_leaf_hides_layers():
+    x = (InputSpec("x", "float32", (2, 4, 16)),)
+    traced = trace("test_trace:encoder", {}, x)
+    assert traced.path == "export" and "'enc'" in traced.fallback
+    layers = {n.meta["nn_module_stack"] and list(n.meta["nn_module_stack"].values())[-1][0] for n in traced.gm.graph.nodes
+              if n.op == "call_function"}
+    assert {"enc.layers.0.linear1", "enc.layers.2.norm2"} <= layers
+    with pytest.raises(FrontendError, match="one leaf node.*use trace export"):
+        trace("test_trace:encoder", {}, x, mode="fx")
+
+
+def test_trace_failures_are_frontend_errors():
+    x = (InputSpec("x", "float32", (2, 4)),)
+    with pytest.raises(FrontendError, match="torch.fx cannot trace DataDependent.*use trace export"):
+        trace("test_trace:data_dependent", {}, x, mode="fx")
+    with pytest.raises(FrontendError, match=r"torch.export cannot capture DataDependent \(fx failed"):
+        trace("test_trace:data_dependent", {}, x, mode="auto")
+    with pytest.raises(FrontendError, match="trace must be one of auto, fx, export"):
+        trace(mode="jit")
+    with pytest.raises(FrontendError, match="int65"):
+        example_inputs((InputSpec("x", "int65", (2,)),))
+
+
+def test_pipe_split_is_recorded_by_both_tracers():
+    from test_partition import Marked
+
+    for mode in ("fx", "export"):
+        model = Marked().to("meta")
+        inputs = (InputSpec("x", "float32", (2, 8)),)
+        traced = trace_model(model, inputs, example_inputs(inputs), mode=mode)
+        assert sum(is_pipe_split(n) for n in traced.gm.graph.nodes) == 2
+    Marked()(torch.randn(2, 8))  # eagerly, a no-op
