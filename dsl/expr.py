@@ -13,7 +13,7 @@ hostile file can neither crash nor stall the compiler.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from pipec.dsl import ast
@@ -48,7 +48,7 @@ class IntExpr:
     names: frozenset[str]
     """The canonical names it reads."""
     node: ast.Node
-    fn: _Fn
+    fn: _Fn = field(compare=False, repr=False)
 
     def __call__(self, env: Env) -> int:
         return self.fn(env)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -174,7 +175,12 @@ class Unit(Kind):
                     raise ctx.error(node, f"{ctx.key} needs {self.doc}, got {node.text}, {other.what}")
                 raise ctx.error(node, f"unknown unit '{node.unit}' for {self.what}",
                                 did_you_mean(node.unit, self.units) or "units: " + ", ".join(self.units))
-            value = node.value * scale
+            # decimal arithmetic: 10us is exactly 1e-05 s, as a user means it
+            number_text = node.text[: len(node.text) - len(node.unit)]
+            try:
+                value = float(Decimal(number_text) * Decimal(repr(float(scale))))
+            except ArithmeticError:  # a decimal overflow: an absurd exponent
+                value = math.inf
             if not math.isfinite(value):
                 raise ctx.error(node, f"{node.text} is out of range")
         if value < 0 or (self.positive and value == 0):

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pipec.dsl import ast
 from pipec.dsl.ast import Span
 from pipec.dsl.errors import DSLError, Source
-from pipec.dsl.expr import ExprError, compile_int
+from pipec.dsl.expr import ExprError, compile_int, referenced_names
 from pipec.schedules.order import Action, ComputeOrder, Kind, ScheduleError, validate_order
 
 __all__ = ["MAX_ACTIONS", "ORDER_NAMES", "Expanded", "expand_block", "read_csv", "shape", "build_order"]
@@ -61,6 +61,8 @@ class Expanded:
 
 
 class _Budget:
+    """Counts work (loop iterations, CSV cells) against :data:`MAX_ACTIONS`."""
+
     __slots__ = ("left",)
 
     def __init__(self) -> None:
@@ -95,40 +97,59 @@ def _index(value: int, node: ast.Node, what: str, source: Source) -> int:
     return value
 
 
-def _compile_body(body, names: dict[str, str], source: Source):
-    """Compile elements into functions ``run(env, emit)``."""
-    runs = []
+class _Elem:
+    """A compiled element: ``count`` its actions cheaply (ranges and loops in closed
+    form where they can be), ``run`` to emit them."""
+
+    __slots__ = ("node", "source")
+
+    def too_many(self) -> DSLError:
+        return self.source.error(self.node.span, f"the order expands to more than {MAX_ACTIONS:,} actions, "
+                                 "pipec's limit")
+
+
+def _compile_body(body, names: dict[str, str], source: Source) -> list[_Elem]:
+    return [_ActionElem(e, names, source) if isinstance(e, ast.Action) else _RepeatElem(e, names, source)
+            for e in body]
+
+
+def _count_body(body: list[_Elem], env, work: _Budget) -> int:
+    total = 0
     for elem in body:
-        if isinstance(elem, ast.Action):
-            runs.append(_compile_action(elem, names, source))
-        else:
-            assert isinstance(elem, ast.Repeat)
-            runs.append(_compile_repeat(elem, names, source))
-    return runs
+        total += elem.count(env, work)
+        if total > MAX_ACTIONS:
+            raise elem.too_many()
+    return total
 
 
-def _compile_action(elem: ast.Action, names, source: Source):
-    kind = _KINDS[elem.kind]
-    stage_fn = _compile(elem.stage, names, source)
-    mb_fn = _compile(elem.microbatch, names, source)
-    end_fn = _compile(elem.end, names, source) if elem.end is not None else None
+class _ActionElem(_Elem):
+    __slots__ = ("kind", "stage_fn", "mb_fn", "end_fn")
 
-    def run(env, emit, budget: _Budget) -> None:
-        stage = _index(_eval(stage_fn, env, source), elem.stage, "stage", source)
-        first = _index(_eval(mb_fn, env, source), elem.microbatch, "microbatch", source)
-        if end_fn is None:
-            budget.take(1, elem.span, source)
-            emit(Action(kind, stage, first), elem.span)
-            return
-        last = _eval(end_fn, env, source)
-        if last < first:
-            return
-        _index(last, elem.end, "microbatch", source)
-        budget.take(last - first + 1, elem.span, source)
+    def __init__(self, node: ast.Action, names, source: Source) -> None:
+        self.node, self.source, self.kind = node, source, _KINDS[node.kind]
+        self.stage_fn = _compile(node.stage, names, source)
+        self.mb_fn = _compile(node.microbatch, names, source)
+        self.end_fn = _compile(node.end, names, source) if node.end is not None else None
+
+    def _range(self, env) -> tuple[int, int, int]:
+        node, source = self.node, self.source
+        stage = _index(_eval(self.stage_fn, env, source), node.stage, "stage", source)
+        first = _index(_eval(self.mb_fn, env, source), node.microbatch, "microbatch", source)
+        if self.end_fn is None:
+            return stage, first, first
+        last = _eval(self.end_fn, env, source)
+        if last >= first:
+            _index(last, node.end, "microbatch", source)
+        return stage, first, last
+
+    def count(self, env, work: _Budget) -> int:
+        _, first, last = self._range(env)
+        return max(0, last - first + 1)
+
+    def run(self, env, emit) -> None:
+        stage, first, last = self._range(env)
         for m in range(first, last + 1):
-            emit(Action(kind, stage, m), elem.span)
-
-    return run
+            emit(Action(self.kind, stage, m), self.node.span)
 
 
 def _loop_var(var: ast.Word, names, source: Source) -> None:
@@ -137,24 +158,35 @@ def _loop_var(var: ast.Word, names, source: Source) -> None:
                            "pick another name, such as k")
 
 
-def _compile_repeat(elem: ast.Repeat, names, source: Source):
-    _loop_var(elem.var, names, source)
-    start_fn = _compile(elem.start, names, source)
-    end_fn = _compile(elem.end, names, source)
-    body = _compile_body(elem.body, {**names, elem.var.name: elem.var.name}, source)
-    var = elem.var.name
+class _RepeatElem(_Elem):
+    __slots__ = ("start_fn", "end_fn", "body", "var", "invariant")
 
-    def run(env, emit, budget: _Budget) -> None:
-        first, last = _eval(start_fn, env, source), _eval(end_fn, env, source)
-        if last < first:
-            return
-        budget.take(last - first + 1, elem.span, source)  # iterations count too: bounded time
-        for value in range(first, last + 1):
-            inner = {**env, var: value}
-            for r in body:
-                r(inner, emit, budget)
+    def __init__(self, node: ast.Repeat, names, source: Source) -> None:
+        _loop_var(node.var, names, source)
+        self.node, self.source, self.var = node, source, node.var.name
+        self.start_fn = _compile(node.start, names, source)
+        self.end_fn = _compile(node.end, names, source)
+        self.body = _compile_body(node.body, {**names, self.var: self.var}, source)
+        self.invariant = self.var not in referenced_names(node.body)
+        """The body's size does not depend on the loop variable: count it once."""
 
-    return run
+    def _bounds(self, env) -> range:
+        return range(_eval(self.start_fn, env, self.source), _eval(self.end_fn, env, self.source) + 1)
+
+    def count(self, env, work: _Budget) -> int:
+        values = self._bounds(env)
+        if not values:
+            return 0
+        if self.invariant:
+            return len(values) * _count_body(self.body, {**env, self.var: values[0]}, work)
+        work.take(len(values), self.node.span, self.source)  # iterations are work too: bounded time
+        return sum(_count_body(self.body, {**env, self.var: v}, work) for v in values)
+
+    def run(self, env, emit) -> None:
+        for value in self._bounds(env):
+            inner = {**env, self.var: value}
+            for elem in self.body:
+                elem.run(inner, emit)
 
 
 def expand_block(block: ast.OrderBlock, env: dict[str, int], source: Source) -> Expanded:
@@ -162,7 +194,8 @@ def expand_block(block: ast.OrderBlock, env: dict[str, int], source: Source) -> 
     (``ranks``, ``microbatches``, ``chunks``); a name used but not bound is an error."""
     names = {alias: canon for alias, canon in ORDER_NAMES.items() if canon in env}
     out = Expanded(source, source, block.span)
-    budget = _Budget()
+    work = _Budget()  # rank clauses and loop iterations
+    total = 0  # actions
     num_ranks = env.get("ranks")
     for clause in block.clauses:
         if clause.var is None:
@@ -175,7 +208,7 @@ def expand_block(block: ast.OrderBlock, env: dict[str, int], source: Source) -> 
             _index(first, clause.rank, "rank", source)
             if last >= first:
                 _index(last, clause.end, "rank", source)
-            budget.take(max(0, last - first + 1), clause.span, source)
+            work.take(max(0, last - first + 1), clause.span, source)
             ranks = [(r, {clause.var.name: r}) for r in range(first, last + 1)]
             body = _compile_body(clause.body, {**names, clause.var.name: clause.var.name}, source)
         for rank, bound in ranks:
@@ -196,8 +229,12 @@ def expand_block(block: ast.OrderBlock, env: dict[str, int], source: Source) -> 
                 spans.append(span)
 
             local = {**env, **bound}
-            for run in body:
-                run(local, emit, budget)
+            total += _count_body(body, local, work)  # cheap: no action is made yet
+            if total > MAX_ACTIONS:
+                raise source.error(clause.span, f"the order expands to more than {MAX_ACTIONS:,} actions, "
+                                   "pipec's limit")
+            for elem in body:
+                elem.run(local, emit)
             out.actions[rank], out.spans[rank], out.clauses[rank] = acts, spans, clause.span
     return out
 
