@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.fx import Interpreter, Node
 
-from pipec.compiler.partition import Cuts, Split, _nbytes, _tensor_meta
+from pipec.compiler.partition import Cuts, Split
 from pipec.compiler.plan import UNIT_COST, Cost
 from pipec.compiler.trace import FrontendError, Traced, example_inputs, instantiate, to_dtype, trace_model
 

@@ -13,6 +13,7 @@ No torch here: this runs on plans too.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -84,13 +85,7 @@ def _stages(source: Plan | StageGraph, placement: Sequence[int] | None) -> tuple
     for st in stages:
         if st.num_params is None or st.activation_bytes is None:
             raise ValueError(f"stage {st.stage} has no parameter count or activation size (a schedule-only plan?)")
-    return tuple(st if st.rank == r else _with_rank(st, r) for st, r in zip(stages, ranks)), num_ranks
-
-
-def _with_rank(st: Stage, rank: int) -> Stage:
-    import dataclasses
-
-    return dataclasses.replace(st, rank=rank)
+    return tuple(st if st.rank == r else dataclasses.replace(st, rank=r) for st, r in zip(stages, ranks)), num_ranks
 
 
 def predict_memory(

@@ -175,14 +175,12 @@ def analyse_cuts(traced: Traced) -> Cuts:
 
 def _blocker(cuts: Cuts, pos: int) -> str:
     """Describe the non-tensor value that makes cut ``pos`` impossible."""
-    before = set(cuts.nodes[:pos])
     after = set(cuts.nodes[pos:])
     for v in cuts.nodes[:pos]:
         users = [u for u in v.users if u in after or u.op == "output"]
         if users and _tensor_meta(v) is None and not _foldable(v.meta.get("pipec_value", object())):
             kind = type(v.meta.get("pipec_value", None)).__name__ if "pipec_value" in v.meta else "tuple of tensors"
             return f"node {v.name!r} ({kind}) is used after the cut by {users[0].name!r}"
-    del before
     return "a non-tensor value crosses it"
 
 

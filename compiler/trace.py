@@ -33,6 +33,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
@@ -275,10 +276,21 @@ def _fx_trace(model: nn.Module, names: list[str]) -> GraphModule:
         concrete[pname] = p.default
     graph = _Tracer().trace(model, concrete_args=concrete or None)
     gm = GraphModule(model, graph, type(model).__name__)
-    # concrete args leave placeholders behind that nothing uses; the model's inputs keep theirs.
+    # concrete args leave placeholders behind, guarded by asserts that they keep their value: drop both
+    checks = {torch.fx._symbolic_trace._assert_is_none, operator.eq, torch._assert}
     for node in list(gm.graph.nodes):
-        if node.op == "placeholder" and node.target not in names and not node.users:
-            gm.graph.erase_node(node)
+        if node.op != "placeholder" or node.target in names:
+            continue
+        chain, todo = [], list(node.users)
+        while todo:
+            u = todo.pop()
+            if u.op != "call_function" or u.target not in checks:
+                raise FrontendError(f"{type(model).__name__}.forward's argument {node.target!r} is used but is no input; declare it as an input")
+            chain.append(u)
+            todo.extend(u.users)
+        for u in reversed(list(dict.fromkeys(chain))):
+            gm.graph.erase_node(u)
+        gm.graph.erase_node(node)
     gm.recompile()
     return gm
 

@@ -13,7 +13,7 @@ from pipec.compiler.frontend import Balanced, FrontendError, InputSpec, ModelReq
 from pipec.compiler.graph import render_graph
 from pipec.compiler.ir import Program
 from pipec.compiler.memory import MemoryBudgetError, check_memory, predict_memory
-from pipec.compiler.plan import Mesh, Plan
+from pipec.compiler.plan import Mesh, Plan, read_plan, write_plan
 from pipec.compiler.stages import build_reference, build_stages, module_seed, run_stages
 
 GPT = "pipec.examples.gpt:build"
@@ -83,10 +83,12 @@ def mse(out: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- correctness
 
 
-def test_gpt_stages_reproduce_outputs_and_gradients():
+def test_gpt_stages_reproduce_outputs_and_gradients(tmp_path):
     sg = build_stage_graph(request())
     assert [st.rank for st in sg.stages] == [-1] * 4
-    plan = plan_of(sg)
+    write_plan(plan_of(sg), str(tmp_path / "plan.json"))
+    plan = read_plan(str(tmp_path / "plan.json"))  # what every rank reads
+    assert plan.stages == sg.place([0, 1, 2, 3]).stages and plan.model == sg.model
     stages, _ = assert_stages_match(plan, cross_entropy)
     # the tied LM head: one canonical name, held by the first and last stage, copies start equal
     (tie,) = plan.ties

@@ -215,3 +215,12 @@ def test_too_many_stages_is_refused():
     with pytest.raises(FrontendError, match="at most"):
         build_stage_graph(ModelRequest(target="test_partition:marked", inputs=X, num_microbatches=1, num_stages=40,
                                        costs="unit", partition=Balanced("flops")))
+
+
+def test_balance_by_measured_time():
+    sg = build_stage_graph(ModelRequest(
+        target="pipec.examples.mlp:build", kwargs=dict(layers=6, dim=32), inputs=(InputSpec("x", "float32", (8, 32)),),
+        num_microbatches=1, num_stages=3, costs="unit", partition=Balanced("time")))
+    assert [len(st.nodes) for st in sg.stages] and all(st.params for st in sg.stages)
+    held = [p for st in sg.stages for p in st.params]
+    assert held == sorted(set(held), key=held.index) and len(held) == 6 * 4 + 2  # each parameter in one stage

@@ -57,6 +57,22 @@ class Plain(nn.Module):
         return torch.relu(self.fc(x)) * 2
 
 
+class Optional(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 2.0) -> torch.Tensor:
+        y = self.a(x)
+        if mask is not None:
+            y = y + mask
+        return y * scale
+
+
+def optional() -> nn.Module:
+    return Optional()
+
+
 def encoder() -> nn.Module:
     return Encoder()
 
@@ -138,3 +154,9 @@ def test_pipe_split_is_recorded_by_both_tracers():
         traced = trace_model(model, inputs, example_inputs(inputs), mode=mode)
         assert sum(is_pipe_split(n) for n in traced.gm.graph.nodes) == 2
     Marked()(torch.randn(2, 8))  # eagerly, a no-op
+
+
+def test_forward_arguments_left_at_their_defaults_are_specialised():
+    traced = trace("test_trace:optional", {}, (InputSpec("x", "float32", (2, 4)),), mode="fx")
+    assert [n.target for n in traced.gm.graph.nodes if n.op == "placeholder"] == ["x"]
+    assert [n.op for n in traced.gm.graph.nodes] == ["placeholder", "call_module", "call_function", "output"]
