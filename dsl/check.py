@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import os
 import re
-from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 from pipec.dsl import ast
 from pipec.dsl.ast import NO_SPAN, Span
 from pipec.dsl.errors import DSLError, DSLWarning, Source, did_you_mean
 from pipec.dsl.expr import ExprError, referenced_names
-from pipec.dsl.keys import DERIVED, KEYS
+from pipec.dsl.keys import KEYS
 from pipec.dsl.kinds import Ctx
-from pipec.dsl.structured import DTYPES, Kwargs, OrderDraft
+from pipec.dsl.structured import DTYPES, OrderDraft
 from pipec.dsl.order import ORDER_NAMES, build_order, expand_block, read_csv, shape
 from pipec.dsl.parse import Parsed, parse_value
 from pipec.dsl.spec import Origin, Spec
@@ -102,14 +101,15 @@ class _State:
         self.values[key] = value
         self.origins[key] = Origin("default", note=note)
 
-    def _place(self, key: str, fallback: tuple[str, ...]) -> tuple[Source, Span, Origin]:
+    def _place(self, key: str, fallback: tuple[str, ...]) -> tuple[Source, Span]:
         for k in (key, *fallback):
             origin = self.origins.get(k)
             if origin is not None and origin.given:
-                return origin.source, origin.span, origin
-        return self.anchor, NO_SPAN, self.origins.get(key, Origin("default"))
+                return origin.source, origin.span
+        return self.anchor, NO_SPAN
 
-    def _note(self, key: str, origin: Origin) -> str:
+    def _note(self, key: str) -> str:
+        """For a key left at its default, a line saying so."""
         own = self.origins.get(key)
         if own is not None and not own.given:
             return f"{key} was not set: its default is {self.values.get(key)!s}" + (
@@ -118,18 +118,18 @@ class _State:
 
     def error(self, key: str, message: str, *hints: str, fallback: tuple[str, ...] = ()) -> DSLError:
         """An error at ``key``'s value; at the first given of ``fallback`` when ``key`` is a default."""
-        source, span, origin = self._place(key, fallback)
-        return source.error(span, self._wording(message, key), *hints, self._note(key, origin))
+        source, span = self._place(key, fallback)
+        return source.error(span, self._wording(message), *hints, self._note(key))
 
     def item_error(self, key: str, index: int, message: str, *hints: str) -> DSLError:
         """An error at the ``index``-th item of ``key``'s (given) value."""
         return self.origins[key].source.error(self.item_span(key, index), message, *hints)
 
     def warn(self, key: str, message: str, *hints: str, fallback: tuple[str, ...] = ()) -> None:
-        source, span, origin = self._place(key, fallback)
-        self.warnings.append(source.warning(span, self._wording(message, key), *hints, self._note(key, origin)))
+        source, span = self._place(key, fallback)
+        self.warnings.append(source.warning(span, self._wording(message), *hints, self._note(key)))
 
-    def _wording(self, message: str, key: str) -> str:
+    def _wording(self, message: str) -> str:
         """Schedule messages name flags (``--virtual 3``); a value from the file is named by its key."""
         for k, spec_key in KEYS.items():
             origin = self.origins.get(k)
@@ -184,10 +184,7 @@ def _collect(parsed: Parsed | None, overrides: Mapping[str, Any], st: _State) ->
         for key, text, span in entries:
             node = flag_node(key, text, cmd, span)
             origin = Origin("flag", cmd, node.span, flag=KEYS[key].flag, node=node)
-            if key == "model_args" and key in given and given[key][1].kind == "flag":
-                old_node, _ = given[key]
-                node = ast.Group((), old_node.kwargs + node.kwargs, node.span)
-            elif key == "model_args" and key in given:
+            if key == "model_args" and key in given:  # --model-arg k=v changes one argument, keeps the others
                 old_node, _ = given[key]
                 names = {kw.name.name for kw in node.kwargs}
                 kept = tuple(kw for kw in old_node.kwargs if kw.name.name not in names)
@@ -206,14 +203,7 @@ def _unknown_key_hints(name: str, given: Mapping[str, Any]) -> tuple[str, ...]:
 def _convert(given: Mapping[str, tuple[ast.Node, Origin]], st: _State) -> None:
     for key, (node, origin) in given.items():
         ctx = Ctx(key, origin.source, st.base_dir if origin.kind == "file" else ".")
-        kind = KEYS[key].kind
-        if key == "model_args" and origin.kind == "flag":
-            kind = Kwargs()
-        value = kind.convert(node, ctx)
-        if key == "model_args":
-            # a repeated argument: the last one wins (flags come after the file's)
-            value = MappingProxyType(dict(value))
-        st.values[key] = value
+        st.values[key] = KEYS[key].kind.convert(node, ctx)
         st.origins[key] = origin
 
 
@@ -227,21 +217,17 @@ def _form(st: _State) -> None:
         first, second = chosen[0], chosen[1]
         raise st.error(second, f"{first} and {second} both choose the schedule",
                        f"keep one: `{first} ...` or `{second} ...`")
-    if "order" in chosen:
-        st.form = "order"
-        st.order_draft = st.values.pop("order")
-        st.values["schedule"], st.origins["schedule"] = "order", st.origins["order"]
-    elif "policy" in chosen:
-        st.form = "policy"
-        st.values["schedule"], st.origins["schedule"] = "policy", st.origins["policy"]
-        st.default("order", None)
-    else:
+    st.form = chosen[0] if chosen and chosen[0] != "schedule" else "named"
+    if st.form == "named":
         if not st.given("schedule"):
             st.default("schedule", KEYS["schedule"].default)
-        st.default("policy", None)
-        st.default("order", None)
+    else:  # `schedule` reads "policy" or "order", from where that was given
+        st.values["schedule"], st.origins["schedule"] = st.form, st.origins[st.form]
     if st.form == "order":
-        st.default("policy", None)
+        st.order_draft = st.values.pop("order")  # resolved with the mesh, in _mesh_of_order
+    for key in ("policy", "order"):
+        if key != st.form:
+            st.default(key, None)
 
 
 def _input_batch(st: _State) -> int | None:
@@ -432,9 +418,8 @@ def _model(st: _State) -> None:
     batch = _input_batch(st)
     m = st.values["microbatches"]
     if batch is not None and batch % m:
-        divisors = [d for d in range(1, batch + 1) if batch % d == 0][:12]
         raise st.error("microbatches", f"microbatches {m} does not divide the input's batch of {batch}",
-                       "use one of " + ", ".join(map(str, divisors)), fallback=("input",))
+                       "use one of " + ", ".join(map(str, _divisors(batch))), fallback=("input",))
     if not st.given("costs"):
         st.default("costs", "flops" if has_model else "unit", "a model is given" if has_model else "no model")
     elif st.values["costs"] != "unit" and not has_model:
@@ -454,6 +439,12 @@ def _model(st: _State) -> None:
             if s >= stages:
                 raise st.item_error("recompute", i, f"stage {s} does not exist: there are {stages} stages",
                                     f"stages are 0..{stages - 1}")
+
+
+def _divisors(n: int, most: int = 12) -> list[int]:
+    """The smallest divisors of n (at most ``most``), in O(sqrt n)."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))[:most]
 
 
 _RULE_KEYS = {"ranks": "pp", "microbatches": "microbatches", "chunks": "virtual", "placement": "placement"}

@@ -93,10 +93,11 @@ def value_text(node: ast.Node) -> str:
     raise AssertionError(f"no text for {type(node).__name__}")
 
 
-def statement_text(st: ast.Statement, width: int = 0) -> str:
+def statement_text(st: ast.Statement) -> str:
+    """The canonical text of one statement (an order block spans lines)."""
     if isinstance(st.value, ast.OrderBlock):
         return st.key.name + "\n" + value_text(st.value)
-    return f"{st.key.name.ljust(width)} {value_text(st.value)}"
+    return f"{st.key.name} {value_text(st.value)}"
 
 
 # ----------------------------------------------------------------------------- layout
@@ -109,12 +110,12 @@ class _Line:
     text: str
     first: int
     last: int
-    statements: int = 0  # how many statements start on it (0 for an order clause)
+    role: str = "line"
+    """``"one"`` (a single statement: its key is padded), ``"line"`` (several),
+    ``"order"`` (an order block's key) or ``"clause"`` (one of its rank clauses)."""
     key: str = ""
     value: str = ""
-    blank_before: bool = False
     trailing: str = ""
-    leading: tuple[str, ...] = ()
 
 
 def _groups(statements: tuple[ast.Statement, ...]) -> list[list[ast.Statement]]:
@@ -138,18 +139,18 @@ def _lines(parsed: Parsed) -> list[_Line]:
             st = group[0]
             clauses = st.value.clauses
             head_last = clauses[0].span.line - 1 if clauses[0].span.line > st.span.line else st.span.line
-            out.append(_Line(st.key.name, st.span.line, max(st.span.line, head_last)))
+            out.append(_Line(st.key.name, st.span.line, max(st.span.line, head_last), "order"))
             for i, clause in enumerate(clauses):
                 end = clause.span.end_line
                 if i + 1 < len(clauses):
                     end = max(end, clauses[i + 1].span.line - 1) if clauses[i + 1].span.line > end else end
-                out.append(_Line(INDENT + value_text(clause), clause.span.line, end))
+                out.append(_Line(INDENT + value_text(clause), clause.span.line, end, "clause"))
             continue
         if len(group) == 1:
             st = group[0]
-            out.append(_Line("", first, last, 1, st.key.name, value_text(st.value)))
+            out.append(_Line("", first, last, "one", st.key.name, value_text(st.value)))
         else:
-            out.append(_Line("  ".join(statement_text(s) for s in group), first, last, len(group)))
+            out.append(_Line("  ".join(statement_text(s) for s in group), first, last, "line"))
     return out
 
 
@@ -180,9 +181,9 @@ def format_parsed(parsed: Parsed) -> str:
     paragraph: list[_Line] = []
 
     def flush() -> None:
-        width = max((len(ln.key) for ln in paragraph if ln.statements == 1), default=0)
+        width = max((len(ln.key) for ln in paragraph if ln.role == "one"), default=0)
         for ln in paragraph:
-            if ln.statements == 1:
+            if ln.role == "one":
                 ln.text = f"{ln.key.ljust(width)} {ln.value}"
 
     rendered: list[object] = []
@@ -192,9 +193,9 @@ def format_parsed(parsed: Parsed) -> str:
             rendered.append(None)
         rendered.append(item)
         prev_last = max(prev_last, last)
-    # Pad keys within paragraphs (runs without a blank line), then print.
+    # Pad keys within paragraphs (runs without a blank line or an order block), then print.
     for item in rendered + [None]:
-        if isinstance(item, _Line) and item.statements:
+        if isinstance(item, _Line) and item.role in ("one", "line"):
             paragraph.append(item)
         elif item is None or isinstance(item, _Line):
             flush()
@@ -208,7 +209,7 @@ def format_parsed(parsed: Parsed) -> str:
             text, indented = item
             text_out.append((INDENT if in_order and indented else "") + text)
             continue
-        in_order = item.text.startswith(INDENT) or item.text == "order"
+        in_order = item.role in ("order", "clause")
         line = item.text.rstrip()
         if item.trailing:
             line += "  " + item.trailing

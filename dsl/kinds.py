@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 from pipec.dsl import ast
 from pipec.dsl.errors import DSLError, Source, did_you_mean
+from pipec.dsl.fmt import value_text
 from pipec.dsl.values import literal_json, literal_text
 
 __all__ = [
@@ -354,12 +355,6 @@ def settings_of(node: ast.Node, ctx: Ctx, what: str) -> list[ast.Kwarg]:
             raise ctx.error(kw.name, f"'{kw.name.name}' is set twice in {what}")
         seen[kw.name.name] = kw
     return list(kwargs)
-
-
-def value_text(node: ast.Node) -> str:
-    from pipec.dsl.fmt import value_text
-
-    return value_text(node)
 
 
 def unknown_setting(kw: ast.Kwarg, ctx: Ctx, what: str, known) -> DSLError:

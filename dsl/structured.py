@@ -12,7 +12,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from pipec.dsl import ast
-from pipec.dsl.errors import DSLError, did_you_mean
+from pipec.dsl.errors import did_you_mean
 from pipec.dsl.expr import ExprError, compile_int
 from pipec.dsl.kinds import (
     BANDWIDTH,
@@ -27,7 +27,6 @@ from pipec.dsl.kinds import (
     number_of,
     settings_of,
     unknown_setting,
-    value_text,
 )
 from pipec.dsl.values import (
     Link,
