@@ -156,6 +156,44 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    """Launch the plan's ranks with torch's own launcher (torchrun), after proving the plan here."""
+    from pipec.compiler.plan import read_plan
+    from pipec.compiler.verify import verify
+    from pipec.runtime.launch import LaunchError, run_flags
+
+    plan = read_plan(args.plan)
+    verify(plan)  # a plan that fails its proofs is never launched
+    world = plan.mesh.pp * plan.mesh.dp
+    multi_node = args.nnodes not in (None, "1") or args.rdzv_endpoint is not None
+    if not multi_node and args.nproc != world:
+        raise LaunchError(f"the plan needs pp x dp = {plan.mesh.pp} x {plan.mesh.dp} = {world} ranks; "
+                          f"use --nproc {world}")
+    if plan.model is None and not args.emulate:
+        raise LaunchError(f"{args.plan} is a schedule-only plan (no model): it runs only with --emulate")
+    argv = ["--nproc-per-node", str(args.nproc), "--max-restarts", str(args.max_restarts)]
+    if multi_node:
+        for flag in ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "master_addr", "master_port"):
+            value = getattr(args, flag)
+            if value is not None:
+                argv += [f"--{flag.replace('_', '-')}", str(value)]
+    else:
+        argv.append("--standalone")
+    argv += ["-m", "pipec.runtime", args.plan, *run_flags(args)]
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        for fail in sorted(e.failures.values(), key=lambda f: f.rank):
+            pp, dp = divmod(fail.rank, plan.mesh.dp)
+            how = f"signal {-fail.exitcode}" if fail.exitcode < 0 else f"exit code {fail.exitcode}"
+            _err(f"the run failed: global rank {fail.rank} (pp {pp}, dp {dp}) ended with {how}")
+        return 1
+    return 0
+
+
 DEMO_SCHEDULES = (("1f1b", None), ("interleaved_1f1b", 2), ("zb_h1", None))
 
 
@@ -228,6 +266,17 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--torch-csv", required=True, metavar="FILE")
     e.add_argument("--form", choices=("compute_only", "compute_comms"), default="compute_only")
     e.set_defaults(func=cmd_export)
+
+    r = sub.add_parser("run", help="run a plan under torchrun (gloo on CPU, NCCL on GPU)")
+    from pipec.runtime.launch import add_run_flags
+
+    add_run_flags(r)
+    r.add_argument("--nproc", type=int, required=True, help="ranks on this node (pp x dp on one node)")
+    r.add_argument("--max-restarts", type=int, default=0, help="torchrun's elastic restarts")
+    for flag in ("--nnodes", "--node-rank", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--master-addr",
+                 "--master-port"):
+        r.add_argument(flag, help="passed to torchrun (multi-node rendezvous)")
+    r.set_defaults(func=cmd_run)
 
     d = sub.add_parser("demo", help="the main job: compile, show and compare schedules")
     d.add_argument("--ranks", type=int, default=4)

@@ -218,8 +218,8 @@ class Executor:
         works = self.transport.post(ops) if ops else []
         for key, tensors, first in pending:
             self.recvs[key] = (tensors, works[first:first + len(tensors)])
-        if keep:
-            self.sends.append((works, keep))
+        if keep:  # a send's buffer lives until it completes; each work is waited once (gloo hangs on a second wait)
+            self.sends.append(([w for w, op in zip(works, ops) if op.send], keep))
 
     def empty(self, sig: Signature) -> torch.Tensor:
         if self.emulate is not None:
@@ -386,7 +386,9 @@ class Executor:
         out = []
         for s, pname in zip(tie.stages, tie.params):
             if self.plan.placement[s] == self.pp_rank:
-                out.append(dict(self.modules[s].named_parameters())[pname])
+                mod = self.modules[s]
+                named = mod.canonical_params() if hasattr(mod, "canonical_params") else dict(mod.named_parameters())
+                out.append(named[pname])
         return out
 
     def finish_reductions(self) -> None:

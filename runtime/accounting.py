@@ -1,0 +1,116 @@
+"""Bubble accounting: per-rank measurements -> the measured Timeline and report.json.
+
+Every rank times each instruction (compute) and each wait (receives it
+needs, send completions and collectives at the step's end); what is left of
+the step is idle. The measured Timeline lists global ranks; the report puts
+it beside the plan's prediction (DESIGN, "report.json").
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Mapping, Sequence
+
+from pipec.compiler.plan import Plan
+from pipec.compiler.timeline import Timeline
+from pipec.runtime.executor import RankStep
+
+__all__ = ["measured_timeline", "median_step", "stragglers", "build_report", "STRAGGLER_FACTOR"]
+
+STRAGGLER_FACTOR = 1.25
+"""A rank whose compute exceeds the median rank's compute by this factor is a straggler."""
+
+
+def measured_timeline(steps: Sequence[RankStep]) -> Timeline:
+    """One step of every global rank as a Timeline (times from the step's common start)."""
+    step_time = max(s.step_time for s in steps)
+    events = sorted((e for s in steps for e in s.events), key=lambda e: (e.rank, e.start))
+    mem = {s.global_rank: s.peak_memory_bytes for s in steps if s.peak_memory_bytes is not None}
+    return Timeline.build(
+        step_time=step_time,
+        busy={s.global_rank: (s.compute, s.comm_wait) for s in steps},
+        events=events,
+        peak_memory_bytes=mem or None,
+    )
+
+
+def median_step(per_step: Sequence[Sequence[RankStep]]) -> int:
+    """Index of the step with the median step time, leaving out the first (warm-up) when there are more."""
+    candidates = list(range(1, len(per_step))) if len(per_step) > 1 else [0]
+    times = sorted(candidates, key=lambda i: max(s.step_time for s in per_step[i]))
+    return times[(len(times) - 1) // 2]
+
+
+def stragglers(timeline: Timeline, dp: int) -> list[dict[str, Any]]:
+    """Ranks whose compute runs well past the median of their pp position's peers... and of all ranks.
+
+    Compute differs by stage, so a rank is compared with the median compute of
+    the ranks holding the same pp position (its dp replicas) when dp > 1, else
+    with the median over all ranks.
+    """
+    out = []
+    by_pp: dict[int, list[float]] = {}
+    for r in timeline.per_rank:
+        by_pp.setdefault(r.rank // dp, []).append(r.compute)
+    overall = statistics.median(r.compute for r in timeline.per_rank)
+    for r in timeline.per_rank:
+        peers = by_pp[r.rank // dp]
+        ref = statistics.median(peers) if len(peers) > 1 else overall
+        if ref > 0 and r.compute > STRAGGLER_FACTOR * ref:
+            out.append({"rank": r.rank, "pp": r.rank // dp, "dp": r.rank % dp, "compute": r.compute,
+                        "median_compute": ref, "ratio": r.compute / ref})
+    return out
+
+
+def build_report(
+    plan: Plan,
+    plan_path: str,
+    per_step: Sequence[Sequence[RankStep]],
+    *,
+    tokens_per_step: int | None,
+    flops_per_step: float | None,
+    peak_flops: float | None,
+    first_step: int = 0,
+    check: Mapping[str, Any] | None = None,
+    goodput: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """report.json; fields that do not apply are absent, never faked."""
+    steps = []
+    for i, ranks in enumerate(per_step):
+        step_time = max(s.step_time for s in ranks)
+        loss = next((s.loss for s in ranks if s.loss is not None), None)
+        entry: dict[str, Any] = {"step": first_step + i, "step_time": step_time}
+        if loss is not None:
+            # each replica's last stage holds its replica's loss: the step's loss is their mean
+            losses = [s.loss for s in ranks if s.loss is not None]
+            entry["loss"] = sum(losses) / len(losses)
+        if tokens_per_step:
+            entry["tokens_per_s"] = tokens_per_step / step_time
+        steps.append(entry)
+    med = median_step(per_step)
+    measured = measured_timeline(per_step[med])
+    report: dict[str, Any] = {
+        "plan": plan_path,
+        "mesh": {"pp": plan.mesh.pp, "dp": plan.mesh.dp},
+        "steps": steps,
+        "median_step": first_step + med,
+        "measured": measured.to_json(),
+    }
+    if plan.prediction is not None:
+        report["predicted"] = plan.prediction.to_json()
+    report["bubble_fraction"] = {"measured": measured.bubble_fraction}
+    if plan.prediction is not None:
+        report["bubble_fraction"]["predicted"] = plan.prediction.bubble_fraction
+    if tokens_per_step:
+        report["tokens_per_s"] = tokens_per_step / measured.step_time
+    if flops_per_step and peak_flops:
+        report["mfu"] = flops_per_step / measured.step_time / (peak_flops * plan.mesh.world_size)
+    mems = [r.peak_memory_bytes for r in measured.per_rank if r.peak_memory_bytes is not None]
+    if mems:
+        report["peak_memory_bytes"] = max(mems)
+    report["stragglers"] = stragglers(measured, plan.mesh.dp)
+    if check is not None:
+        report["check"] = dict(check)
+    if goodput is not None:
+        report["goodput"] = dict(goodput)
+    return report

@@ -1,0 +1,220 @@
+"""The torchrun entry point: ``torchrun --nproc-per-node N -m pipec.runtime plan.json [flags]``.
+
+Each rank reads and proves the plan before it touches the network, joins the
+process group (every group with an explicit timeout; a per-attempt store
+prefix so that restarted ranks never meet stale addresses), builds only its
+own stages, and runs the steps through the executor. Rank 0 collects every
+rank's measurements, prints live progress and writes report.json and the
+measured trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+__all__ = ["main", "run_parser", "add_run_flags", "run_flags", "LaunchError"]
+
+DEFAULT_TIMEOUT = 300.0
+"""Seconds a rank waits on a peer before the whole job ends (torch's default would be 30 minutes)."""
+
+KNOWN_PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
+"""Dense bf16/fp16 tensor-core FLOP/s of known GPUs, by a substring of the device name."""
+
+
+def run_parser(prog: str = "pipec.runtime") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Run a compiled plan on this rank (under torchrun).")
+    add_run_flags(p)
+    return p
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The flags ``pipec run`` and ``python -m pipec.runtime`` share."""
+    p.add_argument("plan", help="plan.json from `pipec compile`")
+    p.add_argument("--steps", type=int, help="training steps (overrides the plan's)")
+    p.add_argument("--check", action="store_true",
+                   help="after the first step, compare loss and every gradient with an unpartitioned single-process step")
+    p.add_argument("--emulate", action="store_true",
+                   help="sleep for each compute instruction's predicted cost instead of computing")
+    p.add_argument("--unit-time", type=float, default=0.01, help="seconds per cost unit with --emulate (default 0.01)")
+    p.add_argument("--report", metavar="FILE", help="write report.json here")
+    p.add_argument("--trace", metavar="FILE", help="write the measured Perfetto trace here")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                   help=f"seconds a rank waits for a peer before the job ends (default {DEFAULT_TIMEOUT:g})")
+    p.add_argument("--resume", metavar="DIR", help="resume from the newest checkpoint in DIR")
+    p.add_argument("--keep-checkpoints", type=int, default=None, metavar="N", help="keep the newest N checkpoints")
+    p.add_argument("--fail-at", metavar="STEP:RANK", help="kill global rank RANK at step STEP (first attempt only)")
+    p.add_argument("--peak-flops", type=float, help="device peak FLOP/s for MFU (known GPUs are detected)")
+    p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+
+
+def run_flags(args: argparse.Namespace) -> list[str]:
+    """The run flags of parsed arguments, as a command line for the ranks."""
+    out: list[str] = []
+    for flag in ("steps", "unit_time", "report", "trace", "timeout", "resume", "keep_checkpoints", "fail_at",
+                 "peak_flops"):
+        value = getattr(args, flag)
+        if value is not None:
+            out += [f"--{flag.replace('_', '-')}", str(value)]
+    for flag in ("check", "emulate", "quiet"):
+        if getattr(args, flag):
+            out.append(f"--{flag}")
+    return out
+
+
+class LaunchError(ValueError):
+    """A run that cannot start; the message says why and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Env:
+    rank: int
+    world_size: int
+    local_rank: int
+    attempt: int
+
+
+def _env() -> Env:
+    try:
+        return Env(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)),
+                   int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+    except KeyError as e:
+        raise LaunchError(f"{e.args[0]} is not set: start ranks with `pipec run plan.json --nproc N` or "
+                          "`torchrun --nproc-per-node N -m pipec.runtime plan.json`") from None
+
+
+def _fail_at(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        step, rank = text.split(":")
+        return int(step), int(rank)
+    except ValueError:
+        raise LaunchError(f"--fail-at {text!r}: expected STEP:RANK, e.g. --fail-at 2:1") from None
+
+
+def _say(env: Env, message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def init_distributed(plan, env: Env, timeout: float):
+    """Process group, the (pp, dp) mesh and every group a rank uses, each with an explicit timeout."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipec.runtime.transport import TorchTransport
+
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    td = datetime.timedelta(seconds=timeout)
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    tcp = dist.TCPStore(addr, port, env.world_size, is_master=(not agent_store and env.rank == 0), timeout=td)
+    # a restarted attempt must not read the addresses an earlier attempt left in the store
+    store = dist.PrefixStore(f"pipec/attempt_{env.attempt}", tcp)
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=td)
+    if cuda:
+        opts = dist.ProcessGroupNCCL.Options()
+    else:
+        opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = td
+    P, D = plan.mesh.pp, plan.mesh.dp
+    mesh = init_device_mesh(device.type, (P, D), mesh_dim_names=("pp", "dp"),
+                            backend_override={"pp": (backend, opts), "dp": (backend, opts)})
+    pp_rank, dp_rank = divmod(env.rank, D)
+    groups: dict[tuple[int, ...], Any] = {
+        tuple(p * D + dp_rank for p in range(P)): mesh["pp"].get_group(),
+        tuple(pp_rank * D + d for d in range(D)): mesh["dp"].get_group(),
+    }
+    # tie groups: one per dp replica; every rank creates every group, in the same order
+    for tie in plan.ties:
+        members = sorted({plan.placement[s] for s in tie.stages})
+        if len(members) < 2:
+            continue
+        for d in range(D):
+            ranks = [p * D + d for p in members]
+            g = dist.new_group(ranks, timeout=td, backend=backend)
+            if env.rank in ranks:
+                groups[tuple(ranks)] = g
+    return TorchTransport(groups, world_group=None), device, mesh
+
+
+def _peak_flops(args, spec) -> float | None:
+    import torch
+
+    if args.peak_flops:
+        return args.peak_flops
+    if spec.get("peak_flops"):
+        return float(spec["peak_flops"])
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, value in KNOWN_PEAKS.items():
+            if key in name:
+                return value
+    return None
+
+
+def _peak_memory(device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def run(args: argparse.Namespace, env: Env) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from pipec.compiler.plan import read_plan
+    from pipec.compiler.verify import verify
+    from pipec.runtime.executor import Executor, RunError
+    from pipec.runtime.trainer import Trainer
+
+    plan = read_plan(args.plan)
+    verify(plan)  # a plan that fails its proofs is never launched
+    P, D = plan.mesh.pp, plan.mesh.dp
+    if env.world_size != P * D:
+        raise LaunchError(f"the plan needs pp x dp = {P} x {D} = {P * D} ranks, but {env.world_size} were started; "
+                          f"use --nproc {P * D} (or recompile for {env.world_size} ranks)")
+    if plan.model is None and not args.emulate:
+        raise LaunchError(f"{args.plan} is a schedule-only plan (no model): it runs only with --emulate")
+    fail_at = _fail_at(args.fail_at)
+    transport, device, _mesh = init_distributed(plan, env, args.timeout)
+    try:
+        trainer = Trainer(plan, args, env, transport, device, fail_at=fail_at, peak_flops=_peak_flops(args, plan.spec),
+                          peak_memory=lambda: _peak_memory(device))
+        return trainer.train()
+    except RunError as e:
+        _say(env, f"pipec: error: {e}")
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = run_parser().parse_args(argv)
+    try:
+        env = _env()
+    except LaunchError as e:
+        print(f"pipec: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return run(args, env)
+    except ValueError as e:
+        if not type(e).__module__.startswith("pipec."):
+            raise
+        if env.rank == 0:  # every rank finds the same mistake: say it once
+            print(f"pipec: error: {e}", file=sys.stderr, flush=True)
+        return 2

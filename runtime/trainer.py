@@ -1,0 +1,327 @@
+"""One rank's training loop around the executor: data, optimizer, clipping, --check, reports.
+
+The executor runs a step's instructions; the trainer feeds it microbatches,
+owns the optimizer (called from the plan's ``OPTIM_STEP``), gathers every
+rank's measurements on rank 0, and writes report.json and the measured trace.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from pipec.compiler.plan import Plan
+from pipec.runtime.executor import Executor, RankStep
+from pipec.runtime.training import (
+    TrainingError,
+    autocast_dtype,
+    lr_factor,
+    make_data,
+    make_loss,
+    make_optimizer,
+    split_microbatches,
+)
+
+__all__ = ["Trainer", "CHECK_TOLERANCE"]
+
+CHECK_TOLERANCE = {"float32": (1e-6, 1e-4), "bfloat16": (1e-3, 5e-2), "float16": (1e-3, 5e-2)}
+"""--check passes when every gradient differs from the reference's by at most atol + rtol x max|reference|
+of that tensor, and the loss by at most atol + rtol x |reference loss| (per dtype: (atol, rtol))."""
+
+
+class Trainer:
+    def __init__(self, plan: Plan, args, env, transport, device: torch.device, *, fail_at, peak_flops,
+                 peak_memory: Callable[[], int]) -> None:
+        self.plan = plan
+        self.args = args
+        self.env = env
+        self.transport = transport
+        self.device = device
+        self.fail_at = fail_at
+        self.peak_flops = peak_flops
+        self.peak_memory = peak_memory
+        spec = plan.spec
+        self.spec = spec
+        P, D = plan.mesh.pp, plan.mesh.dp
+        self.D = D
+        self.pp_rank, self.dp_rank = divmod(env.rank, D)
+        self.steps = args.steps if args.steps is not None else int(spec.get("steps", 10))
+        if self.steps < 1:
+            raise TrainingError(f"steps must be at least 1, got {self.steps}")
+        self.seed = int(spec.get("seed", 0))
+        self.own = [s for s, r in enumerate(plan.placement) if r == self.pp_rank]
+        self.dtype = spec.get("dtype") or "float32"
+        self.modules = None
+        self.optimizer = None
+        self.check_pending = bool(args.check)
+        self.check_result: dict[str, Any] | None = None
+        if args.check and args.emulate:
+            raise TrainingError("--check compares real gradients: it cannot be combined with --emulate")
+        if not args.emulate:
+            from pipec.compiler.stages import build_stages
+
+            self.modules = build_stages(plan, self.own, seed=self.seed, init=spec.get("init") or "module",
+                                        device=device)
+            params = [p for s in self.own for p in self.modules[s].parameters()]
+            self.optimizer = make_optimizer(params, spec)
+            self.base_lr = float(spec.get("lr", 3e-4))
+            self.loss_fn = make_loss(spec.get("loss") or "cross_entropy")
+            self.data = make_data(spec)
+        emulate = None
+        if args.emulate:
+            emulate = args.unit_time if plan.model is None else 1.0
+        self.executor = Executor(
+            plan, pp_rank=self.pp_rank, dp_rank=self.dp_rank, transport=transport, modules=self.modules,
+            loss_fn=None if args.emulate else self.loss_fn, emulate=emulate, device=device,
+            autocast_dtype=autocast_dtype(self.dtype), optimizer_step=self.optimizer_step,
+            fail_hook=self.fail_hook if fail_at else None,
+        )
+        self.input_names = [i["name"] for i in spec.get("input") or []]
+
+    # ------------------------------------------------------------------ hooks the executor calls
+
+    def fail_hook(self, index: int, ins) -> None:
+        """--fail-at STEP:RANK: kill this rank mid-step (the first attempt only, so a restart can finish)."""
+        step, rank = self.fail_at
+        if self.step == step and self.env.rank == rank and self.env.attempt == 0 \
+                and index == len(self.executor.instructions) // 2:
+            print(f"pipec: injected failure: global rank {rank} (pp {self.pp_rank}, dp {self.dp_rank}) killed at "
+                  f"step {step}, instruction {index} ({ins.text()})", file=sys.stderr, flush=True)
+            os._exit(13)
+
+    def optimizer_step(self) -> None:
+        if self.optimizer is None:
+            return
+        if self.check_pending:
+            self.check_pending = False
+            self.check_result = self.compare_with_reference()
+        clip = self.spec.get("grad_clip")
+        if clip:
+            self.clip_grads(float(clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def clip_grads(self, max_norm: float) -> None:
+        """Global norm over one replica's pp ranks (after the dp all-reduce), each tied weight counted once."""
+        canonical_copies = set()
+        skip = set()
+        for tie in self.plan.ties:
+            for s, pname in list(zip(tie.stages, tie.params))[1:]:
+                if s in self.own:
+                    skip.add((s, pname))
+            canonical_copies.add(tie.stages[0])
+        sq = torch.zeros((), dtype=torch.float64)
+        params = []
+        for s in self.own:
+            for name, p in self.modules[s].canonical_params().items():
+                params.append(p)
+                if p.grad is not None and (s, name) not in skip:
+                    sq += p.grad.detach().double().pow(2).sum()
+        group = tuple(p * self.D + self.dp_rank for p in range(self.plan.mesh.pp))
+        self.transport.all_reduce(sq, group).wait()
+        norm = math.sqrt(float(sq))
+        if norm > max_norm:
+            scale = max_norm / (norm + 1e-6)
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+
+    # ------------------------------------------------------------------ --check
+
+    def compare_with_reference(self) -> dict[str, Any]:
+        """Loss and every gradient of this rank's stages against one unpartitioned step on the global batch."""
+        from pipec.compiler.stages import build_reference
+
+        ref = build_reference(self.plan, seed=self.seed, init=self.spec.get("init") or "module")
+        batches = [self.data(self.step, d, self.D) for d in range(self.D)]
+        inputs = _cat([split_microbatches(b[0], 1, "data inputs", self.input_names)[0] for b in batches])
+        targets = torch.cat([b[1] for b in batches])
+        args = [inputs[n] for n in self.input_names]
+        ctx = torch.autocast("cpu", dtype=autocast_dtype(self.dtype)) if autocast_dtype(self.dtype) else _Null()
+        with ctx:
+            out = ref(*args)
+        out = out[0] if isinstance(out, tuple) and len(out) == 1 else out
+        loss = self.loss_fn(out, targets)
+        loss.backward()
+        ref_grads = {n: p.grad for n, p in ref.canonical_params().items()}
+        atol, rtol = CHECK_TOLERANCE.get(self.dtype, CHECK_TOLERANCE["float32"])
+        worst = torch.zeros(2, dtype=torch.float64)  # [max abs diff, max excess over tolerance]
+        for s in self.own:
+            for name, p in self.modules[s].canonical_params().items():
+                g_ref = ref_grads.get(name)
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                if g_ref is None:
+                    g_ref = torch.zeros_like(p)
+                diff = (g.detach().cpu().double() - g_ref.double()).abs().max().item() if g.numel() else 0.0
+                allowed = atol + rtol * (g_ref.double().abs().max().item() if g.numel() else 0.0)
+                worst[0] = max(worst[0].item(), diff)
+                worst[1] = max(worst[1].item(), diff - allowed)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return {"reference_loss": float(loss), "max_grad_diff": float(worst[0]), "grad_excess": float(worst[1]),
+                "atol": atol, "rtol": rtol}
+
+    # ------------------------------------------------------------------ the loop
+
+    def batch(self, step: int):
+        inputs, targets = self.data(step, self.dp_rank, self.D)
+        M = self.plan.num_microbatches
+        return (split_microbatches(inputs, M, "data inputs", self.input_names),
+                split_microbatches(targets, M, "data targets"))
+
+    def train(self) -> int:
+        rank0 = self.env.rank == 0
+        per_step: list[list[RankStep]] = []
+        tokens_per_step = self.tokens_per_step()
+        console = None
+        if rank0 and not self.args.quiet:
+            from rich.console import Console
+
+            console = Console(stderr=True)
+            console.print(f"[bold]pipec run[/] {self.args.plan}: {self.plan.mesh.pp} pp x {self.plan.mesh.dp} dp, "
+                          f"{self.plan.num_microbatches} microbatches, {self.steps} steps"
+                          + (" (emulated)" if self.args.emulate else ""))
+        exit_code = 0
+        for step in range(self.steps):
+            self.step = step
+            if self.optimizer is not None:
+                factor = lr_factor(step, self.steps, self.spec.get("lr_schedule"), self.base_lr)
+                for g in self.optimizer.param_groups:
+                    g["lr"] = self.base_lr * factor
+                mb_inputs, mb_targets = self.batch(step)
+            else:
+                mb_inputs = mb_targets = None
+            result = self.executor.run_step(mb_inputs, mb_targets)
+            result.peak_memory_bytes = self.peak_memory()
+            gathered = [None] * self.env.world_size if rank0 else None
+            dist.gather_object(result, gathered, dst=0)
+            if rank0:
+                per_step.append(gathered)
+                if console is not None:
+                    self.progress(console, step, gathered, tokens_per_step)
+            if self.check_result is not None and step == 0:
+                ok = self.finish_check(gathered if rank0 else None)
+                if not ok:
+                    exit_code = 3
+                    break
+        if rank0:
+            self.write_outputs(per_step, tokens_per_step)
+        return exit_code
+
+    def finish_check(self, gathered) -> bool:
+        res = self.check_result
+        atol, rtol = res["atol"], res["rtol"]
+        ok = torch.tensor([1.0 if res["grad_excess"] <= 0 else 0.0])
+        if gathered is not None:
+            losses = [g.loss for g in gathered if g.loss is not None]
+            loss = sum(losses) / len(losses)
+            res["loss"] = loss
+            res["loss_diff"] = abs(loss - res["reference_loss"])
+            if res["loss_diff"] > atol + rtol * abs(res["reference_loss"]):
+                ok[0] = 0.0
+        dist.broadcast(ok, src=0)
+        res["passed"] = bool(ok.item())
+        if self.env.rank == 0:
+            verdict = "passed" if res["passed"] else "FAILED"
+            print(f"pipec: --check {verdict}: loss {res['loss']:.6f} vs reference {res['reference_loss']:.6f} "
+                  f"(diff {res['loss_diff']:.2e}); max gradient diff {res['max_grad_diff']:.2e} "
+                  f"(tolerance {atol:g} + {rtol:g} x max|reference| per tensor)", file=sys.stderr, flush=True)
+        return res["passed"]
+
+    def tokens_per_step(self) -> int | None:
+        inputs = self.spec.get("input") or []
+        ints = [i for i in inputs if str(i["dtype"]).startswith("int")]
+        if not ints:
+            return None
+        return int(math.prod(ints[0]["shape"])) * self.D
+
+    def progress(self, console, step: int, gathered, tokens_per_step) -> None:
+        step_time = max(g.step_time for g in gathered)
+        losses = [g.loss for g in gathered if g.loss is not None]
+        busy = sum(g.compute for g in gathered)
+        bubble = 1 - busy / (len(gathered) * step_time) if step_time else 0.0
+        parts = [f"step {step + 1}/{self.steps}"]
+        if losses:
+            parts.append(f"loss {sum(losses) / len(losses):.4f}")
+        parts.append(f"{step_time:.3f} s")
+        if tokens_per_step:
+            parts.append(f"{tokens_per_step / step_time:,.0f} tok/s")
+        parts.append(f"bubble {bubble:.1%}")
+        console.print("  ".join(parts))
+
+    def write_outputs(self, per_step, tokens_per_step) -> None:
+        from pipec.runtime.accounting import build_report
+
+        flops = (self.plan.model or {}).get("flops_per_step") if self.plan.model else None
+        if flops is not None:
+            flops *= self.D
+        report = build_report(self.plan, self.args.plan, per_step, tokens_per_step=tokens_per_step,
+                              flops_per_step=flops, peak_flops=self.peak_flops,
+                              check=self._check_json())
+        if self.args.report:
+            with open(self.args.report, "w", encoding="utf-8") as f:
+                json.dump(report, f, indent=1)
+        if self.args.trace:
+            from pipec.compiler.timeline import Timeline
+            from pipec.compiler.trace_export import write_perfetto
+
+            write_perfetto(Timeline.from_json(report["measured"]), self.args.trace, kind="measured",
+                           dp=self.plan.mesh.dp)
+        self.summary(report)
+
+    def _check_json(self):
+        if self.check_result is None:
+            return None
+        r = self.check_result
+        return {"passed": r.get("passed", False), "loss_diff": r.get("loss_diff"), "max_grad_diff": r["max_grad_diff"],
+                "tolerance": {"atol": r["atol"], "rtol": r["rtol"]}}
+
+    def summary(self, report) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        meas, pred = report["measured"], report.get("predicted")
+        t = Table(title=f"measured beside predicted (median step {report['median_step']})")
+        t.add_column("rank")
+        t.add_column("pp, dp")
+        t.add_column("compute", justify="right")
+        t.add_column("comm wait", justify="right")
+        t.add_column("idle", justify="right")
+        t.add_column("bubble measured", justify="right")
+        t.add_column("bubble predicted", justify="right")
+        pred_by_pp = {r["rank"]: r for r in (pred or {}).get("per_rank", [])}
+        for r in meas["per_rank"]:
+            pp, dp = divmod(r["rank"], self.D)
+            p = pred_by_pp.get(pp)
+            t.add_row(str(r["rank"]), f"{pp}, {dp}", f"{r['compute']:.3f} s", f"{r['comm_wait']:.3f} s",
+                      f"{r['idle']:.3f} s", f"{r['bubble_fraction']:.1%}", f"{p['bubble_fraction']:.1%}" if p else "-")
+        t.add_section()
+        pb = report["bubble_fraction"].get("predicted")
+        t.add_row("all", "", "", "", "", f"{report['bubble_fraction']['measured']:.1%}", f"{pb:.1%}" if pb is not None else "-")
+        console = Console()
+        console.print(t)
+        extra = [f"step {meas['step_time']:.3f} s"]
+        if "tokens_per_s" in report:
+            extra.append(f"{report['tokens_per_s']:,.0f} tokens/s")
+        if "mfu" in report:
+            extra.append(f"MFU {report['mfu']:.1%}")
+        if report.get("stragglers"):
+            extra.append("stragglers: " + ", ".join(f"rank {s['rank']} ({s['ratio']:.2f}x)" for s in report["stragglers"]))
+        console.print("  ".join(extra))
+
+
+def _cat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None

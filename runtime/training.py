@@ -1,0 +1,186 @@
+"""What a training step needs besides the schedule, read from the plan's spec.
+
+Optimizer (AdamW, Adam, SGD), learning-rate schedule (linear warm-up, then
+constant, cosine or linear decay), loss, autocast dtype, the data callable
+and microbatch slicing. Everything a user can get wrong raises
+:class:`TrainingError` with the key to fix.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "TrainingError",
+    "make_optimizer",
+    "lr_factor",
+    "make_loss",
+    "autocast_dtype",
+    "make_data",
+    "synthetic_batch",
+    "split_microbatches",
+    "load_target",
+]
+
+
+class TrainingError(ValueError):
+    """A training setting cannot be used; the message names the key."""
+
+
+def load_target(target: str, key: str) -> Any:
+    """Import ``pkg.module:name``; a bad target is a clear error naming the key."""
+    mod_name, _, attr = target.partition(":")
+    if not mod_name or not attr:
+        raise TrainingError(f"{key} {target!r}: expected 'pkg.module:name'")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise TrainingError(f"{key} {target!r}: cannot import {mod_name}: {e}") from None
+    try:
+        return getattr(mod, attr)
+    except AttributeError:
+        raise TrainingError(f"{key} {target!r}: module {mod_name} has no {attr!r}") from None
+
+
+_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
+def make_optimizer(params: Iterable[torch.nn.Parameter], spec: Mapping[str, Any]) -> torch.optim.Optimizer:
+    opt = dict(spec.get("optimizer") or {"name": "adamw"})
+    name = opt.pop("name")
+    cls = _OPTIMIZERS.get(name)
+    if cls is None:
+        raise TrainingError(f"optimizer {name!r}: expected one of {', '.join(_OPTIMIZERS)}")
+    if "betas" in opt:
+        opt["betas"] = tuple(opt["betas"])
+    try:
+        return cls(list(params), lr=float(spec.get("lr", 3e-4)), **opt)
+    except (TypeError, ValueError) as e:
+        raise TrainingError(f"optimizer {name}: {e}") from None
+
+
+def lr_factor(step: int, total_steps: int, schedule: Mapping[str, Any] | None, base_lr: float) -> float:
+    """The multiplier of the base lr at ``step`` (0-based): linear warm-up, then the decay."""
+    sched = schedule or {"name": "constant", "warmup": 0}
+    warmup = int(sched.get("warmup", 0))
+    if step < warmup:
+        return (step + 1) / warmup
+    name = sched.get("name", "constant")
+    if name == "constant":
+        return 1.0
+    floor = float(sched.get("min_lr", 0.0)) / base_lr if base_lr else 0.0
+    span = max(1, total_steps - warmup - 1)
+    progress = min(1.0, (step - warmup) / span)
+    if name == "cosine":
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    if name == "linear":
+        return floor + (1 - floor) * (1 - progress)
+    raise TrainingError(f"lr_schedule {name!r}: expected constant, cosine or linear")
+
+
+def _cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if output.dim() > 2:
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1))
+    return F.cross_entropy(output.float(), target)
+
+
+def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output.float(), target.float())
+
+
+def make_loss(name: str) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """The loss of the last stage: cross_entropy, mse or ``pkg.module:fn(output, target)``."""
+    if name == "cross_entropy":
+        return _cross_entropy
+    if name == "mse":
+        return _mse
+    fn = load_target(name, "loss")
+    if not callable(fn):
+        raise TrainingError(f"loss {name!r} is not callable")
+    return fn
+
+
+def autocast_dtype(name: str | None) -> torch.dtype | None:
+    """``dtype`` runs the stages under autocast (params stay float32 masters); float32 means none."""
+    return {None: None, "float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def synthetic_batch(step: int, dp_rank: int, dp_size: int, *, inputs: Sequence[Mapping[str, Any]], seed: int,
+                    vocab: int | None, loss: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Deterministic data from (seed, step, dp rank): the data position is the step.
+
+    Token inputs are sequences ``(start + t) mod vocab`` with random starts, and
+    the targets are the next tokens: a task a model can learn, so the loss
+    falls. Float inputs get a regression target (a fixed linear map of the input).
+    """
+    g = torch.Generator().manual_seed(hash((seed, step, dp_rank)) & 0x7FFFFFFFFFFF)
+    out: dict[str, torch.Tensor] = {}
+    target: torch.Tensor | None = None
+    for spec in inputs:
+        shape, dtype = tuple(spec["shape"]), spec["dtype"]
+        if dtype.startswith("int"):
+            v = vocab or 2
+            start = torch.randint(0, v, (shape[0],) + (1,) * (len(shape) - 1), generator=g)
+            pos = torch.arange(shape[-1]).reshape((1,) * (len(shape) - 1) + (shape[-1],))
+            tokens = (start + pos) % v
+            out[spec["name"]] = tokens
+            if target is None:
+                target = (tokens + 1) % v
+        else:
+            x = torch.randn(shape, generator=g, dtype=getattr(torch, dtype))
+            out[spec["name"]] = x
+            if target is None:
+                w = torch.randn(shape[-1], shape[-1], generator=torch.Generator().manual_seed(seed)) / shape[-1] ** 0.5
+                target = torch.tanh(x @ w)
+    assert target is not None
+    if loss == "cross_entropy" and not target.dtype.is_floating_point:
+        return out, target
+    return out, target
+
+
+def make_data(spec: Mapping[str, Any]) -> Callable[[int, int, int], tuple[Any, Any]]:
+    """``fn(step, dp_rank, dp_size) -> (inputs, targets)`` for one replica's whole batch."""
+    data = spec.get("data") or "synthetic"
+    if data == "synthetic":
+        inputs = spec.get("input") or []
+        vocab = (spec.get("model_args") or {}).get("vocab")
+        seed, loss = int(spec.get("seed", 0)), spec.get("loss", "cross_entropy")
+
+        def synthetic(step: int, dp_rank: int, dp_size: int):
+            return synthetic_batch(step, dp_rank, dp_size, inputs=inputs, seed=seed, vocab=vocab, loss=loss)
+
+        return synthetic
+    fn = load_target(data, "data")
+    if not callable(fn):
+        raise TrainingError(f"data {data!r} is not callable")
+    return fn
+
+
+def split_microbatches(batch: Any, num_microbatches: int, what: str, names: Sequence[str] = ()) -> list:
+    """Slice a batch (a tensor, a tuple of tensors, or a name -> tensor dict) into equal microbatches on dim 0."""
+    if isinstance(batch, torch.Tensor):
+        if names:
+            batch = {names[0]: batch}
+        else:
+            return _split_tensor(batch, num_microbatches, what)
+    if isinstance(batch, (tuple, list)):
+        batch = dict(zip(names, batch)) if names else {str(i): t for i, t in enumerate(batch)}
+    if not isinstance(batch, Mapping):
+        raise TrainingError(f"{what}: expected a tensor, a tuple of tensors or a dict of them, got {type(batch).__name__}")
+    parts = {k: _split_tensor(v, num_microbatches, f"{what} {k!r}") for k, v in batch.items()}
+    return [{k: parts[k][m] for k in parts} for m in range(num_microbatches)]
+
+
+def _split_tensor(t: torch.Tensor, num_microbatches: int, what: str) -> list[torch.Tensor]:
+    if not isinstance(t, torch.Tensor):
+        raise TrainingError(f"{what}: expected a tensor, got {type(t).__name__}")
+    if t.shape[0] % num_microbatches:
+        raise TrainingError(
+            f"{what}: a batch of {t.shape[0]} does not split into {num_microbatches} equal microbatches; "
+            f"use a batch that {num_microbatches} divides, or another microbatch count")
+    return list(t.chunk(num_microbatches))
