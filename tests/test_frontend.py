@@ -95,7 +95,8 @@ def test_gpt_stages_reproduce_outputs_and_gradients(tmp_path):
     assert tie.name == "wte.weight" and tie.stages == (0, 3) and tie.params == ("wte.weight", "lm_head.weight")
     assert tie.num_bytes == 64 * 32 * 4
     assert torch.equal(stages[0].canonical_params()["wte.weight"], stages[3].canonical_params()["wte.weight"])
-    assert dict(stages[3].named_parameters())["lm_head.weight"] is stages[3].canonical_params()["wte.weight"]
+    for s, local in zip(tie.stages, tie.params):  # tie.params: each stage's own name for its copy
+        assert dict(stages[s].named_parameters())[local] is stages[s].canonical_params()[tie.name]
     # the causal mask computed in __init__ survives meta tracing
     mask = stages[1].get_buffer("blocks.1.attn.mask")
     assert torch.equal(mask, torch.ones(16, 16, dtype=torch.bool).tril())
