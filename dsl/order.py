@@ -82,10 +82,8 @@ def _compile(node: ast.Node, names: dict[str, str], source: Source):
 
 
 def _eval(fn, env, source: Source) -> int:
-    try:
-        return fn(env)
-    except ExprError as err:
-        raise source.error(err.span, err.message, *err.hints) from None
+    """Evaluate a compiled field (an ExprError is turned into a DSLError by :func:`expand_block`)."""
+    return fn.fn(env)
 
 
 def _index(value: int, node: ast.Node, what: str, source: Source) -> int:
@@ -143,6 +141,8 @@ class _ActionElem(_Elem):
         return stage, first, last
 
     def count(self, env, work: _Budget) -> int:
+        if self.end_fn is None:
+            return 1
         _, first, last = self._range(env)
         return max(0, last - first + 1)
 
@@ -158,6 +158,18 @@ def _loop_var(var: ast.Word, names, source: Source) -> None:
                            "pick another name, such as k")
 
 
+def _size_names(body) -> set[str]:
+    """The names a body's action count depends on: range ends and loop bounds
+    (not the stage or microbatch of a single action)."""
+    names: set[str] = set()
+    for elem in body:
+        if isinstance(elem, ast.Action) and elem.end is not None:
+            names |= referenced_names(elem.microbatch) | referenced_names(elem.end)
+        elif isinstance(elem, ast.Repeat):
+            names |= referenced_names(elem.start) | referenced_names(elem.end) | _size_names(elem.body)
+    return names
+
+
 class _RepeatElem(_Elem):
     __slots__ = ("start_fn", "end_fn", "body", "var", "invariant")
 
@@ -167,7 +179,7 @@ class _RepeatElem(_Elem):
         self.start_fn = _compile(node.start, names, source)
         self.end_fn = _compile(node.end, names, source)
         self.body = _compile_body(node.body, {**names, self.var: self.var}, source)
-        self.invariant = self.var not in referenced_names(node.body)
+        self.invariant = self.var not in _size_names(node.body)
         """The body's size does not depend on the loop variable: count it once."""
 
     def _bounds(self, env) -> range:
@@ -192,6 +204,13 @@ class _RepeatElem(_Elem):
 def expand_block(block: ast.OrderBlock, env: dict[str, int], source: Source) -> Expanded:
     """Expand an order block. ``env`` binds the canonical names it may use
     (``ranks``, ``microbatches``, ``chunks``); a name used but not bound is an error."""
+    try:
+        return _expand(block, env, source)
+    except ExprError as err:  # a division by zero or an overflow, at its operator
+        raise source.error(err.span, err.message, *err.hints) from None
+
+
+def _expand(block: ast.OrderBlock, env: dict[str, int], source: Source) -> Expanded:
     names = {alias: canon for alias, canon in ORDER_NAMES.items() if canon in env}
     out = Expanded(source, source, block.span)
     work = _Budget()  # rank clauses and loop iterations
