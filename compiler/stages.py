@@ -119,7 +119,6 @@ def _owner(name: str) -> tuple[str, str]:
 
 def _module_init(target: str, kwargs: Mapping[str, Any], needed: Iterable[str], seed: int) -> dict[str, torch.Tensor]:
     scratch, _ = instantiate(target, kwargs, mode="meta")
-    canonical = dict(scratch.named_parameters())
     needed = set(needed)
     owners = {_owner(n)[0] for n in needed}
     values: dict[str, torch.Tensor] = {}
@@ -128,6 +127,9 @@ def _module_init(target: str, kwargs: Mapping[str, Any], needed: Iterable[str], 
         if mod_name not in owners:
             continue
         mod.to_empty(device="cpu", recurse=False)
+        for p in mod._parameters.values():
+            if p is not None and p.is_floating_point():
+                p.data.fill_(float("nan"))  # to catch a reset that leaves a parameter out
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(module_seed(seed, mod_name))
             reset = getattr(mod, "reset_parameters", None) or getattr(mod, "_reset_parameters", None)
@@ -143,12 +145,14 @@ def _module_init(target: str, kwargs: Mapping[str, Any], needed: Iterable[str], 
         for key, p in mod._parameters.items():
             name = f"{mod_name}.{key}" if mod_name else key
             if p is not None and name in needed:
-                if p.device.type == "meta":
-                    raise FrontendError(f"init module: {type(mod).__name__}.reset_parameters() left {name!r} uninitialised; use init exact")
+                if p.is_floating_point() and bool(torch.isnan(p).any()):
+                    raise FrontendError(
+                        f"init module: {type(mod).__name__}'s initialisation left {name!r} (partly) unset; "
+                        "initialise every parameter the module owns, or use init exact"
+                    )
                 values[name] = p.detach().clone()
     missing = needed - set(values)
     assert not missing, sorted(missing)[:3]
-    del canonical
     return values
 
 
@@ -162,6 +166,11 @@ def initial_values(target: str, kwargs: Mapping[str, Any], needed: Iterable[str]
         params = dict(model.named_parameters())
         return {n: params[n].detach() for n in needed}, {n: b for n, b in model.named_buffers(remove_duplicate=False)}
     raise FrontendError(f"init must be one of {', '.join(INIT_MODES)}, got {init!r}")
+
+
+def _check_init(init: str) -> None:
+    if init not in INIT_MODES:
+        raise FrontendError(f"init must be one of {', '.join(INIT_MODES)}, got {init!r}")
 
 
 # ----------------------------------------------------------------------------- materialising
@@ -337,6 +346,7 @@ def build_stages(plan: Plan, stage_ids: Iterable[int], *, seed: int, init: str =
                  device: str | torch.device = "cpu") -> dict[int, StageModule]:
     """The requested stages of ``plan`` as runnable modules (see module doc)."""
     ids = sorted(set(stage_ids))
+    _check_init(init)
     for s in ids:
         if not 0 <= s < plan.num_stages:
             raise FrontendError(f"stage {s} is not in the plan (stages 0..{plan.num_stages - 1})")
@@ -350,6 +360,7 @@ def build_stages(plan: Plan, stage_ids: Iterable[int], *, seed: int, init: str =
 
 def build_reference(plan: Plan, *, seed: int, init: str = "module", device: str | torch.device = "cpu") -> ReferenceModule:
     """The unpartitioned model, initialised as :func:`build_stages` initialises the stages."""
+    _check_init(init)
     model_d = plan.model or {}
     inputs = _plan_inputs(plan)
     target, kwargs = str(model_d["target"]), dict(model_d.get("kwargs") or {})

@@ -186,6 +186,34 @@ def test_build_stages_names_the_fingerprint_part_that_differs():
         build_stages(old, [0], seed=0)
     with pytest.raises(FrontendError, match="no model"):
         build_stages(dataclasses.replace(plan, model=None), [0], seed=0)
+    with pytest.raises(FrontendError, match="init must be one of module, exact"):
+        build_stages(plan, [0], seed=0, init="random")
+
+
+class HalfInit(torch.nn.Module):
+    """Owns two parameters, but its reset_parameters sets only one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(4))
+        self.shift = torch.nn.Parameter(torch.zeros(4))
+
+    def reset_parameters(self) -> None:
+        torch.nn.init.ones_(self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale + self.shift
+
+
+def half_init() -> torch.nn.Module:
+    return HalfInit()
+
+
+def test_init_module_refuses_a_parameter_the_module_does_not_initialise():
+    sg = build_stage_graph(request("test_frontend:half_init", {}, (InputSpec("x", "float32", (2, 4)),), stages=1))
+    with pytest.raises(FrontendError, match="left 'shift' .* unset"):
+        build_reference(plan_of(sg), seed=0, init="module")
+    assert torch.equal(build_reference(plan_of(sg), seed=0, init="exact").model.shift, torch.zeros(4))
 
 
 # ----------------------------------------------------------------------------- costs and memory
