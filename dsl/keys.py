@@ -150,12 +150,14 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                 "model input. The model is traced with it; its batch is split into microbatches.",
         constraints=f"dtypes: {', '.join(sk.DTYPES)}. Required with `model`.",
         example="input tokens: int64[16, 128]"),
-    Key(name="partition", kind=sk.PartitionKind(), default=Partition("balanced", "flops"),
-        default_doc="balanced(by=flops)", flag="--partition", group="Model",
-        meaning="How the model is cut into stages: balanced by params, flops, time (measured) or "
-                "memory, minimising the slowest stage; or split before the named modules.",
+    Key(name="partition", kind=sk.PartitionKind(), default=Partition("auto"),
+        default_doc="auto", flag="--partition", group="Model",
+        meaning="How the model is cut into stages: `auto` (the model's pipe_split() markers if it has "
+                "any, else balanced by flops), `markers`, balanced by params, flops, time (measured) or "
+                "memory (minimising the slowest stage), or split before the named modules.",
         constraints="`split before` names stages - 1 module paths in model order (checked against "
-                    "the model when it is traced).",
+                    "the model when it is traced). flops balance is the default: reproducible and "
+                    "machine-independent.",
         example="partition split before blocks.2, blocks.4, blocks.6"),
     Key(name="trace", kind=k.Choice(("auto", "fx", "export")), default="auto", default_doc="auto",
         flag="--trace", group="Model",

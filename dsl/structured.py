@@ -105,7 +105,7 @@ PARTITION_MEASURES = ("params", "flops", "time", "memory")
 
 @dataclass(frozen=True, slots=True)
 class PartitionKind(Kind):
-    doc = "balanced(by=params|flops|time|memory), or split before MODULE, ..."
+    doc = "auto, markers, balanced(by=params|flops|time|memory), or split before MODULE, ..."
 
     def convert(self, node: ast.Node, ctx: Ctx) -> Partition:
         if isinstance(node, ast.Phrase) and node.head == "split before":
@@ -120,6 +120,8 @@ class PartitionKind(Kind):
                 if paths[-1] in paths[:-1]:
                     raise ctx.error(item, f"split point '{paths[-1]}' is given twice")
             return Partition("split", None, tuple(paths))
+        if isinstance(node, ast.Word) and node.name in ("auto", "markers"):
+            return Partition(node.name)
         if isinstance(node, ast.Word) and node.name == "balanced":
             return Partition("balanced", "flops")
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Word) and node.func.name == "balanced":
@@ -132,7 +134,7 @@ class PartitionKind(Kind):
         if isinstance(node, (ast.Word, ast.Call)) and not isinstance(getattr(node, "func", None), ast.String):
             name = node.name if isinstance(node, ast.Word) else node.func.name
             raise ctx.error(node, f"unknown partition '{name}'",
-                            did_you_mean(name, ["balanced", "split"]) or "write balanced(by=flops) or "
+                            did_you_mean(name, ["auto", "markers", "balanced", "split"]) or "write balanced(by=flops) or "
                             "split before layers.4")
         raise self._wrong(node, ctx)
 

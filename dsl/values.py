@@ -65,11 +65,12 @@ class TensorSpec:
 
 @dataclass(frozen=True, slots=True)
 class Partition:
-    """How the model is cut into stages: ``balanced`` by a measure, or ``split``
-    before the named modules (``split_before``, in model order)."""
+    """How the model is cut into stages: ``auto`` (the model's ``pipe_split()``
+    markers if it has any, else balanced by flops), ``markers``, ``balanced`` by
+    a measure, or ``split`` before the named modules (in model order)."""
 
     method: str
-    """``"balanced"`` or ``"split"``."""
+    """``"auto"``, ``"markers"``, ``"balanced"`` or ``"split"``."""
     by: str | None = None
     """For ``balanced``: ``"params"``, ``"flops"``, ``"time"`` or ``"memory"``."""
     split_before: tuple[str, ...] = ()
@@ -78,12 +79,16 @@ class Partition:
     def text(self) -> str:
         if self.method == "split":
             return "split before " + ", ".join(self.split_before)
-        return f"balanced(by={self.by})"
+        if self.method == "balanced":
+            return f"balanced(by={self.by})"
+        return self.method
 
     def to_json(self) -> dict[str, Any]:
         if self.method == "split":
             return {"method": "split", "split_before": list(self.split_before)}
-        return {"method": "balanced", "by": self.by}
+        if self.method == "balanced":
+            return {"method": "balanced", "by": self.by}
+        return {"method": self.method}
 
 
 @dataclass(frozen=True, slots=True)

@@ -113,6 +113,8 @@ def test_every_key_is_writable() -> None:
     ("recompute stages 1", "recompute", (1,)),
     ("partition balanced", "partition", Partition("balanced", "flops")),
     ("partition balanced(by=time)", "partition", Partition("balanced", "time")),
+    ("partition markers", "partition", Partition("markers")),
+    ("partition auto", "partition", Partition("auto")),
     ("lr_schedule linear", "lr_schedule", LRSchedule("linear")),
     ("data synthetic", "data", "synthetic"),
     ("loss \"my.losses:smooth_l1\"", "loss", "my.losses:smooth_l1"),
