@@ -63,7 +63,8 @@ def test_trailing_comments_of_a_joined_value_are_kept() -> None:
 
 # ----------------------------------------------------------------------------- generated files
 
-_WORDS = ["loop", "v", "1f1b", "zb_h1", "on", "off", "none", "all", "adamw", "gelu", "x1", "_a", "P", "M", "rank"]
+_WORDS = ["loop", "v", "1f1b", "zb_h1", "on", "off", "none", "all", "adamw", "gelu", "x1", "_a", "P", "M", "chunks"]
+# (not "rank": at the start of a value it begins an order block)
 _SPACES = ["", " ", "  ", "\n", "\t", " \n  "]
 _NUMBERS = ["0", "7", "65536", "123456789", "0.5", "3e-4", "1E9", ".25", "2.0"]
 _QUANTITIES = ["80GB", "10us", "25GB/s", "1.5TiB", "312TFLOP/s", "2ms"]
