@@ -341,21 +341,13 @@ def _mesh_of_order(st: _State) -> None:
     origin = st.origins["order"]
     names = {ORDER_NAMES[n] for n in referenced_names(draft.block) if n in ORDER_NAMES} if draft.block else set()
     env: dict[str, int] = {}
-    if "ranks" in names or st.given("pp"):
-        if not st.given("pp"):
-            st.default("pp", KEYS["pp"].default)
-        env["ranks"] = st.values["pp"]
-    if "microbatches" in names:
-        if not st.given("pp"):
-            raise st.error("order", "the order uses microbatches (M), so pp must be set",
-                           "set pp, or write the order without M")
-        if not st.given("microbatches"):
-            _default_microbatches(st)
-        env["microbatches"] = st.values["microbatches"]
-    if "chunks" in names:
-        if not st.given("virtual"):
-            raise st.error("order", "the order uses chunks (V), so virtual must be set", "set virtual")
-        env["chunks"] = st.values["virtual"]
+    for canonical, key, alias in (("ranks", "pp", "P"), ("microbatches", "microbatches", "M"),
+                                  ("chunks", "virtual", "V")):
+        if canonical in names and not st.given(key):
+            raise st.error("order", f"the order uses {canonical} ({alias}), so {key} must be set",
+                           f"set {key}, or write the order without {alias}")
+        if canonical in names or (key == "pp" and st.given("pp")):
+            env[canonical] = st.values[key]
     if draft.block is not None:
         expanded = expand_block(draft.block, env, origin.source)
     else:

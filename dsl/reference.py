@@ -58,6 +58,8 @@ default. The `examples/` folder has a file for every schedule.
 
 - A file is a list of statements `key value`. Several may share a line
   (`pp 4  dp 2`) and a value may span lines; line breaks do not matter.
+  A value ends where the next key begins: its parts are joined by commas
+  (`placement 0, 1, 1, 0`) or sit inside brackets.
 - `#` starts a comment that runs to the end of the line.
 - Each key may be set once. Unknown keys are errors (with a did-you-mean).
 - Values:
@@ -93,11 +95,11 @@ base unit (bytes, seconds, bytes per second, FLOP/s).
 """
 
 _POLICY = """\
-## Custom schedules
+## Writing a custom schedule
 
 Besides a named `schedule`, a file may declare its schedule by `policy` or
 by an explicit `order`. Custom schedules go through the same lowering and
-verifier as the named ones. Only one of `schedule`, `policy` and `order`
+verifier as the named ones. (Their keys are listed under "Custom schedules" below.) Only one of `schedule`, `policy` and `order`
 may be set; a flag for one of them replaces the file's choice.
 
 ### By policy
