@@ -132,11 +132,15 @@ class Spec:
 
     # --- locating later complaints
 
-    def _where(self, key: str, index: int | None) -> tuple[Source, Span, str]:
+    def _where(self, key: str, index: int | None, fallback: tuple[str, ...]) -> tuple[Source, Span, str]:
         origin = self.origins[key]
         if origin.kind == "default" or origin.source is None:
-            anchor = self.anchor or Source("<defaults>", "")
-            return anchor, NO_SPAN, f"{key} was not set; its default is used ({origin.note or 'default'})"
+            note = f"{key} was not set; its default is used ({origin.note or 'default'})"
+            for other in fallback:
+                o = self.origins.get(other)
+                if o is not None and o.given and o.source is not None:
+                    return o.source, o.span, note
+            return self.anchor or Source("<defaults>", ""), NO_SPAN, note
         span = origin.span
         node = origin.node
         if index is not None and node is not None:
@@ -145,14 +149,18 @@ class Spec:
                 span = items[index].span
         return origin.source, span, ""
 
-    def error_at(self, key: str, message: str, *hints: str, index: int | None = None) -> DSLError:
+    def error_at(self, key: str, message: str, *hints: str, index: int | None = None,
+                 fallback: tuple[str, ...] = ()) -> DSLError:
         """A :class:`DSLError` located at ``key``'s value (its ``index``-th item
-        when the value is a list, e.g. one split point); raise it."""
-        source, span, note = self._where(key, index)
+        when the value is a list, e.g. one split point); raise it. When ``key``
+        was left at its default, it points at the first given key of ``fallback``
+        (else the file's start) and says so."""
+        source, span, note = self._where(key, index, fallback)
         return source.error(span, message, *hints, note)
 
-    def warn_at(self, key: str, message: str, *hints: str) -> DSLWarning:
-        """A :class:`DSLWarning` located at ``key``'s value (for example the
-        driver's "a predicted bubble above 50%")."""
-        source, span, note = self._where(key, None)
+    def warn_at(self, key: str, message: str, *hints: str, fallback: tuple[str, ...] = ()) -> DSLWarning:
+        """A :class:`DSLWarning` located like :meth:`error_at` (for example the
+        driver's "a predicted bubble above 50%": ``warn_at("microbatches", ...,
+        fallback=("schedule", "pp"))``)."""
+        source, span, note = self._where(key, None, fallback)
         return source.warning(span, message, *hints, note)

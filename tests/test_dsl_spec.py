@@ -182,6 +182,8 @@ def test_warn_at_and_error_at_locate_later_complaints() -> None:
     assert str(err).splitlines()[2] == "    " + " " * 33 + "^~~~~~~~"
     err = spec.error_at("pp", "too few ranks")
     assert str(err).startswith("p.pipe:1:4: error: too few ranks")
+    warning = spec.warn_at("microbatches", "a predicted bubble above 50%", fallback=("schedule", "pp"))
+    assert (warning.line, warning.col) == (1, 4)  # schedule is a default too; pp was given
 
 
 # ----------------------------------------------------------------------------- custom schedules
