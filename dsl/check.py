@@ -413,10 +413,19 @@ def _model(st: _State) -> None:
         raise st.error("microbatches", f"microbatches {m} does not divide the input's batch of {batch}",
                        "use one of " + ", ".join(map(str, _divisors(batch))), fallback=("input",))
     if not st.given("costs"):
-        st.default("costs", "flops" if has_model else "unit", "a model is given" if has_model else "no model")
+        if not has_model:
+            st.default("costs", "unit", "no model")
+        elif st.values["peak_flops"] is not None:
+            st.default("costs", "flops", "a model and peak_flops are given")
+        else:
+            st.default("costs", "profile", "a model without peak_flops")
     elif st.values["costs"] != "unit" and not has_model:
         raise st.error("costs", f"costs {st.values['costs']} needs a model to measure",
                        "use costs unit for a schedule-only plan, or add a model")
+    elif st.values["costs"] == "flops" and st.values["peak_flops"] is None:
+        raise st.error("costs", "costs flops converts FLOPs to seconds at the device's peak, but peak_flops "
+                       "is not set", "set peak_flops (such as peak_flops 989TFLOP/s, an H100 in bf16), or "
+                       "use costs profile")
     part = st.values["partition"]
     stages = st.values["stages"]
     if part.method == "split" and len(part.split_before) + 1 != stages:

@@ -171,16 +171,16 @@ KEYS: dict[str, Key] = {key.name: key for key in (
         example="init exact"),
     # ------------------------------------------------------------------ costs and hardware
     Key(name="costs", kind=k.Choice(("unit", "flops", "profile")), default=DERIVED,
-        default_doc="unit without a model, flops with one", flag="--costs", group="Costs and hardware",
-        meaning="Where stage costs come from: unit (F=1, B=2, I=W=1), flops (FLOPs at peak_flops), "
-                "profile (measured on this machine). flops is the default with a model: reproducible, "
-                "machine-independent and fast; profile is best when compiling on the target hardware.",
-        constraints="flops and profile need a model.",
+        default_doc="unit without a model; with one, flops if peak_flops is set, else profile",
+        flag="--costs", group="Costs and hardware",
+        meaning="Where stage costs come from: unit (F=1, B=2, I=W=1), flops (FLOPs at peak_flops: "
+                "reproducible and machine-independent, the choice when compiling for other hardware), "
+                "profile (measured on this machine: best when compiling on the target hardware).",
+        constraints="flops and profile need a model; flops needs peak_flops.",
         example="costs profile"),
     Key(name="peak_flops", kind=k.Maybe(k.FLOP_RATE), default=None, default_doc="none",
         flag="--peak-flops", group="Costs and hardware",
-        meaning="The device's peak FLOP rate: converts flops costs to seconds and gives MFU. None: "
-                "flops costs stay relative (converted at 1 TFLOP/s) and MFU is not reported.",
+        meaning="The device's peak FLOP rate: converts flops costs to seconds, and gives a run's MFU.",
         constraints="Positive; FLOP/s, GFLOP/s, TFLOP/s, PFLOP/s (or a plain number in FLOP/s).",
         example="peak_flops 312TFLOP/s"),
     Key(name="device_memory", kind=k.Maybe(k.SIZE), default=None, default_doc="none (not checked)",

@@ -132,11 +132,20 @@ def test_model_call_sets_model_args_and_model_args_alone_too() -> None:
     a = parse_spec('model "m.n:f" (layers=2)\ninput x: float32[4, 3]\n')
     b = parse_spec('model "m.n:f"\nmodel_args (layers=2)\ninput x: float32[4, 3]\n')
     assert dict(a.model_args) == dict(b.model_args) == {"layers": 2}
-    assert a.costs == b.costs == "flops"  # the default with a model
+    assert a.costs == b.costs == "profile"  # the default with a model and no peak_flops
     for text in ('model "m.n:f" (layers=2)\nmodel_args (dim=2)\ninput x: float32[4, 3]\n',
                  'model_args (dim=2)\nmodel "m.n:f" (layers=2)\ninput x: float32[4, 3]\n'):
         with pytest.raises(DSLError, match="model_args is set twice"):
             parse_spec(text)
+
+
+def test_costs_default_and_flops_needs_a_peak() -> None:
+    model = 'model "m:f"\ninput x: float32[4, 3]\n'
+    assert parse_spec("").costs == "unit"
+    assert parse_spec(model).costs == "profile"
+    assert parse_spec(model + "peak_flops 1PFLOP/s").costs == "flops"
+    with pytest.raises(DSLError, match="costs flops converts FLOPs to seconds"):
+        parse_spec(model + "costs flops")
 
 
 @pytest.mark.parametrize(("pp", "batch", "expected"), [(4, 16, 8), (3, 16, 4), (4, 6, 6), (2, 7, 1), (8, 12, 12)])
