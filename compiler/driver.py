@@ -20,7 +20,8 @@ from pipec.compiler.verify import verify
 from pipec.schedules import build_order, check_rules
 from pipec.schedules.order import ComputeOrder, ScheduleError, gc_paused, validate_order
 
-__all__ = ["Compiled", "StageGraphParts", "compile_plan", "prove_and_predict"]
+__all__ = ["Compiled", "StageGraphParts", "compile_plan", "compile_spec", "prove_and_predict", "state_bytes",
+           "MemoryBudgetError"]
 
 BUBBLE_WARNING = 0.5
 """A predicted bubble above this fraction gets a warning."""
@@ -40,8 +41,6 @@ class StageGraphParts:
     stages: tuple[Stage, ...]
     edges: tuple[Edge, ...]
     ties: tuple[Tie, ...] = ()
-    static_bytes: tuple[int, ...] | None = None
-    """Per pp rank: params, grads and optimizer state."""
 
 
 def compile_plan(
@@ -101,35 +100,115 @@ def _compile(*, num_ranks, num_microbatches, schedule, num_chunks, dp, order, gr
     program = lower(order, edges=plan.edges, costs=costs, dp=dp, ties=plan.ties)  # comm and collectives
     check_limits(pp=num_ranks, num_stages=plan.num_stages, num_microbatches=num_microbatches,
                  instructions=program.num_instructions)
-    plan = prove_and_predict(replace(plan, program=program), graph.static_bytes if graph else None)
+    plan = prove_and_predict(replace(plan, program=program))
     if plan.prediction.bubble_fraction > BUBBLE_WARNING:
         warnings.append(f"the predicted bubble is {plan.prediction.bubble_fraction:.0%} of the step; more "
                         "microbatches or another schedule would waste less")
     if device_memory is not None:                                # refuse what does not fit
-        _check_memory(plan.prediction.per_rank, device_memory)
+        _check_memory(plan, device_memory)
     return Compiled(plan, tuple(warnings))
 
 
-def prove_and_predict(plan: Plan, static_bytes: Sequence[int] | None = None) -> Plan:
+def prove_and_predict(plan: Plan) -> Plan:
     """Verify a plan (all four proofs, both comm models) and attach its predicted timeline."""
     with gc_paused():
         proof = verify(plan)
-    return replace(plan, prediction=timeline_of(proof.executions[BUFFERED], plan_costs(plan), static_bytes))
+    return replace(plan, prediction=timeline_of(proof.executions[BUFFERED], plan_costs(plan), state_bytes(plan)))
+
+
+BYTES_PER_PARAM = 16
+"""Mixed-precision Adam: fp16 weights and grads, fp32 master weights, momentum and variance."""
+
+
+def state_bytes(plan: Plan) -> list[int] | None:
+    """Per pp rank: params, grads and optimizer state of every parameter copy it holds; None if unknown."""
+    if not plan.stages or any(st.num_params is None for st in plan.stages):
+        return None
+    out = [0] * plan.mesh.pp
+    for st in plan.stages:
+        out[st.rank] += BYTES_PER_PARAM * st.num_params
+    return out
 
 
 def _placed(stages: Sequence[Stage], placement: Sequence[int]) -> tuple[Stage, ...]:
     return tuple(replace(st, rank=placement[st.stage]) for st in stages)
 
 
-class MemoryError_(ValueError):
+class MemoryBudgetError(ValueError):
     """The predicted memory of a rank exceeds the device memory."""
 
 
-def _check_memory(per_rank, device_memory: int) -> None:
-    for rt in per_rank:
+def _check_memory(plan: Plan, device_memory: int) -> None:
+    state = state_bytes(plan)
+    for rt in plan.prediction.per_rank:
         if rt.peak_memory_bytes is not None and rt.peak_memory_bytes > device_memory:
-            raise MemoryError_(
-                f"pp rank {rt.rank} needs {rt.peak_memory_bytes / 2**30:.2f} GiB at its peak "
-                f"({rt.peak_activations} microbatches of activations in flight) but device_memory is "
-                f"{device_memory / 2**30:.2f} GiB; use more pp ranks, recompute, fewer microbatches in flight "
-                "(1f1b instead of gpipe), or a smaller model")
+            params = sum(st.num_params for st in plan.stages if st.rank == rt.rank)
+            raise MemoryBudgetError(
+                f"pp rank {rt.rank} needs {_gib(rt.peak_memory_bytes)} at its peak but device_memory is "
+                f"{_gib(device_memory)}: parameters, gradients and optimizer state {_gib(state[rt.rank])} "
+                f"({params:,} parameters x {BYTES_PER_PARAM} bytes) + activations "
+                f"{_gib(rt.peak_memory_bytes - state[rt.rank])} ({rt.peak_activations} stage-microbatches in flight "
+                "at the peak); use more pp ranks, recompute, a schedule with fewer microbatches in flight, or a "
+                "larger device_memory")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+# ----------------------------------------------------------------------------- from a schedule file
+
+
+def compile_spec(spec) -> Compiled:
+    """Compile a resolved :class:`pipec.dsl.Spec` (a schedule file plus flags) into a verified plan."""
+    order = spec.compute_order()                                 # a policy or explicit order, or None
+    graph = model_graph(spec) if spec["model"] else None         # trace, partition, costs (model plans)
+    links = {axis: Link(latency_s=v["latency_s"], bandwidth_Bps=v["bandwidth_Bps"])
+             for axis, v in spec.to_json()["links"].items()}
+    compiled = compile_plan(
+        num_ranks=spec["pp"],
+        num_microbatches=spec["microbatches"],
+        schedule=None if order is not None else spec["schedule"],
+        num_chunks=spec["virtual"],
+        dp=spec["dp"],
+        order=order,
+        graph=graph,
+        links=links,
+        spec=spec.to_json(),
+        device_memory=spec["device_memory"],
+    )
+    return Compiled(compiled.plan, tuple(str(w) for w in spec.warnings) + compiled.warnings)
+
+
+def model_graph(spec) -> StageGraphParts:
+    """Run the model front end for a spec that names a model."""
+    from pipec.compiler.frontend import Balanced, InputSpec, Markers, ModelRequest, SplitBefore, build_stage_graph
+
+    part = spec["partition"]
+    partition = {"split": lambda: SplitBefore(tuple(part.split_before)), "balanced": lambda: Balanced(part.by),
+                 "markers": lambda: Markers(), "auto": lambda: None}[part.method]()
+    world = spec["pp"] * spec["dp"]
+    req = ModelRequest(
+        target=spec["model"],
+        kwargs=dict(spec["model_args"] or {}),
+        inputs=tuple(InputSpec(t.name, t.dtype, tuple(t.shape)) for t in spec["input"]),
+        num_microbatches=spec["microbatches"],
+        num_stages=spec["stages"],
+        partition=partition,
+        costs=spec["costs"],
+        trace=spec["trace"],
+        recompute=frozenset(spec["recompute"] or ()),
+        dtype=spec["dtype"],
+        peak_flops=spec["peak_flops"],
+        threads_per_rank=1 if world > 1 else _threads(),
+    )
+    sg = build_stage_graph(req)
+    flops = sum(sum(f) for f in sg.flops) * spec["microbatches"]  # forward + backward, one replica's step
+    return StageGraphParts(model={**sg.model, "flops_per_step": flops}, stages=sg.stages, edges=sg.edges,
+                           ties=sg.ties)
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()

@@ -5,7 +5,8 @@ whose ``forward(tokens)`` maps int64 tokens ``[B, T]`` (``T <= seq``) to
 logits ``[B, T, vocab]``: token embedding ``wte`` plus a learned position
 embedding ``wpe``; ``layers`` blocks of LayerNorm -> causal self-attention ->
 residual, LayerNorm -> MLP (GELU) -> residual; a final LayerNorm; and an LM
-head whose weight is tied to ``wte``. Each attention module registers its
+head whose weight is tied to ``wte`` (its input scaled by ``dim**-0.5``, as T5
+does with tied embeddings, so the loss starts near ``ln(vocab)``). Each attention module registers its
 causal mask as a buffer in ``__init__`` (not saved in the state dict).
 
 Every module that owns parameters is a torch.nn layer with its own
@@ -74,6 +75,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(dim)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         self.lm_head.weight = self.wte.weight
+        self.scale = dim**-0.5
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         T = tokens.shape[1]
@@ -81,7 +83,9 @@ class GPT(nn.Module):
         x = self.wte(tokens) + self.wpe(pos)
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        # the head shares wte's N(0, 1) weights: scale by dim^-0.5 (as T5 does with tied
+        # embeddings) so that the initial logits are O(1) and the loss starts near ln(vocab)
+        return self.lm_head(self.ln_f(x) * self.scale)
 
 
 def build(layers: int = 8, dim: int = 256, heads: int = 4, vocab: int = 1000, seq: int = 128) -> GPT:

@@ -30,38 +30,77 @@ def _warn(message: str) -> None:
 # ----------------------------------------------------------------------------- compile / check
 
 
+def _spec(args: argparse.Namespace):
+    """The resolved spec of an optional schedule file plus the flags given."""
+    from pipec.dsl import load_spec
+    from pipec.dsl.cli import overrides_from_args
+
+    return load_spec(args.file, overrides_from_args(args))
+
+
+def _report_warnings(warnings) -> None:
+    for w in warnings:
+        text = str(w)
+        print(text if text.startswith(("pipec:", "warning")) or ": warning:" in text else f"pipec: warning: {text}",
+              file=sys.stderr)
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
-    from pipec.compiler.driver import compile_plan
+    from pipec.compiler.driver import compile_spec
     from pipec.compiler.plan import write_plan
 
-    if args.schedule is None or args.ranks is None or args.microbatches is None:
-        raise UsageError("pipec compile needs --schedule NAME --ranks P --microbatches M (and -o plan.json)")
-    compiled = compile_plan(
-        schedule=args.schedule,
-        num_ranks=args.ranks,
-        num_microbatches=args.microbatches,
-        num_chunks=args.virtual,
-        dp=args.dp,
-        spec={"schedule": args.schedule, "pp": args.ranks, "dp": args.dp, "microbatches": args.microbatches,
-              "virtual": args.virtual},
-    )
-    for w in compiled.warnings:
-        _warn(w)
+    compiled = compile_spec(_spec(args))
+    _report_warnings(compiled.warnings)
     write_plan(compiled.plan, args.output)
-    pred = compiled.plan.prediction
-    print(f"wrote {args.output}: {compiled.plan.program.num_instructions} instructions on "
-          f"{compiled.plan.mesh.pp} pp ranks, verified; predicted bubble {pred.bubble_fraction:.1%}")
+    plan, pred = compiled.plan, compiled.plan.prediction
+    what = f"model {plan.model['target']}, " if plan.model else ""
+    print(f"wrote {args.output}: {what}{plan.num_stages} stages, {plan.program.num_instructions} instructions on "
+          f"{plan.mesh.pp} pp x {plan.mesh.dp} dp ranks; verified; predicted step {pred.step_time:.4g} "
+          f"{pred.time_unit}, bubble {pred.bubble_fraction:.1%}")
     return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from pipec.compiler.plan import read_plan
-    from pipec.compiler.verify import verify
+    if args.file.endswith(".json"):
+        from pipec.compiler.plan import read_plan
+        from pipec.compiler.verify import verify
 
-    plan = read_plan(args.file)
-    verify(plan)
-    print(f"{args.file}: verified ({plan.program.num_instructions} instructions, {plan.mesh.pp} pp ranks x "
-          f"{plan.mesh.dp} dp): matching, dependencies, collectives, no deadlock (buffered and in-order)")
+        plan = read_plan(args.file)
+        verify(plan)
+        print(f"{args.file}: verified ({plan.program.num_instructions} instructions, {plan.mesh.pp} pp ranks x "
+              f"{plan.mesh.dp} dp): matching, dependencies, collectives, no deadlock (buffered and in-order)")
+        return 0
+    from pipec.compiler.driver import compile_spec
+
+    spec = _spec(args)
+    if spec["model"] and args.no_model:
+        _report_warnings(spec.warnings)
+        print(f"{args.file}: checked (the model {spec['model']} was not traced: --no-model)")
+        return 0
+    compiled = compile_spec(spec)
+    _report_warnings(compiled.warnings)
+    plan = compiled.plan
+    print(f"{args.file}: checked, compiled and verified ({plan.program.num_instructions} instructions, "
+          f"{plan.mesh.pp} pp x {plan.mesh.dp} dp; predicted bubble {plan.prediction.bubble_fraction:.1%})")
+    return 0
+
+
+def cmd_fmt(args: argparse.Namespace) -> int:
+    from pipec.dsl import format_file
+
+    try:
+        with open(args.file, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise UsageError(f"{args.file}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{args.file}: not UTF-8 text") from None
+    out = format_file(text, filename=args.file)
+    if args.write:
+        with open(args.file, "w", encoding="utf-8") as f:
+            f.write(out)
+    else:
+        sys.stdout.write(out)
     return 0
 
 
@@ -233,18 +272,24 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pipec", description="Compile, verify, predict and run pipeline schedules.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    c = sub.add_parser("compile", help="compile a schedule into a verified plan.json")
-    c.add_argument("--schedule", help="schedule name (gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_h1, zbv)")
-    c.add_argument("--ranks", "--pp", dest="ranks", type=int, help="pp ranks")
-    c.add_argument("--microbatches", type=int, help="microbatches per step")
-    c.add_argument("--virtual", type=int, help="chunks (virtual stages) per rank")
-    c.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    from pipec.dsl.cli import add_flags
+
+    c = sub.add_parser("compile", help="compile a schedule file and/or flags into a verified plan.json")
+    c.add_argument("file", nargs="?", help="a schedule file (.pipe); optional: flags alone make a spec")
     c.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
+    add_flags(c)
     c.set_defaults(func=cmd_compile)
 
-    k = sub.add_parser("check", help="prove a plan.json (exit 0, or 2 with the error)")
+    k = sub.add_parser("check", help="prove a plan.json, or check (and compile and prove) a schedule file")
     k.add_argument("file")
+    k.add_argument("--no-model", action="store_true", help="a .pipe naming a model: check the file only, trace nothing")
+    add_flags(k)
     k.set_defaults(func=cmd_check)
+
+    f = sub.add_parser("fmt", help="print a schedule file in canonical form")
+    f.add_argument("file")
+    f.add_argument("-w", "--write", action="store_true", help="rewrite the file in place")
+    f.set_defaults(func=cmd_fmt)
 
     s = sub.add_parser("show", help="show a plan's predicted timeline and summary")
     s.add_argument("file")

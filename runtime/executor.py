@@ -386,9 +386,7 @@ class Executor:
         out = []
         for s, pname in zip(tie.stages, tie.params):
             if self.plan.placement[s] == self.pp_rank:
-                mod = self.modules[s]
-                named = mod.canonical_params() if hasattr(mod, "canonical_params") else dict(mod.named_parameters())
-                out.append(named[pname])
+                out.append(dict(self.modules[s].named_parameters())[pname])  # the stage's own name for its copy
         return out
 
     def finish_reductions(self) -> None:

@@ -109,19 +109,13 @@ class Trainer:
 
     def clip_grads(self, max_norm: float) -> None:
         """Global norm over one replica's pp ranks (after the dp all-reduce), each tied weight counted once."""
-        canonical_copies = set()
-        skip = set()
-        for tie in self.plan.ties:
-            for s, pname in list(zip(tie.stages, tie.params))[1:]:
-                if s in self.own:
-                    skip.add((s, pname))
-            canonical_copies.add(tie.stages[0])
+        skip = {(s, pname) for tie in self.plan.ties for s, pname in list(zip(tie.stages, tie.params))[1:]}
         sq = torch.zeros((), dtype=torch.float64)
         params = []
         for s in self.own:
-            for name, p in self.modules[s].canonical_params().items():
+            for name, p in self.modules[s].named_parameters():
                 params.append(p)
-                if p.grad is not None and (s, name) not in skip:
+                if p.grad is not None and (s, name) not in skip:  # a tied weight counts once: its first copy
                     sq += p.grad.detach().double().pow(2).sum()
         group = tuple(p * self.D + self.dp_rank for p in range(self.plan.mesh.pp))
         self.transport.all_reduce(sq, group).wait()
