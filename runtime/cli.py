@@ -142,6 +142,17 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     title = args.file
     show(plan.prediction, measured=measured, dp=dp, title=title)
+    from pipec.compiler.stage_table import stage_table
+
+    table = stage_table(plan)
+    if table is not None:
+        from rich.console import Console
+
+        Console().print(table)
+    if args.graph:
+        from pipec.compiler.graph import render_graph
+
+        print(render_graph(plan, args.graph))
     for path in filter(None, (args.svg, args.png)):
         render_image(plan.prediction, path, measured=measured, dp=dp, title=title)
         print(f"wrote {path}")
@@ -298,6 +309,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--png", metavar="FILE", help="also draw the timeline as a PNG picture")
     s.add_argument("--trace", metavar="FILE", help="also write a Perfetto / Chrome trace")
     s.add_argument("--measured", metavar="REPORT", help="draw a run's measured timeline (report.json) beside")
+    s.add_argument("--graph", metavar="FILE", help="draw the stage graph (.svg, .png, .pdf or .dot; needs graphviz)")
     s.set_defaults(func=cmd_show)
 
     i = sub.add_parser("import", help="import a torch.distributed.pipelining schedule CSV as a verified plan")

@@ -1,0 +1,53 @@
+"""``pipec show``'s cost and memory table: one row per stage, totals per rank.
+
+Costs come from the plan's stages (seconds for a model plan, units for a
+schedule-only one); memory is parameters, grads and optimizer state (16
+bytes per parameter copy) plus saved activations per microbatch, with the
+predicted peak per rank from the simulator.
+"""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from pipec.compiler.plan import Plan
+
+__all__ = ["stage_table"]
+
+
+def _count(n: int) -> str:
+    for div, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.3g}{suffix}"
+    return str(n)
+
+
+def stage_table(plan: Plan) -> Table | None:
+    """The per-stage cost and memory table of a model plan (None for a schedule-only plan)."""
+    if plan.model is None or not plan.stages:
+        return None
+    from pipec.compiler.driver import BYTES_PER_PARAM
+
+    unit = plan.prediction.time_unit if plan.prediction else "s"
+    scale, tname = (1.0, "units") if unit == "unit" else (1e3, "ms")
+    mib = 2.0**20
+    t = Table(title=f"stages: cost per microbatch ({tname}; B = I + W), memory (MiB; state = {BYTES_PER_PARAM} B "
+                    "per parameter copy, act = saved activations per microbatch)")
+    for col in ("stage", "rank", "params", "state", "act", "F", "B", "I", "W"):
+        t.add_column(col, justify="right")
+    peak = {r.rank: r for r in plan.prediction.per_rank} if plan.prediction else {}
+    for rank in range(plan.mesh.pp):
+        for st in (s for s in plan.stages if s.rank == rank):
+            params = st.num_params or 0
+            c = st.cost
+            t.add_row(str(st.stage), str(rank), _count(params), f"{BYTES_PER_PARAM * params / mib:.1f}",
+                      f"{(st.activation_bytes or 0) / mib:.1f}",
+                      *(f"{x * scale:.3g}" for x in (c.fwd, c.bwd, c.bwd_i, c.bwd_w)))
+        p = peak.get(rank)
+        if p is not None and p.peak_memory_bytes is not None:
+            t.add_row("peak", str(rank), "", f"{p.peak_memory_bytes / mib:.1f}", f"x{p.peak_activations}",
+                      "", "", "", "", style="bold", end_section=True)
+    for tie in plan.ties:
+        t.caption = (t.caption + "; " if t.caption else "") + (
+            f"tied weight {tie.name}: a copy on stages {', '.join(map(str, tie.stages))}, kept equal by an all-reduce")
+    return t
