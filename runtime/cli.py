@@ -244,36 +244,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-DEMO_SCHEDULES = (("1f1b", None), ("interleaved_1f1b", 2), ("zb_h1", None))
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Compile three schedules for the same pipeline and show them side by side."""
-    from rich.console import Console
-    from rich.table import Table
+    from pipec.runtime.demo import run_demo
 
-    from pipec.compiler.driver import compile_plan
-    from pipec.compiler.render import render_terminal
-
-    console = Console()
-    P, M = args.ranks, args.microbatches
-    console.rule(f"[bold]pipec demo[/]: {P} pp ranks, {M} microbatches, unit costs (F=1, B=2, I=W=1)")
-    rows = []
-    for name, v in DEMO_SCHEDULES:
-        plan = compile_plan(schedule=name, num_ranks=P, num_microbatches=M, num_chunks=v).plan
-        pred = plan.prediction
-        title = f"{name}" + (f" (virtual {v})" if v else "")
-        console.print(render_terminal(pred, title=title))
-        console.print()
-        rows.append((title, plan.program.num_instructions, pred.step_time, pred.bubble_fraction,
-                     max(r.peak_activations for r in pred.per_rank)))
-    table = Table(title="verified plans, predicted side by side")
-    for col in ("schedule", "instructions", "step (units)", "bubble", "peak in flight (stage x microbatch)"):
-        table.add_column(col, justify="left" if col == "schedule" else "right")
-    for title, n, step, bubble, peak in rows:
-        table.add_row(title, str(n), f"{step:g}", f"{bubble:.1%}", str(peak))
-    console.print(table)
-    return 0
+    return run_demo(ranks=args.ranks, microbatches=args.microbatches, run=not args.no_run, out=args.out,
+                    steps=args.steps)
 
 
 # ----------------------------------------------------------------------------- parser
@@ -338,6 +313,9 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job: compile, show and compare schedules")
     d.add_argument("--ranks", type=int, default=4)
     d.add_argument("--microbatches", type=int, default=8)
+    d.add_argument("--no-run", action="store_true", help="only the compile part (no torchrun)")
+    d.add_argument("--steps", type=int, default=4, help="training steps of each GPT run")
+    d.add_argument("--out", default="pipec-demo", help="folder for the plans, reports and pictures")
     d.set_defaults(func=cmd_demo)
     return p
 
