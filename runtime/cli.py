@@ -236,10 +236,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
-        for fail in sorted(e.failures.values(), key=lambda f: f.rank):
-            pp, dp = divmod(fail.rank, plan.mesh.dp)
+        for rank, fail in sorted(e.failures.items()):  # keyed by global rank
+            pp, dp = divmod(rank, plan.mesh.dp)
             how = f"signal {-fail.exitcode}" if fail.exitcode < 0 else f"exit code {fail.exitcode}"
-            _err(f"the run failed: global rank {fail.rank} (pp {pp}, dp {dp}) ended with {how}")
+            _err(f"the run failed: global rank {rank} (pp {pp}, dp {dp}) ended with {how}")
         return 1
     return 0
 

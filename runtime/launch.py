@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["main", "run_parser", "add_run_flags", "run_flags", "LaunchError"]
+__all__ = ["main", "run_parser", "add_run_flags", "run_flags", "LaunchError", "Env", "init_process_group",
+           "plan_transport"]
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds a rank waits on a peer before the whole job ends (torch's default would be 30 minutes)."""
@@ -49,6 +50,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help=f"seconds a rank waits for a peer before the job ends (default {DEFAULT_TIMEOUT:g})")
     p.add_argument("--resume", metavar="DIR", help="resume from the newest checkpoint in DIR")
     p.add_argument("--keep-checkpoints", type=int, default=None, metavar="N", help="keep the newest N checkpoints")
+    p.add_argument("--sync-checkpoints", action="store_true",
+                   help="block each step until its checkpoint is written (default: training goes on once the state "
+                        "is copied to host memory)")
     p.add_argument("--fail-at", metavar="STEP:RANK", help="kill global rank RANK at step STEP (first attempt only)")
     p.add_argument("--peak-flops", type=float, help="device peak FLOP/s for MFU (known GPUs are detected)")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
@@ -62,7 +66,7 @@ def run_flags(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag)
         if value is not None:
             out += [f"--{flag.replace('_', '-')}", str(value)]
-    for flag in ("check", "emulate", "quiet"):
+    for flag in ("check", "emulate", "quiet", "sync_checkpoints"):
         if getattr(args, flag):
             out.append(f"--{flag}")
     return out
@@ -103,13 +107,10 @@ def _say(env: Env, message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def init_distributed(plan, env: Env, timeout: float):
-    """Process group, the (pp, dp) mesh and every group a rank uses, each with an explicit timeout."""
+def init_process_group(env: Env, timeout: float):
+    """The world process group, on a per-attempt store prefix; returns (backend, device)."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from pipec.runtime.transport import TorchTransport
 
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
@@ -123,11 +124,19 @@ def init_distributed(plan, env: Env, timeout: float):
     # a restarted attempt must not read the addresses an earlier attempt left in the store
     store = dist.PrefixStore(f"pipec/attempt_{env.attempt}", tcp)
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=td)
-    if cuda:
-        opts = dist.ProcessGroupNCCL.Options()
-    else:
-        opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = td
+    return backend, device
+
+
+def plan_transport(plan, env: Env, timeout: float, backend: str, device):
+    """The (pp, dp) mesh and every group a rank of this plan uses, each with an explicit timeout."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipec.runtime.transport import TorchTransport
+
+    td = datetime.timedelta(seconds=timeout)
+    opts = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    opts._timeout = td  # subgroups do not inherit the world group's timeout
     P, D = plan.mesh.pp, plan.mesh.dp
     mesh = init_device_mesh(device.type, (P, D), mesh_dim_names=("pp", "dp"),
                             backend_override={"pp": (backend, opts), "dp": (backend, opts)})
@@ -146,7 +155,7 @@ def init_distributed(plan, env: Env, timeout: float):
             g = dist.new_group(ranks, timeout=td, backend=backend)
             if env.rank in ranks:
                 groups[tuple(ranks)] = g
-    return TorchTransport(groups, world_group=None), device, mesh
+    return TorchTransport(groups)
 
 
 def _peak_flops(args, spec) -> float | None:
@@ -173,12 +182,11 @@ def _peak_memory(device) -> int:
 
 
 def run(args: argparse.Namespace, env: Env) -> int:
-    import torch
     import torch.distributed as dist
 
     from pipec.compiler.plan import read_plan
     from pipec.compiler.verify import verify
-    from pipec.runtime.executor import Executor, RunError
+    from pipec.runtime.executor import RunError
     from pipec.runtime.trainer import Trainer
 
     plan = read_plan(args.plan)
@@ -190,13 +198,18 @@ def run(args: argparse.Namespace, env: Env) -> int:
     if plan.model is None and not args.emulate:
         raise LaunchError(f"{args.plan} is a schedule-only plan (no model): it runs only with --emulate")
     fail_at = _fail_at(args.fail_at)
-    transport, device, _mesh = init_distributed(plan, env, args.timeout)
+    backend, device = init_process_group(env, args.timeout)
     try:
+        transport = plan_transport(plan, env, args.timeout, backend, device)
         trainer = Trainer(plan, args, env, transport, device, fail_at=fail_at, peak_flops=_peak_flops(args, plan.spec),
                           peak_memory=lambda: _peak_memory(device))
         return trainer.train()
-    except RunError as e:
+    except RunError as e:  # names the rank, its coordinates and the instruction
         _say(env, f"pipec: error: {e}")
+        return 1
+    except RuntimeError as e:  # a peer died or timed out outside an instruction (between steps)
+        pp, dp = divmod(env.rank, D)
+        _say(env, f"pipec: error: global rank {env.rank} (pp {pp}, dp {dp}), between steps: {e}")
         return 1
     finally:
         if dist.is_initialized():

@@ -83,6 +83,11 @@ class Trainer:
             fail_hook=self.fail_hook if fail_at else None,
         )
         self.input_names = [i["name"] for i in spec.get("input") or []]
+        # checkpoints, resume and goodput (runtime/checkpoint.py): every rank, at this point
+        from pipec.runtime.checkpoint import for_run
+
+        self.checkpointer, self.attempt_log = for_run(plan, args, env, self.modules, self.optimizer, self.steps)
+        self.first_step = 0
 
     # ------------------------------------------------------------------ hooks the executor calls
 
@@ -157,7 +162,7 @@ class Trainer:
                 worst[0] = max(worst[0].item(), diff)
                 worst[1] = max(worst[1].item(), diff - allowed)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        return {"reference_loss": float(loss), "max_grad_diff": float(worst[0]), "grad_excess": float(worst[1]),
+        return {"reference_loss": loss.item(), "max_grad_diff": float(worst[0]), "grad_excess": float(worst[1]),
                 "atol": atol, "rtol": rtol}
 
     # ------------------------------------------------------------------ the loop
@@ -181,7 +186,10 @@ class Trainer:
                           f"{self.plan.num_microbatches} microbatches, {self.steps} steps"
                           + (" (emulated)" if self.args.emulate else ""))
         exit_code = 0
-        for step in range(self.steps):
+        start = self.first_step = self.restore()
+        if start >= self.steps:
+            return 0
+        for step in range(start, self.steps):
             self.step = step
             if self.optimizer is not None:
                 factor = lr_factor(step, self.steps, self.spec.get("lr_schedule"), self.base_lr)
@@ -203,9 +211,32 @@ class Trainer:
                 if not ok:
                     exit_code = 3
                     break
+            if self.checkpointer is not None:
+                self.checkpointer.after_step(step + 1)
+            self.attempt_log.step_done(step + 1)
+        if self.checkpointer is not None:
+            self.checkpointer.finish(self.steps, save=exit_code == 0)
+        self.attempt_log.finished()
         if rank0:
             self.write_outputs(per_step, tokens_per_step)
         return exit_code
+
+    def restore(self) -> int:
+        """The step to start at: 0, or that of the checkpoint resumed from (``--resume``, or after a restart)."""
+        start = self.checkpointer.restore() if self.checkpointer is not None else 0
+        if start >= self.steps:
+            if self.args.resume and self.env.attempt == 0:
+                raise TrainingError(f"the checkpoint resumed from is at step {start}, and this run has {self.steps} "
+                                    f"steps: nothing to run; pass --steps N with N > {start}")
+            if self.env.rank == 0:
+                print(f"pipec: the checkpoint is at step {start}: all {self.steps} steps are done", file=sys.stderr)
+            self.checkpointer.finish(start, save=False)
+        elif start > 0 and self.check_pending:
+            self.check_pending = False  # --check compares with the initial weights: only a fresh run can
+            if self.env.rank == 0:
+                print("pipec: warning: --check is skipped: the run resumed from a checkpoint", file=sys.stderr)
+        self.attempt_log.started(start)
+        return start
 
     def finish_check(self, gathered) -> bool:
         res = self.check_result
@@ -256,7 +287,9 @@ class Trainer:
             flops *= self.D
         report = build_report(self.plan, self.args.plan, per_step, tokens_per_step=tokens_per_step,
                               flops_per_step=flops, peak_flops=self.peak_flops,
-                              check=self._check_json())
+                              check=self._check_json(), first_step=self.first_step,
+                              goodput=self.attempt_log.summary(
+                                  **({"checkpoints": self.checkpointer.stats()} if self.checkpointer else {})))
         if self.args.report:
             with open(self.args.report, "w", encoding="utf-8") as f:
                 json.dump(report, f, indent=1)

@@ -56,13 +56,12 @@ class _Done:
 class TorchTransport:
     """torch.distributed: ``groups`` maps a tuple of global ranks to its process group."""
 
-    def __init__(self, groups: dict[tuple[int, ...], object], world_group: object | None = None) -> None:
+    def __init__(self, groups: dict[tuple[int, ...], object]) -> None:
         import torch.distributed as dist
 
         self.dist = dist
         self.rank = dist.get_rank()
         self.groups = groups
-        self.world_group = world_group
 
     def post(self, ops: Sequence[P2P]) -> list[Work]:
         dist = self.dist
@@ -84,7 +83,7 @@ class TorchTransport:
         return dist.all_reduce(tensor, op=op, group=self.groups[group], async_op=True)
 
     def barrier(self) -> None:
-        self.dist.barrier(group=self.world_group)
+        self.dist.barrier()
 
 
 class _Scaled:

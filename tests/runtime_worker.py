@@ -1,0 +1,104 @@
+"""A torchrun worker for the runtime tests: several plans in one process group.
+
+    torchrun --standalone --nproc-per-node N tests/runtime_worker.py OUT.json STEPS PLAN...
+
+For each plan (whose pp x dp must equal N): run STEPS training steps with
+``--check`` through the real launcher pieces and Trainer; then, on rank 0,
+train the unpartitioned reference for the same steps on the same data and
+record both loss curves; and check that every tied weight's copies are
+identical on every rank. Rank 0 writes one JSON record per plan to OUT.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from pipec.compiler.plan import read_plan
+from pipec.compiler.stages import build_reference
+from pipec.compiler.verify import verify
+from pipec.runtime.launch import Env, init_process_group, plan_transport, run_parser
+from pipec.runtime.trainer import Trainer
+from pipec.runtime.training import lr_factor, make_data, make_loss, make_optimizer, split_microbatches
+
+
+def reference_losses(plan, steps: int) -> list[float]:
+    """Single-process training on the global batch (every replica's data), same init, optimizer and lr."""
+    spec = plan.spec
+    ref = build_reference(plan, seed=int(spec["seed"]), init=spec["init"])
+    opt = make_optimizer(ref.parameters(), spec)
+    loss_fn, data = make_loss(spec["loss"]), make_data(spec)
+    names = [i["name"] for i in spec["input"]]
+    D = plan.mesh.dp
+    out = []
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = float(spec["lr"]) * lr_factor(step, steps, spec["lr_schedule"], float(spec["lr"]))
+        batches = [data(step, d, D) for d in range(D)]
+        inputs = [split_microbatches(b[0], 1, "inputs", names)[0] for b in batches]
+        x = [torch.cat([i[n] for i in inputs]) for n in names]
+        y = torch.cat([b[1] for b in batches])
+        res = ref(*x)
+        loss = loss_fn(res[0] if isinstance(res, tuple) else res, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(float(loss))
+    return out
+
+
+def tied_copies_equal(plan, trainer) -> bool:
+    """Every tied weight's copies (on whichever ranks hold them) are bit-identical after training."""
+    mine = {}
+    for tie in plan.ties:
+        for s, pname in zip(tie.stages, tie.params):
+            if s in trainer.own:
+                mine[(tie.name, s)] = dict(trainer.modules[s].named_parameters())[pname].detach().clone()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    by_tie: dict[str, list[torch.Tensor]] = {}
+    for part in everyone:
+        for (name, _s), t in part.items():
+            by_tie.setdefault(name, []).append(t)
+    return all(all(torch.equal(ts[0], t) for t in ts[1:]) for ts in by_tie.values())
+
+
+def main() -> None:
+    out_path, steps, plans = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    env = Env(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)), 0)
+    backend, device = init_process_group(env, timeout=120)
+    records = []
+    for path in plans:
+        plan = read_plan(path)
+        verify(plan)
+        report = os.path.join(tempfile.gettempdir(), f"pipec-test-{os.getpid()}-{len(records)}.json")
+        report = [report]
+        dist.broadcast_object_list(report, src=0)
+        args = run_parser().parse_args([path, "--steps", str(steps), "--check", "--quiet", "--report", report[0],
+                                        "--timeout", "120"])
+        transport = plan_transport(plan, env, 120, backend, device)
+        trainer = Trainer(plan, args, env, transport, device, fail_at=None, peak_flops=None, peak_memory=lambda: 0)
+        rc = trainer.train()
+        ties_ok = tied_copies_equal(plan, trainer)
+        if env.rank == 0:
+            with open(report[0], encoding="utf-8") as f:
+                rep = json.load(f)
+            records.append({
+                "plan": path, "rc": rc, "check": rep.get("check"), "losses": [s["loss"] for s in rep["steps"]],
+                "reference_losses": reference_losses(plan, steps), "ties": len(plan.ties), "ties_equal": ties_ok,
+                "bubble": rep["bubble_fraction"],
+            })
+        dist.barrier()
+    if env.rank == 0:
+        with open(out_path, "w", encoding="utf-8") as f:
+            json.dump(records, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
