@@ -1,0 +1,269 @@
+"""Runtime benchmark: pipec's executor beside torch.distributed.pipelining, and the accounting's fidelity.
+
+Prints figures, asserts nothing (issue 5, "Benchmarks"). Three tables:
+
+1. **Speed.** The example GPT (8 blocks, dim 256, 4 heads, seq 128, vocab
+   1000; batch 16, 8 microbatches), gloo, one thread per rank, at 2 and 4
+   ranks, with GPipe, 1F1B and Interleaved1F1B (virtual 2), run by pipec
+   (``pipec run``) and by torch.distributed.pipelining
+   (``bench/torch_pipelining_worker.py`` under torchrun) with the same stage
+   boundaries (block splits spaced evenly), mean cross-entropy and an AdamW
+   step every iteration. Runs alternate (pipec, torch, then torch, pipec, ...).
+   A run's first step is a warm-up and is left out; the table gives the median
+   over every other step of every run, and the ratio pipec / torch (goal:
+   <= 0.95).
+2. **Emulated fidelity.** Schedule-only plans run with ``--emulate`` (every
+   compute sleeps its unit cost) at 4 and 8 ranks: predicted and measured
+   bubble of the median step (goal: |diff| <= 0.03). With more ranks than
+   cores the ranks time-share the CPU while they sleep, so idle time there is
+   still the schedule's.
+3. **Profiled fidelity.** The 2-rank runs of table 1 (compiled with
+   ``--costs profile``): the plan's predicted step time beside the measured
+   median (goal: within 10%).
+
+    .venv/bin/python bench/runtime.py                  # everything, 3 runs of each (about 30 minutes)
+    .venv/bin/python bench/runtime.py --ranks 2 --runs 5
+    .venv/bin/python bench/runtime.py --quick          # 1 run of 6 steps, 2 ranks, 1F1B; a short emulation
+    .venv/bin/python bench/runtime.py --only speed --schedules 1f1b,gpipe
+    .venv/bin/python bench/runtime.py --only emulate
+
+Timings on a shared 2-core machine are noisy: the load average is printed
+with the figures; run it when the machine is quiet and compare medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "bench" / "torch_pipelining_worker.py"
+MODEL = ("pipec.examples.gpt:build", dict(layers=8, dim=256, heads=4, vocab=1000, seq=128))
+BATCH, MICROBATCHES = 16, 8
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}  # name -> chunks per rank
+EMULATED = [  # (schedule, ranks, microbatches, virtual, unit time in seconds)
+    ("1f1b", 4, 8, 1, 0.02), ("interleaved_1f1b", 4, 8, 2, 0.02), ("zb_h1", 4, 12, 1, 0.02),
+    ("1f1b", 8, 16, 1, 0.02), ("interleaved_1f1b", 8, 16, 2, 0.02), ("zb_h1", 8, 16, 1, 0.02),
+]
+
+
+@dataclass
+class Config:
+    schedule: str
+    ranks: int
+
+    @property
+    def virtual(self) -> int:
+        return SCHEDULES[self.schedule]
+
+    @property
+    def splits(self) -> list[int]:
+        """Block indices a stage starts before: the blocks spread evenly over ranks x virtual stages."""
+        layers, num_stages = MODEL[1]["layers"], self.ranks * self.virtual
+        return [layers * i // num_stages for i in range(1, num_stages)]
+
+    @property
+    def name(self) -> str:
+        return f"{self.schedule}, {self.ranks} ranks" + (f", v={self.virtual}" if self.virtual > 1 else "")
+
+
+@dataclass
+class Result:
+    pipec: list[list[float]] = field(default_factory=list)  # per run: step times after the warm-up step
+    torch: list[list[float]] = field(default_factory=list)
+    predicted_step: float | None = None
+    bubble: list[tuple[float, float]] = field(default_factory=list)  # per pipec run: (predicted, measured)
+    loss: dict[str, float] = field(default_factory=dict)
+
+
+def load() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def sh(cmd: list[str], *, env: dict | None = None, timeout: float = 900) -> str:
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
+    if r.returncode != 0:
+        raise SystemExit(f"failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r.stdout
+
+
+def pipec(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pipec", *args]
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+
+
+def quiet_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets it too; one thread per rank on both sides
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def compile_model_plan(cfg: Config, out: Path) -> None:
+    target, kwargs = MODEL
+    flags = ["compile", "--model", target, *[a for k, v in kwargs.items() for a in ("--model-arg", f"{k}={v}")],
+             "--input", f"tokens:int64[{BATCH},{MODEL[1]['seq']}]", "--schedule", cfg.schedule,
+             "--ranks", str(cfg.ranks), "--microbatches", str(MICROBATCHES), "--costs", "profile",
+             "--partition", "split before " + ", ".join(f"blocks.{i}" for i in cfg.splits), "-o", str(out)]
+    if cfg.virtual > 1:
+        flags += ["--virtual", str(cfg.virtual)]
+    sh(pipec(*flags))
+
+
+def run_pipec(cfg: Config, plan: Path, steps: int, work: Path, res: Result) -> None:
+    report = work / f"report_{cfg.schedule}_{cfg.ranks}.json"
+    sh(pipec("run", str(plan), "--nproc", str(cfg.ranks), "--steps", str(steps), "--report", str(report),
+             "--quiet"), env=quiet_env())
+    r = json.loads(report.read_text())
+    res.pipec.append([s["step_time"] for s in r["steps"][1:]])
+    res.predicted_step = r["predicted"]["step_time"]
+    res.bubble.append((r["bubble_fraction"]["predicted"], r["bubble_fraction"]["measured"]))
+    res.loss["pipec"] = r["steps"][-1].get("loss", float("nan"))
+
+
+def run_torch(cfg: Config, steps: int, work: Path, res: Result) -> None:
+    out = work / f"torch_{cfg.schedule}_{cfg.ranks}.json"
+    sh(torchrun(cfg.ranks, str(WORKER), "--schedule", cfg.schedule, "--chunks", str(cfg.virtual),
+                "--splits", ",".join(map(str, cfg.splits)), "--microbatches", str(MICROBATCHES),
+                "--batch", str(BATCH), "--steps", str(steps), "--out", str(out)), env=quiet_env())
+    r = json.loads(out.read_text())
+    res.torch.append([s["step_time"] for s in r["steps"][1:]])
+    res.loss["torch"] = r["steps"][-1]["loss"]
+
+
+def median_of(runs: list[list[float]]) -> float:
+    return statistics.median(t for run in runs for t in run)
+
+
+def speed(configs: list[Config], runs: int, steps: int, work: Path) -> dict[str, Result]:
+    results = {cfg.name: Result() for cfg in configs}
+    plans = {}
+    for cfg in configs:
+        plans[cfg.name] = work / f"plan_{cfg.schedule}_{cfg.ranks}.json"
+        compile_model_plan(cfg, plans[cfg.name])
+    for i in range(runs):
+        for cfg in configs:
+            res = results[cfg.name]
+            order = [run_pipec, run_torch] if i % 2 == 0 else [run_torch, run_pipec]
+            for fn in order:
+                if fn is run_pipec:
+                    run_pipec(cfg, plans[cfg.name], steps, work, res)
+                else:
+                    run_torch(cfg, steps, work, res)
+            print(f"  run {i + 1}/{runs} {cfg.name}: pipec {statistics.median(res.pipec[-1]):.3f} s, "
+                  f"torch {statistics.median(res.torch[-1]):.3f} s ({load()})", file=sys.stderr, flush=True)
+    return results
+
+
+def emulate(cases, runs: int, steps: int, work: Path) -> list[tuple[str, float, list[float]]]:
+    rows = []
+    for schedule, ranks, mbs, virtual, unit in cases:
+        plan = work / f"emu_{schedule}_{ranks}_{mbs}.json"
+        flags = ["compile", "--schedule", schedule, "--ranks", str(ranks), "--microbatches", str(mbs), "-o", str(plan)]
+        if virtual > 1:
+            flags += ["--virtual", str(virtual)]
+        sh(pipec(*flags))
+        measured, predicted = [], None
+        for _ in range(runs):
+            report = work / "emu_report.json"
+            sh(pipec("run", str(plan), "--nproc", str(ranks), "--emulate", "--unit-time", str(unit), "--steps",
+                     str(steps), "--report", str(report), "--quiet"), env=quiet_env())
+            r = json.loads(report.read_text())
+            predicted = r["bubble_fraction"]["predicted"]
+            measured.append(r["bubble_fraction"]["measured"])
+        name = f"{schedule}, {ranks} ranks, M={mbs}" + (f", v={virtual}" if virtual > 1 else "") + f", {unit * 1e3:g} ms/unit"
+        rows.append((name, predicted, measured))
+        print(f"  {name}: predicted {predicted:.3f}, measured {', '.join(f'{m:.3f}' for m in measured)} "
+              f"({load()})", file=sys.stderr, flush=True)
+    return rows
+
+
+def print_speed(results: dict[str, Result], runs: int) -> None:
+    print(f"\nSpeed: median step time over every step but each run's first ({runs} runs of each, alternating)")
+    print(f"{'config':34} {'pipec (s)':>10} {'torch (s)':>10} {'ratio':>7}  {'goal':>6}  losses (pipec / torch)")
+    for name, r in results.items():
+        p, t = median_of(r.pipec), median_of(r.torch)
+        ok = "ok" if p <= 0.95 * t else "MISS"
+        print(f"{name:34} {p:10.3f} {t:10.3f} {p / t:7.3f}  {ok:>6}  "
+              f"{r.loss.get('pipec', float('nan')):.3f} / {r.loss.get('torch', float('nan')):.3f}")
+
+
+def print_profile_fidelity(results: dict[str, Result]) -> None:
+    rows = [(n, r) for n, r in results.items() if ", 2 ranks" in n]
+    if not rows:
+        return
+    print("\nProfiled fidelity at 2 ranks (--costs profile): the plan's predicted step beside the measured median")
+    print(f"{'config':34} {'predicted (s)':>13} {'measured (s)':>12} {'diff':>7}  {'goal':>5}  "
+          f"{'bubble pred':>11} {'bubble meas':>11}")
+    for name, r in rows:
+        m = median_of(r.pipec)
+        d = (m - r.predicted_step) / r.predicted_step
+        bp = statistics.median(b[0] for b in r.bubble)
+        bm = statistics.median(b[1] for b in r.bubble)
+        print(f"{name:34} {r.predicted_step:13.3f} {m:12.3f} {d:+7.1%}  {'ok' if abs(d) <= 0.10 else 'MISS':>5}  "
+              f"{bp:11.3f} {bm:11.3f}")
+
+
+def print_emulated(rows, runs: int) -> None:
+    print(f"\nEmulated fidelity (--emulate): bubble of the median step, median over {runs} runs")
+    print(f"{'config':46} {'predicted':>9} {'measured':>9} {'|diff|':>7}  goal")
+    for name, pred, meas in rows:
+        m = statistics.median(meas)
+        print(f"{name:46} {pred:9.3f} {m:9.3f} {abs(m - pred):7.3f}  {'ok' if abs(m - pred) <= 0.03 else 'MISS'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", default="2,4", help="comma-separated rank counts for the speed table (default 2,4)")
+    p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated, of " + ", ".join(SCHEDULES))
+    p.add_argument("--runs", type=int, default=3, help="runs of each config and side (default 3)")
+    p.add_argument("--steps", type=int, default=10, help="steps per run, the first left out (default 10)")
+    p.add_argument("--only", choices=["speed", "emulate"], help="one part only")
+    p.add_argument("--emulate-ranks", default="4,8", help="rank counts for the emulated fidelity (default 4,8)")
+    p.add_argument("--quick", action="store_true", help="one run of 6 steps, 2 ranks, 1F1B; emulation at 4 ranks")
+    p.add_argument("--work", help="folder for plans and reports (default: a temporary one)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.ranks, args.schedules, args.runs, args.steps, args.emulate_ranks = "2", "1f1b", 1, 6, "4"
+    configs = [Config(s, int(r)) for r in args.ranks.split(",") for s in args.schedules.split(",")]
+    for s in args.schedules.split(","):
+        if s not in SCHEDULES:
+            p.error(f"--schedules: {s!r} is not one of {', '.join(SCHEDULES)}")
+    import torch
+
+    print(f"pipec runtime benchmark: torch {torch.__version__}, {os.cpu_count()} CPUs, {load()} at start")
+    with tempfile.TemporaryDirectory(prefix="pipec-bench-") as tmp:
+        work = Path(args.work or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        results = rows = None
+        if args.only in (None, "speed"):
+            results = speed(configs, args.runs, args.steps, work)
+        if args.only in (None, "emulate"):
+            ranks = {int(r) for r in args.emulate_ranks.split(",")}
+            cases = [c for c in EMULATED if c[1] in ranks]
+            if args.quick:
+                cases = cases[:1]
+            rows = emulate(cases, args.runs, max(args.steps, 6), work)
+        if results:
+            print_speed(results, args.runs)
+            print_profile_fidelity(results)
+        if rows:
+            print_emulated(rows, args.runs)
+        print(f"\n{time.time() - t0:.0f} s; {load()} at the end")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
