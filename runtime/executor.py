@@ -102,6 +102,8 @@ class Executor:
             self.producers.setdefault(e.dst_stage, []).append(e.src_stage)
             self.consumers.setdefault(e.src_stage, []).append(e.dst_stage)
         self.split = {ins.stage for ins in self.instructions if ins.op is Op.BWD_I}
+        self.recompute = set(plan.spec.get("recompute") or ())
+        """Stages that save only their inputs and run their forward again in the backward."""
         if emulate is None:
             missing = [s for s, r in enumerate(plan.placement) if r == pp_rank and s not in self.modules]
             assert not missing, f"no module for stages {missing}"
@@ -115,6 +117,11 @@ class Executor:
         }
 
     # ------------------------------------------------------------------ helpers
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return _null()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def peer_global(self, pp: int) -> int:
         return pp * self.D + self.dp_rank
@@ -287,9 +294,27 @@ class Executor:
                 args.append(values[sig.name])
             else:
                 args.append(self.mb_inputs[m][sig.name])
-        stash = None
-        ctx = torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else _null()
-        with ctx:
+        if s in self.recompute:  # keep only the inputs (and the RNG state); the backward replays the forward
+            rng = torch.get_rng_state()
+            with torch.no_grad():
+                loss, named = self.stage_forward(s, m, args)
+            self.saved[(s, m)] = (grad_inputs, None, None, (args, rng))
+        else:
+            loss, named = self.stage_forward(s, m, args)
+            self.saved[(s, m)] = (grad_inputs, loss, named, None)
+        if loss is not None:
+            self.losses.append(loss.detach())
+        else:
+            self.outputs[(s, m)] = named
+        self.record(ins, start)
+
+    def stage_forward(self, s: int, m: int, args: list) -> tuple[torch.Tensor | None, dict | None]:
+        """Run stage s on microbatch m: (the loss, for the last stage) or (None, its outputs by name).
+
+        A stage whose backward is split records its linear weight-grad work in a
+        stash that ``BWD_W`` runs later.
+        """
+        with self.autocast():
             if s in self.split:
                 stash = self.stashes[(s, m)] = WeightGradStash()
                 with defer_weight_grads(stash):
@@ -298,14 +323,8 @@ class Executor:
                 out = self.modules[s](*args)
         outs = out if isinstance(out, tuple) else (out,)
         if not self.consumers.get(s):  # the last stage: the loss, mean over microbatches
-            loss = self.loss_fn(outs[0] if len(outs) == 1 else outs, self.mb_targets[m]) / self.M
-            self.losses.append(loss.detach())
-            self.saved[(s, m)] = (grad_inputs, [loss], None)
-        else:
-            named = {sig.name: t for sig, t in zip(stage.outputs, outs)}
-            self.outputs[(s, m)] = named
-            self.saved[(s, m)] = (grad_inputs, None, named)
-        self.record(ins, start)
+            return self.loss_fn(outs[0] if len(outs) == 1 else outs, self.mb_targets[m]) / self.M, None
+        return None, {sig.name: t for sig, t in zip(self.plan.stages[s].outputs, outs)}
 
     def backward(self, ins: Instruction) -> None:
         s, m = ins.stage, ins.microbatch
@@ -316,9 +335,14 @@ class Executor:
             units = (cost.bwd if ins.op is Op.BWD else cost.bwd_i) if cost else (2 if ins.op is Op.BWD else 1)
             time.sleep(units * self.emulate)
             return self.record(ins, start)
-        grad_inputs, loss, named = self.saved.pop((s, m))
+        grad_inputs, loss, named, replay = self.saved.pop((s, m))
+        if replay is not None:  # recompute: run the forward again, now building the graph
+            args, rng = replay
+            with torch.random.fork_rng(devices=[]):
+                torch.set_rng_state(rng)
+                loss, named = self.stage_forward(s, m, args)
         if loss is not None:
-            tensors, grads = loss, None
+            tensors, grads = [loss], None
         else:
             total: dict[str, torch.Tensor] = {}
             for c in self.consumers.get(s, ()):

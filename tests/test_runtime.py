@@ -46,13 +46,16 @@ def tiny_gpt(schedule: str, virtual: int, pp: int, dp: int = 1, microbatches: in
     return compile_spec(load_spec(None, overrides)).plan
 
 
-def run_in_process(plan, step: int = 0):
+def run_in_process(plan, step: int = 0, on_modules=None):
     """Every rank of the plan on a thread over the fake transport; returns per-rank results and modules."""
     P, D = plan.mesh.pp, plan.mesh.dp
     spec = plan.spec
     world = FakeWorld(P * D, timeout=60)
     modules = {(p, d): build_stages(plan, [s for s, r in enumerate(plan.placement) if r == p], seed=0)
                for p in range(P) for d in range(D)}
+    for mods in modules.values():
+        if on_modules is not None:
+            on_modules(mods)
     data, loss_fn = make_data(spec), make_loss(spec["loss"])
     results, errors = {}, []
 
@@ -195,3 +198,24 @@ def test_schedule_only_plan_needs_emulate(cli):
     assert out.returncode == 2 and "runs only with --emulate" in out.stderr
     out = cli("run", "p.json", "--nproc", "3", "--emulate")
     assert out.returncode == 2 and "use --nproc 2" in out.stderr
+
+
+@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("zb_h1", 1)])
+def test_recompute_runs_the_forward_again_and_keeps_gradients_exact(schedule, virtual):
+    """Stage 0 recomputes: its forward runs twice per microbatch, stage 1's once; gradients stay exact."""
+    plan = tiny_gpt(schedule, virtual, 2, recompute="stages 0")
+    assert list(plan.spec["recompute"]) == [0]
+    calls = {0: 0, 1: 0}
+
+    def count(mods):
+        for s, mod in mods.items():
+            mod.register_forward_pre_hook(lambda *_a, _s=s: calls.__setitem__(_s, calls[_s] + 1))
+
+    results, modules = run_in_process(plan, on_modules=count)
+    M = plan.num_microbatches
+    assert calls == {0: 2 * M, 1: M}
+    _, ref_grads = reference_step(plan)
+    for mods in modules.values():
+        for mod in mods.values():
+            for name, p in mod.canonical_params().items():
+                assert torch.allclose(p.grad, ref_grads[name], rtol=1e-4, atol=1e-6), name
