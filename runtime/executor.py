@@ -107,6 +107,7 @@ class Executor:
         if emulate is None:
             missing = [s for s, r in enumerate(plan.placement) if r == pp_rank and s not in self.modules]
             assert not missing, f"no module for stages {missing}"
+        self.clock = CudaClock(self.device) if self.device.type == "cuda" else HostClock()
         self.handlers: dict[Op, Callable[[Instruction], None]] = {
             Op.FWD: self.forward,
             Op.BWD: self.backward,
@@ -126,18 +127,19 @@ class Executor:
     def peer_global(self, pp: int) -> int:
         return pp * self.D + self.dp_rank
 
-    def now(self) -> float:
-        return time.perf_counter() - self.t0
+    def now(self):
+        """A timestamp token: seconds on the host clock, or a recorded CUDA event (resolved at the step's end)."""
+        return self.clock.mark()
 
     def where(self, index: int, ins: Instruction) -> str:
         return (f"global rank {self.global_rank} (pp {self.pp_rank}, dp {self.dp_rank}), "
                 f"instruction {index} ({ins.text()})")
 
     def wait(self, works: Sequence) -> None:
-        t = time.perf_counter()
+        t = self.clock.mark()
         for w in works:
             w.wait()
-        self.step.comm_wait += time.perf_counter() - t
+        self.waits.append((t, self.clock.mark()))
 
     def grad_sigs(self, edge: tuple[int, int]) -> list[Signature]:
         return [s for s in self.edge_tensors[edge] if torch_dtype(s.dtype).is_floating_point]
@@ -159,7 +161,9 @@ class Executor:
         self.losses: list[torch.Tensor] = []
         self.step = RankStep(self.global_rank)
         self.transport.barrier()
-        self.t0 = time.perf_counter()
+        self.clock.start()
+        self.spans: list[tuple[str, object, object, bool]] = []  # (op text, start, end, is compute)
+        self.waits: list[tuple[object, object]] = []
         instrs = self.instructions
         i = 0
         n = len(instrs)
@@ -186,7 +190,7 @@ class Executor:
             except Exception as e:  # name the rank and instruction, keep the cause
                 raise RunError(f"{self.where(i, ins)}: {type(e).__name__}: {e}") from e
             i += 1
-        self.step.step_time = self.now()
+        self.finish_accounting(self.now())
         if self.losses:
             self.step.loss = float(sum(self.losses))
         return self.step
@@ -260,10 +264,20 @@ class Executor:
 
     # ------------------------------------------------------------------ compute
 
-    def record(self, ins: Instruction, start: float) -> None:
-        end = self.now()
-        self.step.compute += end - start
-        self.step.events.append(Event(self.global_rank, ins.text(), start, end))
+    def record(self, ins: Instruction, start, compute: bool = True) -> None:
+        self.spans.append((ins.text(), start, self.now(), compute))
+
+    def finish_accounting(self, end) -> None:
+        """Turn the step's timestamp tokens into seconds: events, compute time, comm wait, step time."""
+        at = self.clock.resolve
+        step = self.step
+        for text, t0, t1, compute in self.spans:
+            a, b = at(t0), at(t1)
+            step.events.append(Event(self.global_rank, text, a, b))
+            if compute:
+                step.compute += b - a
+        step.comm_wait = sum(at(b) - at(a) for a, b in self.waits)
+        step.step_time = at(end)
 
     def forward(self, ins: Instruction) -> None:
         s, m = ins.stage, ins.microbatch
@@ -402,7 +416,7 @@ class Executor:
             flat = sum((p.grad if p.grad is not None else torch.zeros_like(p)) for p in params).reshape(-1).clone()
             work = self.transport.all_reduce(flat, group, average=average)
             self.reductions.append((work, flat, params, "shared"))
-        self.step.events.append(Event(self.global_rank, ins.text(), start, self.now()))
+        self.record(ins, start, compute=False)
 
     def tied_params(self, name: str) -> list[torch.nn.Parameter]:
         """Every local copy of a tied weight (a rank may hold several stages of one tie)."""
@@ -449,7 +463,47 @@ class Executor:
             raise RunError(f"{self.where(self.index, ins)}: receives posted but never used: {leftover[:3]}")
         if self.optimizer_step is not None:
             self.optimizer_step()
-        self.step.events.append(Event(self.global_rank, ins.text(), start, self.now()))
+        self.record(ins, start, compute=False)
+
+
+class HostClock:
+    """Timestamps on the host's monotonic clock, in seconds from the step's start."""
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def mark(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def resolve(self, token: float) -> float:
+        return token
+
+
+class CudaClock:
+    """Timestamps as CUDA events on the current stream: GPU time, resolved after one synchronize.
+
+    A compute instruction's span is what the GPU spent on it, and a wait's span
+    (events recorded before and after ``work.wait()``, which makes the stream
+    wait for the collective) is the time the stream stalled on communication.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def start(self) -> None:
+        self.t0 = self.mark()
+        self.synced = False
+
+    def mark(self):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def resolve(self, token) -> float:
+        if not self.synced:
+            torch.cuda.synchronize(self.device)
+            self.synced = True
+        return self.t0.elapsed_time(token) / 1e3
 
 
 class _null:
