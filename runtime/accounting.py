@@ -42,7 +42,7 @@ def median_step(per_step: Sequence[Sequence[RankStep]]) -> int:
 
 
 def stragglers(timeline: Timeline, dp: int) -> list[dict[str, Any]]:
-    """Ranks whose compute runs well past the median of their pp position's peers... and of all ranks.
+    """Ranks whose compute runs well past the median (by :data:`STRAGGLER_FACTOR`).
 
     Compute differs by stage, so a rank is compared with the median compute of
     the ranks holding the same pp position (its dp replicas) when dp > 1, else

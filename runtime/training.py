@@ -111,7 +111,7 @@ def autocast_dtype(name: str | None) -> torch.dtype | None:
 
 
 def synthetic_batch(step: int, dp_rank: int, dp_size: int, *, inputs: Sequence[Mapping[str, Any]], seed: int,
-                    vocab: int | None, loss: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                    vocab: int | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Deterministic data from (seed, step, dp rank): the data position is the step.
 
     Token inputs are sequences ``(start + t) mod vocab`` with random starts, and
@@ -138,8 +138,6 @@ def synthetic_batch(step: int, dp_rank: int, dp_size: int, *, inputs: Sequence[M
                 w = torch.randn(shape[-1], shape[-1], generator=torch.Generator().manual_seed(seed)) / shape[-1] ** 0.5
                 target = torch.tanh(x @ w)
     assert target is not None
-    if loss == "cross_entropy" and not target.dtype.is_floating_point:
-        return out, target
     return out, target
 
 
@@ -149,10 +147,10 @@ def make_data(spec: Mapping[str, Any]) -> Callable[[int, int, int], tuple[Any, A
     if data == "synthetic":
         inputs = spec.get("input") or []
         vocab = (spec.get("model_args") or {}).get("vocab")
-        seed, loss = int(spec.get("seed", 0)), spec.get("loss", "cross_entropy")
+        seed = int(spec.get("seed", 0))
 
         def synthetic(step: int, dp_rank: int, dp_size: int):
-            return synthetic_batch(step, dp_rank, dp_size, inputs=inputs, seed=seed, vocab=vocab, loss=loss)
+            return synthetic_batch(step, dp_rank, dp_size, inputs=inputs, seed=seed, vocab=vocab)
 
         return synthetic
     fn = load_target(data, "data")
