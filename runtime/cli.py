@@ -206,6 +206,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_checkpoint(args: argparse.Namespace) -> int:
+    """One state dict of the unpartitioned model from a checkpoint (runtime/export.py)."""
+    from pipec.runtime.export import export_checkpoint
+
+    res = export_checkpoint(args.dir, args.output)
+    print(f"wrote {args.output}: {res.num_tensors} tensors ({res.num_aliases} tied aliases) of "
+          f"{res.manifest.model.get('target')} from {res.path} (step {res.manifest.step})")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Launch the plan's ranks with torch's own launcher (torchrun), after proving the plan here."""
     from pipec.compiler.plan import read_plan
@@ -298,6 +308,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--torch-csv", required=True, metavar="FILE")
     e.add_argument("--form", choices=("compute_only", "compute_comms"), default="compute_only")
     e.set_defaults(func=cmd_export)
+
+    x = sub.add_parser("export-checkpoint", help="write a checkpoint as one state dict of the unpartitioned model")
+    x.add_argument("dir", help="a checkpoint folder (step_N), or a checkpoint_dir: its newest valid checkpoint")
+    x.add_argument("-o", "--output", required=True, metavar="FILE", help="FILE.pt (torch.save) or FILE.safetensors")
+    x.set_defaults(func=cmd_export_checkpoint)
 
     r = sub.add_parser("run", help="run a plan under torchrun (gloo on CPU, NCCL on GPU)")
     from pipec.runtime.launch import add_run_flags

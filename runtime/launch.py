@@ -68,7 +68,7 @@ def run_flags(args: argparse.Namespace) -> list[str]:
             out += [f"--{flag.replace('_', '-')}", str(value)]
     for flag in ("check", "emulate", "quiet", "sync_checkpoints"):
         if getattr(args, flag):
-            out.append(f"--{flag}")
+            out.append(f"--{flag.replace('_', '-')}")
     return out
 
 

@@ -1,0 +1,607 @@
+"""Distributed checkpoints keyed by canonical names: save (asynchronous), commit, validate, resume, retain.
+
+A checkpoint is written with torch.distributed.checkpoint (DCP) by every rank
+at once; each rank contributes the state of its own stages under the
+unpartitioned model's names, so a checkpoint written under one plan loads
+under any other plan of the same model (another pp, dp, schedule or
+partition). State keys (DCP joins nested keys with dots):
+
+- ``model.<canonical name>``: parameters (a tied weight once, under its
+  canonical name: every copy saves it, DCP keeps one, and every copy loads it)
+  and the model's persistent buffers;
+- ``optim.state.<canonical>.<name>``, ``optim.param_groups.<canonical>.<key>``:
+  optimizer state, flattened per parameter by DCP's state-dict helpers;
+- ``step``: steps done (the data position: data is a function of the step);
+- ``rng.rank<r>``: each global rank's torch RNG state, restored only under the
+  same layout (another layout draws its random numbers in another order
+  anyway). A fresh start seeds each rank's RNG from (seed, global rank), a
+  resharded resume from (seed, global rank, step), so runs are reproducible.
+
+Folder layout under ``checkpoint_dir``::
+
+    step_00000006/               committed: DCP's files and pipec.json (the manifest)
+    step_00000009.tmp-a0/        being written by attempt 0; never loaded, removed by the next run
+    attempts/run_<id>/attempt_<n>.json   goodput records (runtime/goodput.py)
+
+Atomicity: ranks write into a ``.tmp`` folder; when every rank has finished,
+each hashes a share of the files, rank 0 writes the manifest (sizes and
+sha256 of every file) and renames the folder into place. A crash at any point
+before the rename leaves only a ``.tmp`` folder; a checkpoint whose files no
+longer match its manifest (truncated, corrupted) is rejected on load and the
+next older valid one is used.
+
+Saving is asynchronous by default (``dcp.async_save`` on a gloo group of its
+own): the step is blocked only while the state is copied to host memory;
+writing, hashing and the commit run in a background thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+__all__ = [
+    "for_run",
+    "CheckpointError",
+    "Manifest",
+    "Checkpointer",
+    "MANIFEST",
+    "list_checkpoints",
+    "is_checkpoint",
+    "read_manifest",
+    "check_files",
+    "validate",
+    "model_layout",
+]
+
+FORMAT = "pipec.checkpoint/1"
+MANIFEST = "pipec.json"
+"""The manifest's file name inside a committed checkpoint folder."""
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_DIR = re.compile(r"^step_\d+\.tmp")
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used, or a checkpoint setting that cannot hold; the message says which and why."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Manifest:
+    """What a committed checkpoint holds; written last, so its presence marks the commit."""
+
+    step: int
+    """Steps done: a run resumed from here continues at this step."""
+    total_steps: int
+    """The writing run's ``--steps`` (its lr schedule's horizon)."""
+    mesh: dict[str, int]
+    placement: list[int]
+    num_stages: int
+    model: dict[str, Any]
+    """``target``, ``kwargs`` and ``params`` (the fingerprint of the parameter names, shapes and dtypes)."""
+    optimizer: str
+    aliases: dict[str, list[str]]
+    """Canonical name -> the other names of a tied weight in the unpartitioned model's state dict."""
+    files: dict[str, list]
+    """File name -> [bytes, sha256 hex digest]."""
+    created: float = 0.0
+    run_id: str = ""
+    attempt: int = 0
+    format: str = FORMAT
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "Manifest":
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+# ----------------------------------------------------------------------------- finding and checking
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Committed-looking checkpoint folders (``step_N``) under ``root``, newest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return sorted(found, reverse=True)
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is one checkpoint (not a folder of them)."""
+    p = Path(path)
+    return (p / MANIFEST).exists() or (p / ".metadata").exists() or bool(_STEP_DIR.match(p.name))
+
+
+def read_manifest(path: str | os.PathLike) -> Manifest:
+    path = Path(path)
+    mf = path / MANIFEST
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path}: no such folder")
+    try:
+        with open(mf, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path}: no {MANIFEST} manifest, so it was never committed (a write cut "
+                              "short leaves a .tmp folder, never this); it is not a pipec checkpoint") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: its manifest {MANIFEST} cannot be read ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        got = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise CheckpointError(f"checkpoint {path}: the manifest's format is {got!r}, expected {FORMAT!r}")
+    try:
+        return Manifest.from_json(data)
+    except TypeError as e:
+        raise CheckpointError(f"checkpoint {path}: the manifest is incomplete ({e})") from None
+
+
+def _digest(path: Path) -> list:
+    """[bytes, sha256] of a file, or [-1, reason] when it cannot be read."""
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        return [path.stat().st_size, h.hexdigest()]
+    except OSError as e:
+        return [-1, e.strerror or str(e)]
+
+
+def check_files(path: str | os.PathLike, manifest: Manifest, names: list[str] | None = None) -> list[str]:
+    """What is wrong with the files of a checkpoint (``names``: a subset; default all), compared with its manifest."""
+    path = Path(path)
+    problems = []
+    for name in names if names is not None else sorted(manifest.files):
+        size, sha = manifest.files[name]
+        f = path / name
+        if not f.exists():
+            problems.append(f"file {name} is missing")
+            continue
+        got = f.stat().st_size
+        if got != size:
+            problems.append(f"file {name} has {got} bytes, the manifest says {size} (truncated or overwritten)")
+            continue
+        if _digest(f)[1] != sha:
+            problems.append(f"file {name} does not match its sha256 in the manifest (corrupted)")
+    return problems
+
+
+def validate(path: str | os.PathLike) -> Manifest:
+    """The manifest of a checkpoint whose every file matches it; else a :class:`CheckpointError`."""
+    manifest = read_manifest(path)
+    problems = check_files(path, manifest)
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is corrupt: {'; '.join(problems)}")
+    return manifest
+
+
+def model_layout(target: str, kwargs: Mapping[str, Any]) -> tuple[dict[str, list[str]], set[str]]:
+    """Tied aliases (canonical -> other names) and persistent buffer names of the unpartitioned model."""
+    from pipec.compiler.trace import instantiate
+
+    model, _ = instantiate(target, kwargs, mode="meta")
+    first: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        canon = first.setdefault(id(p), name)
+        if canon != name:
+            aliases.setdefault(canon, []).append(name)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    buffers = set(model.state_dict(keep_vars=True)) - params
+    return aliases, buffers
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- the checkpointer
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A save in flight (asynchronous mode): the commit job in the background thread."""
+
+    step: int
+    tmp: Path
+    job: Future
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Checkpointer:
+    """Saves and restores one rank's share of the training state (see the module doc).
+
+    Every rank of the job constructs one, at the same point (it creates a
+    process group), with the stages it owns and their optimizer.
+    """
+
+    def __init__(self, plan, modules: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer, *, rank: int,
+                 world_size: int, total_steps: int, save_dir: str | None, every: int, keep: int | None,
+                 resume: str | None, attempt: int = 0, run_id: str = "", asynchronous: bool = True,
+                 timeout: float = 300.0, log=None) -> None:
+        import datetime
+
+        if every < 0:
+            raise CheckpointError(f"checkpoint_every must be at least 0, got {every}")
+        if every and not save_dir:
+            raise CheckpointError("checkpoint_every needs checkpoint_dir; set checkpoint_dir in the schedule file "
+                                  "or compile with --checkpoint-dir DIR")
+        if keep is not None and keep < 1:
+            raise CheckpointError(f"--keep-checkpoints must be at least 1, got {keep}; omit it to keep every checkpoint")
+        self.plan = plan
+        self.modules = dict(modules)
+        self.optimizer = optimizer
+        self.rank, self.world_size = rank, world_size
+        self.total_steps = total_steps
+        self.save_dir = Path(save_dir) if save_dir and every else None
+        self.every = every
+        self.keep = keep
+        self.resume = resume
+        self.attempt = attempt
+        self.run_id = run_id
+        self.asynchronous = asynchronous
+        self.log = log
+        # DCP's collectives (and the async writer thread's) get a gloo group of their own, so they never
+        # interleave with the training's collectives on other groups
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        self.container = nn.ModuleDict({f"stage{s}": m for s, m in sorted(self.modules.items())})
+        model = plan.model or {}
+        self.target, self.kwargs = str(model.get("target")), dict(model.get("kwargs") or {})
+        self.aliases, self.buffers = model_layout(self.target, self.kwargs)
+        self.canonical = {f"stage{s}.{local}": canon for s, m in self.modules.items()
+                          for local, canon in m.canonical.items()}
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipec-checkpoint")
+        self.pending: _Pending | None = None
+        self.last_saved: int | None = None
+        self.blocked: list[float] = []
+        self.committed: list[int] = []
+
+    # ------------------------------------------------------------------ state <-> canonical keys
+
+    def _canon(self, fqn: str) -> str | None:
+        """Canonical name of a container key (``stage3.lm_head.weight`` -> ``wte.weight``); None: not saved."""
+        if fqn in self.canonical:
+            return self.canonical[fqn]
+        local = fqn.partition(".")[2]
+        return local if local in self.buffers else None
+
+    def _split(self, key: str) -> tuple[str, str, str]:
+        """A flattened optimizer key ``state.<fqn>.<name>`` -> (kind, fqn, name)."""
+        kind, _, rest = key.partition(".")
+        fqn, _, name = rest.rpartition(".")
+        return kind, fqn, name
+
+    def _layout_matches(self, manifest: Manifest) -> bool:
+        return (manifest.mesh == {"pp": self.plan.mesh.pp, "dp": self.plan.mesh.dp}
+                and list(manifest.placement) == list(self.plan.placement) and manifest.num_stages == self.plan.num_stages)
+
+    def _state(self, *, rng: bool) -> tuple[dict[str, Any], dict, dict]:
+        """The canonical state dict of this rank, plus the local model and optimizer state dicts it came from."""
+        msd, osd = get_state_dict(self.container, self.optimizer, options=_OPTIONS)
+        model: dict[str, Any] = {}
+        for fqn, value in msd.items():
+            canon = self._canon(fqn)
+            if canon is not None:
+                model.setdefault(canon, value)  # tied copies on one rank: the first (they are equal)
+        optim: dict[str, Any] = {}
+        for key, value in osd.items():
+            kind, fqn, name = self._split(key)
+            optim.setdefault(f"{kind}.{self.canonical[fqn]}.{name}", value)
+        state: dict[str, Any] = {"model": model, "optim": optim, "step": 0}
+        if rng:
+            state["rng"] = {f"rank{self.rank}": torch.get_rng_state()}
+            if torch.cuda.is_available():
+                state["rng"][f"cuda{self.rank}"] = torch.cuda.get_rng_state()
+        return state, msd, osd
+
+    # ------------------------------------------------------------------ save
+
+    def after_step(self, steps_done: int) -> None:
+        """Save when ``checkpoint_every`` divides the steps done (called after every step)."""
+        if self.save_dir is not None and steps_done % self.every == 0:
+            self.save(steps_done)
+
+    def finish(self, steps_done: int, *, save: bool = True) -> None:
+        """At the end of the run: save the final state (when checkpointing), and wait for every save to commit."""
+        if save and self.save_dir is not None and self.last_saved != steps_done:
+            self.save(steps_done)
+        t = time.perf_counter()
+        self.wait()
+        if self.log is not None and self.save_dir is not None:
+            self.log.blocked(time.perf_counter() - t)
+        self.pool.shutdown(wait=True)
+
+    def save(self, steps_done: int) -> None:
+        """Write the state after ``steps_done`` steps; returns once it is staged (async) or committed (sync)."""
+        assert self.save_dir is not None
+        if self.log is not None:
+            self.log.checkpoint_requested(steps_done)
+        t = time.perf_counter()
+        self.wait()  # one save in flight at a time
+        tmp = self.save_dir / f"step_{steps_done:08d}.tmp-a{self.attempt}"
+        state, _, _ = self._state(rng=True)
+        state["step"] = steps_done
+        if self.asynchronous:
+            upload = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
+            self.pending = _Pending(steps_done, tmp, self.pool.submit(self._finish_save, upload, steps_done, tmp))
+        else:
+            dcp.save(state, checkpoint_id=tmp, process_group=self.group)
+            self._commit(steps_done, tmp)
+        self.last_saved = steps_done
+        blocked = time.perf_counter() - t
+        self.blocked.append(blocked)
+        if self.log is not None:
+            self.log.blocked(blocked)
+
+    def wait(self) -> None:
+        """Wait for the save in flight to commit; a failed save is reported and training goes on."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            pending.job.result()
+        except Exception as e:  # noqa: BLE001 - a failed checkpoint must not end the run: say so, keep the last one
+            if self.rank == 0:
+                last = f"step_{self.committed[-1]:08d}" if self.committed else "none"
+                _say(f"pipec: warning: the checkpoint of step {pending.step} failed ({type(e).__name__}: {e}); "
+                     f"its folder {pending.tmp} is left uncommitted; the newest checkpoint is {last}")
+
+    def _finish_save(self, upload: Future, steps_done: int, tmp: Path) -> None:
+        upload.result()  # every rank's files and DCP's .metadata are written
+        self._commit(steps_done, tmp)
+
+    def _commit(self, steps_done: int, tmp: Path) -> None:
+        """Hash the files (each rank a share), then rank 0 writes the manifest and renames the folder into place."""
+        names = sorted(p.name for p in tmp.iterdir() if p.is_file())
+        mine = {n: _digest(tmp / n) for n in names[self.rank::self.world_size]}
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine, group=self.group)
+        if self.rank != 0:
+            self.committed.append(steps_done)
+            return
+        files = {n: d for part in gathered for n, d in part.items()}
+        bad = [f"{n}: {d[1]}" for n, d in files.items() if d[0] < 0]
+        if bad:
+            raise CheckpointError(f"checkpoint {tmp}: cannot read back {'; '.join(bad)}")
+        manifest = Manifest(
+            step=steps_done, total_steps=self.total_steps, mesh={"pp": self.plan.mesh.pp, "dp": self.plan.mesh.dp},
+            placement=list(self.plan.placement), num_stages=self.plan.num_stages,
+            model={"target": self.target, "kwargs": self.kwargs, "params": self._params_fingerprint()},
+            optimizer=str((self.plan.spec.get("optimizer") or {"name": "adamw"})["name"]),
+            aliases=self.aliases, files=files, created=time.time(), run_id=self.run_id, attempt=self.attempt,
+        )
+        with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
+            json.dump(manifest.to_json(), f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        final = tmp.with_name(f"step_{steps_done:08d}")
+        if final.exists():  # a rejected (corrupt) checkpoint of the same step: replace it
+            old = final.with_name(final.name + f".old-{os.getpid()}")
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        self.committed.append(steps_done)
+        if self.keep is not None:
+            for _, old in list_checkpoints(final.parent)[self.keep:]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _params_fingerprint(self) -> str | None:
+        return ((self.plan.model or {}).get("fingerprint_parts") or {}).get("params")
+
+    # ------------------------------------------------------------------ restore
+
+    def source(self) -> tuple[Path | None, bool]:
+        """Where to resume from, and whether the user named it (``--resume``) rather than a restart choosing it.
+
+        After a restart (attempt > 0) the run's own ``checkpoint_dir`` comes
+        first, when it holds a checkpoint; then ``--resume``; else the start.
+        """
+        if self.attempt > 0 and self.save_dir is not None and list_checkpoints(self.save_dir):
+            return self.save_dir, False
+        if self.resume:
+            return Path(self.resume), True
+        return None, False
+
+    def restore(self) -> int:
+        """Load the newest valid checkpoint (see :meth:`source`) into this rank's stages; returns the start step."""
+        src, explicit = self.source()
+        if self.rank == 0 and self.save_dir is not None:
+            self.save_dir.mkdir(parents=True, exist_ok=True)
+            for p in self.save_dir.iterdir():  # writes cut short by an earlier attempt or run
+                if p.is_dir() and _TMP_DIR.match(p.name):
+                    shutil.rmtree(p, ignore_errors=True)
+        dist.barrier(group=self.group)
+        rejected: set[Path] = set()
+        chosen: tuple[Path, Manifest] | None = None
+        if src is not None:
+            chosen = self._choose(src, explicit, rejected)
+        self._check_save_dir(chosen[1].step if chosen else 0, rejected, chosen)
+        if chosen is None:
+            self._seed_rng(0)
+            return 0
+        return self._load(*chosen)
+
+    def _seed_rng(self, step: int) -> None:
+        """A fresh start (or a resharded resume) draws random numbers from (seed, global rank, step)."""
+        seed = int(self.plan.spec.get("seed", 0) or 0)
+        digest = hashlib.sha256(f"pipec-rng:{seed}:{self.rank}:{step}".encode()).digest()
+        torch.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+    def _choose(self, src: Path, explicit: bool, rejected: set[Path]) -> tuple[Path, Manifest] | None:
+        if not src.exists():
+            raise CheckpointError(f"--resume {src}: no such folder; give a checkpoint_dir or one of its step_N folders")
+        single = is_checkpoint(src)
+        candidates = [src] if single else [p for _, p in list_checkpoints(src)]
+        if not candidates:
+            if explicit:
+                raise CheckpointError(f"--resume {src}: no checkpoint in it (no step_N folder); "
+                                      "give the run's checkpoint_dir or one of its step_N folders")
+            return None
+        reasons: list[str] = []
+        for path in candidates:
+            problem = self._check_distributed(path)
+            if problem is None:
+                if reasons and self.rank == 0:
+                    _say(f"pipec: warning: {'; '.join(reasons)}; resuming from {path} instead")
+                return path, read_manifest(path)
+            rejected.add(path)
+            reasons.append(problem)
+            if single:
+                raise CheckpointError(f"{problem}; resume from its parent folder {src.parent} to use the newest "
+                                      "valid checkpoint there")
+        if self.rank == 0:
+            _say(f"pipec: warning: {'; '.join(reasons)}")
+        raise CheckpointError(f"{src}: no valid checkpoint ({len(candidates)} rejected, see above); "
+                              "remove the corrupt folders, or start afresh with an empty checkpoint_dir")
+
+    def _check_distributed(self, path: Path) -> str | None:
+        """Check a checkpoint against its manifest, every rank hashing a share of its files; the problem, or None."""
+        try:
+            manifest = read_manifest(path)
+            names = sorted(manifest.files)
+            problems = check_files(path, manifest, names[self.rank::self.world_size])
+        except CheckpointError as e:
+            problems = [str(e)]
+            manifest = None
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, problems, group=self.group)
+        found = sorted({p for part in gathered for p in part})
+        if not found:
+            assert manifest is not None
+            return self._compatible(path, manifest)
+        if manifest is None:
+            return found[0]
+        return f"checkpoint {path} is corrupt: {'; '.join(found)}"
+
+    def _compatible(self, path: Path, manifest: Manifest) -> str | None:
+        mine = self._params_fingerprint()
+        theirs = manifest.model.get("params")
+        if mine and theirs and mine != theirs or manifest.model.get("target") != self.target:
+            raise CheckpointError(
+                f"checkpoint {path} was written for the model {manifest.model.get('target')} "
+                f"{manifest.model.get('kwargs')}, whose parameters (names, shapes, dtypes) differ from this plan's "
+                f"{self.target} {self.kwargs}; resume from a checkpoint of this model, or compile the plan for that one")
+        mine_opt = str((self.plan.spec.get("optimizer") or {"name": "adamw"})["name"])
+        if manifest.optimizer != mine_opt:
+            raise CheckpointError(f"checkpoint {path} holds {manifest.optimizer} optimizer state, this plan's optimizer "
+                                  f"is {mine_opt}; use the same optimizer to resume")
+        return None
+
+    def _load(self, path: Path, manifest: Manifest) -> int:
+        rng = self._layout_matches(manifest)
+        state, msd, osd = self._state(rng=rng)
+        dcp.load(state, checkpoint_id=path, process_group=self.group)
+        # every local key, tied copies included, takes the value of its canonical key
+        for fqn in msd:
+            canon = self._canon(fqn)
+            if canon is not None:
+                msd[fqn] = state["model"][canon]
+        used: set[str] = set()
+        for key in osd:
+            kind, fqn, name = self._split(key)
+            canon = f"{kind}.{self.canonical[fqn]}.{name}"
+            value = state["optim"][canon]
+            # the optimizer keeps the tensors it is given: a second tied copy needs its own
+            osd[key] = value.clone() if canon in used and isinstance(value, torch.Tensor) else value
+            used.add(canon)
+        set_state_dict(self.container, self.optimizer, model_state_dict=msd, optim_state_dict=osd, options=_OPTIONS)
+        step = int(state["step"])
+        if rng:
+            torch.set_rng_state(state["rng"][f"rank{self.rank}"])
+            if torch.cuda.is_available() and f"cuda{self.rank}" in state["rng"]:
+                torch.cuda.set_rng_state(state["rng"][f"cuda{self.rank}"])
+        else:
+            self._seed_rng(step)
+        if self.rank == 0:
+            note = "" if rng else (f" (written under pp {manifest.mesh['pp']} x dp {manifest.mesh['dp']}, "
+                                   f"{manifest.num_stages} stages: resharded; RNG streams start afresh)")
+            _say(f"pipec: resumed from {path} at step {step}{note}")
+            lr_sched = (self.plan.spec.get("lr_schedule") or {}).get("name", "constant")
+            if manifest.total_steps != self.total_steps and lr_sched != "constant":
+                _say(f"pipec: warning: the checkpoint's run had {manifest.total_steps} steps, this one has "
+                     f"{self.total_steps}: the {lr_sched} lr schedule continues on the new horizon")
+        self.last_saved = step if self.save_dir is not None and path.parent == self.save_dir else None
+        return step
+
+    def _check_save_dir(self, start: int, rejected: set[Path], chosen) -> None:
+        """Saving into a checkpoint_dir that holds another timeline's checkpoints would mix two runs: refuse."""
+        if self.save_dir is None:
+            return
+        others = [(step, p) for step, p in list_checkpoints(self.save_dir)
+                  if p not in rejected and (chosen is None or p != chosen[0])]
+        if chosen is None and others:
+            raise CheckpointError(
+                f"checkpoint_dir {self.save_dir} already holds checkpoints (newest {others[0][1].name}) of an earlier "
+                f"run; resume it with --resume {self.save_dir}, or use an empty checkpoint_dir")
+        newer = [p.name for step, p in others if step >= start]
+        if chosen is not None and newer:
+            raise CheckpointError(
+                f"checkpoint_dir {self.save_dir} holds checkpoints at or beyond step {start} ({', '.join(newer)}) "
+                f"that this run, resumed from {chosen[0]}, would mix with its own; resume from {self.save_dir} "
+                "itself, or use an empty checkpoint_dir")
+
+    def stats(self) -> dict[str, Any]:
+        """What the saves cost this attempt (for report.json's goodput)."""
+        out: dict[str, Any] = {"mode": "async" if self.asynchronous else "sync", "saves": len(self.blocked),
+                               "committed": list(self.committed)}
+        if self.blocked:
+            out["blocked_s"] = {"mean": sum(self.blocked) / len(self.blocked), "max": max(self.blocked),
+                                "total": sum(self.blocked)}
+        return out
+
+
+def for_run(plan, args, env, modules, optimizer, total_steps: int):
+    """The trainer's checkpointer (None under ``--emulate``: no state) and this attempt's goodput log.
+
+    Every rank calls this at the same point (the checkpointer creates a process group).
+    """
+    from pipec.runtime.goodput import AttemptLog
+
+    spec = plan.spec
+    every = int(spec.get("checkpoint_every") or 0)
+    save_dir = spec.get("checkpoint_dir") if every else None
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    log = AttemptLog(save_dir, attempt=env.attempt, run_id=run_id, write=env.rank == 0)
+    if args.emulate:
+        if args.resume:
+            raise CheckpointError("--resume loads trained state, but --emulate trains nothing; drop one of them")
+        return None, log
+    ckpt = Checkpointer(plan, modules, optimizer, rank=env.rank, world_size=env.world_size, total_steps=total_steps,
+                        save_dir=save_dir, every=every, keep=args.keep_checkpoints, resume=args.resume,
+                        attempt=env.attempt, run_id=run_id, timeout=args.timeout, log=log,
+                        asynchronous=not getattr(args, "sync_checkpoints", False))
+    return ckpt, log
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
