@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from pipec.compiler.ir import Op, Program
+from pipec.compiler.ir import COMM_OPS, SEND_OPS, Op, Program, message_edge
 from pipec.compiler.plan import Edge, Tie
 from pipec.compiler.timeline import Event
 
@@ -193,18 +193,10 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
                     dec.append((_COMPUTE, deps, costs.bwd_i[s], bwd_done + s * M + m, 0, 0))
                 else:
                     dec.append((_COMPUTE, deps, costs.bwd_w[s], -1, -1, -act_bytes[s]))
-            elif op is Op.SEND_ACT:
-                dec.append((_SEND, keys.act(ins.stage, ins.to_stage, ins.microbatch),
-                            transfer.get((ins.stage, ins.to_stage), 0.0), ins.batch))
-            elif op is Op.RECV_ACT:
-                dec.append((_RECV, keys.act(ins.from_stage, ins.stage, ins.microbatch),
-                            transfer.get((ins.from_stage, ins.stage), 0.0), ins.batch))
-            elif op is Op.SEND_GRAD:
-                dec.append((_SEND, keys.gradk(ins.to_stage, ins.stage, ins.microbatch),
-                            transfer.get((ins.to_stage, ins.stage), 0.0), ins.batch))
-            elif op is Op.RECV_GRAD:
-                dec.append((_RECV, keys.gradk(ins.stage, ins.from_stage, ins.microbatch),
-                            transfer.get((ins.stage, ins.from_stage), 0.0), ins.batch))
+            elif op in COMM_OPS:
+                is_act, src, dst = message_edge(ins)
+                key = keys.act(src, dst, ins.microbatch) if is_act else keys.gradk(src, dst, ins.microbatch)
+                dec.append((_SEND if op in SEND_OPS else _RECV, key, transfer.get((src, dst), 0.0), ins.batch))
             elif op is Op.ALLREDUCE:
                 dec.append((_AR, ins.group, costs.allreduce.get((ins.group, ins.stage), 0.0)))
             else:

@@ -52,6 +52,7 @@ __all__ = [
     "SEND_OPS",
     "RECV_OPS",
     "COMM_OPS",
+    "message_edge",
     "parse_instruction",
     "parse_program",
     "format_program",
@@ -138,6 +139,23 @@ class Instruction(NamedTuple):
         return "OPT"
 
     __str__ = text
+
+
+def message_edge(ins: Instruction) -> tuple[bool, int, int]:
+    """The message a send or receive carries: (is_activation, src, dst) of its stage-graph edge.
+
+    Edges point in model direction: an activation travels src -> dst, its
+    grad dst -> src. ``SA0.3>1`` and ``RA1.3<0`` are both (True, 0, 1);
+    ``SG1.3>0`` and ``RG0.3<1`` are both (False, 0, 1).
+    """
+    op = ins.op
+    if op is Op.SEND_ACT:
+        return True, ins.stage, ins.to_stage
+    if op is Op.RECV_ACT:
+        return True, ins.from_stage, ins.stage
+    if op is Op.SEND_GRAD:
+        return False, ins.to_stage, ins.stage
+    return False, ins.stage, ins.from_stage
 
 
 _INSTR_RE = re.compile(

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from pipec.compiler.ir import Instruction, Op, Program
+from pipec.compiler.ir import Instruction, Op, Program, message_edge
 from pipec.compiler.plan import Edge, Plan, Stage, Tie
 from pipec.compiler.engine import BUFFERED, MODELS, Costs, Deadlock, Execution, decode, execute
 from pipec.compiler.simulate import chain_edges, plan_costs
@@ -110,7 +110,7 @@ def verify_program(
     backwards_done: dict[int, int] = {}               # stage -> completed backwards
     collectives: list[list[str]] = []
     FWD, BWD, BWD_I, BWD_W, AR, OPT = Op.FWD, Op.BWD, Op.BWD_I, Op.BWD_W, Op.ALLREDUCE, Op.OPTIM_STEP
-    SEND_ACT, RECV_ACT, SEND_GRAD = Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD
+    SEND_ACT, SEND_GRAD = Op.SEND_ACT, Op.SEND_GRAD
     for r, instrs in enumerate(program.ranks):
         reduced: set[tuple[str, int]] = set()
         colls: list[str] = []
@@ -189,11 +189,9 @@ def verify_program(
                 if group != "dp":
                     colls.append(group)
             else:  # sends and receives
-                is_act = op is SEND_ACT or op is RECV_ACT
                 is_send = op is SEND_ACT or op is SEND_GRAD
                 other = ins.to_stage if is_send else ins.from_stage
-                # the edge (src, dst) in model direction
-                src, dst = (s, other) if (is_act == is_send) else (other, s)
+                is_act, src, dst = message_edge(ins)
                 if src * S + dst not in edge_keys:
                     raise VerifyError(f"{_at(r, i, ins)}: there is no edge {src}->{dst} in the stage graph")
                 peer = ins.peer
@@ -211,22 +209,12 @@ def verify_program(
                     if key in sent:
                         _twice(sent, key, r, i, ins, "send", s, m)
                     sent[key] = (r, i)
-                    pair = (r, peer)
-                    lst = order_out.get(pair)
-                    if lst is None:
-                        order_out[pair] = [key]
-                    else:
-                        lst.append(key)
+                    order_out.setdefault((r, peer), []).append(key)
                 else:
                     if key in received:
                         _twice(received, key, r, i, ins, "receive", s, m)
                     received[key] = (r, i)
-                    pair = (peer, r)
-                    lst = order_in.get(pair)
-                    if lst is None:
-                        order_in[pair] = [key]
-                    else:
-                        lst.append(key)
+                    order_in.setdefault((peer, r), []).append(key)
         if not instrs or instrs[-1].op is not Op.OPTIM_STEP:
             raise VerifyError(f"rank {r}: the program must end with OPT (the optimizer step)")
         # proof 4, per rank: every stage reduced over dp, every spanning tie reduced

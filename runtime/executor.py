@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from pipec.compiler.ir import Instruction, Op
+from pipec.compiler.ir import Instruction, Op, message_edge
 from pipec.compiler.plan import Plan, Signature
 from pipec.compiler.simulate import chain_edges, group_members
 from pipec.compiler.timeline import Event
@@ -217,11 +217,10 @@ class Executor:
                 self.check(sigs, tensors, ins)
                 tensors = [t.detach().contiguous() for t in tensors]
             else:
-                is_act = ins.op is Op.RECV_ACT
-                edge = (ins.from_stage, s) if is_act else (s, ins.from_stage)
-                sigs = self.edge_tensors[edge] if is_act else self.grad_sigs(edge)
+                is_act, src, dst = message_edge(ins)
+                sigs = self.edge_tensors[(src, dst)] if is_act else self.grad_sigs((src, dst))
                 tensors = [self.empty(sig) for sig in sigs]
-                pending.append((("A" if is_act else "G",) + edge + (m,), tensors, len(ops)))
+                pending.append((("A" if is_act else "G", src, dst, m), tensors, len(ops)))
             for t in tensors:
                 ops.append(P2P(ins.op in (Op.SEND_ACT, Op.SEND_GRAD), t, peer))
             if ins.op in (Op.SEND_ACT, Op.SEND_GRAD):
