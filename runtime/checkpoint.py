@@ -44,8 +44,9 @@ import re
 import shutil
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+import threading
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -216,14 +217,13 @@ def _say(message: str) -> None:
 # ----------------------------------------------------------------------------- the checkpointer
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Pending:
     """A save in flight (asynchronous mode): the commit job in the background thread."""
 
     step: int
     tmp: Path
     job: Future
-    started: float = field(default_factory=time.perf_counter)
 
 
 class Checkpointer:
@@ -268,7 +268,6 @@ class Checkpointer:
         self.aliases, self.buffers = model_layout(self.target, self.kwargs)
         self.canonical = {f"stage{s}.{local}": canon for s, m in self.modules.items()
                           for local, canon in m.canonical.items()}
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipec-checkpoint")
         self.pending: _Pending | None = None
         self.last_saved: int | None = None
         self.blocked: list[float] = []
@@ -327,7 +326,6 @@ class Checkpointer:
         self.wait()
         if self.log is not None and self.save_dir is not None:
             self.log.blocked(time.perf_counter() - t)
-        self.pool.shutdown(wait=True)
 
     def save(self, steps_done: int) -> None:
         """Write the state after ``steps_done`` steps; returns once it is staged (async) or committed (sync)."""
@@ -341,7 +339,7 @@ class Checkpointer:
         state["step"] = steps_done
         if self.asynchronous:
             upload = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
-            self.pending = _Pending(steps_done, tmp, self.pool.submit(self._finish_save, upload, steps_done, tmp))
+            self.pending = _Pending(steps_done, tmp, _in_background(self._finish_save, upload, steps_done, tmp))
         else:
             dcp.save(state, checkpoint_id=tmp, process_group=self.group)
             self._commit(steps_done, tmp)
@@ -592,6 +590,20 @@ def for_run(plan, args, env, modules, optimizer, total_steps: int):
                         attempt=env.attempt, run_id=run_id, timeout=args.timeout, log=log,
                         asynchronous=not getattr(args, "sync_checkpoints", False))
     return ckpt, log
+
+
+def _in_background(fn, *args) -> Future:
+    """Run ``fn(*args)`` in a daemon thread (a rank that dies mid-save must not wait for it at exit)."""
+    future: Future = Future()
+
+    def body() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            future.set_exception(e)
+
+    threading.Thread(target=body, name="pipec-checkpoint", daemon=True).start()
+    return future
 
 
 def _fsync_dir(path: Path) -> None:

@@ -169,9 +169,12 @@ def summarize(records: Sequence[Mapping[str, Any]], now: float, **extra: Any) ->
         "wall_s": wall,
         "productive_s": productive,
         "lost_s": lost,
-        "restarts": len(records) - 1,
+        "restarts": records[-1]["attempt"],
         "steps_recomputed": steps_recomputed,
         "attempts": attempts[::-1],
     }
+    missing = sorted(set(range(records[-1]["attempt"])) - {r["attempt"] for r in records})
+    if missing:  # no checkpoint_dir to keep records in: their time is not in wall_s
+        out["attempts_unrecorded"] = missing
     out.update(extra)
     return out

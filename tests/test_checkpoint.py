@@ -322,14 +322,14 @@ def losses(report: Path) -> dict[int, float]:
 
 @pytest.mark.timeout(300)
 def test_stop_and_resume_is_bit_identical_to_an_uninterrupted_run(runs):
-    plan = with_checkpoints(runs / "x.json", runs / "x_b.json", runs / "b", every=3)
-    first = pipec_run(plan, "--nproc", "2", "--steps", "3")
+    plan = with_checkpoints(runs / "x.json", runs / "x_b.json", runs / "b", every=2)
+    first = pipec_run(plan, "--nproc", "2", "--steps", "3")  # saves step 2, and step 3 as it ends
     assert first.returncode == 0, first.stderr[-4000:]
     second = pipec_run(plan, "--nproc", "2", "--steps", "6", "--resume", str(runs / "b"),
                        "--report", str(runs / "b.json"))
     assert second.returncode == 0, second.stderr[-4000:]
     assert "resumed from" in second.stderr and "step_00000003 at step 3" in second.stderr
-    assert [s for s, _ in list_checkpoints(runs / "b")] == [6, 3]
+    assert [s for s, _ in list_checkpoints(runs / "b")] == [6, 4, 3, 2]
     # the same token stream: steps 3..5 have the uninterrupted run's losses, exactly
     assert losses(runs / "b.json") == {k: v for k, v in losses(runs / "ref.json").items() if k >= 3}
     assert_same_state(full_state(runs / "b" / "step_00000006"), full_state(runs / "ref" / "step_00000006"))
