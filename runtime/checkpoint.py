@@ -390,15 +390,7 @@ class Checkpointer:
             json.dump(manifest.to_json(), f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        final = tmp.with_name(f"step_{steps_done:08d}")
-        if final.exists():  # a rejected (corrupt) checkpoint of the same step: replace it
-            old = final.with_name(final.name + f".old-{os.getpid()}")
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        final = _publish(tmp, f"step_{steps_done:08d}")
         self.committed.append(steps_done)
         if self.keep is not None:
             for _, old in list_checkpoints(final.parent)[self.keep:]:
@@ -581,6 +573,9 @@ def for_run(plan, args, env, modules, optimizer, total_steps: int):
     save_dir = spec.get("checkpoint_dir") if every else None
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     log = AttemptLog(save_dir, attempt=env.attempt, run_id=run_id, write=env.rank == 0)
+    if not every and env.rank == 0 and (args.keep_checkpoints is not None or getattr(args, "sync_checkpoints", False)):
+        print("pipec: warning: --keep-checkpoints and --sync-checkpoints do nothing here: the plan writes no "
+              "checkpoints; compile it with --checkpoint-dir DIR --checkpoint-every N", file=sys.stderr, flush=True)
     if args.emulate:
         if args.resume:
             raise CheckpointError("--resume loads trained state, but --emulate trains nothing; drop one of them")
@@ -590,6 +585,20 @@ def for_run(plan, args, env, modules, optimizer, total_steps: int):
                         attempt=env.attempt, run_id=run_id, timeout=args.timeout, log=log,
                         asynchronous=not getattr(args, "sync_checkpoints", False))
     return ckpt, log
+
+
+def _publish(tmp: Path, name: str) -> Path:
+    """The commit: rename a written checkpoint folder into place (replacing a rejected one of the same step)."""
+    final = tmp.with_name(name)
+    if final.exists():
+        old = final.with_name(f"{name}.old-{os.getpid()}")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    return final
 
 
 def _in_background(fn, *args) -> Future:

@@ -211,7 +211,7 @@ def cmd_export_checkpoint(args: argparse.Namespace) -> int:
     from pipec.runtime.export import export_checkpoint
 
     res = export_checkpoint(args.dir, args.output)
-    print(f"wrote {args.output}: {res.num_tensors} tensors ({res.num_aliases} tied aliases) of "
+    print(f"wrote {args.output}: {res.num_tensors} tensors ({res.num_aliases} of them tied aliases) of "
           f"{res.manifest.model.get('target')} from {res.path} (step {res.manifest.step})")
     return 0
 

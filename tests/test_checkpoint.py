@@ -239,6 +239,33 @@ def test_corrupt_checkpoints_are_rejected_and_the_previous_one_used(one_rank, pl
     assert validate(s3).step == 3 and validate(s2).step == 2
 
 
+def test_a_save_cut_short_before_its_commit_never_loads(one_rank, plan_x, tmp_path, monkeypatch, capsys):
+    import pipec.runtime.checkpoint as checkpoint
+
+    a = Local(plan_x)
+    root = tmp_path / "ck"
+    ck = a.checkpointer(save_dir=str(root), every=1)
+    ck.restore()
+    a.step(0)
+    ck.after_step(1)
+    ck.wait()
+
+    def crash(tmp, name):
+        raise OSError("simulated crash before the commit")
+
+    monkeypatch.setattr(checkpoint, "_publish", crash)
+    a.step(1)
+    ck.after_step(2)  # every file written, the manifest too, but never renamed into place
+    ck.wait()
+    assert "the checkpoint of step 2 failed (OSError: simulated crash" in capsys.readouterr().err
+    assert (root / "step_00000002.tmp-a0" / "pipec.json").exists()
+    assert [s for s, _ in list_checkpoints(root)] == [1]
+    monkeypatch.undo()
+    b = Local(plan_x)
+    assert b.checkpointer(resume=str(root), save_dir=str(root), every=1).restore() == 1
+    assert not (root / "step_00000002.tmp-a0").exists()  # removed by the next run
+
+
 def test_retention_and_a_fresh_run_never_mixes_with_old_checkpoints(one_rank, plan_x, tmp_path):
     a = Local(plan_x)
     root = tmp_path / "ck"
