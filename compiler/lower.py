@@ -29,13 +29,13 @@ communication each compute needs and the collectives of the step:
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import deque
 from typing import Sequence
 
 from pipec.compiler.ir import Instruction, Op, Program
 from pipec.compiler.plan import Edge, Tie
 from pipec.compiler.simulate import Costs
-from pipec.schedules.order import ComputeOrder, Kind, ScheduleError
+from pipec.schedules import timing
+from pipec.schedules.order import ComputeOrder, Kind
 
 __all__ = ["lower", "schedule_times"]
 
@@ -44,90 +44,14 @@ _MIN_DURATION = 1e-9
 
 
 def schedule_times(order: ComputeOrder, producers: Sequence[Sequence[int]], consumers: Sequence[Sequence[int]],
-                   costs: Costs) -> list[list[float]]:
-    """Finish time of every action of every rank under the costs (buffered comm).
-
-    Raises :class:`ScheduleError` with the waiting actions when the order
-    cannot run (an action waits for one that comes later).
-    """
-    placement = order.placement
-    ranks = order.ranks
-    P = order.num_ranks
-    finish: list[list[float]] = [[] for _ in range(P)]
-    done: dict[tuple, float] = {}
-    waiters: dict[tuple, list[int]] = {}
-    pc = [0] * P
-    clock = [0.0] * P
-    blocked: list[tuple | None] = [None] * P
-    runnable = deque(range(P))
-    fwd, bwd, bwd_i, bwd_w, transfer = costs.fwd, costs.bwd, costs.bwd_i, costs.bwd_w, costs.transfer
-    F, B, I = Kind.F, Kind.B, Kind.I
-    while runnable:
-        r = runnable.popleft()
-        actions = ranks[r]
-        i, t = pc[r], clock[r]
-        while i < len(actions):
-            a = actions[i]
-            s, m, kind = a.stage, a.microbatch, a.kind
-            start = t
-            missing = None
-            if kind is F:
-                for p in producers[s]:
-                    d = done.get(("F", p, m))
-                    if d is None:
-                        missing = ("F", p, m)
-                        break
-                    if placement[p] != r:
-                        d += transfer.get((p, s), 0.0)
-                    start = max(start, d)
-                dur = fwd[s]
-            elif kind is B or kind is I:
-                d = done.get(("F", s, m))
-                if d is None:
-                    missing = ("F", s, m)
-                else:
-                    start = max(start, d)
-                    for c in consumers[s]:
-                        d = done.get(("B", c, m))
-                        if d is None:
-                            missing = ("B", c, m)
-                            break
-                        if placement[c] != r:
-                            d += transfer.get((s, c), 0.0)
-                        start = max(start, d)
-                dur = bwd[s] if kind is B else bwd_i[s]
-            else:
-                d = done.get(("B", s, m))
-                if d is None:
-                    missing = ("B", s, m)
-                else:
-                    start = max(start, d)
-                dur = bwd_w[s]
-            if missing is not None:
-                blocked[r] = missing
-                waiters.setdefault(missing, []).append(r)
-                break
-            t = start + max(dur, _MIN_DURATION)
-            finish[r].append(t)
-            key = ("F" if kind is F else "B" if kind is not Kind.W else "W", s, m)
-            done[key] = t
-            ws = waiters.pop(key, None)
-            if ws:
-                runnable.extend(ws)
-            i += 1
-        pc[r], clock[r] = i, t
-    stuck = [r for r in range(P) if pc[r] < len(ranks[r])]
-    if stuck:
-        lines = []
-        for r in stuck:
-            k = blocked[r]
-            what = f"{'F' if k[0] == 'F' else 'B/I' if k[0] == 'B' else 'W'}{k[1]}.{k[2]}"
-            lines.append(f"  rank {r}: {ranks[r][pc[r]]} (action {pc[r]}) waits for {what} on rank {placement[k[1]]}")
-        raise ScheduleError(
-            "the compute order cannot run: every waiting action needs one that comes later\n" + "\n".join(lines),
-            rule="order.deadlock",
-        )
-    return finish
+                   costs: Costs) -> tuple[tuple[float, ...], ...]:
+    """Finish time of every action of every rank under the costs (buffered comm); see
+    :func:`pipec.schedules.timing.list_schedule`, which raises a ``ScheduleError`` when the order
+    cannot run."""
+    durations = [timing.Costs(fwd=f, bwd=b, bwd_i=i, bwd_w=w)
+                 for f, b, i, w in zip(costs.fwd, costs.bwd, costs.bwd_i, costs.bwd_w)]
+    return timing.list_schedule(order, producers=producers, consumers=consumers, durations=durations,
+                                transfer=costs.transfer, min_duration=_MIN_DURATION).finishes
 
 
 def lower(

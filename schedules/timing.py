@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from pipec.schedules.order import Action, ComputeOrder, Kind, ScheduleError, make_action
 
@@ -32,6 +32,8 @@ __all__ = [
     "UNIT",
     "Estimate",
     "estimate",
+    "ListSchedule",
+    "list_schedule",
     "peak_in_flight",
     "place_weight_grads",
 ]
@@ -155,68 +157,99 @@ def _deadlock(order_ranks: Sequence[Sequence[Action]], pc: Sequence[int],
     )
 
 
-def estimate(order: ComputeOrder, *, costs: Costs = UNIT) -> Estimate:
-    """List-schedule ``order`` over the chain stage graph under ``costs``.
+@dataclass(frozen=True, slots=True)
+class ListSchedule:
+    """Start and finish time of every action, per rank in order, and each rank's busy time."""
 
-    Linear in the number of actions. Raises :class:`ScheduleError`
-    (rule ``order.deadlock``) naming every blocked rank, its action and what it
+    starts: tuple[tuple[float, ...], ...]
+    finishes: tuple[tuple[float, ...], ...]
+    busy: tuple[float, ...]
+
+
+def list_schedule(
+    order: ComputeOrder,
+    *,
+    producers: Sequence[Sequence[int]] | None = None,
+    consumers: Sequence[Sequence[int]] | None = None,
+    durations: Sequence[Costs] | Costs = UNIT,
+    transfer: Mapping[tuple[int, int], float] | None = None,
+    min_duration: float = 0.0,
+) -> ListSchedule:
+    """List-schedule ``order``: each rank runs its actions in order, each as soon as its inputs are done.
+
+    The stage graph is the chain unless ``producers``/``consumers`` (per stage)
+    are given; ``durations`` is one :class:`Costs` for every stage or one per
+    stage; ``transfer[(src, dst)]`` delays a dependency between stages on
+    different ranks; every action lasts at least ``min_duration``. Linear in
+    the number of actions. Raises :class:`ScheduleError` (rule
+    ``order.deadlock``) naming every blocked rank, its action and what it
     waits for, when the order cannot run to completion.
     """
     num_ranks, num_mb, num_stages = order.num_ranks, order.num_microbatches, order.num_stages
+    placement = order.placement
+    if producers is None or consumers is None:
+        producers = [[s - 1] if s else [] for s in range(num_stages)]
+        consumers = [[s + 1] if s + 1 < num_stages else [] for s in range(num_stages)]
+    per_stage = [durations] * num_stages if isinstance(durations, Costs) else list(durations)
+    transfer = transfer or {}
     size = num_stages * num_mb
     # completion times, flat: table * size + stage * M + microbatch (None: not run yet)
     done: list[float | None] = [None] * (3 * size)
-    F, B, I = Kind.F, Kind.B, Kind.I
-    dur_f, dur_b, dur_i, dur_w = costs.fwd, costs.bwd, costs.bwd_i, costs.bwd_w
-    last_stage = num_stages - 1
+    # per (kind, stage, rank): the (flat offset at microbatch 0, delay) pairs an action waits for
+    deps_cache: dict[tuple[Kind, int], tuple[tuple[int, float], ...]] = {}
+    F, B, W = Kind.F, Kind.B, Kind.W
     ranks = order.ranks
     pc = [0] * num_ranks
     clock = [0.0] * num_ranks
     busy = [0.0] * num_ranks
     starts: list[list[float]] = [[] for _ in range(num_ranks)]
+    finishes: list[list[float]] = [[] for _ in range(num_ranks)]
     waiting: dict[int, list[int]] = {}
     waits: dict[int, int] = {}
     runnable = deque(range(num_ranks))
     while runnable:
         r = runnable.popleft()
         actions = ranks[r]
-        record = starts[r].append
         i, t = pc[r], clock[r]
         n = len(actions)
         while i < n:
             a = actions[i]
-            kind = a.kind
-            here = a.stage * num_mb + a.microbatch
-            # dependencies: at most two flat keys
-            if kind is F:
-                first = here - num_mb if a.stage > 0 else -1
-                second = -1
-                key, dur = here, dur_f
-            elif kind is B or kind is I:
-                first = here
-                second = size + here + num_mb if a.stage < last_stage else -1  # backward of stage + 1
-                key, dur = size + here, dur_b if kind is B else dur_i
-            else:
-                first, second = size + here, -1
-                key, dur = 2 * size + here, dur_w
+            kind, s, m = a.kind, a.stage, a.microbatch
+            deps = deps_cache.get((kind, s))
+            if deps is None:
+                if kind is F:
+                    deps = tuple((p * num_mb, transfer.get((p, s), 0.0) if placement[p] != placement[s] else 0.0)
+                                 for p in producers[s])
+                elif kind is W:
+                    deps = ((size + s * num_mb, 0.0),)
+                else:
+                    deps = ((s * num_mb, 0.0),) + tuple(
+                        (size + c * num_mb, transfer.get((s, c), 0.0) if placement[c] != placement[s] else 0.0)
+                        for c in consumers[s])
+                deps_cache[(kind, s)] = deps
             start = t
             blocked = -1
-            for dep in (first, second):
-                if dep < 0:
-                    continue
-                end = done[dep]
+            for base, delay in deps:
+                end = done[base + m]
                 if end is None:
-                    blocked = dep
+                    blocked = base + m
                     break
+                end += delay
                 if end > start:
                     start = end
             if blocked >= 0:
                 waiting.setdefault(blocked, []).append(r)
                 waits[r] = blocked
                 break
+            c = per_stage[s]
+            dur = c.fwd if kind is F else c.bwd if kind is B else c.bwd_w if kind is W else c.bwd_i
+            if dur < min_duration:
+                dur = min_duration
             t = start + dur
             busy[r] += dur
-            record(start)
+            starts[r].append(start)
+            finishes[r].append(t)
+            key = (0 if kind is F else 2 * size if kind is W else size) + s * num_mb + m
             done[key] = t
             woken = waiting.pop(key, None)
             if woken:
@@ -225,11 +258,17 @@ def estimate(order: ComputeOrder, *, costs: Costs = UNIT) -> Estimate:
         pc[r], clock[r] = i, t
     if any(pc[r] < len(ranks[r]) for r in range(num_ranks)):
         unflat = {r: (k // size, (k % size) // num_mb, k % num_mb) for r, k in waits.items()}
-        raise _deadlock(ranks, pc, unflat, order.placement)
+        raise _deadlock(ranks, pc, unflat, placement)
+    return ListSchedule(tuple(map(tuple, starts)), tuple(map(tuple, finishes)), tuple(busy))
+
+
+def estimate(order: ComputeOrder, *, costs: Costs = UNIT) -> Estimate:
+    """List-schedule ``order`` over the chain stage graph under ``costs`` (see :func:`list_schedule`)."""
+    sched = list_schedule(order, durations=costs)
     return Estimate(
-        step_time=max(clock, default=0.0),
-        busy=tuple(busy),
-        starts=tuple(tuple(x) for x in starts),
+        step_time=max((f[-1] for f in sched.finishes if f), default=0.0),
+        busy=sched.busy,
+        starts=sched.starts,
         peak_in_flight=peak_in_flight(order),
     )
 
