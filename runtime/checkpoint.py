@@ -487,7 +487,7 @@ class Checkpointer:
     def _compatible(self, path: Path, manifest: Manifest) -> str | None:
         mine = self._params_fingerprint()
         theirs = manifest.model.get("params")
-        if mine and theirs and mine != theirs or manifest.model.get("target") != self.target:
+        if (mine and theirs and mine != theirs) or manifest.model.get("target") != self.target:
             raise CheckpointError(
                 f"checkpoint {path} was written for the model {manifest.model.get('target')} "
                 f"{manifest.model.get('kwargs')}, whose parameters (names, shapes, dtypes) differ from this plan's "
