@@ -62,8 +62,15 @@ class TorchTransport:
         self.dist = dist
         self.rank = dist.get_rank()
         self.groups = groups
+        self.world = dist.group.WORLD
+        # gloo has no coalescing: batch_isend_irecv would post the ops one by one anyway, after per-op checks
+        # that cost more than the post itself; so post straight to the world group (its ranks are global ranks)
+        self.direct = dist.get_backend() == "gloo"
 
     def post(self, ops: Sequence[P2P]) -> list[Work]:
+        if self.direct:
+            world = self.world
+            return [world.send([o.tensor], o.peer, 0) if o.send else world.recv([o.tensor], o.peer, 0) for o in ops]
         dist = self.dist
         if len(ops) == 1:
             op = ops[0]
