@@ -81,6 +81,7 @@ class Result:
     torch: list[list[float]] = field(default_factory=list)
     predicted_step: float | None = None
     bubble: list[tuple[float, float]] = field(default_factory=list)  # per pipec run: (predicted, measured)
+    compute: list[tuple[float, float]] = field(default_factory=list)  # per pipec run: busiest rank's (predicted, measured)
     loss: dict[str, float] = field(default_factory=dict)
 
 
@@ -129,6 +130,8 @@ def run_pipec(cfg: Config, plan: Path, steps: int, work: Path, res: Result) -> N
     res.pipec.append([s["step_time"] for s in r["steps"][1:]])
     res.predicted_step = r["predicted"]["step_time"]
     res.bubble.append((r["bubble_fraction"]["predicted"], r["bubble_fraction"]["measured"]))
+    res.compute.append((max(x["compute"] for x in r["predicted"]["per_rank"]),
+                        max(x["compute"] for x in r["measured"]["per_rank"])))
     res.loss["pipec"] = r["steps"][-1].get("loss", float("nan"))
 
 
@@ -144,6 +147,12 @@ def run_torch(cfg: Config, steps: int, work: Path, res: Result) -> None:
 
 def median_of(runs: list[list[float]]) -> float:
     return statistics.median(t for run in runs for t in run)
+
+
+def spread(runs: list[list[float]]) -> str:
+    """The lowest and highest of the per-run medians."""
+    meds = [statistics.median(run) for run in runs]
+    return f"{min(meds):.2f}-{max(meds):.2f}"
 
 
 def speed(configs: list[Config], runs: int, steps: int, work: Path) -> dict[str, Result]:
@@ -191,12 +200,15 @@ def emulate(cases, runs: int, steps: int, work: Path) -> list[tuple[str, float, 
 
 def print_speed(results: dict[str, Result], runs: int) -> None:
     print(f"\nSpeed: median step time over every step but each run's first ({runs} runs of each, alternating)")
-    print(f"{'config':34} {'pipec (s)':>10} {'torch (s)':>10} {'ratio':>7}  {'goal':>6}  losses (pipec / torch)")
+    print(f"{'config':34} {'pipec (s)':>10} {'torch (s)':>10} {'ratio':>7}  {'goal':>5}  "
+          f"{'pipec runs':>10} {'torch runs':>10}  last loss (pipec / torch)")
     for name, r in results.items():
         p, t = median_of(r.pipec), median_of(r.torch)
         ok = "ok" if p <= 0.95 * t else "MISS"
-        print(f"{name:34} {p:10.3f} {t:10.3f} {p / t:7.3f}  {ok:>6}  "
+        print(f"{name:34} {p:10.3f} {t:10.3f} {p / t:7.3f}  {ok:>5}  {spread(r.pipec):>10} {spread(r.torch):>10}  "
               f"{r.loss.get('pipec', float('nan')):.3f} / {r.loss.get('torch', float('nan')):.3f}")
+    print("(runs: the lowest and highest per-run median; the losses differ because torch keeps the LM head's tied "
+          "weight as an unsynchronised copy and the data differ)")
 
 
 def print_profile_fidelity(results: dict[str, Result]) -> None:
@@ -205,14 +217,17 @@ def print_profile_fidelity(results: dict[str, Result]) -> None:
         return
     print("\nProfiled fidelity at 2 ranks (--costs profile): the plan's predicted step beside the measured median")
     print(f"{'config':34} {'predicted (s)':>13} {'measured (s)':>12} {'diff':>7}  {'goal':>5}  "
-          f"{'bubble pred':>11} {'bubble meas':>11}")
+          f"{'bubble pred':>11} {'bubble meas':>11}  {'compute meas/pred':>17}")
     for name, r in rows:
         m = median_of(r.pipec)
         d = (m - r.predicted_step) / r.predicted_step
         bp = statistics.median(b[0] for b in r.bubble)
         bm = statistics.median(b[1] for b in r.bubble)
+        cr = statistics.median(c[1] / c[0] for c in r.compute)
         print(f"{name:34} {r.predicted_step:13.3f} {m:12.3f} {d:+7.1%}  {'ok' if abs(d) <= 0.10 else 'MISS':>5}  "
-              f"{bp:11.3f} {bm:11.3f}")
+              f"{bp:11.3f} {bm:11.3f}  {cr:17.2f}")
+    print("(compute meas/pred: the busiest rank's measured compute in the median step over its profiled compute; "
+          "above 1 when the machine is slower now than when the plan was profiled, e.g. under load)")
 
 
 def print_emulated(rows, runs: int) -> None:
