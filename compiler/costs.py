@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -122,13 +122,13 @@ def with_recompute(cost: Cost) -> Cost:
     """The stage's forward runs again before its backward (in the input half, or the weight half
     of a stage whose input half does nothing)."""
     if cost.bwd_i == 0:
-        return Cost(fwd=cost.fwd, bwd=cost.bwd + cost.fwd, bwd_i=0.0, bwd_w=cost.bwd_w + cost.fwd)
-    return Cost(fwd=cost.fwd, bwd=cost.bwd + cost.fwd, bwd_i=cost.bwd_i + cost.fwd, bwd_w=cost.bwd_w)
+        return replace(cost, bwd=cost.bwd + cost.fwd, bwd_w=cost.bwd_w + cost.fwd)
+    return replace(cost, bwd=cost.bwd + cost.fwd, bwd_i=cost.bwd_i + cost.fwd)
 
 
 def _no_input_grad(cost: Cost) -> Cost:
     """A stage fed only by model inputs sends no gradient: its whole backward is the weight half."""
-    return Cost(fwd=cost.fwd, bwd=cost.bwd, bwd_i=0.0, bwd_w=cost.bwd)
+    return replace(cost, bwd_i=0.0, bwd_w=cost.bwd)
 
 
 # ----------------------------------------------------------------------------- balancer weights
@@ -263,7 +263,26 @@ def _profile_stage(mod: nn.Module, sigs: Sequence[Any], sources: Sequence[int], 
             b_t.append(t4 - t3)
     fwd, bwd_i, bwd = (statistics.median(x) for x in (fwd_t, bi_t, b_t))
     bwd_i = min(bwd_i, bwd)
-    return Cost(fwd=fwd, bwd=bwd, bwd_i=bwd_i, bwd_w=bwd - bwd_i)
+    return Cost(fwd=fwd, bwd=bwd, bwd_i=bwd_i, bwd_w=bwd - bwd_i, optim=_profile_optimizer(params, reps))
+
+
+def _profile_optimizer(params: Sequence[nn.Parameter], reps: int) -> float:
+    """Median time of one AdamW step (the default optimizer) over ``params``, once per training step."""
+    if not params:
+        return 0.0
+    with torch.no_grad():
+        for p in params:
+            p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-9)
+    times = []
+    for rep in range(reps + 1):
+        t0 = time.perf_counter()
+        opt.step()
+        if rep:
+            times.append(time.perf_counter() - t0)
+    for p in params:
+        p.grad = None
+    return statistics.median(times)
 
 
 def stage_costs(

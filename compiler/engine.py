@@ -70,7 +70,8 @@ class Costs:
     """Per edge (src_stage, dst_stage): one microbatch's message over the pp link."""
     allreduce: Mapping[tuple[str, int], float]
     """Per (group, stage): the all-reduce's duration."""
-    optim_step: float = 0.0
+    optim_step: tuple[float, ...] = ()
+    """Per pp rank: the optimizer step over its parameters (empty: free)."""
     activation_bytes: tuple[int, ...] = ()
     """Per stage: bytes saved per microbatch in flight (empty when unknown)."""
     time_unit: str = "s"
@@ -200,7 +201,8 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
             elif op is Op.ALLREDUCE:
                 dec.append((_AR, ins.group, costs.allreduce.get((ins.group, ins.stage), 0.0)))
             else:
-                dec.append((_OPT, OPTIM_GROUP, costs.optim_step))
+                # the grad-norm collective (free), then this rank's own optimizer step
+                dec.append((_OPT, OPTIM_GROUP, 0.0, costs.optim_step[r] if costs.optim_step else 0.0))
         out.append(tuple(dec))
     return Decoded(tuple(out), keys)
 
@@ -443,6 +445,9 @@ class _Engine:
                 self.blocked_on[r] = None
                 end = t if t > clock else clock
                 self.wait[r] += end - clock
+                if is_opt:  # the optimizer step itself is compute
+                    self.compute[r] += d[3]
+                    end += d[3]
                 if self.record_events:
                     self.events.append(Event(r, self.program.ranks[r][pc].text(), clock, end))
                 clock = end

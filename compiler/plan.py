@@ -79,6 +79,8 @@ class Cost:
     bwd: float = 2.0
     bwd_i: float = 1.0
     bwd_w: float = 1.0
+    optim: float = 0.0
+    """(added) The optimizer step over the stage's parameters, once per step."""
 
 
 UNIT_COST = Cost()
@@ -208,7 +210,8 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
             "params": list(st.params),
             "inputs": [_sig_json(s) for s in st.inputs],
             "outputs": [_sig_json(s) for s in st.outputs],
-            "cost": {"fwd": st.cost.fwd, "bwd": st.cost.bwd, "bwd_i": st.cost.bwd_i, "bwd_w": st.cost.bwd_w},
+            "cost": {"fwd": st.cost.fwd, "bwd": st.cost.bwd, "bwd_i": st.cost.bwd_i, "bwd_w": st.cost.bwd_w,
+                     "optim": st.cost.optim},
         }
         if st.activation_bytes is not None:
             d["activation_bytes"] = st.activation_bytes
@@ -366,7 +369,8 @@ def load_plan(obj: Any, where: str = "plan") -> Plan:
         for i, s in enumerate(rd.items("stages", required=False)):
             c = s.sub("cost", required=False)
             cost = UNIT_COST if c is None else Cost(
-                fwd=c.num("fwd", lo=0), bwd=c.num("bwd", lo=0), bwd_i=c.num("bwd_i", lo=0), bwd_w=c.num("bwd_w", lo=0)
+                fwd=c.num("fwd", lo=0), bwd=c.num("bwd", lo=0), bwd_i=c.num("bwd_i", lo=0), bwd_w=c.num("bwd_w", lo=0),
+                optim=c.num("optim", lo=0, required=False) or 0.0,
             )
             stage = Stage(
                 stage=s.int("stage", lo=0, hi=num_stages - 1),

@@ -55,7 +55,11 @@ def plan_costs(plan: Plan) -> Costs:
                 allreduce[(f"tie.{tie.name}", s)] = cost
     act = tuple(st.activation_bytes or 0 for st in plan.stages) if plan.stages and all(
         st.activation_bytes is not None for st in plan.stages) else ()
+    optim = [0.0] * plan.mesh.pp
+    for st in plan.stages:
+        optim[st.rank] += st.cost.optim
     return Costs(
+        optim_step=tuple(optim) if any(optim) else (),
         fwd=tuple(c.fwd for c in stage_costs),
         bwd=tuple(c.bwd for c in stage_costs),
         bwd_i=tuple(c.bwd_i for c in stage_costs),

@@ -37,6 +37,7 @@ writing, hashing and the commit run in a background thread.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -237,8 +238,6 @@ class Checkpointer:
                  world_size: int, total_steps: int, save_dir: str | None, every: int, keep: int | None,
                  resume: str | None, attempt: int = 0, run_id: str = "", asynchronous: bool = True,
                  timeout: float = 300.0, log=None) -> None:
-        import datetime
-
         if every < 0:
             raise CheckpointError(f"checkpoint_every must be at least 0, got {every}")
         if every and not save_dir:
@@ -259,9 +258,8 @@ class Checkpointer:
         self.run_id = run_id
         self.asynchronous = asynchronous
         self.log = log
-        # DCP's collectives (and the async writer thread's) get a gloo group of their own, so they never
-        # interleave with the training's collectives on other groups
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        self.timeout = timeout
+        self._group = None
         self.container = nn.ModuleDict({f"stage{s}": m for s, m in sorted(self.modules.items())})
         model = plan.model or {}
         self.target, self.kwargs = str(model.get("target")), dict(model.get("kwargs") or {})
@@ -272,6 +270,16 @@ class Checkpointer:
         self.last_saved: int | None = None
         self.blocked: list[float] = []
         self.committed: list[int] = []
+
+    @property
+    def group(self):
+        """DCP's collectives (and the async writer thread's) get a gloo group of their own, so they never
+        interleave with the training's collectives on other groups. Made on first use (a save or a load:
+        every rank reaches those at the same point), so a run that neither saves nor loads keeps no idle
+        group polling."""
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
+        return self._group
 
     # ------------------------------------------------------------------ state <-> canonical keys
 
@@ -421,7 +429,8 @@ class Checkpointer:
             for p in self.save_dir.iterdir():  # writes cut short by an earlier attempt or run
                 if p.is_dir() and _TMP_DIR.match(p.name):
                     shutil.rmtree(p, ignore_errors=True)
-        dist.barrier(group=self.group)
+        if src is not None or self.save_dir is not None:  # wait for rank 0's clean-up before anyone looks
+            dist.barrier(group=self.group)
         rejected: set[Path] = set()
         chosen: tuple[Path, Manifest] | None = None
         if src is not None:

@@ -164,6 +164,7 @@ class Executor:
         self.clock.start()
         self.spans: list[tuple[str, object, object, bool]] = []  # (op text, start, end, is compute)
         self.waits: list[tuple[object, object]] = []
+        self.optimizer_spans: list[tuple[object, object]] = []
         instrs = self.instructions
         i = 0
         n = len(instrs)
@@ -275,6 +276,8 @@ class Executor:
             step.events.append(Event(self.global_rank, text, a, b))
             if compute:
                 step.compute += b - a
+        # the optimizer step inside OPT is compute; the rest of OPT (send drains, reductions) is comm wait
+        step.compute += sum(at(b) - at(a) for a, b in self.optimizer_spans)
         step.comm_wait = sum(at(b) - at(a) for a, b in self.waits)
         step.step_time = at(end)
 
@@ -460,9 +463,11 @@ class Executor:
         leftover = [k for k in self.recvs]
         if leftover:
             raise RunError(f"{self.where(self.index, ins)}: receives posted but never used: {leftover[:3]}")
+        stepped = self.now()
         if self.optimizer_step is not None:
             self.optimizer_step()
         self.record(ins, start, compute=False)
+        self.optimizer_spans.append((stepped, self.now()))
 
 
 class HostClock:

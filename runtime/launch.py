@@ -138,13 +138,20 @@ def plan_transport(plan, env: Env, timeout: float, backend: str, device):
     opts = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
     opts._timeout = td  # subgroups do not inherit the world group's timeout
     P, D = plan.mesh.pp, plan.mesh.dp
-    mesh = init_device_mesh(device.type, (P, D), mesh_dim_names=("pp", "dp"),
-                            backend_override={"pp": (backend, opts), "dp": (backend, opts)})
     pp_rank, dp_rank = divmod(env.rank, D)
-    groups: dict[tuple[int, ...], Any] = {
-        tuple(p * D + dp_rank for p in range(P)): mesh["pp"].get_group(),
-        tuple(pp_rank * D + d for d in range(D)): mesh["dp"].get_group(),
-    }
+    pp_ranks = tuple(p * D + dp_rank for p in range(P))
+    dp_ranks = tuple(pp_rank * D + d for d in range(D))
+    if P > 1 and D > 1:
+        mesh = init_device_mesh(device.type, (P, D), mesh_dim_names=("pp", "dp"),
+                                backend_override={"pp": (backend, opts), "dp": (backend, opts)})
+        groups: dict[tuple[int, ...], Any] = {pp_ranks: mesh["pp"].get_group(), dp_ranks: mesh["dp"].get_group()}
+    elif P > 1 or D > 1:
+        # one axis spans the world: a 1-D mesh reuses the world group (every idle gloo group costs a
+        # polling thread), whose timeout init_process_group set
+        name, ranks = ("pp", pp_ranks) if P > 1 else ("dp", dp_ranks)
+        groups = {ranks: init_device_mesh(device.type, (P * D,), mesh_dim_names=(name,)).get_group()}
+    else:
+        groups = {}  # one rank: every collective is local
     # tie groups: one per dp replica; every rank creates every group, in the same order
     for tie in plan.ties:
         members = sorted({plan.placement[s] for s in tie.stages})
