@@ -185,7 +185,7 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
                         base = (fwd_done + s * M,) + tuple(
                             bwd_done + c * M if placement[c] == r else keys.gradk(s, c, 0) for c in consumers[s])
                     deps_cache[(op, s, r)] = base
-                deps = tuple(k + m for k in base)
+                deps = [k + m for k in base]
                 if op is Op.FWD:
                     dec.append((_COMPUTE, deps, costs.fwd[s], fwd_done + s * M + m, 1, act_bytes[s]))
                 elif op is Op.BWD:

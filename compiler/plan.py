@@ -239,18 +239,22 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
     return out
 
 
+_OP_NAME = {op: op.value for op in Op}  # Enum.value is a slow property on this hot path
+
+
 def _instr_line(ins: Instruction) -> str:
     """One instruction as compact JSON, formatted directly (json.dumps per instruction is the slow part)."""
     op = ins.op
+    name = _OP_NAME[op]
     if op is Op.FWD or op is Op.BWD or op is Op.BWD_I or op is Op.BWD_W:
-        return f'{{"op":"{op.value}","stage":{ins.stage},"microbatch":{ins.microbatch}}}'
+        return f'{{"op":"{name}","stage":{ins.stage},"microbatch":{ins.microbatch}}}'
     if op is Op.OPTIM_STEP:
         return '{"op":"OPTIM_STEP"}'
     if op is Op.ALLREDUCE:
         return f'{{"op":"ALLREDUCE","stage":{ins.stage},"group":{json.dumps(ins.group)}}}'
     other = f'"to_stage":{ins.to_stage}' if ins.to_stage is not None else f'"from_stage":{ins.from_stage}'
     batch = "" if ins.batch is None else f',"batch":{ins.batch}'
-    return f'{{"op":"{op.value}","stage":{ins.stage},"microbatch":{ins.microbatch},{other},"peer":{ins.peer}{batch}}}'
+    return f'{{"op":"{name}","stage":{ins.stage},"microbatch":{ins.microbatch},{other},"peer":{ins.peer}{batch}}}'
 
 
 def write_plan(plan: Plan, path: str) -> None:
@@ -266,8 +270,7 @@ def write_plan(plan: Plan, path: str) -> None:
             f.write("\n  ]}")
         f.write("\n ]")
         if plan.prediction is not None:
-            pred = plan.prediction.to_json()
-            pred.pop("events")
+            pred = plan.prediction.to_json(events=False)
             f.write(',\n "prediction": ' + json.dumps(pred, separators=(",", ":"))[:-1])
             f.write(',"events":[\n   ')
             f.write(",\n   ".join(

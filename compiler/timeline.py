@@ -104,7 +104,8 @@ class Timeline:
             time_unit=time_unit,
         )
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, *, events: bool = True) -> dict[str, Any]:
+        """The JSON form; ``events=False`` leaves the (possibly long) event list out."""
         per_rank = []
         for r in self.per_rank:
             d: dict[str, Any] = {
@@ -124,7 +125,7 @@ class Timeline:
             "bubble_fraction": self.bubble_fraction,
             "time_unit": self.time_unit,
             "per_rank": per_rank,
-            "events": [[e.rank, e.op, e.start, e.end] for e in self.events],
+            **({"events": [[e.rank, e.op, e.start, e.end] for e in self.events]} if events else {}),
         }
 
     @staticmethod
