@@ -84,7 +84,26 @@ def _render(kind: str, message: str, loc: Location, hints: Iterable[str]) -> str
     return "\n".join(out)
 
 
-class DSLError(ValueError):
+class _Located:
+    """``file``, ``line`` and ``col`` of a diagnostic's :class:`Location`."""
+
+    __slots__ = ()
+    location: Location
+
+    @property
+    def file(self) -> str:
+        return self.location.file
+
+    @property
+    def line(self) -> int:
+        return self.location.line
+
+    @property
+    def col(self) -> int:
+        return self.location.col
+
+
+class DSLError(_Located, ValueError):
     """A schedule file or flag the language refuses, with its location.
 
     ``str()`` renders it like a compiler: ``file:line:col: error: message``,
@@ -98,18 +117,6 @@ class DSLError(ValueError):
         super().__init__(_render("error", message, location, self.hints))
 
     @property
-    def file(self) -> str:
-        return self.location.file
-
-    @property
-    def line(self) -> int:
-        return self.location.line
-
-    @property
-    def col(self) -> int:
-        return self.location.col
-
-    @property
     def source_line(self) -> str:
         return self.location.source_line
 
@@ -121,25 +128,13 @@ class DSLError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class DSLWarning:
+class DSLWarning(_Located):
     """A legal but wasteful setting (1f1b with fewer microbatches than ranks),
     located like a :class:`DSLError`; ``str()`` renders ``... warning: ...``."""
 
     message: str
     location: Location
     hints: tuple[str, ...] = ()
-
-    @property
-    def file(self) -> str:
-        return self.location.file
-
-    @property
-    def line(self) -> int:
-        return self.location.line
-
-    @property
-    def col(self) -> int:
-        return self.location.col
 
     def __str__(self) -> str:
         return _render("warning", self.message, self.location, self.hints)
