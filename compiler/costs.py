@@ -254,8 +254,8 @@ def _profile_stage(mod: nn.Module, sigs: Sequence[Any], sources: Sequence[int], 
         if float_inputs and outs:
             torch.autograd.grad(outs, float_inputs, grads, retain_graph=True)
         t3 = time.perf_counter()
-        if outs:
-            torch.autograd.grad(outs, float_inputs + params, grads)
+        if outs:  # as the runtime's BWD: into .grad, accumulating over microbatches (after the warm-up rep)
+            torch.autograd.backward(outs, grads, inputs=float_inputs + params)
         t4 = time.perf_counter()
         if rep:
             fwd_t.append(t1 - t0)
