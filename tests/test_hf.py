@@ -1,6 +1,6 @@
 """A Hugging Face transformers GPT-2 (small config, random weights, no download) through the front end.
 
-transformers is an optional extra (``pip install 'pipec[hf]'``); its import is slow, so this file holds
+transformers comes with the test extra (and alone as ``pipec[hf]``); its import is slow, so this file holds
 the few tests that need it.
 """
 
