@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import resource
 import sys
@@ -206,6 +207,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
         raise LaunchError(f"{args.plan} is a schedule-only plan (no model): it runs only with --emulate")
     fail_at = _fail_at(args.fail_at)
     backend, device = init_process_group(env, args.timeout)
+    trainer = transport = None
     try:
         transport = plan_transport(plan, env, args.timeout, backend, device)
         trainer = Trainer(plan, args, env, transport, device, fail_at=fail_at, peak_flops=_peak_flops(args, plan.spec),
@@ -221,6 +223,11 @@ def run(args: argparse.Namespace, env: Env) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # The trainer's reference cycles hold process groups (and their gloo threads): free them now, while the
+        # interpreter is whole; freed during its shutdown instead, gloo can abort the process ("terminate called
+        # without an active exception").
+        trainer = transport = None
+        gc.collect()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
