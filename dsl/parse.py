@@ -10,6 +10,8 @@ other syntax errors say what was found and what was expected.
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -72,8 +74,24 @@ def parser() -> Lark:
         propagate_positions=True,
         start=["start", "value"],
         lexer_callbacks={"COMMENT": _on_comment},
-        cache=True,  # the grammar analysis, cached in the temp folder by grammar hash: ~70 ms less start-up
+        cache=_cache_file(grammar),
     )
+
+
+def _cache_file(grammar: str) -> str | bool:
+    """Where lark keeps its grammar analysis (~70 ms of start-up): the user's own cache folder, never the
+    shared temp folder lark picks by default (the cache is a pickle; a file another user planted there would
+    be loaded). False, no cache, where that folder cannot be made."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = os.path.join(root, "pipec")
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+    except OSError:
+        return False
+    if not os.access(folder, os.W_OK):
+        return False
+    digest = hashlib.sha256(grammar.encode("utf-8")).hexdigest()[:16]
+    return os.path.join(folder, f"grammar-{digest}.lark")
 
 
 # ----------------------------------------------------------------------------- tree -> AST

@@ -162,3 +162,29 @@ def files(draw) -> str:
 @given(files())
 def test_generated_files_round_trip(text: str) -> None:
     assert_round_trip(text)
+
+
+def test_the_grammar_cache_is_the_users_own_and_keeps_comments(tmp_path: Path) -> None:
+    """lark's cached grammar lives in the user's cache folder (0700), and a parser loaded from it still
+    collects comments (a lexer callback the cache cannot hold)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
+    code = ("from pipec.dsl import format_file; "
+            "print(format_file('schedule 1f1b  # why\\n# alone\\npp 2\\n'), end='')")
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    cached = list((tmp_path / "pipec").glob("grammar-*.lark"))
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert len(cached) == 1 and (tmp_path / "pipec").stat().st_mode & 0o777 == 0o700
+    assert "# why" in first.stdout and "# alone" in first.stdout
+    assert second.stdout == first.stdout and not second.stderr
+
+
+def test_no_grammar_cache_where_the_cache_folder_cannot_be_made(monkeypatch) -> None:
+    from pipec.dsl.parse import _cache_file
+
+    monkeypatch.setenv("XDG_CACHE_HOME", "/proc/pipec-cannot-make-this")
+    assert _cache_file("start: NAME") is False
