@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,20 @@ def run_cli(*args: str, cwd: str | os.PathLike | None = None, timeout: float = 1
         timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+def run_in_session(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (a launcher and its ranks) in its own session; on timeout kill the whole session, so no rank
+    outlives the test, and fail with the end of its stderr."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            cwd=REPO / "tests")
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd[:4])} ... did not finish in {timeout} s:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 @pytest.fixture

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import shutil
-import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -29,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import PYTHON, REPO
+from conftest import PYTHON, run_in_session
 
 from pipec.compiler.driver import compile_spec
 from pipec.compiler.plan import write_plan
@@ -62,17 +60,8 @@ def with_checkpoints(plan_path: Path, out: Path, folder: Path | None, every: int
 
 
 def pipec_run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """``pipec run`` in its own session; on timeout the whole process group is killed (no orphaned ranks)."""
-    proc = subprocess.Popen([PYTHON, "-m", "pipec", "run", *args, "--timeout", "60", "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            cwd=REPO / "tests")
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"pipec run did not finish in {timeout} s:\n{err[-3000:]}")
-    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+    """``pipec run`` in its own session (killed whole on timeout)."""
+    return run_in_session([PYTHON, "-m", "pipec", "run", *args, "--timeout", "60", "--quiet"], timeout)
 
 
 def full_state(path: Path) -> dict:

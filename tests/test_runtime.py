@@ -13,17 +13,14 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import PYTHON, REPO
+from conftest import PYTHON, run_in_session
 
 from pipec.compiler.driver import compile_spec
 from pipec.compiler.plan import write_plan
@@ -127,16 +124,7 @@ def test_zero_bubble_split_defers_weight_grads():
 
 
 def torchrun(args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """torchrun in its own session; on timeout the whole process group is killed (no orphaned ranks)."""
-    proc = subprocess.Popen([PYTHON, "-m", "torch.distributed.run", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=REPO / "tests")
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {timeout} s:\n{err[-3000:]}")
-    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+    return run_in_session([PYTHON, "-m", "torch.distributed.run", *args], timeout)
 
 
 STEPS = 3
@@ -178,14 +166,9 @@ def test_every_schedule_trains_correctly_under_torchrun(plans, tmp_path, world):
 @pytest.mark.timeout(300)
 def test_injected_failure_ends_the_job_naming_the_rank(plans):
     plan = plans[("1f1b", 2, 1)]
-    run = subprocess.Popen([PYTHON, "-m", "pipec", "run", plan, "--nproc", "2", "--steps", "3", "--fail-at", "1:1",
-                            "--timeout", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)
-    try:
-        out, err = run.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(run.pid, signal.SIGKILL)
-        pytest.fail("the failed job did not end")
+    run = run_in_session([PYTHON, "-m", "pipec", "run", plan, "--nproc", "2", "--steps", "3", "--fail-at", "1:1",
+                          "--timeout", "30"], timeout=240)
+    err = run.stderr
     assert run.returncode != 0
     assert "injected failure: global rank 1 (pp 1, dp 0) killed at step 1" in err
     assert "the run failed: global rank 1 (pp 1, dp 0) ended with exit code 13" in err
