@@ -11,13 +11,13 @@ microbatches 0..M-1, then ``backward_one_chunk`` for 0..M-1. (Its
 from __future__ import annotations
 
 from pipec.schedules.order import (
+    Action,
     ComputeOrder,
     Kind,
     ScheduleError,
     check_counts,
     gc_paused,
     loop_placement,
-    make_action,
 )
 
 __all__ = ["gpipe", "check_gpipe"]
@@ -52,7 +52,7 @@ def gpipe(*, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Comp
     F, B = Kind.F, Kind.B
     with gc_paused():
         ranks = tuple(
-            tuple([make_action(F, r, m) for m in mbs] + [make_action(B, r, m) for m in mbs])
+            tuple([Action(F, r, m) for m in mbs] + [Action(B, r, m) for m in mbs])
             for r in range(num_ranks)
         )
     return ComputeOrder(

@@ -24,13 +24,13 @@ last chunk down to chunk 0, each in reverse microbatch order.
 from __future__ import annotations
 
 from pipec.schedules.order import (
+    Action,
     ComputeOrder,
     Kind,
     ScheduleError,
     check_counts,
     gc_paused,
     loop_placement,
-    make_action,
 )
 
 __all__ = [
@@ -108,13 +108,13 @@ def interleaved_1f1b(*, num_ranks: int, num_microbatches: int, num_chunks: int =
     with gc_paused():
         for r in range(P):
             warmup = interleaved_warmup(r, num_ranks=P, num_microbatches=M, num_chunks=v)
-            out = [make_action(F, fwd_offset[k] + r, mb_of[k]) for k in range(warmup)]
+            out = [Action(F, fwd_offset[k] + r, mb_of[k]) for k in range(warmup)]
             append = out.append
             for k in range(total - warmup):
                 f = warmup + k
-                append(make_action(F, fwd_offset[f] + r, mb_of[f]))
-                append(make_action(B, bwd_offset[k] + r, mb_of[k]))
-            out += [make_action(B, bwd_offset[k] + r, mb_of[k]) for k in range(total - warmup, total)]
+                append(Action(F, fwd_offset[f] + r, mb_of[f]))
+                append(Action(B, bwd_offset[k] + r, mb_of[k]))
+            out += [Action(B, bwd_offset[k] + r, mb_of[k]) for k in range(total - warmup, total)]
             ranks.append(tuple(out))
     return ComputeOrder(
         num_ranks=P, num_microbatches=M, placement=loop_placement(P, v * P), ranks=tuple(ranks)
@@ -148,8 +148,8 @@ def looped_bfs(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) ->
     with gc_paused():
         for r in range(P):
             stages = range(r, v * P, P)
-            out = [make_action(F, s, m) for s in stages for m in range(M)]
-            out += [make_action(B, s, m) for s in reversed(stages) for m in reversed(range(M))]
+            out = [Action(F, s, m) for s in stages for m in range(M)]
+            out += [Action(B, s, m) for s in reversed(stages) for m in reversed(range(M))]
             ranks.append(tuple(out))
     return ComputeOrder(
         num_ranks=P, num_microbatches=M, placement=loop_placement(P, v * P), ranks=tuple(ranks)

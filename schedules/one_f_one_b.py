@@ -23,7 +23,6 @@ from pipec.schedules.order import (
     check_counts,
     gc_paused,
     loop_placement,
-    make_action,
 )
 
 __all__ = ["one_f_one_b", "check_one_f_one_b", "one_f_one_b_rank"]
@@ -53,12 +52,12 @@ def one_f_one_b_rank(kind_b: Kind, stage: int, num_warmup: int, num_microbatches
     backward-first alternation, then the remaining backwards; backwards are of
     ``kind_b`` (``B``, or ``I`` for a split backward)."""
     F = Kind.F
-    out = [make_action(F, stage, m) for m in range(num_warmup)]
+    out = [Action(F, stage, m) for m in range(num_warmup)]
     append = out.append
     for b in range(num_microbatches - num_warmup):
-        append(make_action(kind_b, stage, b))
-        append(make_action(F, stage, num_warmup + b))
-    out += [make_action(kind_b, stage, b) for b in range(num_microbatches - num_warmup, num_microbatches)]
+        append(Action(kind_b, stage, b))
+        append(Action(F, stage, num_warmup + b))
+    out += [Action(kind_b, stage, b) for b in range(num_microbatches - num_warmup, num_microbatches)]
     return out
 
 

@@ -23,7 +23,6 @@ __all__ = [
     "v_placement",
     "validate_order",
     "check_counts",
-    "make_action",
     "gc_paused",
 ]
 
@@ -145,37 +144,30 @@ def validate_order(order: ComputeOrder) -> None:
     for rank, actions in enumerate(order.ranks):
         for index, action in enumerate(actions):
             s, m = action.stage, action.microbatch
+            problem = None  # (message, rule); the location is formatted only for an error
             if not (0 <= s < num_stages and 0 <= m < num_mb):
-                raise ScheduleError(
-                    f"rank {rank}, action {index} ({action}): stage must be in 0..{num_stages - 1} and microbatch in "
-                    f"0..{num_mb - 1}",
-                    rule="order.range",
-                )
-            if order.placement[s] != rank:
-                raise ScheduleError(
-                    f"rank {rank}, action {index} ({action}): stage {s} is placed on rank {order.placement[s]}, not {rank}",
-                    rule="order.placement",
-                )
-            current = state[s][m]
-            kind = action.kind
-            if kind is Kind.F:
-                if current != 0:
-                    raise ScheduleError(f"rank {rank}, action {index} ({action}): second forward", rule="order.duplicate")
-                state[s][m] = 1
-            elif kind is Kind.B or kind is Kind.I:
-                if current == 0:
-                    raise ScheduleError(f"rank {rank}, action {index} ({action}): backward before its forward", rule="order.deps")
-                if current != 1:
-                    raise ScheduleError(f"rank {rank}, action {index} ({action}): second backward", rule="order.duplicate")
-                state[s][m] = 3 if kind is Kind.B else 2
-            else:  # W
-                if current != 2:
-                    raise ScheduleError(
-                        f"rank {rank}, action {index} ({action}): weight-grad W needs its input-grad I{s}.{m} earlier on "
-                        "the same rank",
-                        rule="order.deps",
-                    )
-                state[s][m] = 3
+                problem = (f"stage must be in 0..{num_stages - 1} and microbatch in 0..{num_mb - 1}", "order.range")
+            elif order.placement[s] != rank:
+                problem = (f"stage {s} is placed on rank {order.placement[s]}, not {rank}", "order.placement")
+            else:
+                current = state[s][m]
+                kind = action.kind
+                if kind is Kind.F:
+                    if current != 0:
+                        problem = ("second forward", "order.duplicate")
+                    state[s][m] = 1
+                elif kind is Kind.B or kind is Kind.I:
+                    if current == 0:
+                        problem = ("backward before its forward", "order.deps")
+                    elif current != 1:
+                        problem = ("second backward", "order.duplicate")
+                    state[s][m] = 3 if kind is Kind.B else 2
+                else:  # W
+                    if current != 2:
+                        problem = (f"weight-grad W needs its input-grad I{s}.{m} earlier on the same rank", "order.deps")
+                    state[s][m] = 3
+            if problem is not None:
+                raise ScheduleError(f"rank {rank}, action {index} ({action}): {problem[0]}", rule=problem[1])
     for s in range(num_stages):
         for m in range(num_mb):
             if state[s][m] != 3:
@@ -203,10 +195,6 @@ def check_counts(schedule: str, *, num_ranks: int, num_microbatches: int, num_ch
                 f"use {flag} 1 or more",
                 rule=f"{schedule}.{what}",
             )
-
-
-make_action = Action
-"""Kept for the generators: building an Action is already the fast path."""
 
 
 class gc_paused:

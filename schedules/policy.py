@@ -46,7 +46,6 @@ from pipec.schedules.order import (
     check_counts,
     gc_paused,
     loop_placement,
-    make_action,
     v_placement,
 )
 from pipec.schedules.timing import estimate, place_weight_grads
@@ -342,17 +341,17 @@ def _place_w(policy: Policy, sequence: list) -> list[Action]:
     append = out.append
     if not policy.split_backward:
         for kind, s, m in sequence:
-            append(make_action(kind, s, m))
+            append(Action(kind, s, m))
         return out
     W, I = Kind.W, Kind.I
     tail = []
     for kind, s, m in sequence:
-        append(make_action(kind, s, m))
+        append(Action(kind, s, m))
         if kind is I:
             if policy.weight_grad == "immediate":
-                append(make_action(W, s, m))
+                append(Action(W, s, m))
             else:
-                tail.append(make_action(W, s, m))
+                tail.append(Action(W, s, m))
     return out + tail
 
 
@@ -374,7 +373,7 @@ def _fill_bubbles(policy: Policy, sequences: list, placement, P: int, M: int) ->
                     rule="policy.max_in_flight",
                 )
             bounds.append(b)
-    base = [[make_action(kind, s, m) for kind, s, m in seq] for seq in sequences]
+    base = [[Action(kind, s, m) for kind, s, m in seq] for seq in sequences]
     try:
         return place_weight_grads(base, placement=placement, num_microbatches=M, bounds=bounds)
     except ScheduleError as error:

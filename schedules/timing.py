@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from pipec.schedules.order import Action, ComputeOrder, Kind, ScheduleError, make_action
+from pipec.schedules.order import Action, ComputeOrder, Kind, ScheduleError
 
 __all__ = [
     "Costs",
@@ -355,7 +355,7 @@ def place_weight_grads(
                 held[r] += 1
             else:
                 assert kind is I, f"place_weight_grads takes F and I only, got {a}"
-                queue.append(make_action(W, s, m))
+                queue.append(Action(W, s, m))
             for other in waiting.pop(key, ()):
                 waits.pop(other, None)
                 heapq.heappush(heap, (t + 1, other))

@@ -38,13 +38,13 @@ from __future__ import annotations
 
 from pipec.schedules.one_f_one_b import one_f_one_b_rank
 from pipec.schedules.order import (
+    Action,
     ComputeOrder,
     Kind,
     ScheduleError,
     check_counts,
     gc_paused,
     loop_placement,
-    make_action,
     v_placement,
 )
 from pipec.schedules.timing import place_weight_grads
@@ -155,7 +155,7 @@ def _zbv_rank(rank: int, num_ranks: int, num_microbatches: int) -> list:
     for m in range(w0, i0):
         emit((W, down, m))
     assert f0 == i0 == fill and f1 == i1 == fill, (rank, f0, i0, f1, i1, fill)
-    return [make_action(k, s, m) for k, s, m in out if m < M]
+    return [Action(k, s, m) for k, s, m in out if m < M]
 
 
 def zbv(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> ComputeOrder:

@@ -25,7 +25,6 @@ from pipec.schedules import (
     v_placement,
     validate_order,
 )
-from pipec.schedules.order import make_action
 from pipec.schedules.timing import estimate, peak_in_flight
 
 RANKS = range(1, 9)
@@ -248,11 +247,11 @@ def test_estimator_reports_a_deadlock():
     assert "rank 1: action 0 (F1.0) waits for F of stage 0 microbatch 0 on rank 0" in str(info.value)
 
 
-def test_make_action_equals_the_constructor():
-    a = make_action(Kind.I, 3, 7)
-    assert a == Action(Kind.I, 3, 7) and hash(a) == hash(Action(Kind.I, 3, 7)) and str(a) == "I3.7"
+def test_an_action_is_a_frozen_record():
+    a = Action(Kind.I, 3, 7)
+    assert (a.kind, a.stage, a.microbatch) == (Kind.I, 3, 7) and str(a) == "I3.7"
     with pytest.raises(AttributeError):
-        a.stage = 2  # still frozen
+        a.stage = 2
 
 
 def test_import_is_light():
