@@ -57,6 +57,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from pipec.runtime.training import optimizer_settings
+
 __all__ = [
     "for_run",
     "CheckpointError",
@@ -391,7 +393,7 @@ class Checkpointer:
             step=steps_done, total_steps=self.total_steps, mesh={"pp": self.plan.mesh.pp, "dp": self.plan.mesh.dp},
             placement=list(self.plan.placement), num_stages=self.plan.num_stages,
             model={"target": self.target, "kwargs": self.kwargs, "params": self._params_fingerprint()},
-            optimizer=str((self.plan.spec.get("optimizer") or {"name": "adamw"})["name"]),
+            optimizer=str(optimizer_settings(self.plan.spec)["name"]),
             aliases=self.aliases, files=files, created=time.time(), run_id=self.run_id, attempt=self.attempt,
         )
         with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
@@ -501,7 +503,7 @@ class Checkpointer:
                 f"checkpoint {path} was written for the model {manifest.model.get('target')} "
                 f"{manifest.model.get('kwargs')}, whose parameters (names, shapes, dtypes) differ from this plan's "
                 f"{self.target} {self.kwargs}; resume from a checkpoint of this model, or compile the plan for that one")
-        mine_opt = str((self.plan.spec.get("optimizer") or {"name": "adamw"})["name"])
+        mine_opt = str(optimizer_settings(self.plan.spec)["name"])
         if manifest.optimizer != mine_opt:
             raise CheckpointError(f"checkpoint {path} holds {manifest.optimizer} optimizer state, this plan's optimizer "
                                   f"is {mine_opt}; use the same optimizer to resume")
@@ -573,7 +575,7 @@ class Checkpointer:
 def for_run(plan, args, env, modules, optimizer, total_steps: int):
     """The trainer's checkpointer (None under ``--emulate``: no state) and this attempt's goodput log.
 
-    Every rank calls this at the same point (the checkpointer creates a process group).
+    Every rank calls this at the same point (a save or a load creates the checkpointer's process group).
     """
     from pipec.runtime.goodput import AttemptLog
 

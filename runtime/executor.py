@@ -162,7 +162,7 @@ class Executor:
         self.step = RankStep(self.global_rank)
         self.transport.barrier()
         self.clock.start()
-        self.spans: list[tuple[str, object, object, bool]] = []  # (op text, start, end, is compute)
+        self.spans: list[tuple[Instruction, object, object, bool]] = []  # (instruction, start, end, is compute)
         self.waits: list[tuple[object, object]] = []
         self.optimizer_spans: list[tuple[object, object]] = []
         instrs = self.instructions
@@ -265,15 +265,15 @@ class Executor:
     # ------------------------------------------------------------------ compute
 
     def record(self, ins: Instruction, start, compute: bool = True) -> None:
-        self.spans.append((ins.text(), start, self.now(), compute))
+        self.spans.append((ins, start, self.now(), compute))  # its text is made after the step, off the clock
 
     def finish_accounting(self, end) -> None:
         """Turn the step's timestamp tokens into seconds: events, compute time, comm wait, step time."""
         at = self.clock.resolve
         step = self.step
-        for text, t0, t1, compute in self.spans:
+        for ins, t0, t1, compute in self.spans:
             a, b = at(t0), at(t1)
-            step.events.append(Event(self.global_rank, text, a, b))
+            step.events.append(Event(self.global_rank, ins.text(), a, b))
             if compute:
                 step.compute += b - a
         # the optimizer step inside OPT is compute; the rest of OPT (send drains, reductions) is comm wait

@@ -16,7 +16,6 @@ import gc
 import os
 import resource
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 

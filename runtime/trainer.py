@@ -48,7 +48,7 @@ class Trainer:
         self.peak_memory = peak_memory
         spec = plan.spec
         self.spec = spec
-        P, D = plan.mesh.pp, plan.mesh.dp
+        D = plan.mesh.dp
         self.D = D
         self.pp_rank, self.dp_rank = divmod(env.rank, D)
         self.steps = args.steps if args.steps is not None else int(spec.get("steps", 10))

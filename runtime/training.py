@@ -50,8 +50,13 @@ def load_target(target: str, key: str) -> Any:
 _OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 
 
+def optimizer_settings(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The spec's optimizer: ``name`` and its arguments (AdamW with torch's defaults when unset)."""
+    return dict(spec.get("optimizer") or {"name": "adamw"})
+
+
 def make_optimizer(params: Iterable[torch.nn.Parameter], spec: Mapping[str, Any]) -> torch.optim.Optimizer:
-    opt = dict(spec.get("optimizer") or {"name": "adamw"})
+    opt = optimizer_settings(spec)
     name = opt.pop("name")
     cls = _OPTIMIZERS.get(name)
     if cls is None:
