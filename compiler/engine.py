@@ -34,6 +34,7 @@ from typing import Mapping, Sequence
 from pipec.compiler.ir import COMM_OPS, SEND_OPS, Op, Program, message_edge
 from pipec.compiler.plan import Edge, Tie
 from pipec.compiler.timeline import Event
+from pipec.errors import PipecError
 
 __all__ = ["BUFFERED", "IN_ORDER", "MODELS", "OPTIM_GROUP", "Costs", "Deadlock", "Execution", "Decoded",
            "decode", "execute", "group_members"]
@@ -49,7 +50,7 @@ OPTIM_GROUP = "pp"
 _COMPUTE, _SEND, _RECV, _AR, _OPT = range(5)
 
 
-class Deadlock(Exception):
+class Deadlock(PipecError):
     """No rank can move. ``lines`` describe the waiting instructions, one per rank."""
 
     def __init__(self, model: str, lines: Sequence[str]) -> None:

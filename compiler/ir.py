@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from enum import Enum
 from itertools import groupby
 from typing import Iterable, Iterator, NamedTuple
+from pipec.errors import PipecError
 
 __all__ = [
     "Op",
@@ -59,7 +60,7 @@ __all__ = [
 ]
 
 
-class IRError(ValueError):
+class IRError(PipecError):
     """Malformed instruction text, program or plan; the message says where."""
 
 

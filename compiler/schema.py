@@ -8,11 +8,12 @@ integer >= 1, got "four"``.
 from __future__ import annotations
 
 from typing import Any, Iterator
+from pipec.errors import PipecError
 
 __all__ = ["SchemaError", "Reader"]
 
 
-class SchemaError(ValueError):
+class SchemaError(PipecError):
     """A field of a JSON document is missing or malformed."""
 
 

@@ -57,6 +57,7 @@ from typing import Literal
 
 from pipec.compiler.ir import COMM_OPS as _COMM_OPS, COMPUTE_OPS, Instruction, Op, Program
 from pipec.schedules.order import Action, ComputeOrder, Kind
+from pipec.errors import PipecError
 
 __all__ = [
     "TorchCsvError",
@@ -72,7 +73,7 @@ Form = Literal["compute_only", "compute_comms"]
 FORMS: tuple[str, ...] = ("compute_only", "compute_comms")
 
 
-class TorchCsvError(ValueError):
+class TorchCsvError(PipecError):
     """A torch schedule CSV cannot be read, or a program cannot be written as one."""
 
 

@@ -32,11 +32,12 @@ from pipec.compiler.ir import Instruction, Op, Program, message_edge
 from pipec.compiler.plan import Edge, Plan, Stage, Tie
 from pipec.compiler.engine import BUFFERED, MODELS, Costs, Deadlock, Execution, decode, execute
 from pipec.compiler.simulate import chain_edges, plan_costs
+from pipec.errors import PipecError
 
 __all__ = ["VerifyError", "Proof", "verify", "verify_program"]
 
 
-class VerifyError(ValueError):
+class VerifyError(PipecError):
     """The plan breaks a proof obligation; the message names the rank and instruction."""
 
 

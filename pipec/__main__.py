@@ -1,5 +1,5 @@
 """``python -m pipec`` is the ``pipec`` command."""
 
-from pipec.runtime.cli import main
+from pipec.cli import main
 
 raise SystemExit(main())

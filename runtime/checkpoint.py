@@ -58,6 +58,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from pipec.runtime.training import optimizer_settings
+from pipec.errors import PipecError
 
 __all__ = [
     "for_run",
@@ -82,7 +83,7 @@ _TMP_DIR = re.compile(r"^step_\d+\.tmp")
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(PipecError):
     """A checkpoint that cannot be used, or a checkpoint setting that cannot hold; the message says which and why."""
 
 
@@ -199,7 +200,7 @@ def validate(path: str | os.PathLike) -> Manifest:
 
 def model_layout(target: str, kwargs: Mapping[str, Any]) -> tuple[dict[str, list[str]], set[str]]:
     """Tied aliases (canonical -> other names) and persistent buffer names of the unpartitioned model."""
-    from pipec.compiler.trace import instantiate
+    from pipec.compiler.frontend.trace import instantiate
 
     model, _ = instantiate(target, kwargs, mode="meta")
     first: dict[int, str] = {}

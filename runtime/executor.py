@@ -26,11 +26,12 @@ from pipec.compiler.simulate import chain_edges, group_members
 from pipec.compiler.timeline import Event
 from pipec.runtime.deferred import WeightGradStash, defer_weight_grads
 from pipec.runtime.transport import P2P, Transport
+from pipec.errors import RunFailed
 
 __all__ = ["RunError", "RankStep", "Executor"]
 
 
-class RunError(RuntimeError):
+class RunError(RunFailed):
     """A failure during execution, named by global rank, (pp, dp) and instruction."""
 
 

@@ -18,6 +18,7 @@ import resource
 import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
+from pipec.errors import PipecError
 
 __all__ = ["main", "run_parser", "add_run_flags", "run_flags", "LaunchError", "Env", "init_process_group",
            "plan_transport"]
@@ -72,7 +73,7 @@ def run_flags(args: argparse.Namespace) -> list[str]:
     return out
 
 
-class LaunchError(ValueError):
+class LaunchError(PipecError):
     """A run that cannot start; the message says why and how to fix it."""
 
 
@@ -238,9 +239,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return run(args, env)
-    except ValueError as e:
-        if not type(e).__module__.startswith("pipec."):
-            raise
+    except PipecError as e:
+        if e.exit_code != 2:
+            _say(env, f"pipec: error: {e}")
+            return e.exit_code
         if env.rank == 0:  # every rank finds the same mistake: say it once
             print(f"pipec: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -64,7 +64,7 @@ class Trainer:
         if args.check and args.emulate:
             raise TrainingError("--check compares real gradients: it cannot be combined with --emulate")
         if not args.emulate:
-            from pipec.compiler.stages import build_stages
+            from pipec.compiler.frontend.stages import build_stages
 
             self.modules = build_stages(plan, self.own, seed=self.seed, init=spec.get("init") or "module",
                                         device=device)
@@ -135,7 +135,7 @@ class Trainer:
 
     def compare_with_reference(self) -> dict[str, Any]:
         """Loss and every gradient of this rank's stages against one unpartitioned step on the global batch."""
-        from pipec.compiler.stages import build_reference
+        from pipec.compiler.frontend.stages import build_reference
 
         ref = build_reference(self.plan, seed=self.seed, init=self.spec.get("init") or "module")
         batches = [self.data(self.step, d, self.D) for d in range(self.D)]
@@ -295,7 +295,7 @@ class Trainer:
                 json.dump(report, f, indent=1)
         if self.args.trace:
             from pipec.compiler.timeline import Timeline
-            from pipec.compiler.trace_export import write_perfetto
+            from pipec.compiler.views.perfetto import write_perfetto
 
             write_perfetto(Timeline.from_json(report["measured"]), self.args.trace, kind="measured",
                            dp=self.plan.mesh.dp)

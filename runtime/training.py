@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+from pipec.errors import PipecError
 
 __all__ = [
     "TrainingError",
@@ -28,7 +29,7 @@ __all__ = [
 ]
 
 
-class TrainingError(ValueError):
+class TrainingError(PipecError):
     """A training setting cannot be used; the message names the key."""
 
 

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
+from pipec.errors import RunFailed
 
 __all__ = ["P2P", "Work", "Transport", "TorchTransport", "FakeWorld", "FakeTransport", "TransportTimeout"]
 
 
-class TransportTimeout(RuntimeError):
+class TransportTimeout(RunFailed):
     """A fake-transport wait ran past its timeout (a real one raises torch's own error)."""
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pipec.compiler.plan import read_plan
-from pipec.compiler.stages import build_reference
+from pipec.compiler.frontend.stages import build_reference
 from pipec.compiler.verify import verify
 from pipec.runtime.launch import Env, init_process_group, plan_transport, run_parser
 from pipec.runtime.trainer import Trainer

@@ -31,10 +31,10 @@ from conftest import PYTHON, run_in_session
 
 from pipec.compiler.driver import compile_spec
 from pipec.compiler.plan import write_plan
-from pipec.compiler.stages import build_reference, build_stages, run_stages
+from pipec.compiler.frontend.stages import build_reference, build_stages, run_stages
 from pipec.dsl import load_spec
 from pipec.runtime.checkpoint import CheckpointError, Checkpointer, list_checkpoints, read_manifest, validate
-from pipec.runtime.export import export_checkpoint, load_model_state
+from pipec.runtime.checkpoint_export import export_checkpoint, load_model_state
 from pipec.runtime.goodput import summarize
 from pipec.runtime.training import make_data, make_loss, make_optimizer
 

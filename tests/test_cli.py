@@ -74,3 +74,14 @@ def test_demo_shows_three_schedules(cli):
     for name in ("1f1b", "interleaved_1f1b", "zb_h1"):
         assert name in out.stdout
     assert "27.3%" in out.stdout and "11.1%" in out.stdout
+
+
+def test_show_graph_with_a_bad_extension_is_a_user_error(tmp_path, capsys):
+    from pipec.cli import main
+
+    plan = tmp_path / "p.json"
+    assert main(["compile", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "4", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["show", str(plan), "--graph", str(tmp_path / "x.jpg")]) == 2
+    err = capsys.readouterr().err
+    assert "graph file must end in .svg, .png, .pdf or .dot" in err and "Traceback" not in err

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from pipec.compiler.frontend import Balanced, FrontendError, InputSpec, ModelRequest, SplitBefore, build_stage_graph
-from pipec.compiler.graph import render_graph
+from pipec.compiler.views.graph import render_graph
 from pipec.compiler.ir import Program
 from pipec.compiler.memory import MemoryBudgetError, check_memory, predict_memory
 from pipec.compiler.plan import Mesh, Plan, read_plan, write_plan
-from pipec.compiler.stages import build_reference, build_stages, module_seed, run_stages
+from pipec.compiler.frontend.stages import build_reference, build_stages, module_seed, run_stages
 
 GPT = "pipec.examples.gpt:build"
 GPT_ARGS = dict(layers=4, dim=32, heads=2, vocab=64, seq=16)

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import PYTHON, REPO
 
-PACKAGES = {"pipec", "pipec.compiler", "pipec.schedules", "pipec.runtime", "pipec.dsl", "pipec.examples"}
+PACKAGES = {"pipec", "pipec.compiler", "pipec.compiler.frontend", "pipec.compiler.views", "pipec.schedules", "pipec.runtime", "pipec.dsl", "pipec.examples"}
 
 BLOCK_TORCH = textwrap.dedent(
     """
@@ -63,7 +63,7 @@ def test_schedule_only_compile_imports_neither_torch_nor_networkx(tmp_path):
     code = textwrap.dedent(
         """
         import sys
-        from pipec.runtime.cli import main
+        from pipec.cli import main
         rc = main(['compile', '--schedule', 'interleaved_1f1b', '--ranks', '4', '--virtual', '2',
                    '--microbatches', '8', '-o', 'plan.json'])
         heavy = sorted(m for m in ('torch', 'networkx', 'matplotlib') if m in sys.modules)
@@ -73,3 +73,37 @@ def test_schedule_only_compile_imports_neither_torch_nor_networkx(tmp_path):
     out = _python(code, tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "0 []"
+
+
+def _imported_modules(path) -> set[str]:
+    """Every module a source file imports, at module level or inside a function."""
+    import ast as pyast
+
+    found: set[str] = set()
+    for node in pyast.walk(pyast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, pyast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, pyast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+    return found
+
+
+def test_compiler_never_imports_runtime_or_dsl():
+    offenders = {
+        str(path.relative_to(REPO)): sorted(m for m in _imported_modules(path)
+                                            if m.startswith(("pipec.runtime", "pipec.dsl")))
+        for path in (REPO / "compiler").rglob("*.py")
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_only_the_front_end_imports_torch_at_module_level(tmp_path):
+    modules = sorted(
+        "pipec.compiler." + ".".join(p.relative_to(REPO / "compiler").with_suffix("").parts).removesuffix(".__init__")
+        for p in (REPO / "compiler").rglob("*.py") if "frontend" not in p.parts)
+    modules = [m.removesuffix(".") if m != "pipec.compiler." else "pipec.compiler" for m in modules]
+    code = BLOCK_TORCH.format(names={"torch"}) + "import importlib\n" + "".join(
+        f"importlib.import_module({m!r})\n" for m in modules) + "print('ok')"
+    out = _python(code, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert len(modules) > 15 and out.stdout.strip() == "ok"

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from pipec.compiler.costs import node_weights
+from pipec.compiler.frontend.costs import node_weights
 from pipec.compiler.frontend import Balanced, FrontendError, InputSpec, Markers, ModelRequest, SplitBefore, build_stage_graph
-from pipec.compiler.partition import analyse_cuts, assign_stages, balance, split_graph
-from pipec.compiler.stages import build_reference, build_stages, run_stages
-from pipec.compiler.trace import example_inputs, instantiate, pipe_split, propagate, trace_model
+from pipec.compiler.frontend.partition import analyse_cuts, assign_stages, balance, split_graph
+from pipec.compiler.frontend.stages import build_reference, build_stages, run_stages
+from pipec.compiler.frontend.trace import example_inputs, instantiate, pipe_split, propagate, trace_model
 from test_frontend import plan_of
 
 GPT = "pipec.examples.gpt:build"

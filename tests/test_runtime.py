@@ -24,7 +24,7 @@ from conftest import PYTHON, run_in_session
 
 from pipec.compiler.driver import compile_spec
 from pipec.compiler.plan import write_plan
-from pipec.compiler.stages import build_reference, build_stages
+from pipec.compiler.frontend.stages import build_reference, build_stages
 from pipec.dsl import load_spec
 from pipec.runtime.executor import Executor
 from pipec.runtime.training import make_data, make_loss, split_microbatches

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipec.compiler.trace import (
+from pipec.compiler.frontend.trace import (
     FrontendError,
     InputSpec,
     example_inputs,

@@ -21,7 +21,7 @@ from pipec.compiler.lower import lower
 from pipec.compiler.plan import Plan, Tie, plan_to_json
 from pipec.compiler.simulate import chain_edges, plan_costs
 from pipec.compiler.verify import VerifyError, verify
-from pipec.runtime.cli import main
+from pipec.cli import main
 from pipec.schedules import build_order
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -42,6 +42,7 @@ from torch import nn
 from torch.fx import GraphModule, Node, Tracer
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from pipec.errors import PipecError, UserCodeError
 
 __all__ = [
     "FrontendError",
@@ -65,7 +66,7 @@ __all__ = [
 TRACE_PATHS = ("auto", "fx", "export")
 
 
-class FrontendError(ValueError):
+class FrontendError(PipecError):
     """A model, its inputs or a partition the front end cannot handle; the message says how to fix it."""
 
 
@@ -150,6 +151,10 @@ def _call_factory(target: str, kwargs: Mapping[str, Any]) -> nn.Module:
         model = factory(**dict(kwargs))
     except TypeError as e:
         raise FrontendError(f"model {target!r} rejected its arguments {dict(kwargs)!r}: {e}") from None
+    except PipecError:
+        raise
+    except Exception as e:  # the user's own code: name it, keep the cause for --verbose readers
+        raise UserCodeError("the model factory", target, e, "fix the factory, or the model arguments given to it") from e
     if not isinstance(model, nn.Module):
         raise FrontendError(f"model {target!r} must return a torch.nn.Module, got {type(model).__name__}")
     return model

@@ -33,9 +33,9 @@ import torch
 from torch import nn
 from torch.fx import Interpreter, Node
 
-from pipec.compiler.partition import Cuts, Split
+from pipec.compiler.frontend.partition import Cuts, Split
 from pipec.compiler.plan import UNIT_COST, Cost
-from pipec.compiler.trace import FrontendError, Traced, example_inputs, instantiate, to_dtype, trace_model
+from pipec.compiler.frontend.trace import FrontendError, Traced, example_inputs, instantiate, to_dtype, trace_model
 
 __all__ = [
     "COST_SOURCES",
@@ -327,7 +327,7 @@ def stage_costs(
 
 
 def _profile(split: Split, *, threads: int, reps: int, autocast: str | None, target: str, kwargs: Mapping[str, Any]) -> list[Cost]:
-    from pipec.compiler.stages import materialize  # costs -> stages -> partition; imported late to keep layers clear
+    from pipec.compiler.frontend.stages import materialize  # costs -> stages -> partition; imported late to keep layers clear
 
     _, buffers = instantiate(target, kwargs, mode="skeleton")
     gen = torch.Generator().manual_seed(0)

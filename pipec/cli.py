@@ -1,8 +1,9 @@
 """The ``pipec`` command: one small handler per subcommand, dispatched from a table.
 
-User mistakes (any ``ValueError`` raised by pipec's own modules: a bad flag,
-a schedule rule, a malformed plan, a failed proof) print ``pipec: error:``
-and the message, and exit with code 2; never a traceback. Anything else is a
+Errors pipec raises on purpose (:class:`pipec.errors.PipecError`: a bad
+flag, a schedule rule, a malformed plan, a failed proof, a user's factory
+that raised) print ``pipec: error:`` and the message and exit with the
+error's code (2 for a user's mistake); never a traceback. Anything else is a
 bug and keeps its traceback.
 """
 
@@ -11,11 +12,12 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Sequence
+from pipec.errors import PipecError
 
 __all__ = ["main"]
 
 
-class UsageError(ValueError):
+class UsageError(PipecError):
     """A command-line mistake not caught by argparse itself."""
 
 
@@ -138,11 +140,11 @@ def cmd_show(args: argparse.Namespace) -> int:
 
         plan = prove_and_predict(plan)
     measured, dp = _load_measured(args.measured) if args.measured else (None, None)
-    from pipec.compiler.render import render_image, show
+    from pipec.compiler.views.terminal import render_image, show
 
     title = args.file
     show(plan.prediction, measured=measured, dp=dp, title=title)
-    from pipec.compiler.stage_table import stage_table
+    from pipec.compiler.views.stage_table import stage_table
 
     table = stage_table(plan)
     if table is not None:
@@ -150,14 +152,14 @@ def cmd_show(args: argparse.Namespace) -> int:
 
         Console().print(table)
     if args.graph:
-        from pipec.compiler.graph import render_graph
+        from pipec.compiler.views.graph import render_graph
 
         print(render_graph(plan, args.graph))
     for path in filter(None, (args.svg, args.png)):
         render_image(plan.prediction, path, measured=measured, dp=dp, title=title)
         print(f"wrote {path}")
     if args.trace:
-        from pipec.compiler.trace_export import write_perfetto
+        from pipec.compiler.views.perfetto import write_perfetto
 
         write_perfetto(plan.prediction, args.trace, measured=measured, dp=dp)
         print(f"wrote {args.trace} (open it at https://ui.perfetto.dev)")
@@ -208,7 +210,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_export_checkpoint(args: argparse.Namespace) -> int:
     """One state dict of the unpartitioned model from a checkpoint (runtime/export.py)."""
-    from pipec.runtime.export import export_checkpoint
+    from pipec.runtime.checkpoint_export import export_checkpoint
 
     res = export_checkpoint(args.dir, args.output)
     print(f"wrote {args.output}: {res.num_tensors} tensors ({res.num_aliases} of them tied aliases) of "
@@ -255,7 +257,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from pipec.runtime.demo import run_demo
+    from pipec.demo import run_demo
 
     return run_demo(ranks=args.ranks, microbatches=args.microbatches, run=not args.no_run, out=args.out,
                     steps=args.steps)
@@ -346,11 +348,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except ValueError as e:
-        if not type(e).__module__.startswith(("pipec.", "__main__")):
-            raise
+    except PipecError as e:  # a user's mistake (2), a failed run (1), a --check mismatch (3); else a bug
         _err(str(e))
-        return 2
+        return e.exit_code
     except KeyboardInterrupt:
         _err("interrupted")
         return 130

@@ -16,7 +16,7 @@ import json
 import os
 from typing import Any
 
-from pipec.compiler.render import RenderError, classify, infer_dp
+from pipec.compiler.views.terminal import RenderError, classify, infer_dp
 from pipec.compiler.timeline import Timeline
 
 __all__ = ["trace_events", "write_perfetto", "US_PER"]

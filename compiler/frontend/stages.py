@@ -32,9 +32,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import GraphModule
 from torch.utils._pytree import tree_leaves
 
-from pipec.compiler.partition import Split, split_graph
+from pipec.compiler.frontend.partition import Split, split_graph
 from pipec.compiler.plan import Plan
-from pipec.compiler.trace import (
+from pipec.compiler.frontend.trace import (
     FrontendError,
     InputSpec,
     Traced,

@@ -14,11 +14,11 @@ from typing import Any, Mapping, Sequence
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from pipec.compiler import costs as costs_pass
+from pipec.compiler.frontend import costs as costs_pass
 from pipec.compiler.graph import StageGraph, make_graph
-from pipec.compiler.partition import Balanced, Markers, SplitBefore, analyse_cuts, assign_stages, split_graph
+from pipec.compiler.frontend.partition import Balanced, Markers, SplitBefore, analyse_cuts, assign_stages, split_graph
 from pipec.compiler.plan import Stage
-from pipec.compiler.trace import FrontendError, InputSpec, example_inputs, instantiate, propagate, to_dtype, trace_model
+from pipec.compiler.frontend.trace import FrontendError, InputSpec, example_inputs, instantiate, propagate, to_dtype, trace_model
 
 __all__ = ["ModelRequest", "InputSpec", "SplitBefore", "Balanced", "Markers", "FrontendError", "microbatch_inputs", "build_stage_graph"]
 

@@ -31,6 +31,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pipec.compiler.timeline import Event, Timeline
+from pipec.errors import PipecError
 
 __all__ = [
     "RenderError",
@@ -49,7 +50,7 @@ __all__ = [
 ]
 
 
-class RenderError(ValueError):
+class RenderError(PipecError):
     """A view cannot be drawn as asked (mismatched timelines, unknown picture format)."""
 
 
