@@ -153,6 +153,19 @@ class Mesh:
         """(pp rank, dp rank) of a global rank; global rank = pp x dp_size + dp."""
         return divmod(global_rank, self.dp)
 
+    def global_rank(self, pp: int, dp: int = 0) -> int:
+        """The global rank of (pp rank, dp rank): pp x dp_size + dp, so replicas are neighbours."""
+        return pp * self.dp + dp
+
+    def replicas(self, pp: int) -> range:
+        """The global ranks of pp rank ``pp``'s dp replicas (its dp group)."""
+        return range(pp * self.dp, (pp + 1) * self.dp)
+
+    def where(self, global_rank: int) -> str:
+        """``global rank G (pp P, dp D)``: how messages name a rank."""
+        pp, dp = self.coords(global_rank)
+        return f"global rank {global_rank} (pp {pp}, dp {dp})"
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from pipec.dsl.ast import NO_SPAN, Span
+from pipec.errors import PipecError
 
 __all__ = ["Location", "Source", "DSLError", "DSLWarning", "did_you_mean", "suggest"]
 
@@ -103,7 +104,7 @@ class _Located:
         return self.location.col
 
 
-class DSLError(_Located, ValueError):
+class DSLError(_Located, PipecError):
     """A schedule file or flag the language refuses, with its location.
 
     ``str()`` renders it like a compiler: ``file:line:col: error: message``,

@@ -19,6 +19,7 @@ from typing import Callable, Mapping
 from pipec.dsl import ast
 from pipec.dsl.ast import Span
 from pipec.dsl.errors import did_you_mean
+from pipec.errors import PipecError
 
 __all__ = ["ExprError", "IntExpr", "compile_int", "expr_text", "referenced_names", "BOUND"]
 
@@ -29,7 +30,7 @@ Env = Mapping[str, int]
 _Fn = Callable[[Env], int]
 
 
-class ExprError(ValueError):
+class ExprError(PipecError):
     """An expression that cannot be compiled or evaluated, with the span at fault."""
 
     def __init__(self, span: Span, message: str, *hints: str) -> None:

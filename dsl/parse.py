@@ -26,6 +26,7 @@ from lark.visitors import Transformer_NonRecursive
 from pipec.dsl import ast
 from pipec.dsl.ast import Span
 from pipec.dsl.errors import DSLError, Source
+from pipec.errors import PipecError
 
 __all__ = ["Comment", "Parsed", "MAX_DEPTH", "parse_source", "parse_value", "parser"]
 
@@ -97,7 +98,7 @@ def _cache_file(grammar: str) -> str | bool:
 # ----------------------------------------------------------------------------- tree -> AST
 
 
-class _Refused(Exception):
+class _Refused(PipecError):
     """Raised inside the transformer; carries a span and message out of lark's VisitError."""
 
     def __init__(self, span: Span, message: str, *hints: str) -> None:

@@ -24,7 +24,9 @@ This module imports nothing heavy: ``dsl`` and ``schedules`` use it too.
 
 from __future__ import annotations
 
-__all__ = ["PipecError", "UserCodeError", "RunFailed", "CheckMismatch", "EXIT_USER", "EXIT_RUN", "EXIT_CHECK",
+from dataclasses import dataclass
+
+__all__ = ["PipecError", "Diagnostic", "UserCodeError", "RunFailed", "CheckMismatch", "EXIT_USER", "EXIT_RUN", "EXIT_CHECK",
            "exit_code_of"]
 
 EXIT_USER = 2
@@ -33,10 +35,46 @@ EXIT_CHECK = 3
 
 
 class PipecError(ValueError):
-    """The base of every error pipec raises on purpose."""
+    """The base of every error pipec raises on purpose.
+
+    ``key`` (and ``index``, an item of a list value such as one split point)
+    name the schedule-file key the complaint is about, for an error raised
+    where the source is unknown (the front end, the driver); the language's
+    boundary locates it there (``file:line:col`` and a caret) before it is
+    printed. ``located`` is true once the message carries its location.
+    """
 
     exit_code: int = EXIT_USER
     """What the command exits with when this error ends it."""
+    key: str | None = None
+    index: int | None = None
+    hints: tuple[str, ...] = ()
+    located: bool = False
+
+    def __init__(self, *args: object, key: str | None = None, index: int | None = None,
+                 hints: tuple[str, ...] = ()) -> None:
+        super().__init__(*args)
+        if key is not None:
+            self.key = key
+        if index is not None:
+            self.index = index
+        if hints:
+            self.hints = tuple(hints)
+
+
+@dataclass(frozen=True, slots=True)
+class Diagnostic:
+    """A warning or note a pass reports about a key (the boundary locates and prints it once)."""
+
+    level: str
+    """``"warning"`` or ``"note"``."""
+    message: str
+    key: str | None = None
+    index: int | None = None
+    hints: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class UserCodeError(PipecError):

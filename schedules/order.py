@@ -13,6 +13,7 @@ import gc
 from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
+from pipec.errors import PipecError
 
 __all__ = [
     "Kind",
@@ -27,7 +28,7 @@ __all__ = [
 ]
 
 
-class ScheduleError(ValueError):
+class ScheduleError(PipecError):
     """A schedule's rule is broken by the requested configuration.
 
     ``rule`` names the rule (for example ``"zbv.chunks"``), so tools and tests
