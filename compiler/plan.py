@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from pipec.compiler.ir import FIELDS, IRError, Instruction, Op, Program
 from pipec.compiler.schema import Reader, SchemaError
@@ -32,6 +32,7 @@ __all__ = [
     "Link",
     "Mesh",
     "Plan",
+    "chain_edges",
     "check_limits",
     "read_plan",
     "load_plan",
@@ -127,6 +128,10 @@ class Tie:
     num_bytes: int | None = None
     """Size of the tied weight (for the all-reduce's cost)."""
 
+    def ranks(self, placement: Sequence[int]) -> tuple[int, ...]:
+        """The pp ranks holding a copy, in order (its tie group's members; one rank: no all-reduce)."""
+        return tuple(sorted({placement[s] for s in self.stages}))
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Link:
@@ -167,8 +172,16 @@ class Mesh:
         return f"global rank {global_rank} (pp {pp}, dp {dp})"
 
 
+def chain_edges(num_stages: int) -> tuple[Edge, ...]:
+    """The stage graph of a schedule-only plan: stage s feeds stage s+1."""
+    return tuple(Edge(src_stage=s, dst_stage=s + 1) for s in range(num_stages - 1))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
+    """A compiled plan. ``edges`` is never empty between stages: a plan built or read without
+    edges (a schedule-only plan) gets the chain, so no pass needs a fallback."""
+
     mesh: Mesh
     num_stages: int
     num_microbatches: int
@@ -184,9 +197,24 @@ class Plan:
     pipec_version: str = ""
     format: str = FORMAT
 
+    def __post_init__(self) -> None:
+        if not self.edges and self.num_stages > 1:
+            object.__setattr__(self, "edges", chain_edges(self.num_stages))
+
     @property
     def unit_costs(self) -> bool:
         return self.model is None
+
+    def tie(self, name: str) -> Tie:
+        """The tie group called ``name`` (its canonical parameter name)."""
+        for t in self.ties:
+            if t.name == name:
+                return t
+        raise KeyError(f"no tied weight {name!r} in the plan (ties: {', '.join(t.name for t in self.ties) or 'none'})")
+
+    def tie_ranks(self, name: str) -> tuple[int, ...]:
+        """The pp ranks holding a copy of tied weight ``name``, in order (its tie group)."""
+        return self.tie(name).ranks(self.placement)
 
 
 # ----------------------------------------------------------------------------- writing
