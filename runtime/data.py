@@ -20,6 +20,14 @@ its own rows without talking to the others:
 
 Nothing here reads more than the rows asked for: the file is memory-mapped,
 so a file far larger than host memory is fine.
+
+The default data is synthetic, made by :func:`synthetic_batch` from the
+plan's ``model["data"]`` (what the compiler derived from the traced model
+and the loss: each input's range, the targets' shape, dtype and kind), so it
+always fits the model. It is a learnable task, so the loss falls: token
+sequences ``(start + t) mod vocab`` with next-token targets, class targets
+that are a function of the input, regression targets a fixed smooth map of
+the input.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import torch
 
 from pipec.errors import PipecError
 
-__all__ = ["DataError", "TOKEN_DTYPES", "TokenFile", "window_index", "open_tokens"]
+__all__ = ["DataError", "TOKEN_DTYPES", "TokenFile", "window_index", "open_tokens", "synthetic_batch"]
 
 TOKEN_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")
 """The element types a token file may hold (uint16 holds a vocabulary up to 65,536)."""
@@ -125,3 +133,55 @@ def open_tokens(path: str, *, dtype: str, seq: int, batch: int, dp_size: int, se
             raise DataError(f"data tokens: {path!r} holds token id {top}, outside the model's vocabulary of {vocab} "
                             "(the embedding's size); was the file written for another tokenizer?", key="data")
     return tf
+
+
+def _generator(seed: int, *parts: int) -> torch.Generator:
+    return torch.Generator().manual_seed(hash((seed, *parts)) & 0x7FFFFFFFFFFF)
+
+
+def _input(spec: dict, g: torch.Generator) -> torch.Tensor:
+    shape, fill = tuple(spec["shape"]), spec["fill"]
+    if fill == "normal":
+        return torch.randn(shape, generator=g, dtype=getattr(torch, spec["dtype"]))
+    dtype = getattr(torch, spec["dtype"])
+    if fill == "ones":
+        return torch.ones(shape, dtype=dtype)
+    high = int(spec["high"])
+    if fill == "tokens" and len(shape) >= 2:
+        start = torch.randint(0, high, (shape[0],) + (1,) * (len(shape) - 1), generator=g)
+        pos = torch.arange(shape[-1]).reshape((1,) * (len(shape) - 1) + (shape[-1],))
+        return ((start + pos) % high).to(dtype)
+    return torch.randint(0, high, shape, generator=g, dtype=dtype)
+
+
+def _features(inputs: dict[str, torch.Tensor], rows: int) -> torch.Tensor:
+    """One float feature row per batch row, from the inputs (what targets are a function of)."""
+    parts = [t.reshape(rows, -1).float() for t in inputs.values()]
+    return torch.cat(parts, dim=1)
+
+
+def _target(spec: dict, inputs: dict[str, torch.Tensor], seed: int) -> torch.Tensor:
+    shape, fill = tuple(spec["shape"]), spec["fill"]
+    dtype = getattr(torch, spec["dtype"])
+    if fill == "next_token":
+        return ((inputs[spec["of"]] + 1) % int(spec["high"])).to(dtype)
+    rows = shape[0]
+    x = _features(inputs, rows)
+    x = (x - x.mean()) / (x.std() + 1e-6)
+    per_row = max(1, math.prod(shape[1:]))
+    if fill == "classes":
+        high = int(spec["high"])
+        w = torch.randn(x.shape[1], per_row * high, generator=_generator(seed, -1))
+        scores = (x @ w).reshape(*shape, high)
+        return scores.argmax(-1).to(dtype)
+    if fill == "regression":
+        w = torch.randn(x.shape[1], per_row, generator=_generator(seed, -2)) / x.shape[1] ** 0.5
+        return torch.tanh(x @ w).reshape(shape).to(dtype)
+    return torch.zeros(shape, dtype=dtype)
+
+
+def synthetic_batch(desc: dict, *, step: int, dp_rank: int, seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One replica's (inputs by name, targets) at ``step``, from plan.json's ``model["data"]``."""
+    g = _generator(seed, step, dp_rank)
+    inputs = {spec["name"]: _input(spec, g) for spec in desc["inputs"]}
+    return inputs, _target(desc["target"], inputs, seed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 import pytest
 
 from pipec.runtime.data import DataError, open_tokens, window_index
@@ -71,3 +72,26 @@ def test_mistakes_are_named(tmp_path, case, match):
     with pytest.raises(DataError, match=match) as err:
         open_tokens(path, **kwargs)
     assert err.value.key == "data" and err.value.exit_code == 2
+
+
+def test_synthetic_batches_fit_the_description_and_repeat():
+    from pipec.runtime.data import synthetic_batch
+
+    desc = {"inputs": [{"name": "tokens", "dtype": "int64", "shape": [8, 5], "fill": "tokens", "high": 50},
+                       {"name": "attention_mask", "dtype": "int64", "shape": [8, 5], "fill": "ones"}],
+            "target": {"name": "target", "dtype": "int64", "shape": [8], "fill": "classes", "high": 3}}
+    x, y = synthetic_batch(desc, step=2, dp_rank=1, seed=0)
+    assert x["tokens"].shape == (8, 5) and int(x["tokens"].max()) < 50 and (x["attention_mask"] == 1).all()
+    assert y.shape == (8,) and y.dtype == torch.int64 and 0 <= int(y.min()) and int(y.max()) < 3
+    x2, y2 = synthetic_batch(desc, step=2, dp_rank=1, seed=0)
+    assert (x2["tokens"] == x["tokens"]).all() and (y2 == y).all()
+    assert not (synthetic_batch(desc, step=2, dp_rank=0, seed=0)[0]["tokens"] == x["tokens"]).all()
+    reg = {"inputs": [{"name": "x", "dtype": "float32", "shape": [6, 16], "fill": "normal"}],
+           "target": {"name": "target", "dtype": "float32", "shape": [6, 4], "fill": "regression"}}
+    x, y = synthetic_batch(reg, step=0, dp_rank=0, seed=1)
+    assert y.shape == (6, 4) and y.dtype == torch.float32 and float(y.abs().max()) <= 1
+    lm = {"inputs": [{"name": "tokens", "dtype": "int64", "shape": [4, 7], "fill": "tokens", "high": 9}],
+          "target": {"name": "target", "dtype": "int64", "shape": [4, 7], "fill": "next_token", "of": "tokens",
+                     "high": 9}}
+    x, y = synthetic_batch(lm, step=0, dp_rank=0, seed=1)
+    assert (y == (x["tokens"] + 1) % 9).all()
