@@ -6,11 +6,13 @@ its rules (the "microbatches allowed" and "chunks v" columns of DESIGN's
 schedule table) and :func:`build_order` builds its :class:`ComputeOrder`.
 
 A broken rule raises :class:`ScheduleError` whose ``rule`` is
-``"<schedule>.<what>"``, ``<what>`` naming the key at fault: ``ranks``
-(``pp``/``--ranks``), ``microbatches`` (``microbatches``/``--microbatches``)
-or ``chunks`` (``virtual``/``--virtual``); an unknown name raises one with
-rule ``"schedule.name"``. Legal but wasteful settings come back from
-:func:`check_rules` as warning strings.
+``"<schedule>.<what>"`` (``ranks``, ``microbatches`` or ``chunks``) and whose
+``key`` is the schedule-file key at fault (``pp``, ``microbatches``,
+``virtual``), with the settings it got and the ones that would do as data
+(the language words them as the user wrote them); an unknown name raises one
+with rule ``"schedule.name"``. Legal but wasteful settings come back from
+:func:`check_rules` as :class:`ScheduleWarning` values. The compiler's
+driver is the one place that applies the rules before it builds an order.
 
 Importing this package is cheap: pure Python, no torch, no networkx.
 """
@@ -27,6 +29,7 @@ from pipec.schedules.order import (
     ComputeOrder,
     Kind,
     ScheduleError,
+    ScheduleWarning,
     loop_placement,
     v_placement,
     validate_order,
@@ -37,6 +40,7 @@ __all__ = [
     "Action",
     "ComputeOrder",
     "ScheduleError",
+    "ScheduleWarning",
     "validate_order",
     "loop_placement",
     "v_placement",
@@ -67,8 +71,8 @@ class ScheduleInfo:
     max_chunks: int | None
     """Most chunks per rank the family takes (None: no upper limit)."""
     build: Callable[..., ComputeOrder]
-    """``build(num_ranks=, num_microbatches=, num_chunks=)``; checks the rules first."""
-    check: Callable[..., list[str]]
+    """``build(num_ranks=, num_microbatches=, num_chunks=)`` for counts that ``check`` accepted."""
+    check: Callable[..., list[ScheduleWarning]]
     """``check(num_ranks=, num_microbatches=, num_chunks=)``: raises on a broken rule, returns warnings."""
 
     def chunks_allowed(self, num_chunks: int) -> bool:
@@ -159,17 +163,17 @@ def get_schedule(name: str) -> ScheduleInfo:
     close = difflib.get_close_matches(str(name), list(SCHEDULES), n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'? " if close else ""
     raise ScheduleError(
-        f"unknown schedule {name!r}; {hint}the schedules are: {names}", rule="schedule.name"
+        f"unknown schedule {name!r}; {hint}the schedules are: {names}", rule="schedule.name", key="schedule"
     )
 
 
 def check_rules(
     name: str, *, num_ranks: int, num_microbatches: int, num_chunks: int | None = None
-) -> list[str]:
+) -> list[ScheduleWarning]:
     """Apply the family's rules; raise :class:`ScheduleError` on a broken one.
 
-    ``num_chunks=None`` means the family's default. Returns warnings (one
-    sentence each, with the fix) for legal but wasteful settings.
+    ``num_chunks=None`` means the family's default. Returns warnings (each
+    with its fix) for legal but wasteful settings.
     """
     info = get_schedule(name)
     chunks = info.default_chunks if num_chunks is None else num_chunks
@@ -179,7 +183,8 @@ def check_rules(
 def build_order(
     name: str, *, num_ranks: int, num_microbatches: int, num_chunks: int | None = None
 ) -> ComputeOrder:
-    """Build the family's compute order (its rules are checked first)."""
+    """Build the family's compute order (its rules are checked first; their warnings are dropped)."""
     info = get_schedule(name)
     chunks = info.default_chunks if num_chunks is None else num_chunks
+    info.check(num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=chunks)
     return info.build(num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=chunks)

@@ -28,6 +28,7 @@ from pipec.schedules.order import (
     ComputeOrder,
     Kind,
     ScheduleError,
+    ScheduleWarning,
     check_counts,
     gc_paused,
     loop_placement,
@@ -61,16 +62,15 @@ def interleaved_warmup(rank: int, *, num_ranks: int, num_microbatches: int, num_
     return min((num_chunks - 1) * per_round + 2 * (num_ranks - 1 - rank), num_chunks * num_microbatches)
 
 
-def check_interleaved_1f1b(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> list[str]:
+def check_interleaved_1f1b(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> list[ScheduleWarning]:
     """Interleaved 1F1B's rules: v >= 2; ``M % max(1, M // P) == 0`` (what torch accepts)."""
     check_counts(
         "interleaved_1f1b", num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks
     )
     if num_chunks < 2:
         raise ScheduleError(
-            f"interleaved_1f1b needs at least 2 chunks per rank, got --virtual {num_chunks}; "
-            "use --virtual 2, or --schedule 1f1b for one chunk",
-            rule="interleaved_1f1b.chunks",
+            "interleaved_1f1b needs at least 2 chunks per rank", got=(("virtual", num_chunks),),
+            fix=((("virtual", 2),), (("schedule", "1f1b"),)), rule="interleaved_1f1b.chunks", key="virtual",
         )
     rounds, _ = interleaved_rounds(num_ranks, num_microbatches)
     if num_microbatches % rounds:
@@ -78,23 +78,23 @@ def check_interleaved_1f1b(*, num_ranks: int, num_microbatches: int, num_chunks:
         upper = next(m for m in range(num_microbatches + 1, 2 * num_microbatches + 1) if _rounds_fit(num_ranks, m))
         raise ScheduleError(
             f"interleaved_1f1b needs the microbatches to be a multiple of its rounds, "
-            f"max(1, M // P) = {rounds} (torch's ScheduleInterleaved1F1B rule), got "
-            f"--microbatches {num_microbatches} with --ranks {num_ranks}; use --microbatches "
-            f"{lower} or {upper}",
-            rule="interleaved_1f1b.microbatches",
+            f"max(1, M // P) = {rounds} (torch's ScheduleInterleaved1F1B rule)",
+            got=(("microbatches", num_microbatches), ("pp", num_ranks)),
+            fix=((("microbatches", lower),), (("microbatches", upper),)),
+            rule="interleaved_1f1b.microbatches", key="microbatches",
         )
     warnings = []
     if num_microbatches < num_ranks:
-        warnings.append(
-            f"interleaved_1f1b with fewer microbatches ({num_microbatches}) than ranks "
-            f"({num_ranks}) never reaches its steady state; use --microbatches >= {num_ranks}"
-        )
+        warnings.append(ScheduleWarning(
+            "warning", f"interleaved_1f1b with fewer microbatches ({num_microbatches}) than ranks "
+            f"({num_ranks}) never reaches its steady state",
+            key="microbatches", fix=((("microbatches", f">= {num_ranks}"),),), rule="interleaved_1f1b.microbatches",
+        ))
     return warnings
 
 
 def interleaved_1f1b(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> ComputeOrder:
-    """The interleaved 1F1B order (see the module docstring)."""
-    check_interleaved_1f1b(num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks)
+    """The interleaved 1F1B order (see the module docstring; counts checked by :func:`check_interleaved_1f1b`)."""
     P, M, v = num_ranks, num_microbatches, num_chunks
     _, mpr = interleaved_rounds(P, M)
     F, B = Kind.F, Kind.B
@@ -121,27 +121,26 @@ def interleaved_1f1b(*, num_ranks: int, num_microbatches: int, num_chunks: int =
     )
 
 
-def check_looped_bfs(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> list[str]:
+def check_looped_bfs(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> list[ScheduleWarning]:
     """Looped BFS's rules: v >= 2, any M >= 1."""
     check_counts("looped_bfs", num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks)
     if num_chunks < 2:
         raise ScheduleError(
-            f"looped_bfs needs at least 2 chunks per rank, got --virtual {num_chunks}; "
-            "use --virtual 2, or --schedule gpipe for one chunk",
-            rule="looped_bfs.chunks",
+            "looped_bfs needs at least 2 chunks per rank", got=(("virtual", num_chunks),),
+            fix=((("virtual", 2),), (("schedule", "gpipe"),)), rule="looped_bfs.chunks", key="virtual",
         )
     warnings = []
     if num_microbatches < num_ranks:
-        warnings.append(
-            f"looped_bfs with fewer microbatches ({num_microbatches}) than ranks ({num_ranks}) "
-            f"leaves every rank idle between its chunks; use --microbatches >= {num_ranks}"
-        )
+        warnings.append(ScheduleWarning(
+            "warning", f"looped_bfs with fewer microbatches ({num_microbatches}) than ranks ({num_ranks}) "
+            "leaves every rank idle between its chunks",
+            key="microbatches", fix=((("microbatches", f">= {num_ranks}"),),), rule="looped_bfs.microbatches",
+        ))
     return warnings
 
 
 def looped_bfs(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> ComputeOrder:
-    """The looped BFS order (see the module docstring)."""
-    check_looped_bfs(num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks)
+    """The looped BFS order (see the module docstring; counts checked by :func:`check_looped_bfs`)."""
     P, M, v = num_ranks, num_microbatches, num_chunks
     F, B = Kind.F, Kind.B
     ranks = []

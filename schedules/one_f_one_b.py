@@ -20,6 +20,7 @@ from pipec.schedules.order import (
     ComputeOrder,
     Kind,
     ScheduleError,
+    ScheduleWarning,
     check_counts,
     gc_paused,
     loop_placement,
@@ -28,22 +29,22 @@ from pipec.schedules.order import (
 __all__ = ["one_f_one_b", "check_one_f_one_b", "one_f_one_b_rank"]
 
 
-def check_one_f_one_b(*, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> list[str]:
+def check_one_f_one_b(*, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> list[ScheduleWarning]:
     """1F1B's rules: one chunk per rank, any M >= 1; M < P warns."""
     check_counts("1f1b", num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks)
     if num_chunks != 1:
         raise ScheduleError(
-            f"1f1b runs exactly 1 chunk per rank, got --virtual {num_chunks}; use --virtual 1, "
-            f"or --schedule interleaved_1f1b --virtual {num_chunks}",
-            rule="1f1b.chunks",
+            "1f1b runs exactly 1 chunk per rank", got=(("virtual", num_chunks),),
+            fix=((("virtual", 1),), (("schedule", "interleaved_1f1b"), ("virtual", num_chunks))),
+            rule="1f1b.chunks", key="virtual",
         )
     warnings = []
     if num_microbatches < num_ranks:
-        warnings.append(
-            f"1f1b with fewer microbatches ({num_microbatches}) than ranks ({num_ranks}) never "
-            "reaches its steady state (torch's Schedule1F1B refuses it); use --microbatches >= "
-            f"{num_ranks}"
-        )
+        warnings.append(ScheduleWarning(
+            "warning", f"1f1b with fewer microbatches ({num_microbatches}) than ranks ({num_ranks}) never "
+            "reaches its steady state (torch's Schedule1F1B refuses it)",
+            key="microbatches", fix=((("microbatches", f">= {num_ranks}"),),), rule="1f1b.microbatches",
+        ))
     return warnings
 
 
@@ -62,8 +63,8 @@ def one_f_one_b_rank(kind_b: Kind, stage: int, num_warmup: int, num_microbatches
 
 
 def one_f_one_b(*, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> ComputeOrder:
-    """Rank r: ``F`` x min(M, P-r), then ``B, F`` pairs, then the remaining ``B``."""
-    check_one_f_one_b(num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks)
+    """Rank r: ``F`` x min(M, P-r), then ``B, F`` pairs, then the remaining ``B`` (counts checked by
+    :func:`check_one_f_one_b`)."""
     M = num_microbatches
     with gc_paused():
         ranks = tuple(

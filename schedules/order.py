@@ -12,14 +12,18 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple
-from pipec.errors import PipecError
+from typing import Any, Callable, NamedTuple, Sequence
+
+from pipec.errors import Diagnostic, PipecError
 
 __all__ = [
     "Kind",
     "Action",
     "ComputeOrder",
     "ScheduleError",
+    "ScheduleWarning",
+    "Setting",
+    "word",
     "loop_placement",
     "v_placement",
     "validate_order",
@@ -28,16 +32,77 @@ __all__ = [
 ]
 
 
-class ScheduleError(PipecError):
+Setting = tuple[str, Any]
+"""A key and a value, ``("virtual", 2)``: worded ``virtual 2`` in a file, ``--virtual 2`` on the command line."""
+
+
+def word(message: str, got: Sequence[Setting] = (), fix: Sequence[Sequence[Setting]] = (),
+         name: Callable[[str], str] = str) -> str:
+    """``message``, then ``, got K V with K V``, then ``; use K V, or K V`` (a fix's alternatives).
+
+    ``name`` words a key: its own name (the default) or the flag it came from;
+    alternatives that set one key the same way share it (``use microbatches 8 or 10``).
+    """
+    text = message
+    if got:
+        text += ", got " + " with ".join(f"{name(k)} {v}" for k, v in got)
+    if fix:
+        keys = {alt[0][0] for alt in fix if len(alt) == 1}
+        if len(keys) == 1 and all(len(alt) == 1 for alt in fix):
+            text += f"; use {name(fix[0][0][0])} " + " or ".join(str(alt[0][1]) for alt in fix)
+        else:
+            text += "; use " + ", or ".join(" ".join(f"{name(k)} {v}" for k, v in alt) for alt in fix)
+    return text
+
+
+class _Worded:
+    """A complaint about settings: ``message`` (what must hold), ``got`` (the
+    settings at fault) and ``fix`` (alternatives, each a few settings), worded
+    by :func:`word`; the language words them with the names its user wrote."""
+
+    __slots__ = ()
+    message: str
+    got: tuple[Setting, ...]
+    fix: tuple[tuple[Setting, ...], ...]
+
+    def worded(self, name: Callable[[str], str] = str) -> str:
+        return word(self.message, self.got, self.fix, name)
+
+
+class ScheduleError(_Worded, PipecError):
     """A schedule's rule is broken by the requested configuration.
 
     ``rule`` names the rule (for example ``"zbv.chunks"``), so tools and tests
-    can tell errors apart without matching on message text.
+    can tell errors apart without matching on message text; ``key`` is the
+    schedule-file key at fault (``virtual``), ``got`` and ``fix`` the settings
+    found and the ones that would do (see :func:`word`); for an order, ``rank``
+    and ``index`` name the action at fault (``index`` None: the whole rank).
+    ``str()`` words the settings by their keys, never by CLI flags.
     """
 
-    def __init__(self, message: str, *, rule: str = "") -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, rule: str = "", key: str | None = None, got: Sequence[Setting] = (),
+                 fix: Sequence[Sequence[Setting]] = (), rank: int | None = None, index: int | None = None,
+                 hints: Sequence[str] = ()) -> None:
+        self.message = message
         self.rule = rule
+        self.got = tuple(got)
+        self.fix = tuple(tuple(alt) for alt in fix)
+        self.rank = rank
+        super().__init__(word(message, self.got, self.fix), key=key, index=index, hints=tuple(hints))
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleWarning(_Worded, Diagnostic):
+    """A legal but wasteful setting (1f1b with fewer microbatches than ranks),
+    worded like a :class:`ScheduleError`; a :class:`~pipec.errors.Diagnostic`
+    about ``key``."""
+
+    got: tuple[Setting, ...] = ()
+    fix: tuple[tuple[Setting, ...], ...] = ()
+    rule: str = ""
+
+    def __str__(self) -> str:
+        return self.worded()
 
 
 class Kind(str, Enum):
@@ -108,8 +173,8 @@ def v_placement(num_ranks: int, num_stages: int) -> tuple[int, ...]:
     if num_stages != 2 * num_ranks:
         raise ScheduleError(
             f"the v placement needs exactly 2 stages per rank ({2 * num_ranks} stages "
-            f"for {num_ranks} ranks), got {num_stages}",
-            rule="placement.v",
+            f"for {num_ranks} ranks)", got=(("stages", num_stages),),
+            rule="placement.v", key="placement",
         )
     return tuple(s if s < num_ranks else 2 * num_ranks - 1 - s for s in range(num_stages))
 
@@ -132,13 +197,13 @@ def validate_order(order: ComputeOrder) -> None:
     num_stages = order.num_stages
     if len(order.ranks) != num_ranks:
         raise ScheduleError(
-            f"order has {len(order.ranks)} rank lists for {num_ranks} ranks", rule="order.ranks"
+            f"order has {len(order.ranks)} rank lists for {num_ranks} ranks", rule="order.ranks", key="order"
         )
     for s, r in enumerate(order.placement):
         if not 0 <= r < num_ranks:
             raise ScheduleError(
                 f"stage {s} is placed on rank {r}, outside 0..{num_ranks - 1}",
-                rule="order.placement",
+                rule="order.placement", key="placement",
             )
     # state per (stage, mb): 0 nothing, 1 forward done, 2 input-grad done, 3 complete
     state = [[0] * num_mb for _ in range(num_stages)]
@@ -168,14 +233,15 @@ def validate_order(order: ComputeOrder) -> None:
                         problem = (f"weight-grad W needs its input-grad I{s}.{m} earlier on the same rank", "order.deps")
                     state[s][m] = 3
             if problem is not None:
-                raise ScheduleError(f"rank {rank}, action {index} ({action}): {problem[0]}", rule=problem[1])
+                raise ScheduleError(f"rank {rank}, action {index} ({action}): {problem[0]}", rule=problem[1],
+                                    key="order", rank=rank, index=index)
     for s in range(num_stages):
         for m in range(num_mb):
             if state[s][m] != 3:
                 missing = {0: "F, backward", 1: "backward", 2: f"W{s}.{m}"}[state[s][m]]
                 raise ScheduleError(
                     f"rank {order.placement[s]}: stage {s} microbatch {m} is missing {missing}",
-                    rule="order.missing",
+                    rule="order.missing", key="order", rank=order.placement[s],
                 )
 
 
@@ -183,18 +249,18 @@ def check_counts(schedule: str, *, num_ranks: int, num_microbatches: int, num_ch
     """Refuse counts no schedule can take: each must be an integer >= 1.
 
     Raises :class:`ScheduleError` with rule ``<schedule>.ranks``,
-    ``<schedule>.microbatches`` or ``<schedule>.chunks``.
+    ``<schedule>.microbatches`` or ``<schedule>.chunks`` (keys ``pp``,
+    ``microbatches``, ``virtual``).
     """
-    for what, flag, value in (
-        ("ranks", "--ranks", num_ranks),
-        ("microbatches", "--microbatches", num_microbatches),
-        ("chunks", "--virtual", num_chunks),
+    for what, key, value in (
+        ("ranks", "pp", num_ranks),
+        ("microbatches", "microbatches", num_microbatches),
+        ("chunks", "virtual", num_chunks),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScheduleError(
-                f"{schedule} needs a whole number of {what} >= 1, got {flag} {value!r}; "
-                f"use {flag} 1 or more",
-                rule=f"{schedule}.{what}",
+                f"{schedule} needs a whole number of {what} >= 1", got=((key, repr(value)),),
+                fix=(((key, "1 or more"),),), rule=f"{schedule}.{what}", key=key,
             )
 
 

@@ -116,31 +116,31 @@ class Policy:
         if not isinstance(self.split_backward, bool):
             raise ScheduleError(
                 f"policy split_backward must be true or false, got {self.split_backward!r}",
-                rule="policy.split_backward",
+                rule="policy.split_backward", key="policy",
             )
         if not (self.warmup is None or self.warmup == "all" or callable(self.warmup)):
             raise ScheduleError(
                 f"policy warmup must be an expression of the rank, 'all' or absent, got {self.warmup!r}",
-                rule="policy.warmup",
+                rule="policy.warmup", key="policy",
             )
         if not self.split_backward and self.weight_grad != "immediate":
             raise ScheduleError(
                 f"policy weight_grad {self.weight_grad!r} places the W of a split backward, but "
                 "split_backward is off; turn split_backward on, or drop weight_grad",
-                rule="policy.weight_grad",
+                rule="policy.weight_grad", key="policy",
             )
         if self.max_in_flight is not None:
             if self.weight_grad != "bubbles":
                 raise ScheduleError(
                     f"policy max_in_flight bounds weight_grad 'bubbles' only, got weight_grad "
                     f"{self.weight_grad!r}; use weight_grad 'bubbles' or drop max_in_flight",
-                    rule="policy.max_in_flight",
+                    rule="policy.max_in_flight", key="policy",
                 )
             if not (self.max_in_flight == "max" or callable(self.max_in_flight)):
                 raise ScheduleError(
                     f"policy max_in_flight must be an expression of the rank, 'max' or absent, "
                     f"got {self.max_in_flight!r}",
-                    rule="policy.max_in_flight",
+                    rule="policy.max_in_flight", key="policy",
                 )
 
 
@@ -215,14 +215,15 @@ def _warmups(policy: Policy, P: int, M: int, v: int, least: int) -> list[int]:
         w = policy.warmup(r)
         if isinstance(w, bool) or not isinstance(w, int):
             raise ScheduleError(
-                f"policy warm-up on rank {r} must be a whole number, got {w!r}", rule="policy.warmup"
+                f"policy warm-up on rank {r} must be a whole number, got {w!r}", rule="policy.warmup", key="policy",
+                rank=r,
             )
         if not 0 <= w <= total:
             fix = "cap it with min(..., chunks*M)" if w > total else "use max(0, ...)"
             raise ScheduleError(
                 f"policy warm-up on rank {r} must be in 0..{total} (the rank's forwards: "
                 f"{v} chunks x {M} microbatches), got {w}; {fix}",
-                rule="policy.warmup",
+                rule="policy.warmup", key="policy", rank=r,
             )
         out.append(w)
     return out
@@ -269,9 +270,8 @@ def policy_order(policy: Policy, *, num_ranks: int, num_microbatches: int, num_c
     if policy.placement == "v":
         if v != 2:
             raise ScheduleError(
-                f"policy placement 'v' needs exactly 2 chunks per rank, got --virtual {v}; use --virtual 2 "
-                "or placement 'loop'",
-                rule="policy.chunks",
+                "policy placement 'v' needs exactly 2 chunks per rank (or placement 'loop')",
+                got=(("virtual", v),), fix=((("virtual", 2),),), rule="policy.chunks", key="virtual",
             )
         placement = v_placement(P, 2 * P)
     else:
@@ -293,7 +293,7 @@ def policy_order(policy: Policy, *, num_ranks: int, num_microbatches: int, num_c
                 f"backward of chunk {c} microbatch {m} would come before that chunk's forward "
                 f"(chunk order {policy.chunk_order}, priority {policy.priority}, backward microbatches "
                 f"{policy.backward_microbatches}); the warm-up must be at least {least} on every rank",
-                rule="policy.warmup",
+                rule="policy.warmup", key="policy", rank=r,
             )
     stages = [sorted(s for s in range(len(placement)) if placement[s] == r) for r in range(P)]
     sequences = []
@@ -314,7 +314,7 @@ def policy_order(policy: Policy, *, num_ranks: int, num_microbatches: int, num_c
         estimate(order)
     except ScheduleError as error:
         raise ScheduleError(
-            f"policy cannot make progress with P={P}, M={M}, v={v}: {error}", rule="policy.deadlock"
+            f"policy cannot make progress with P={P}, M={M}, v={v}: {error}", rule="policy.deadlock", key="policy"
         ) from None
     return order
 
@@ -370,11 +370,11 @@ def _fill_bubbles(policy: Policy, sequences: list, placement, P: int, M: int) ->
                     f"policy max_in_flight on rank {r} must be a whole number >= {peaks[r]} (the "
                     f"microbatches its warm-up and priority alone keep in flight), got {b!r}; raise "
                     "max_in_flight or lower the warm-up",
-                    rule="policy.max_in_flight",
+                    rule="policy.max_in_flight", key="policy", rank=r,
                 )
             bounds.append(b)
     base = [[Action(kind, s, m) for kind, s, m in seq] for seq in sequences]
     try:
         return place_weight_grads(base, placement=placement, num_microbatches=M, bounds=bounds)
     except ScheduleError as error:
-        raise ScheduleError(f"policy cannot make progress: {error}", rule="policy.deadlock") from None
+        raise ScheduleError(f"policy cannot make progress: {error}", rule="policy.deadlock", key="policy") from None

@@ -72,19 +72,6 @@ def test_sweep_orders_are_valid(name):
     assert built > 0
 
 
-def test_registry():
-    assert list(SCHEDULES) == ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv"]
-    for name, info in SCHEDULES.items():
-        assert info.name == name
-        assert info.placement in ("loop", "v")
-        assert info.chunks_allowed(info.default_chunks)
-        assert info.reference
-        order = build_order(name, num_ranks=2, num_microbatches=4)
-        assert len(order.stages_of(0)) == info.default_chunks
-    assert [n for n, i in SCHEDULES.items() if i.split_backward] == ["zb_h1", "zbv"]
-    assert get_schedule("zbv").placement == "v"
-
-
 def test_unknown_schedule_suggests_a_name():
     with pytest.raises(ScheduleError) as info:
         get_schedule("interleaved1f1b")
@@ -98,16 +85,16 @@ def test_unknown_schedule_suggests_a_name():
 @pytest.mark.parametrize(
     "name,kwargs,rule,text",
     [
-        ("zbv", dict(num_chunks=3), "zbv.chunks", "zbv needs exactly 2 chunks per rank, got --virtual 3; use --virtual 2"),
-        ("1f1b", dict(num_chunks=2), "1f1b.chunks", "--schedule interleaved_1f1b --virtual 2"),
-        ("gpipe", dict(num_chunks=2), "gpipe.chunks", "looped_bfs"),
-        ("zb_h1", dict(num_chunks=2), "zb_h1.chunks", "--virtual 1"),
-        ("interleaved_1f1b", dict(num_chunks=1), "interleaved_1f1b.chunks", "--virtual 2"),
-        ("looped_bfs", dict(num_chunks=1), "looped_bfs.chunks", "--virtual 2"),
+        ("zbv", dict(num_chunks=3), "zbv.chunks", "zbv needs exactly 2 chunks per rank, got virtual 3; use virtual 2"),
+        ("1f1b", dict(num_chunks=2), "1f1b.chunks", "use virtual 1, or schedule interleaved_1f1b virtual 2"),
+        ("gpipe", dict(num_chunks=2), "gpipe.chunks", "schedule looped_bfs"),
+        ("zb_h1", dict(num_chunks=2), "zb_h1.chunks", "use virtual 1"),
+        ("interleaved_1f1b", dict(num_chunks=1), "interleaved_1f1b.chunks", "use virtual 2"),
+        ("looped_bfs", dict(num_chunks=1), "looped_bfs.chunks", "use virtual 2"),
         ("interleaved_1f1b", dict(num_microbatches=9), "interleaved_1f1b.microbatches",
-         "got --microbatches 9 with --ranks 4; use --microbatches 8 or 10"),
-        ("1f1b", dict(num_ranks=0), "1f1b.ranks", "--ranks 1 or more"),
-        ("gpipe", dict(num_microbatches=-3), "gpipe.microbatches", "got --microbatches -3"),
+         "got microbatches 9 with pp 4; use microbatches 8 or 10"),
+        ("1f1b", dict(num_ranks=0), "1f1b.ranks", "pp 1 or more"),
+        ("gpipe", dict(num_microbatches=-3), "gpipe.microbatches", "got microbatches -3"),
         ("zbv", dict(num_microbatches=True), "zbv.microbatches", "whole number"),
         ("looped_bfs", dict(num_chunks=2.0), "looped_bfs.chunks", "whole number"),
     ],
@@ -119,13 +106,26 @@ def test_rule_errors_name_the_rule(name, kwargs, rule, text):
             call(name, **args)
         assert info.value.rule == rule
         assert text in str(info.value)
+        assert "--" not in str(info.value)  # keys, never CLI flags: the language words those
+        assert info.value.key == {"chunks": "virtual", "ranks": "pp"}.get(rule.split(".")[1], "microbatches")
         assert isinstance(info.value, ValueError)
+
+
+def test_rule_errors_carry_their_settings_for_the_language_to_word():
+    with pytest.raises(ScheduleError) as info:
+        check_rules("interleaved_1f1b", num_ranks=4, num_microbatches=9)
+    err = info.value
+    assert (err.key, err.got, err.fix) == ("microbatches", (("microbatches", 9), ("pp", 4)),
+                                           ((("microbatches", 8),), (("microbatches", 10),)))
+    flags = {"pp": "--ranks", "microbatches": "--microbatches"}
+    assert err.worded(flags.get).endswith("got --microbatches 9 with --ranks 4; use --microbatches 8 or 10")
 
 
 def test_warnings_for_wasteful_settings():
     assert check_rules("1f1b", num_ranks=4, num_microbatches=8) == []
     (warning,) = check_rules("1f1b", num_ranks=4, num_microbatches=3)
-    assert "fewer microbatches (3) than ranks (4)" in warning and "--microbatches >= 4" in warning
+    assert (warning.level, warning.key) == ("warning", "microbatches")
+    assert "fewer microbatches (3) than ranks (4)" in str(warning) and str(warning).endswith("use microbatches >= 4")
     assert check_rules("gpipe", num_ranks=4, num_microbatches=2)
     assert check_rules("zbv", num_ranks=4, num_microbatches=4)
     assert check_rules("zbv", num_ranks=4, num_microbatches=7) == []

@@ -246,4 +246,4 @@ def test_zbv_chunk_rule_matches_torch():
     with pytest.raises(ScheduleError) as info:
         build_order("zbv", num_ranks=P, num_microbatches=4, num_chunks=3)
     assert info.value.rule == "zbv.chunks"
-    assert "use --virtual 2" in str(info.value)
+    assert "use virtual 2" in str(info.value)
