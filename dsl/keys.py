@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from pipec.compiler.config import DEFAULTS as TRAINING
+from pipec.compiler.config import INITS, RUN_DTYPES
 from pipec.dsl import kinds as k
 from pipec.dsl import structured as sk
-from pipec.dsl.values import Links, LRSchedule, Optimizer, Partition
+from pipec.dsl.values import Links, Partition
 from pipec.schedules import SCHEDULES
 from pipec.schedules.policy import PRESETS
 
@@ -59,8 +61,6 @@ class Key:
 
 
 GROUPS = ("Schedule and mesh", "Custom schedules", "Model", "Costs and hardware", "Training")
-
-_CURRENT = sk.OPTIMIZERS["adamw"]
 
 KEYS: dict[str, Key] = {key.name: key for key in (
     # ------------------------------------------------------------------ schedule and mesh
@@ -163,7 +163,7 @@ KEYS: dict[str, Key] = {key.name: key for key in (
         flag="--trace", group="Model",
         meaning="How the model is traced: torch.fx, torch.export, or auto (fx, falling back to export).",
         example="trace export"),
-    Key(name="init", kind=k.Choice(("module", "exact")), default="module", default_doc="module",
+    Key(name="init", kind=k.Choice(INITS), default=TRAINING.init, default_doc=TRAINING.init,
         flag="--init", group="Model",
         meaning="Initial weights: `module` (each module's reset_parameters under a generator seeded from "
                 "(seed, module name); independent of the partition) or `exact` (the factory's own "
@@ -197,58 +197,59 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                     "the whole key.",
         example="links pp(latency=5us, bandwidth=50GB/s), dp(latency=20us, bandwidth=12.5GB/s)"),
     # ------------------------------------------------------------------ training
-    Key(name="steps", kind=k.Int(1, 10**9), default=10, default_doc="10", flag="--steps",
+    Key(name="steps", kind=k.Int(1, 10**9), default=TRAINING.steps, default_doc=str(TRAINING.steps), flag="--steps",
         group="Training", meaning="Optimizer steps a run takes (`pipec run --steps` overrides the plan's).",
         example="steps 100"),
-    Key(name="seed", kind=k.Int(0, 2**63 - 1), default=0, default_doc="0", flag="--seed",
+    Key(name="seed", kind=k.Int(0, 2**63 - 1), default=TRAINING.seed, default_doc=str(TRAINING.seed), flag="--seed",
         group="Training", meaning="Seed of the initial weights and the synthetic data.",
         example="seed 1234"),
     Key(name="optimizer", kind=sk.OptimizerKind(),
-        default=Optimizer("adamw", tuple((n, d) for n, (d, _) in _CURRENT.items())),
-        default_doc="adamw(betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01)",
+        default=TRAINING.optimizer, default_doc=sk.OptimizerKind().show(TRAINING.optimizer),
         flag="--optimizer", group="Training",
         meaning="The optimizer and its settings (torch's names and defaults; settings left out keep "
                 "them). adamw: betas, eps, weight_decay (0.01); adam: the same (weight_decay 0); "
                 "sgd: momentum, dampening, weight_decay, nesterov.",
         constraints="The learning rate is the `lr` key, not a setting.",
         example="optimizer adamw(betas=(0.9, 0.95), weight_decay=0.1)"),
-    Key(name="lr", kind=k.Real(0.0, lo_open=True), default=3e-4, default_doc="3e-4", flag="--lr",
+    Key(name="lr", kind=k.Real(0.0, lo_open=True), default=TRAINING.lr, default_doc="3e-4", flag="--lr",
         group="Training", meaning="Peak learning rate.", constraints="Positive.", example="lr 1e-3"),
-    Key(name="lr_schedule", kind=sk.LRScheduleKind(), default=LRSchedule("constant"), default_doc="constant",
+    Key(name="lr_schedule", kind=sk.LRScheduleKind(), default=TRAINING.lr_schedule,
+        default_doc=sk.LRScheduleKind().show(TRAINING.lr_schedule),
         flag="--lr-schedule", group="Training",
         meaning="Learning rate over the steps: `warmup` steps ramping linearly from 0, then constant, "
                 "or a cosine or linear decay to `min_lr` at the last step.",
         constraints="warmup < steps (warns otherwise); min_lr <= lr.",
         example="lr_schedule cosine(warmup=10, min_lr=3e-5)"),
-    Key(name="grad_clip", kind=k.Maybe(k.Real(0.0, lo_open=True)), default=None, default_doc="none",
+    Key(name="grad_clip", kind=k.Maybe(k.Real(0.0, lo_open=True)), default=TRAINING.grad_clip, default_doc="none",
         flag="--grad-clip", group="Training",
         meaning="Clip the global gradient norm (over one replica's pp ranks, each tied weight once) "
                 "to this value before each step.",
         constraints="Positive, or none.", example="grad_clip 1.0"),
-    Key(name="dtype", kind=k.Choice(("float32", "bfloat16", "float16")), default="float32",
-        default_doc="float32", flag="--dtype", group="Training",
+    Key(name="dtype", kind=k.Choice(RUN_DTYPES), default=TRAINING.dtype,
+        default_doc=TRAINING.dtype, flag="--dtype", group="Training",
         meaning="Parameter and activation dtype of the run.", example="dtype bfloat16"),
-    Key(name="recompute", kind=sk.RecomputeKind(), default=(), default_doc="none", flag="--recompute",
+    Key(name="recompute", kind=sk.RecomputeKind(), default=TRAINING.recompute, default_doc="none", flag="--recompute",
         group="Training",
         meaning="Activation recomputation: none, all stages, or the listed stages. A recomputed stage "
                 "saves only its inputs and runs its forward again in the backward.",
         constraints="Stages in 0..stages-1. The resolved value is the tuple of stages.",
         example="recompute stages 0, 1"),
-    Key(name="data", kind=k.Target(("synthetic",)), default="synthetic", default_doc="synthetic",
+    Key(name="data", kind=k.Target(("synthetic",)), default=TRAINING.data, default_doc=TRAINING.data,
         flag="--data", group="Training",
         meaning="Training data: synthetic tokens from the seed, or \"pkg.module:fn\" called as "
                 "fn(step, dp_rank, dp_size) returning (inputs, targets) for that replica's batch.",
         example='data "mypkg.data:batches"'),
-    Key(name="loss", kind=k.Target(("cross_entropy", "mse")), default="cross_entropy",
-        default_doc="cross_entropy", flag="--loss", group="Training",
+    Key(name="loss", kind=k.Target(("cross_entropy", "mse")), default=TRAINING.loss,
+        default_doc=TRAINING.loss, flag="--loss", group="Training",
         meaning="Loss of the last stage: cross_entropy, mse, or \"pkg.module:fn\" called as "
                 "fn(output, target). The step's loss is the mean over microbatches.",
         example="loss mse"),
-    Key(name="checkpoint_dir", kind=k.Maybe(k.Text()), default=None, default_doc="none",
+    Key(name="checkpoint_dir", kind=k.Maybe(k.Text()), default=TRAINING.checkpoint_dir, default_doc="none",
         flag="--checkpoint-dir", group="Training",
         meaning="Folder of the run's distributed checkpoints (torch.distributed.checkpoint).",
         example='checkpoint_dir "ckpt/run1"'),
-    Key(name="checkpoint_every", kind=k.Int(0, 10**9), default=0, default_doc="0 (off)",
+    Key(name="checkpoint_every", kind=k.Int(0, 10**9), default=TRAINING.checkpoint_every,
+        default_doc=f"{TRAINING.checkpoint_every} (off)",
         flag="--checkpoint-every", group="Training",
         meaning="Write a checkpoint every N steps; 0 writes none.",
         constraints="Above 0 needs checkpoint_dir.", example="checkpoint_every 50"),

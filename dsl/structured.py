@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from pipec.compiler.config import LR_SCHEDULES, OPTIMIZER_SETTINGS
+from pipec.compiler.plan import Link
 from pipec.dsl import ast
 from pipec.dsl.errors import did_you_mean
 from pipec.dsl.expr import ExprError, compile_int
@@ -29,7 +31,6 @@ from pipec.dsl.kinds import (
     unknown_setting,
 )
 from pipec.dsl.values import (
-    Link,
     Links,
     LRSchedule,
     Optimizer,
@@ -213,12 +214,13 @@ _NONNEG = Real(0.0)
 _UNIT_INTERVAL = Real(0.0, hi=1.0)
 _POS = Real(0.0, lo_open=True)
 
-# name -> setting -> (default, converter)
+_SETTING_KINDS = {"betas": _betas, "eps": _POS.convert, "weight_decay": _NONNEG.convert,
+                  "momentum": _UNIT_INTERVAL.convert, "dampening": _UNIT_INTERVAL.convert, "nesterov": _onoff}
+
+# name -> setting -> (default, converter); the defaults are the training config's
 OPTIMIZERS: dict[str, dict[str, tuple[Any, Any]]] = {
-    "adamw": {"betas": ((0.9, 0.999), _betas), "eps": (1e-8, _POS.convert), "weight_decay": (0.01, _NONNEG.convert)},
-    "adam": {"betas": ((0.9, 0.999), _betas), "eps": (1e-8, _POS.convert), "weight_decay": (0.0, _NONNEG.convert)},
-    "sgd": {"momentum": (0.0, _UNIT_INTERVAL.convert), "dampening": (0.0, _UNIT_INTERVAL.convert),
-            "weight_decay": (0.0, _NONNEG.convert), "nesterov": (False, _onoff)},
+    name: {k: (default, _SETTING_KINDS[k]) for k, default in settings.items()}
+    for name, settings in OPTIMIZER_SETTINGS.items()
 }
 
 
@@ -246,7 +248,8 @@ class OptimizerKind(Kind):
         return Optimizer(name_node.name, tuple(values.items()))
 
     def show(self, value: Any) -> str:
-        return value.text()
+        inner = ", ".join(f"{k}={literal_text(v)}" for k, v in value.settings)
+        return f"{value.name}({inner})" if inner else value.name
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +258,7 @@ class LRScheduleKind(Kind):
 
     def convert(self, node: ast.Node, ctx: Ctx) -> LRSchedule:
         name_node = node.func if isinstance(node, ast.Call) else node
-        names = ("constant", "cosine", "linear")
+        names = LR_SCHEDULES
         if not isinstance(name_node, ast.Word):
             raise self._wrong(node, ctx)
         if name_node.name not in names:
@@ -273,7 +276,12 @@ class LRScheduleKind(Kind):
         return LRSchedule(name_node.name, warmup, min_lr)
 
     def show(self, value: Any) -> str:
-        return value.text()
+        if value.name == "constant" and not value.warmup:
+            return "constant"
+        args = [f"warmup={value.warmup}"] if value.warmup else []
+        if value.name != "constant" and value.min_lr:
+            args.append(f"min_lr={value.min_lr!r}")
+        return f"{value.name}({', '.join(args)})" if args else value.name
 
 
 DEFAULT_LINK = Link(latency_s=1e-5, bandwidth_Bps=25e9)

@@ -3,26 +3,30 @@
 Plain keys resolve to ints, floats, strings, bools, None or tuples; the keys
 below resolve to these small frozen dataclasses. Each has ``to_json()``
 (what plan.json's ``spec`` records) and ``text()`` (the schedule-file syntax
-that writes it).
+that writes it). ``optimizer`` and ``lr_schedule`` resolve to the training
+config's own types (:mod:`pipec.compiler.config`, which the runtime reads
+too); their kinds (:mod:`pipec.dsl.structured`) write their text.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
-from pipec.dsl.expr import IntExpr
-from pipec.schedules.order import ComputeOrder
+from pipec.compiler.config import LRSchedule, Optimizer  # the training config owns them
+from pipec.compiler.plan import Link
+from pipec.dsl.expr import ExprError, IntExpr
+from pipec.schedules.order import Action
 
 __all__ = [
     "TensorSpec",
     "Partition",
     "Optimizer",
     "LRSchedule",
-    "Link",
     "Links",
     "PolicySpec",
     "OrderSpec",
+    "PerRank",
     "literal_text",
     "literal_json",
 ]
@@ -91,62 +95,6 @@ class Partition:
         return {"method": self.method}
 
 
-@dataclass(frozen=True, slots=True)
-class Optimizer:
-    """The optimizer and its settings, every setting filled in (torch's names)."""
-
-    name: str
-    """``"adamw"``, ``"adam"`` or ``"sgd"``."""
-    settings: tuple[tuple[str, Any], ...] = ()
-
-    @property
-    def kwargs(self) -> dict[str, Any]:
-        """The settings as keyword arguments for the torch optimizer (lr apart)."""
-        return dict(self.settings)
-
-    def text(self) -> str:
-        inner = ", ".join(f"{k}={literal_text(v)}" for k, v in self.settings)
-        return f"{self.name}({inner})" if inner else self.name
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, **{k: literal_json(v) for k, v in self.settings}}
-
-
-@dataclass(frozen=True, slots=True)
-class LRSchedule:
-    """Learning rate over steps: ``warmup`` steps of linear ramp from 0, then
-    ``constant``, or a ``cosine``/``linear`` decay to ``min_lr`` at the last step."""
-
-    name: str
-    warmup: int = 0
-    min_lr: float = 0.0
-
-    def text(self) -> str:
-        if self.name == "constant" and not self.warmup:
-            return "constant"
-        args = [f"warmup={self.warmup}"] if self.warmup else []
-        if self.name != "constant" and self.min_lr:
-            args.append(f"min_lr={self.min_lr!r}")
-        return f"{self.name}({', '.join(args)})" if args else self.name
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"name": self.name, "warmup": self.warmup}
-        if self.name != "constant":
-            out["min_lr"] = self.min_lr
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class Link:
-    """A mesh axis's point-to-point cost: latency + bytes / bandwidth."""
-
-    latency_s: float
-    bandwidth_Bps: float
-
-    def to_json(self) -> dict[str, float]:
-        return {"latency_s": self.latency_s, "bandwidth_Bps": self.bandwidth_Bps}
-
-
 def _seconds_text(s: float) -> str:
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9)):
         if s >= scale or unit == "ns":
@@ -164,7 +112,7 @@ def _rate_text(bps: float) -> str:
 @dataclass(frozen=True, slots=True)
 class Links:
     """Link costs per mesh axis (``pp``: activations and grads between stages;
-    ``dp``: the gradient all-reduce)."""
+    ``dp``: the gradient all-reduce), each the compiler's :class:`~pipec.compiler.plan.Link`."""
 
     pp: Link
     dp: Link
@@ -176,7 +124,8 @@ class Links:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {"pp": self.pp.to_json(), "dp": self.dp.to_json()}
+        return {axis: {"latency_s": link.latency_s, "bandwidth_Bps": link.bandwidth_Bps}
+                for axis, link in self.as_dict().items()}
 
     def as_dict(self) -> dict[str, Link]:
         return {"pp": self.pp, "dp": self.dp}
@@ -198,7 +147,9 @@ class PolicySpec:
         return dict(self.settings).get(name, default)
 
     def policy(self, *, placement: str, num_ranks: int, num_microbatches: int, num_chunks: int):
-        """The :class:`~pipec.schedules.policy.Policy` for these counts (names bound)."""
+        """The :class:`~pipec.schedules.policy.Policy` for these counts: each
+        expression evaluated on every rank (an :class:`~pipec.dsl.expr.ExprError`
+        says which rank it failed on)."""
         from dataclasses import replace
 
         from pipec.schedules.policy import PRESETS, Policy
@@ -208,7 +159,7 @@ class PolicySpec:
         base = PRESETS[self.preset] if self.preset else Policy()
         fields: dict[str, Any] = {}
         for name, value in self.settings:
-            fields[name] = _bind(value, env) if isinstance(value, IntExpr) else value
+            fields[name] = PerRank.of(value, env) if isinstance(value, IntExpr) else value
         return replace(base, placement=placement, **fields)
 
     def text(self) -> str:
@@ -232,32 +183,51 @@ def _setting_text(value: Any) -> str:
     return str(value)
 
 
-def _bind(expr: IntExpr, env: Mapping[str, int]) -> Callable[[int], int]:
-    def of_rank(rank: int) -> int:
-        return expr({**env, "rank": rank})
+@dataclass(frozen=True, slots=True)
+class PerRank:
+    """A policy setting's value on each pp rank: its expression, evaluated
+    once per rank; called with a rank, as the policy calls its settings."""
 
-    of_rank.__doc__ = expr.text
-    return of_rank
+    text: str
+    values: tuple[int, ...]
+
+    @classmethod
+    def of(cls, expr: IntExpr, env: Mapping[str, int]) -> "PerRank":
+        values = []
+        for rank in range(env["ranks"]):
+            try:
+                values.append(expr({**env, "rank": rank}))
+            except ExprError as err:
+                raise ExprError(err.span, f"{err.message} (on rank {rank})", *err.hints) from None
+        return cls(expr.text, tuple(values))
+
+    def __call__(self, rank: int) -> int:
+        return self.values[rank]
 
 
 @dataclass(frozen=True, slots=True)
 class OrderSpec:
     """A schedule given as an explicit per-rank order: inline (``order`` block)
-    or a torch.distributed.pipelining compute-only CSV file (``path``)."""
+    or a torch.distributed.pipelining compute-only CSV file (``path``). It holds
+    each rank's actions as written; the compiler's driver checks and builds the
+    order. ``where`` keeps each action's place in its source, for locating the
+    driver's complaints."""
 
     form: str
     """``"inline"`` or ``"csv"``."""
     path: str | None
-    order: ComputeOrder = field(compare=False)
+    ranks: tuple[tuple[Action, ...], ...] = field(compare=False)
+    where: Any = field(default=None, compare=False, repr=False)
+    """The :class:`~pipec.dsl.order.Expanded` the actions came from."""
 
     def text(self) -> str:
         if self.form == "csv":
             return '"' + (self.path or "") + '"'
-        return "\n".join(f"  rank {r}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.order.ranks))
+        return "\n".join(f"  rank {r}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.ranks))
 
     def to_json(self) -> dict[str, Any]:
         return {
             "form": self.form,
             **({"path": self.path} if self.path else {}),
-            "ranks": [" ".join(map(str, acts)) for acts in self.order.ranks],
+            "ranks": [" ".join(map(str, acts)) for acts in self.ranks],
         }
