@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Mapping, Sequence
 
-from pipec.compiler.plan import Plan
+from pipec.compiler.plan import Mesh, Plan
 from pipec.compiler.timeline import Timeline
 from pipec.runtime.executor import RankStep
 
@@ -41,7 +41,7 @@ def median_step(per_step: Sequence[Sequence[RankStep]]) -> int:
     return times[(len(times) - 1) // 2]
 
 
-def stragglers(timeline: Timeline, dp: int) -> list[dict[str, Any]]:
+def stragglers(timeline: Timeline, mesh: Mesh) -> list[dict[str, Any]]:
     """Ranks whose compute runs well past the median (by :data:`STRAGGLER_FACTOR`).
 
     Compute differs by stage, so a rank is compared with the median compute of
@@ -51,13 +51,14 @@ def stragglers(timeline: Timeline, dp: int) -> list[dict[str, Any]]:
     out = []
     by_pp: dict[int, list[float]] = {}
     for r in timeline.per_rank:
-        by_pp.setdefault(r.rank // dp, []).append(r.compute)
+        by_pp.setdefault(mesh.coords(r.rank)[0], []).append(r.compute)
     overall = statistics.median(r.compute for r in timeline.per_rank)
     for r in timeline.per_rank:
-        peers = by_pp[r.rank // dp]
+        pp, dp = mesh.coords(r.rank)
+        peers = by_pp[pp]
         ref = statistics.median(peers) if len(peers) > 1 else overall
         if ref > 0 and r.compute > STRAGGLER_FACTOR * ref:
-            out.append({"rank": r.rank, "pp": r.rank // dp, "dp": r.rank % dp, "compute": r.compute,
+            out.append({"rank": r.rank, "pp": pp, "dp": dp, "compute": r.compute,
                         "median_compute": ref, "ratio": r.compute / ref})
     return out
 
@@ -108,7 +109,7 @@ def build_report(
     mems = [r.peak_memory_bytes for r in measured.per_rank if r.peak_memory_bytes is not None]
     if mems:
         report["peak_memory_bytes"] = max(mems)
-    report["stragglers"] = stragglers(measured, plan.mesh.dp)
+    report["stragglers"] = stragglers(measured, plan.mesh)
     if check is not None:
         report["check"] = dict(check)
     if goodput is not None:

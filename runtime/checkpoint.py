@@ -57,7 +57,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from pipec.runtime.training import optimizer_settings
+from pipec.compiler.config import TrainingConfig
 from pipec.errors import PipecError
 
 __all__ = [
@@ -234,13 +234,14 @@ class Checkpointer:
     """Saves and restores one rank's share of the training state (see the module doc).
 
     Every rank of the job constructs one, at the same point (it creates a
-    process group), with the stages it owns and their optimizer.
+    process group), with the stages it owns and their optimizer; ``config``
+    is the plan's training config (its seed, optimizer and lr schedule).
     """
 
-    def __init__(self, plan, modules: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer, *, rank: int,
-                 world_size: int, total_steps: int, save_dir: str | None, every: int, keep: int | None,
-                 resume: str | None, attempt: int = 0, run_id: str = "", asynchronous: bool = True,
-                 timeout: float = 300.0, log=None) -> None:
+    def __init__(self, plan, config: TrainingConfig, modules: Mapping[int, nn.Module],
+                 optimizer: torch.optim.Optimizer, *, rank: int, world_size: int, total_steps: int,
+                 save_dir: str | None, every: int, keep: int | None, resume: str | None, attempt: int = 0,
+                 run_id: str = "", asynchronous: bool = True, timeout: float = 300.0, log=None) -> None:
         if every < 0:
             raise CheckpointError(f"checkpoint_every must be at least 0, got {every}")
         if every and not save_dir:
@@ -249,6 +250,7 @@ class Checkpointer:
         if keep is not None and keep < 1:
             raise CheckpointError(f"--keep-checkpoints must be at least 1, got {keep}; omit it to keep every checkpoint")
         self.plan = plan
+        self.config = config
         self.modules = dict(modules)
         self.optimizer = optimizer
         self.rank, self.world_size = rank, world_size
@@ -394,7 +396,7 @@ class Checkpointer:
             step=steps_done, total_steps=self.total_steps, mesh={"pp": self.plan.mesh.pp, "dp": self.plan.mesh.dp},
             placement=list(self.plan.placement), num_stages=self.plan.num_stages,
             model={"target": self.target, "kwargs": self.kwargs, "params": self._params_fingerprint()},
-            optimizer=str(optimizer_settings(self.plan.spec)["name"]),
+            optimizer=self.config.optimizer.name,
             aliases=self.aliases, files=files, created=time.time(), run_id=self.run_id, attempt=self.attempt,
         )
         with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
@@ -446,8 +448,7 @@ class Checkpointer:
 
     def _seed_rng(self, step: int) -> None:
         """A fresh start (or a resharded resume) draws random numbers from (seed, global rank, step)."""
-        seed = int(self.plan.spec.get("seed", 0) or 0)
-        digest = hashlib.sha256(f"pipec-rng:{seed}:{self.rank}:{step}".encode()).digest()
+        digest = hashlib.sha256(f"pipec-rng:{self.config.seed}:{self.rank}:{step}".encode()).digest()
         torch.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
     def _choose(self, src: Path, explicit: bool, rejected: set[Path]) -> tuple[Path, Manifest] | None:
@@ -504,7 +505,7 @@ class Checkpointer:
                 f"checkpoint {path} was written for the model {manifest.model.get('target')} "
                 f"{manifest.model.get('kwargs')}, whose parameters (names, shapes, dtypes) differ from this plan's "
                 f"{self.target} {self.kwargs}; resume from a checkpoint of this model, or compile the plan for that one")
-        mine_opt = str(optimizer_settings(self.plan.spec)["name"])
+        mine_opt = self.config.optimizer.name
         if manifest.optimizer != mine_opt:
             raise CheckpointError(f"checkpoint {path} holds {manifest.optimizer} optimizer state, this plan's optimizer "
                                   f"is {mine_opt}; use the same optimizer to resume")
@@ -539,7 +540,7 @@ class Checkpointer:
             note = "" if rng else (f" (written under pp {manifest.mesh['pp']} x dp {manifest.mesh['dp']}, "
                                    f"{manifest.num_stages} stages: resharded; RNG streams start afresh)")
             _say(f"pipec: resumed from {path} at step {step}{note}")
-            lr_sched = (self.plan.spec.get("lr_schedule") or {}).get("name", "constant")
+            lr_sched = self.config.lr_schedule.name
             if manifest.total_steps != self.total_steps and lr_sched != "constant":
                 _say(f"pipec: warning: the checkpoint's run had {manifest.total_steps} steps, this one has "
                      f"{self.total_steps}: the {lr_sched} lr schedule continues on the new horizon")
@@ -573,29 +574,27 @@ class Checkpointer:
         return out
 
 
-def for_run(plan, args, env, modules, optimizer, total_steps: int):
+def for_run(plan, config: TrainingConfig, options, env, modules, optimizer, total_steps: int):
     """The trainer's checkpointer (None under ``--emulate``: no state) and this attempt's goodput log.
 
-    Every rank calls this at the same point (a save or a load creates the checkpointer's process group).
+    ``options`` are the run's :class:`~pipec.runtime.launch.RunOptions`. Every rank calls this at
+    the same point (a save or a load creates the checkpointer's process group).
     """
     from pipec.runtime.goodput import AttemptLog
 
-    spec = plan.spec
-    every = int(spec.get("checkpoint_every") or 0)
-    save_dir = spec.get("checkpoint_dir") if every else None
+    every = config.checkpoint_every
+    save_dir = config.checkpoint_dir if every else None
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     log = AttemptLog(save_dir, attempt=env.attempt, run_id=run_id, write=env.rank == 0)
-    if not every and env.rank == 0 and (args.keep_checkpoints is not None or getattr(args, "sync_checkpoints", False)):
+    if not every and env.rank == 0 and (options.keep_checkpoints is not None or options.sync_checkpoints):
         print("pipec: warning: --keep-checkpoints and --sync-checkpoints do nothing here: the plan writes no "
               "checkpoints; compile it with --checkpoint-dir DIR --checkpoint-every N", file=sys.stderr, flush=True)
-    if args.emulate:
-        if args.resume:
-            raise CheckpointError("--resume loads trained state, but --emulate trains nothing; drop one of them")
+    if options.emulate:  # RunOptions refuses --resume with it
         return None, log
-    ckpt = Checkpointer(plan, modules, optimizer, rank=env.rank, world_size=env.world_size, total_steps=total_steps,
-                        save_dir=save_dir, every=every, keep=args.keep_checkpoints, resume=args.resume,
-                        attempt=env.attempt, run_id=run_id, timeout=args.timeout, log=log,
-                        asynchronous=not getattr(args, "sync_checkpoints", False))
+    ckpt = Checkpointer(plan, config, modules, optimizer, rank=env.rank, world_size=env.world_size,
+                        total_steps=total_steps, save_dir=save_dir, every=every, keep=options.keep_checkpoints,
+                        resume=options.resume, attempt=env.attempt, run_id=run_id, timeout=options.timeout, log=log,
+                        asynchronous=not options.sync_checkpoints)
     return ckpt, log
 
 

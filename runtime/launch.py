@@ -16,15 +16,17 @@ import gc
 import os
 import resource
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Sequence
 from pipec.errors import PipecError
 
-__all__ = ["main", "run_parser", "add_run_flags", "run_flags", "LaunchError", "Env", "init_process_group",
-           "plan_transport"]
+__all__ = ["main", "run_parser", "add_run_flags", "run_flags", "RunOptions", "LaunchError", "Env",
+           "init_process_group", "plan_transport"]
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds a rank waits on a peer before the whole job ends (torch's default would be 30 minutes)."""
+DEFAULT_UNIT_TIME = 0.01
+"""Seconds per cost unit with --emulate."""
 
 KNOWN_PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
 """Dense bf16/fp16 tensor-core FLOP/s of known GPUs, by a substring of the device name."""
@@ -44,7 +46,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="after the first step, compare loss and every gradient with an unpartitioned single-process step")
     p.add_argument("--emulate", action="store_true",
                    help="sleep for each compute instruction's predicted cost instead of computing")
-    p.add_argument("--unit-time", type=float, default=0.01, help="seconds per cost unit with --emulate (default 0.01)")
+    p.add_argument("--unit-time", type=float, default=DEFAULT_UNIT_TIME,
+                   help=f"seconds per cost unit with --emulate (default {DEFAULT_UNIT_TIME:g})")
     p.add_argument("--report", metavar="FILE", help="write report.json here")
     p.add_argument("--trace", metavar="FILE", help="write the measured Perfetto trace here")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
@@ -60,17 +63,80 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
 
 
 def run_flags(args: argparse.Namespace) -> list[str]:
-    """The run flags of parsed arguments, as a command line for the ranks."""
-    out: list[str] = []
-    for flag in ("steps", "unit_time", "report", "trace", "timeout", "resume", "keep_checkpoints", "fail_at",
-                 "peak_flops"):
-        value = getattr(args, flag)
-        if value is not None:
-            out += [f"--{flag.replace('_', '-')}", str(value)]
-    for flag in ("check", "emulate", "quiet", "sync_checkpoints"):
-        if getattr(args, flag):
-            out.append(f"--{flag.replace('_', '-')}")
-    return out
+    """The run flags of parsed arguments (checked: :class:`RunOptions`), as a command line for the ranks."""
+    return RunOptions.from_args(args).flags()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunOptions:
+    """What a run takes on top of the plan: the flags of :func:`add_run_flags`, parsed and checked once.
+
+    Each field is the flag of the same name (``--unit-time`` for ``unit_time``).
+    """
+
+    plan: str
+    """The plan.json file."""
+    steps: int | None = None
+    """Training steps, overriding the plan's; None: the plan's (:meth:`num_steps`)."""
+    check: bool = False
+    """After the first step, compare loss and every gradient with an unpartitioned single-process step."""
+    emulate: bool = False
+    """Sleep for each compute instruction's predicted cost instead of computing."""
+    unit_time: float = DEFAULT_UNIT_TIME
+    """Seconds per cost unit of a schedule-only plan with --emulate."""
+    report: str | None = None
+    """Where rank 0 writes report.json; None: nowhere."""
+    trace: str | None = None
+    """Where rank 0 writes the measured Perfetto trace; None: nowhere."""
+    timeout: float = DEFAULT_TIMEOUT
+    """Seconds a rank waits for a peer before the job ends."""
+    resume: str | None = None
+    """A checkpoint_dir (its newest valid checkpoint) or one checkpoint folder to resume from."""
+    keep_checkpoints: int | None = None
+    """Keep the newest N checkpoints; None: every one."""
+    sync_checkpoints: bool = False
+    """Block each step until its checkpoint is written (not only copied to host memory)."""
+    fail_at: tuple[int, int] | None = None
+    """(step, global rank) to kill at that step, on the first attempt only (fault injection)."""
+    peak_flops: float | None = None
+    """Device peak FLOP/s for MFU; None: the plan's, else a known GPU's."""
+    quiet: bool = False
+    """No per-step progress lines."""
+
+    def __post_init__(self) -> None:
+        for ok, message in (
+            (self.steps is None or self.steps >= 1, f"--steps must be at least 1, got {self.steps}"),
+            (self.timeout > 0, f"--timeout must be positive, got {self.timeout:g}"),
+            (self.unit_time > 0, f"--unit-time must be positive, got {self.unit_time:g}"),
+            (not (self.check and self.emulate),
+             "--check compares real gradients: it cannot be combined with --emulate"),
+            (not (self.resume and self.emulate),
+             "--resume loads trained state, but --emulate trains nothing; drop one of them"),
+        ):
+            if not ok:
+                raise LaunchError(message)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "RunOptions":
+        """The options of parsed flags (``pipec run``'s own, such as ``--nproc``, are left out)."""
+        given = {f.name: getattr(args, f.name) for f in fields(cls)}
+        return cls(**{**given, "fail_at": _fail_at(args.fail_at)})
+
+    def flags(self) -> list[str]:
+        """These options as flags for the ranks' command line (the plan apart; defaults left out)."""
+        out: list[str] = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            flag = f"--{f.name.replace('_', '-')}"
+            if value is True:
+                out.append(flag)
+            elif f.name != "plan" and value != f.default:
+                out += [flag, ":".join(map(str, value)) if f.name == "fail_at" else str(value)]
+        return out
+
+    def num_steps(self, config) -> int:
+        """The run's steps: ``--steps``, else the plan's (``config``: its TrainingConfig)."""
+        return self.steps if self.steps is not None else config.steps
 
 
 class LaunchError(PipecError):
@@ -166,13 +232,13 @@ def plan_transport(plan, env: Env, timeout: float, backend: str, device):
     return TorchTransport(groups)
 
 
-def _peak_flops(args, spec) -> float | None:
+def _peak_flops(options: RunOptions, config) -> float | None:
+    """``--peak-flops``, else the plan's ``peak_flops``, else a known GPU's."""
     import torch
 
-    if args.peak_flops:
-        return args.peak_flops
-    if spec.get("peak_flops"):
-        return float(spec["peak_flops"])
+    given = options.peak_flops or config.peak_flops
+    if given:
+        return given
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         for key, value in KNOWN_PEAKS.items():
@@ -192,6 +258,7 @@ def _peak_memory(device) -> int:
 def run(args: argparse.Namespace, env: Env) -> int:
     import torch.distributed as dist
 
+    from pipec.compiler.config import TrainingConfig
     from pipec.compiler.plan import read_plan
     from pipec.compiler.verify import verify
     from pipec.runtime.executor import RunError
@@ -205,12 +272,13 @@ def run(args: argparse.Namespace, env: Env) -> int:
                           f"use --nproc {P * D} (or recompile for {env.world_size} ranks)")
     if plan.model is None and not args.emulate:
         raise LaunchError(f"{args.plan} is a schedule-only plan (no model): it runs only with --emulate")
-    fail_at = _fail_at(args.fail_at)
+    options = RunOptions.from_args(args)
+    config = TrainingConfig.from_spec(plan.spec)  # a malformed training setting is refused before the network
     backend, device = init_process_group(env, args.timeout)
     trainer = transport = None
     try:
         transport = plan_transport(plan, env, args.timeout, backend, device)
-        trainer = Trainer(plan, args, env, transport, device, fail_at=fail_at, peak_flops=_peak_flops(args, plan.spec),
+        trainer = Trainer(plan, config, options, env, transport, device, peak_flops=_peak_flops(options, config),
                           peak_memory=lambda: _peak_memory(device))
         return trainer.train()
     except RunError as e:  # names the rank, its coordinates and the instruction

@@ -3,6 +3,8 @@
 The executor runs a step's instructions; the trainer feeds it microbatches,
 owns the optimizer (called from the plan's ``OPTIM_STEP``), gathers every
 rank's measurements on rank 0, and writes report.json and the measured trace.
+It trains with the plan's :class:`~pipec.compiler.config.TrainingConfig` under
+the run's :class:`~pipec.runtime.launch.RunOptions`.
 """
 
 from __future__ import annotations
@@ -16,15 +18,17 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from pipec.compiler.config import TrainingConfig
 from pipec.compiler.plan import Plan
 from pipec.runtime.executor import Executor, RankStep
+from pipec.runtime.launch import RunOptions
 from pipec.runtime.training import (
     TrainingError,
     autocast_dtype,
-    lr_factor,
     make_data,
     make_loss,
     make_optimizer,
+    replica_inputs,
     split_microbatches,
 )
 
@@ -36,67 +40,60 @@ of that tensor, and the loss by at most atol + rtol x |reference loss| (per dtyp
 
 
 class Trainer:
-    def __init__(self, plan: Plan, args, env, transport, device: torch.device, *, fail_at, peak_flops,
-                 peak_memory: Callable[[], int]) -> None:
+    """One rank's training run of ``plan`` with ``config`` (the plan's training settings) under ``options``."""
+
+    def __init__(self, plan: Plan, config: TrainingConfig, options: RunOptions, env, transport, device: torch.device,
+                 *, peak_flops: float | None, peak_memory: Callable[[], int]) -> None:
         self.plan = plan
-        self.args = args
+        self.config = config
+        self.options = options
         self.env = env
         self.transport = transport
         self.device = device
-        self.fail_at = fail_at
         self.peak_flops = peak_flops
         self.peak_memory = peak_memory
-        spec = plan.spec
-        self.spec = spec
-        D = plan.mesh.dp
-        self.D = D
-        self.pp_rank, self.dp_rank = divmod(env.rank, D)
-        self.steps = args.steps if args.steps is not None else int(spec.get("steps", 10))
-        if self.steps < 1:
-            raise TrainingError(f"steps must be at least 1, got {self.steps}")
-        self.seed = int(spec.get("seed", 0))
+        self.D = plan.mesh.dp
+        self.pp_rank, self.dp_rank = plan.mesh.coords(env.rank)
+        self.steps = options.num_steps(config)
         self.own = [s for s, r in enumerate(plan.placement) if r == self.pp_rank]
-        self.dtype = spec.get("dtype") or "float32"
         self.modules = None
         self.optimizer = None
-        self.check_pending = bool(args.check)
+        self.check_pending = options.check
         self.check_result: dict[str, Any] | None = None
-        if args.check and args.emulate:
-            raise TrainingError("--check compares real gradients: it cannot be combined with --emulate")
-        if not args.emulate:
+        if not options.emulate:
             from pipec.compiler.frontend.stages import build_stages
 
-            self.modules = build_stages(plan, self.own, seed=self.seed, init=spec.get("init") or "module",
-                                        device=device)
+            self.modules = build_stages(plan, self.own, seed=config.seed, init=config.init, device=device)
             params = [p for s in self.own for p in self.modules[s].parameters()]
-            self.optimizer = make_optimizer(params, spec)
-            self.base_lr = float(spec.get("lr", 3e-4))
-            self.loss_fn = make_loss(spec.get("loss") or "cross_entropy")
-            self.data = make_data(spec)
+            self.optimizer = make_optimizer(params, config)
+            self.loss_fn = make_loss(config.loss)
+            self.data = make_data(config, plan)
         emulate = None
-        if args.emulate:
-            emulate = args.unit_time if plan.model is None else 1.0
+        if options.emulate:
+            emulate = options.unit_time if plan.model is None else 1.0
         self.executor = Executor(
             plan, pp_rank=self.pp_rank, dp_rank=self.dp_rank, transport=transport, modules=self.modules,
-            loss_fn=None if args.emulate else self.loss_fn, emulate=emulate, device=device,
-            autocast_dtype=autocast_dtype(self.dtype), optimizer_step=self.optimizer_step,
-            fail_hook=self.fail_hook if fail_at else None,
+            loss_fn=None if options.emulate else self.loss_fn, emulate=emulate, device=device,
+            autocast_dtype=autocast_dtype(config.dtype), optimizer_step=self.optimizer_step,
+            fail_hook=self.fail_hook if options.fail_at else None,
         )
-        self.input_names = [i["name"] for i in spec.get("input") or []]
+        self.inputs = replica_inputs(plan)
+        self.input_names = [i["name"] for i in self.inputs]
         # checkpoints, resume and goodput (runtime/checkpoint.py): every rank, at this point
         from pipec.runtime.checkpoint import for_run
 
-        self.checkpointer, self.attempt_log = for_run(plan, args, env, self.modules, self.optimizer, self.steps)
+        self.checkpointer, self.attempt_log = for_run(plan, config, options, env, self.modules, self.optimizer,
+                                                      self.steps)
         self.first_step = 0
 
     # ------------------------------------------------------------------ hooks the executor calls
 
     def fail_hook(self, index: int, ins) -> None:
         """--fail-at STEP:RANK: kill this rank mid-step (the first attempt only, so a restart can finish)."""
-        step, rank = self.fail_at
+        step, rank = self.options.fail_at
         if self.step == step and self.env.rank == rank and self.env.attempt == 0 \
                 and index == len(self.executor.instructions) // 2:
-            print(f"pipec: injected failure: global rank {rank} (pp {self.pp_rank}, dp {self.dp_rank}) killed at "
+            print(f"pipec: injected failure: {self.plan.mesh.where(rank)} killed at "
                   f"step {step}, instruction {index} ({ins.text()})", file=sys.stderr, flush=True)
             os._exit(13)
 
@@ -106,9 +103,8 @@ class Trainer:
         if self.check_pending:
             self.check_pending = False
             self.check_result = self.compare_with_reference()
-        clip = self.spec.get("grad_clip")
-        if clip:
-            self.clip_grads(float(clip))
+        if self.config.grad_clip is not None:
+            self.clip_grads(self.config.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -122,7 +118,7 @@ class Trainer:
                 params.append(p)
                 if p.grad is not None and (s, name) not in skip:  # a tied weight counts once: its first copy
                     sq += p.grad.detach().double().pow(2).sum()
-        group = tuple(p * self.D + self.dp_rank for p in range(self.plan.mesh.pp))
+        group = tuple(self.plan.mesh.global_rank(p, self.dp_rank) for p in range(self.plan.mesh.pp))
         self.transport.all_reduce(sq, group).wait()
         norm = math.sqrt(float(sq))
         if norm > max_norm:
@@ -137,19 +133,20 @@ class Trainer:
         """Loss and every gradient of this rank's stages against one unpartitioned step on the global batch."""
         from pipec.compiler.frontend.stages import build_reference
 
-        ref = build_reference(self.plan, seed=self.seed, init=self.spec.get("init") or "module")
+        ref = build_reference(self.plan, seed=self.config.seed, init=self.config.init)
         batches = [self.data(self.step, d, self.D) for d in range(self.D)]
         inputs = _cat([split_microbatches(b[0], 1, "data inputs", self.input_names)[0] for b in batches])
         targets = torch.cat([b[1] for b in batches])
         args = [inputs[n] for n in self.input_names]
-        ctx = torch.autocast("cpu", dtype=autocast_dtype(self.dtype)) if autocast_dtype(self.dtype) else _Null()
+        dtype = autocast_dtype(self.config.dtype)
+        ctx = torch.autocast("cpu", dtype=dtype) if dtype else _Null()
         with ctx:
             out = ref(*args)
         out = out[0] if isinstance(out, tuple) and len(out) == 1 else out
         loss = self.loss_fn(out, targets)
         loss.backward()
         ref_grads = {n: p.grad for n, p in ref.canonical_params().items()}
-        atol, rtol = CHECK_TOLERANCE.get(self.dtype, CHECK_TOLERANCE["float32"])
+        atol, rtol = CHECK_TOLERANCE[self.config.dtype]
         worst = torch.zeros(2, dtype=torch.float64)  # [max abs diff, max excess over tolerance]
         for s in self.own:
             for name, p in self.modules[s].canonical_params().items():
@@ -178,13 +175,13 @@ class Trainer:
         per_step: list[list[RankStep]] = []
         tokens_per_step = self.tokens_per_step()
         console = None
-        if rank0 and not self.args.quiet:
+        if rank0 and not self.options.quiet:
             from rich.console import Console
 
             console = Console(stderr=True)
-            console.print(f"[bold]pipec run[/] {self.args.plan}: {self.plan.mesh.pp} pp x {self.plan.mesh.dp} dp, "
+            console.print(f"[bold]pipec run[/] {self.options.plan}: {self.plan.mesh.pp} pp x {self.plan.mesh.dp} dp, "
                           f"{self.plan.num_microbatches} microbatches, {self.steps} steps"
-                          + (" (emulated)" if self.args.emulate else ""))
+                          + (" (emulated)" if self.options.emulate else ""))
         exit_code = 0
         start = self.first_step = self.restore()
         if start >= self.steps:
@@ -192,9 +189,9 @@ class Trainer:
         for step in range(start, self.steps):
             self.step = step
             if self.optimizer is not None:
-                factor = lr_factor(step, self.steps, self.spec.get("lr_schedule"), self.base_lr)
+                lr = self.config.lr_at(step, self.steps)
                 for g in self.optimizer.param_groups:
-                    g["lr"] = self.base_lr * factor
+                    g["lr"] = lr
                 mb_inputs, mb_targets = self.batch(step)
             else:
                 mb_inputs = mb_targets = None
@@ -225,7 +222,7 @@ class Trainer:
         """The step to start at: 0, or that of the checkpoint resumed from (``--resume``, or after a restart)."""
         start = self.checkpointer.restore() if self.checkpointer is not None else 0
         if start >= self.steps:
-            if self.args.resume and self.env.attempt == 0:
+            if self.options.resume and self.env.attempt == 0:
                 raise TrainingError(f"the checkpoint resumed from is at step {start}, and this run has {self.steps} "
                                     f"steps: nothing to run; pass --steps N with N > {start}")
             if self.env.rank == 0:
@@ -259,8 +256,7 @@ class Trainer:
         return res["passed"]
 
     def tokens_per_step(self) -> int | None:
-        inputs = self.spec.get("input") or []
-        ints = [i for i in inputs if str(i["dtype"]).startswith("int")]
+        ints = [i for i in self.inputs if str(i["dtype"]).startswith("int")]
         if not ints:
             return None
         return int(math.prod(ints[0]["shape"])) * self.D
@@ -285,19 +281,19 @@ class Trainer:
         flops = (self.plan.model or {}).get("flops_per_step") if self.plan.model else None
         if flops is not None:
             flops *= self.D
-        report = build_report(self.plan, self.args.plan, per_step, tokens_per_step=tokens_per_step,
+        report = build_report(self.plan, self.options.plan, per_step, tokens_per_step=tokens_per_step,
                               flops_per_step=flops, peak_flops=self.peak_flops,
                               check=self._check_json(), first_step=self.first_step,
                               goodput=self.attempt_log.summary(
                                   **({"checkpoints": self.checkpointer.stats()} if self.checkpointer else {})))
-        if self.args.report:
-            with open(self.args.report, "w", encoding="utf-8") as f:
+        if self.options.report:
+            with open(self.options.report, "w", encoding="utf-8") as f:
                 json.dump(report, f, indent=1)
-        if self.args.trace:
+        if self.options.trace:
             from pipec.compiler.timeline import Timeline
             from pipec.compiler.views.perfetto import write_perfetto
 
-            write_perfetto(Timeline.from_json(report["measured"]), self.args.trace, kind="measured",
+            write_perfetto(Timeline.from_json(report["measured"]), self.options.trace, kind="measured",
                            dp=self.plan.mesh.dp)
         self.summary(report)
 
@@ -323,7 +319,7 @@ class Trainer:
         t.add_column("bubble predicted", justify="right")
         pred_by_pp = {r["rank"]: r for r in (pred or {}).get("per_rank", [])}
         for r in meas["per_rank"]:
-            pp, dp = divmod(r["rank"], self.D)
+            pp, dp = self.plan.mesh.coords(r["rank"])
             p = pred_by_pp.get(pp)
             t.add_row(str(r["rank"]), f"{pp}, {dp}", f"{r['compute']:.3f} s", f"{r['comm_wait']:.3f} s",
                       f"{r['idle']:.3f} s", f"{r['bubble_fraction']:.1%}", f"{p['bubble_fraction']:.1%}" if p else "-")

@@ -1,27 +1,30 @@
-"""What a training step needs besides the schedule, read from the plan's spec.
+"""What a training step needs besides the schedule, built from the plan's training config.
 
-Optimizer (AdamW, Adam, SGD), learning-rate schedule (linear warm-up, then
-constant, cosine or linear decay), loss, autocast dtype, the data callable
-and microbatch slicing. Everything a user can get wrong raises
+The torch side of :class:`~pipec.compiler.config.TrainingConfig`: the
+optimizer (AdamW, Adam, SGD), the loss, the autocast dtype, the data callable
+and microbatch slicing (the learning-rate schedule is plain arithmetic:
+:meth:`TrainingConfig.lr_at`). Everything a user can get wrong raises
 :class:`TrainingError` with the key to fix.
 """
 
 from __future__ import annotations
 
 import importlib
-import math
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from pipec.compiler.config import TrainingConfig
+from pipec.compiler.plan import Plan
 from pipec.errors import PipecError
 
 __all__ = [
     "TrainingError",
     "make_optimizer",
-    "lr_factor",
     "make_loss",
     "autocast_dtype",
+    "replica_inputs",
     "make_data",
     "synthetic_batch",
     "split_microbatches",
@@ -51,42 +54,13 @@ def load_target(target: str, key: str) -> Any:
 _OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 
 
-def optimizer_settings(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """The spec's optimizer: ``name`` and its arguments (AdamW with torch's defaults when unset)."""
-    return dict(spec.get("optimizer") or {"name": "adamw"})
-
-
-def make_optimizer(params: Iterable[torch.nn.Parameter], spec: Mapping[str, Any]) -> torch.optim.Optimizer:
-    opt = optimizer_settings(spec)
-    name = opt.pop("name")
-    cls = _OPTIMIZERS.get(name)
-    if cls is None:
-        raise TrainingError(f"optimizer {name!r}: expected one of {', '.join(_OPTIMIZERS)}")
-    if "betas" in opt:
-        opt["betas"] = tuple(opt["betas"])
+def make_optimizer(params: Iterable[torch.nn.Parameter], config: TrainingConfig) -> torch.optim.Optimizer:
+    """The config's optimizer over ``params``, at its peak lr (the trainer sets each step's lr)."""
+    opt = config.optimizer
     try:
-        return cls(list(params), lr=float(spec.get("lr", 3e-4)), **opt)
+        return _OPTIMIZERS[opt.name](list(params), lr=config.lr, **opt.kwargs)
     except (TypeError, ValueError) as e:
-        raise TrainingError(f"optimizer {name}: {e}") from None
-
-
-def lr_factor(step: int, total_steps: int, schedule: Mapping[str, Any] | None, base_lr: float) -> float:
-    """The multiplier of the base lr at ``step`` (0-based): linear warm-up, then the decay."""
-    sched = schedule or {"name": "constant", "warmup": 0}
-    warmup = int(sched.get("warmup", 0))
-    if step < warmup:
-        return (step + 1) / warmup
-    name = sched.get("name", "constant")
-    if name == "constant":
-        return 1.0
-    floor = float(sched.get("min_lr", 0.0)) / base_lr if base_lr else 0.0
-    span = max(1, total_steps - warmup - 1)
-    progress = min(1.0, (step - warmup) / span)
-    if name == "cosine":
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-    if name == "linear":
-        return floor + (1 - floor) * (1 - progress)
-    raise TrainingError(f"lr_schedule {name!r}: expected constant, cosine or linear")
+        raise TrainingError(f"optimizer {opt.name}: {e}") from None
 
 
 def _cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -147,13 +121,21 @@ def synthetic_batch(step: int, dp_rank: int, dp_size: int, *, inputs: Sequence[M
     return out, target
 
 
-def make_data(spec: Mapping[str, Any]) -> Callable[[int, int, int], tuple[Any, Any]]:
+def replica_inputs(plan: Plan) -> tuple[dict[str, Any], ...]:
+    """Name, dtype and shape of each model input over one dp replica's whole batch (the ``input`` key):
+    the traced microbatch signatures with the batch times the microbatches; empty without a model."""
+    inputs = (plan.model or {}).get("inputs") or ()
+    return tuple({"name": i["name"], "dtype": i["dtype"],
+                  "shape": [i["shape"][0] * plan.num_microbatches, *i["shape"][1:]]} for i in inputs)
+
+
+def make_data(config: TrainingConfig, plan: Plan) -> Callable[[int, int, int], tuple[Any, Any]]:
     """``fn(step, dp_rank, dp_size) -> (inputs, targets)`` for one replica's whole batch."""
-    data = spec.get("data") or "synthetic"
+    data = config.data
     if data == "synthetic":
-        inputs = spec.get("input") or []
-        vocab = (spec.get("model_args") or {}).get("vocab")
-        seed = int(spec.get("seed", 0))
+        inputs = replica_inputs(plan)
+        vocab = ((plan.model or {}).get("kwargs") or {}).get("vocab")
+        seed = config.seed
 
         def synthetic(step: int, dp_rank: int, dp_size: int):
             return synthetic_batch(step, dp_rank, dp_size, inputs=inputs, seed=seed, vocab=vocab)

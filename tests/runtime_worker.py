@@ -22,23 +22,24 @@ import torch.distributed as dist
 from pipec.compiler.plan import read_plan
 from pipec.compiler.frontend.stages import build_reference
 from pipec.compiler.verify import verify
-from pipec.runtime.launch import Env, init_process_group, plan_transport, run_parser
+from pipec.compiler.config import TrainingConfig
+from pipec.runtime.launch import Env, RunOptions, init_process_group, plan_transport, run_parser
 from pipec.runtime.trainer import Trainer
-from pipec.runtime.training import lr_factor, make_data, make_loss, make_optimizer, split_microbatches
+from pipec.runtime.training import make_data, make_loss, make_optimizer, replica_inputs, split_microbatches
 
 
 def reference_losses(plan, steps: int) -> list[float]:
     """Single-process training on the global batch (every replica's data), same init, optimizer and lr."""
-    spec = plan.spec
-    ref = build_reference(plan, seed=int(spec["seed"]), init=spec["init"])
-    opt = make_optimizer(ref.parameters(), spec)
-    loss_fn, data = make_loss(spec["loss"]), make_data(spec)
-    names = [i["name"] for i in spec["input"]]
+    config = TrainingConfig.from_spec(plan.spec)
+    ref = build_reference(plan, seed=config.seed, init=config.init)
+    opt = make_optimizer(ref.parameters(), config)
+    loss_fn, data = make_loss(config.loss), make_data(config, plan)
+    names = [i["name"] for i in replica_inputs(plan)]
     D = plan.mesh.dp
     out = []
     for step in range(steps):
         for g in opt.param_groups:
-            g["lr"] = float(spec["lr"]) * lr_factor(step, steps, spec["lr_schedule"], float(spec["lr"]))
+            g["lr"] = config.lr_at(step, steps)
         batches = [data(step, d, D) for d in range(D)]
         inputs = [split_microbatches(b[0], 1, "inputs", names)[0] for b in batches]
         x = [torch.cat([i[n] for i in inputs]) for n in names]
@@ -79,10 +80,11 @@ def main() -> None:
         report = os.path.join(tempfile.gettempdir(), f"pipec-test-{os.getpid()}-{len(records)}.json")
         report = [report]
         dist.broadcast_object_list(report, src=0)
-        args = run_parser().parse_args([path, "--steps", str(steps), "--check", "--quiet", "--report", report[0],
-                                        "--timeout", "120"])
+        options = RunOptions.from_args(run_parser().parse_args(
+            [path, "--steps", str(steps), "--check", "--quiet", "--report", report[0], "--timeout", "120"]))
         transport = plan_transport(plan, env, 120, backend, device)
-        trainer = Trainer(plan, args, env, transport, device, fail_at=None, peak_flops=None, peak_memory=lambda: 0)
+        trainer = Trainer(plan, TrainingConfig.from_spec(plan.spec), options, env, transport, device, peak_flops=None,
+                          peak_memory=lambda: 0)
         rc = trainer.train()
         ties_ok = tied_copies_equal(plan, trainer)
         if env.rank == 0:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from conftest import PYTHON, run_in_session
 
+from pipec.compiler.config import TrainingConfig
 from pipec.compiler.driver import compile_spec
 from pipec.compiler.plan import write_plan
 from pipec.compiler.frontend.stages import build_reference, build_stages, run_stages
@@ -122,9 +123,10 @@ class Local:
 
     def __init__(self, plan) -> None:
         self.plan = plan
+        self.config = TrainingConfig.from_spec(plan.spec)
         self.modules = build_stages(plan, range(plan.num_stages), seed=0)
-        self.optimizer = make_optimizer([p for m in self.modules.values() for p in m.parameters()], plan.spec)
-        self.data, self.loss = make_data(plan.spec), make_loss("cross_entropy")
+        self.optimizer = make_optimizer([p for m in self.modules.values() for p in m.parameters()], self.config)
+        self.data, self.loss = make_data(self.config, plan), make_loss("cross_entropy")
 
     def step(self, k: int) -> None:
         x, y = self.data(k, 0, 1)
@@ -140,7 +142,7 @@ class Local:
     def checkpointer(self, **kw) -> Checkpointer:
         opts = {"rank": 0, "world_size": 1, "total_steps": 10, "save_dir": None, "every": 0, "keep": None,
                 "resume": None, **kw}
-        return Checkpointer(self.plan, self.modules, self.optimizer, **opts)
+        return Checkpointer(self.plan, self.config, self.modules, self.optimizer, **opts)
 
     def params(self) -> dict[str, torch.Tensor]:
         return {f"{s}:{n}": p.detach().clone() for s, m in self.modules.items() for n, p in m.named_parameters()}
@@ -408,7 +410,7 @@ def test_a_checkpoint_loads_under_other_plans(runs):
     model = build_reference(plan, seed=0)
     state, _, _ = load_model_state(src)
     model.model.load_state_dict({**state, "lm_head.weight": state["wte.weight"]})
-    data, loss_fn = make_data(plan.spec), make_loss("cross_entropy")
+    data, loss_fn = make_data(TrainingConfig.from_spec(plan.spec), plan), make_loss("cross_entropy")
     with torch.no_grad():
         expected = sum(loss_fn(model(data(3, d, 2)[0]["tokens"])[0], data(3, d, 2)[1]).item() for d in range(2)) / 2
     assert losses(runs / "z.json.report")[3] == pytest.approx(expected, rel=1e-5)

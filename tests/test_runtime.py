@@ -22,6 +22,7 @@ import torch
 
 from conftest import PYTHON, run_in_session
 
+from pipec.compiler.config import TrainingConfig
 from pipec.compiler.driver import compile_spec
 from pipec.compiler.plan import write_plan
 from pipec.compiler.frontend.stages import build_reference, build_stages
@@ -46,14 +47,14 @@ def tiny_gpt(schedule: str, virtual: int, pp: int, dp: int = 1, microbatches: in
 def run_in_process(plan, step: int = 0, on_modules=None):
     """Every rank of the plan on a thread over the fake transport; returns per-rank results and modules."""
     P, D = plan.mesh.pp, plan.mesh.dp
-    spec = plan.spec
     world = FakeWorld(P * D, timeout=60)
     modules = {(p, d): build_stages(plan, [s for s, r in enumerate(plan.placement) if r == p], seed=0)
                for p in range(P) for d in range(D)}
     for mods in modules.values():
         if on_modules is not None:
             on_modules(mods)
-    data, loss_fn = make_data(spec), make_loss(spec["loss"])
+    config = TrainingConfig.from_spec(plan.spec)
+    data, loss_fn = make_data(config, plan), make_loss(config.loss)
     results, errors = {}, []
 
     def rank(p: int, d: int) -> None:
@@ -78,7 +79,8 @@ def run_in_process(plan, step: int = 0, on_modules=None):
 
 def reference_step(plan, step: int = 0):
     ref = build_reference(plan, seed=0)
-    data, loss_fn = make_data(plan.spec), make_loss(plan.spec["loss"])
+    config = TrainingConfig.from_spec(plan.spec)
+    data, loss_fn = make_data(config, plan), make_loss(config.loss)
     batches = [data(step, d, plan.mesh.dp) for d in range(plan.mesh.dp)]
     x = torch.cat([b[0]["tokens"] for b in batches])
     y = torch.cat([b[1] for b in batches])
