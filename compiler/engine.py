@@ -35,13 +35,15 @@ from pipec.compiler.ir import COMM_OPS, SEND_OPS, Op, Program, message_edge
 from pipec.compiler.plan import Edge, Tie
 from pipec.compiler.timeline import Event
 from pipec.errors import PipecError
+from pipec.schedules.timing import Cost
 
-__all__ = ["BUFFERED", "IN_ORDER", "MODELS", "OPTIM_GROUP", "Costs", "Deadlock", "Execution", "Decoded",
+__all__ = ["BUFFERED", "IN_ORDER", "MODELS", "OPTIM_GROUP", "CostModel", "Deadlock", "Execution", "Decoded",
            "decode", "execute", "group_members"]
 
 BUFFERED = "buffered"
 IN_ORDER = "in_order"
 MODELS = (BUFFERED, IN_ORDER)
+"""The comm models (DESIGN, "What the verifier proves"); each is a strategy of the event loop."""
 
 OPTIM_GROUP = "pp"
 """The group of the grad-norm collective inside ``OPT``: all pp ranks."""
@@ -60,19 +62,15 @@ class Deadlock(PipecError):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Costs:
-    """Durations of everything a program does, in seconds (or units)."""
+class CostModel:
+    """What everything a program does takes, in seconds (or units)."""
 
-    fwd: tuple[float, ...]
-    bwd: tuple[float, ...]
-    bwd_i: tuple[float, ...]
-    bwd_w: tuple[float, ...]
+    stages: tuple[Cost, ...]
+    """Per stage: its compute costs and its optimizer step (pipec's one cost type)."""
     transfer: Mapping[tuple[int, int], float]
     """Per edge (src_stage, dst_stage): one microbatch's message over the pp link."""
     allreduce: Mapping[tuple[str, int], float]
     """Per (group, stage): the all-reduce's duration."""
-    optim_step: tuple[float, ...] = ()
-    """Per pp rank: the optimizer step over its parameters (empty: free)."""
     activation_bytes: tuple[int, ...] = ()
     """Per stage: bytes saved per microbatch in flight (empty when unknown)."""
     time_unit: str = "s"
@@ -101,7 +99,7 @@ def group_members(group: str, rank: int, num_ranks: int, ties: Sequence[Tie], pl
     name = group[4:]
     for t in ties:
         if t.name == name:
-            return tuple(sorted({placement[s] for s in t.stages}))
+            return t.ranks(placement)
     raise KeyError(group)
 
 
@@ -154,7 +152,7 @@ class Decoded:
 
 
 def decode(program: Program, *, placement: Sequence[int], num_microbatches: int, edges: Sequence[Edge],
-           costs: Costs) -> Decoded:
+           costs: CostModel) -> Decoded:
     """Decode every instruction once: its waits as integer keys, its duration."""
     S = len(placement)
     keys = _Keys(S, num_microbatches)
@@ -165,6 +163,11 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
         consumers[e.src_stage].append(e.dst_stage)
     M = num_microbatches
     act_bytes = costs.activation_bytes or (0,) * S
+    stage_costs = costs.stages
+    optim = [0.0] * program.num_ranks  # per rank: the optimizer steps of its stages
+    for s, c in enumerate(stage_costs):
+        if c.optim:
+            optim[placement[s]] += c.optim
     transfer = costs.transfer
     fwd_done, bwd_done = keys.fwd_done, keys.bwd_done
     deps_cache: dict[tuple[Op, int, int], tuple[int, ...]] = {}
@@ -187,14 +190,15 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
                             bwd_done + c * M if placement[c] == r else keys.gradk(s, c, 0) for c in consumers[s])
                     deps_cache[(op, s, r)] = base
                 deps = [k + m for k in base]
+                c = stage_costs[s]
                 if op is Op.FWD:
-                    dec.append((_COMPUTE, deps, costs.fwd[s], fwd_done + s * M + m, 1, act_bytes[s]))
+                    dec.append((_COMPUTE, deps, c.fwd, fwd_done + s * M + m, 1, act_bytes[s]))
                 elif op is Op.BWD:
-                    dec.append((_COMPUTE, deps, costs.bwd[s], bwd_done + s * M + m, -1, -act_bytes[s]))
+                    dec.append((_COMPUTE, deps, c.bwd, bwd_done + s * M + m, -1, -act_bytes[s]))
                 elif op is Op.BWD_I:
-                    dec.append((_COMPUTE, deps, costs.bwd_i[s], bwd_done + s * M + m, 0, 0))
+                    dec.append((_COMPUTE, deps, c.bwd_i, bwd_done + s * M + m, 0, 0))
                 else:
-                    dec.append((_COMPUTE, deps, costs.bwd_w[s], -1, -1, -act_bytes[s]))
+                    dec.append((_COMPUTE, deps, c.bwd_w, -1, -1, -act_bytes[s]))
             elif op in COMM_OPS:
                 is_act, src, dst = message_edge(ins)
                 key = keys.act(src, dst, ins.microbatch) if is_act else keys.gradk(src, dst, ins.microbatch)
@@ -203,12 +207,230 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
                 dec.append((_AR, ins.group, costs.allreduce.get((ins.group, ins.stage), 0.0)))
             else:
                 # the grad-norm collective (free), then this rank's own optimizer step
-                dec.append((_OPT, OPTIM_GROUP, 0.0, costs.optim_step[r] if costs.optim_step else 0.0))
+                dec.append((_OPT, OPTIM_GROUP, 0.0, optim[r]))
         out.append(tuple(dec))
     return Decoded(tuple(out), keys)
 
 
+class _Buffered:
+    """The ``buffered`` comm model (gloo-like): posts never block; a send and its receive complete once
+    both are posted (plus the transfer time); collectives block every member until all have arrived;
+    ``OPT`` first waits for the rank's outstanding posts."""
+
+    name = BUFFERED
+
+    def __init__(self, eng: _Engine) -> None:
+        self.eng = eng
+        P = eng.P
+        self.posted: dict = {}
+        """(key, is_send) -> (rank, time) of a post whose other end is not posted yet."""
+        self.outstanding = [0] * P
+        self.comm_done = [0.0] * P
+        """Per rank: when its last completed post completed."""
+        self.arrivals: dict[tuple, list] = {}
+        """Collective key -> [members still to arrive, latest arrival]."""
+
+    def post(self, r: int, dec: tuple, pc: int, clock: float) -> int:
+        """Post instruction ``pc`` of rank r; returns the next pc."""
+        d = dec[pc]
+        key, is_send = d[1], d[0] == _SEND
+        other = self.posted.pop((key, not is_send), None)
+        self.outstanding[r] += 1
+        if other is None:
+            self.posted[(key, is_send)] = (r, clock)
+            return pc + 1
+        q, t_other = other
+        done_t = (clock if clock > t_other else t_other) + d[2]
+        resolve = self.eng.resolve
+        resolve(key, done_t)
+        for x in (r, q):
+            self.outstanding[x] -= 1
+            if done_t > self.comm_done[x]:
+                self.comm_done[x] = done_t
+            if self.outstanding[x] == 0:
+                resolve(("D", x), self.comm_done[x])
+        return pc + 1
+
+    def ready(self, r: int, clock: float, is_opt: bool) -> float | None:
+        """When rank r reaches a collective; None: it first waits (``OPT`` for its posts) and is blocked."""
+        if not is_opt:
+            return clock
+        if self.outstanding[r]:
+            self.eng.done.pop(("D", r), None)
+            self.eng.block(r, ("D", r))
+            return None
+        return max(clock, self.comm_done[r])
+
+    def arrive(self, r: int, ckey: tuple, members: tuple[int, ...], dur: float, t: float, is_opt: bool) -> bool:
+        """Rank r arrives at collective ``ckey`` at t; the collective resolves when every member has.
+        Returns whether the host waits for it (here: always)."""
+        slot = self.arrivals.get(ckey)
+        if slot is None:
+            slot = self.arrivals[ckey] = [len(members), t]
+        slot[0] -= 1
+        if t > slot[1]:
+            slot[1] = t
+        if slot[0] == 0:
+            del self.arrivals[ckey]
+            self.eng.resolve(ckey, slot[1] + dur)
+        return True
+
+    def unfinished(self) -> list[int]:
+        return [r for r in range(self.eng.P) if self.outstanding[r]]
+
+    def end_times(self) -> list[float]:
+        return self.comm_done
+
+    def describe(self, r: int, here: str) -> tuple[str, int | None] | None:
+        """What rank r waits for that only this model knows: its own posts."""
+        eng = self.eng
+        key = eng.blocked_on[r]
+        at_end = key is None and eng.pc[r] >= len(eng.dec[r]) and self.outstanding[r]
+        if not at_end and not (isinstance(key, tuple) and key[0] == "D"):
+            return None
+        for (k, is_send), (x, _t) in self.posted.items():
+            if x == r:
+                text, other = eng.message_text(k, is_send)
+                if at_end:
+                    return f"posted {text}, which rank {other} never matches", other
+                return f"{here} waits for {text} to complete, which rank {other} never matches", other
+        return f"{here} waits for its posted communication to complete", None
+
+
+class _InOrder:
+    """The ``in_order`` comm model (NCCL-like): a rank's comm posts, collectives included, complete in
+    the order posted. A batch is one unit: its posts may complete in any order, and the next unit
+    starts when the whole batch is done. A send completes only when its receive is in the unit heading
+    the peer's queue; a collective when it heads the queue of every member. Collectives do not block
+    the host; ``OPT`` waits for its own completion, so for the queue."""
+
+    name = IN_ORDER
+
+    def __init__(self, eng: _Engine) -> None:
+        self.eng = eng
+        self.queues: list[deque] = [deque() for _ in range(eng.P)]
+        """Per rank: units [ops, pending, done_time]; op = (kind "S"|"R"|"C", key, post, dur, members)."""
+        self.at_head: dict = {}
+        """(key, is_send) -> (rank, unit, ready) of a p2p op heading its rank's queue, unmatched."""
+        self.coll_heads: dict[tuple, list] = {}
+        """Collective key -> [members still to reach it at a queue head, latest ready, [(rank, unit)]]."""
+
+    def post(self, r: int, dec: tuple, pc: int, clock: float) -> int:
+        """Queue instruction ``pc`` of rank r, with the rest of its batch, as one unit; returns the next pc."""
+        d = dec[pc]
+        batch = d[3]
+        n = len(dec)
+        ops = []
+        while True:
+            ops.append(("S" if d[0] == _SEND else "R", d[1], clock, d[2], None))
+            pc += 1
+            if batch is None or pc >= n:
+                break
+            d = dec[pc]
+            if (d[0] != _SEND and d[0] != _RECV) or d[3] != batch:
+                break
+        self.enqueue(r, ops, clock)
+        return pc
+
+    def ready(self, r: int, clock: float, is_opt: bool) -> float:
+        return clock
+
+    def arrive(self, r: int, ckey: tuple, members: tuple[int, ...], dur: float, t: float, is_opt: bool) -> bool:
+        """Queue the collective; only ``OPT`` makes the host wait for it."""
+        self.enqueue(r, [("C", ckey, t, dur, members)], t)
+        return is_opt
+
+    def enqueue(self, r: int, ops: list, t: float) -> None:
+        q = self.queues[r]
+        q.append([ops, len(ops), 0.0])
+        if len(q) == 1:
+            self.activate(r, t)
+
+    def activate(self, r: int, head_time: float) -> None:
+        """Make the unit heading rank r's queue current; chain the completions it allows."""
+        resolve = self.eng.resolve
+        todo = [(r, head_time)]
+        while todo:
+            r, head_time = todo.pop()
+            q = self.queues[r]
+            if not q:
+                continue
+            unit = q[0]
+            for kind, key, post, dur, members in unit[0]:
+                ready = post if post > head_time else head_time
+                if kind == "C":
+                    slot = self.coll_heads.get(key)
+                    if slot is None:
+                        slot = self.coll_heads[key] = [len(members), ready, []]
+                    slot[0] -= 1
+                    if ready > slot[1]:
+                        slot[1] = ready
+                    slot[2].append((r, unit))
+                    if slot[0] == 0:
+                        del self.coll_heads[key]
+                        t = slot[1] + dur
+                        resolve(key, t)
+                        for x, u in slot[2]:
+                            self._unit_op_done(x, u, t, todo)
+                    continue
+                side = kind == "S"
+                other = self.at_head.pop((key, not side), None)
+                if other is None:
+                    self.at_head[(key, side)] = (r, unit, ready)
+                    continue
+                x, u, ready_other = other
+                t = (ready if ready > ready_other else ready_other) + dur
+                resolve(key, t)
+                self._unit_op_done(r, unit, t, todo)
+                self._unit_op_done(x, u, t, todo)
+
+    def _unit_op_done(self, r: int, unit: list, t: float, todo: list) -> None:
+        unit[1] -= 1
+        if t > unit[2]:
+            unit[2] = t
+        if unit[1] == 0:
+            q = self.queues[r]
+            assert q[0] is unit
+            q.popleft()
+            todo.append((r, unit[2]))
+
+    def unfinished(self) -> list[int]:
+        return [r for r in range(self.eng.P) if self.queues[r]]
+
+    def end_times(self) -> list[float]:
+        return []  # a queue empties no later than the OPT that waits for it
+
+    def describe(self, r: int, here: str) -> tuple[str, int | None] | None:
+        """What heads rank r's queue and is not matched."""
+        eng = self.eng
+        if not self.queues[r]:
+            return None
+        for kind, key, _post, _dur, members in self.queues[r][0][0]:
+            if key in eng.done:
+                continue
+            if kind == "C":
+                arrived = {x for x, _ in self.coll_heads.get(key, [0, 0, []])[2]}
+                missing = [x for x in members if x not in arrived]
+                if missing:
+                    return (f"{here} waits; its comm queue is headed by collective {key[1]} #{key[2]}, which "
+                            f"rank {missing[0]} has not reached"), missing[0]
+                continue
+            send = kind == "S"
+            mine, other = eng.message_text(key, send)
+            theirs, _ = eng.message_text(key, not send)
+            return (f"{here} waits; its comm queue is headed by {mine}, whose "
+                    f"{'receive' if send else 'send'} {theirs} is not at the head of rank {other}'s queue"), other
+        return None
+
+
+_COMM_MODELS = {BUFFERED: _Buffered, IN_ORDER: _InOrder}
+"""Comm model name -> its strategy: how posts and collectives complete (the loop calls it)."""
+
+
 class _Engine:
+    """The rank loop: compute and the waits on data are the same under every comm model; posts and
+    collectives go to the comm model's strategy (``self.comm``)."""
+
     def __init__(self, program: Program, decoded: Decoded, placement: Sequence[int], ties: Sequence[Tie],
                  model: str, record_events: bool) -> None:
         self.program = program
@@ -216,7 +438,6 @@ class _Engine:
         self.keys = decoded.keys
         self.placement = placement
         self.ties = ties
-        self.model = model
         self.record_events = record_events
         P = program.num_ranks
         self.P = P
@@ -234,17 +455,9 @@ class _Engine:
         self.peak = [0] * P
         self.peak_bytes = [0] * P
         self.coll_calls: list[dict[str, int]] = [{} for _ in range(P)]
-        self.arrivals: dict[tuple, list] = {}
         self.arrived = [False] * P
         self.members_cache: dict[tuple[str, int], tuple[int, ...]] = {}
-        # buffered model: posted[(key, is_send)] = (rank, time)
-        self.posted: dict = {}
-        self.outstanding = [0] * P
-        self.comm_done = [0.0] * P
-        # in-order model: per rank a deque of units [ops, pending, done_time]; op = (kind, key, post, dur, members)
-        self.queues: list[deque] = [deque() for _ in range(P)]
-        self.at_head: dict = {}
-        self.coll_heads: dict[tuple, list] = {}
+        self.comm = _COMM_MODELS[model](self)
 
     def resolve(self, key, t: float) -> None:
         self.done[key] = t
@@ -272,79 +485,6 @@ class _Engine:
         calls[group] = k + 1
         return ("C", group, k)
 
-    # ------------------------------------------------------------------ buffered p2p
-
-    def post_buffered(self, r: int, key: int, is_send: bool, xfer: float, t: float) -> None:
-        other = self.posted.pop((key, not is_send), None)
-        self.outstanding[r] += 1
-        if other is None:
-            self.posted[(key, is_send)] = (r, t)
-            return
-        q, t_other = other
-        done_t = (t if t > t_other else t_other) + xfer
-        self.resolve(key, done_t)
-        for x in (r, q):
-            self.outstanding[x] -= 1
-            if done_t > self.comm_done[x]:
-                self.comm_done[x] = done_t
-            if self.outstanding[x] == 0:
-                self.resolve(("D", x), self.comm_done[x])
-
-    # ------------------------------------------------------------------ in-order queues
-
-    def enqueue(self, r: int, ops: list, t: float) -> None:
-        q = self.queues[r]
-        q.append([ops, len(ops), 0.0])
-        if len(q) == 1:
-            self.activate(r, t)
-
-    def activate(self, r: int, head_time: float) -> None:
-        """Make the unit heading rank r's queue current; chain the completions it allows."""
-        todo = [(r, head_time)]
-        while todo:
-            r, head_time = todo.pop()
-            q = self.queues[r]
-            if not q:
-                continue
-            unit = q[0]
-            for kind, key, post, dur, members in unit[0]:
-                ready = post if post > head_time else head_time
-                if kind == "C":
-                    slot = self.coll_heads.get(key)
-                    if slot is None:
-                        slot = self.coll_heads[key] = [len(members), ready, []]
-                    slot[0] -= 1
-                    if ready > slot[1]:
-                        slot[1] = ready
-                    slot[2].append((r, unit))
-                    if slot[0] == 0:
-                        del self.coll_heads[key]
-                        t = slot[1] + dur
-                        self.resolve(key, t)
-                        for x, u in slot[2]:
-                            self._unit_op_done(x, u, t, todo)
-                    continue
-                side = kind == "S"
-                other = self.at_head.pop((key, not side), None)
-                if other is None:
-                    self.at_head[(key, side)] = (r, unit, ready)
-                    continue
-                x, u, ready_other = other
-                t = (ready if ready > ready_other else ready_other) + dur
-                self.resolve(key, t)
-                self._unit_op_done(r, unit, t, todo)
-                self._unit_op_done(x, u, t, todo)
-
-    def _unit_op_done(self, r: int, unit: list, t: float, todo: list) -> None:
-        unit[1] -= 1
-        if t > unit[2]:
-            unit[2] = t
-        if unit[1] == 0:
-            q = self.queues[r]
-            assert q[0] is unit
-            q.popleft()
-            todo.append((r, unit[2]))
-
     # ------------------------------------------------------------------ the rank loop
 
     def advance(self, r: int) -> None:
@@ -353,7 +493,8 @@ class _Engine:
         pc = self.pc[r]
         clock = self.clock[r]
         done = self.done
-        in_order = self.model == IN_ORDER
+        comm = self.comm
+        post = comm.post
         while pc < n:
             d = dec[pc]
             code = d[0]
@@ -385,57 +526,26 @@ class _Engine:
                 clock = end
                 pc += 1
             elif code == _SEND or code == _RECV:
-                if not in_order:
-                    self.post_buffered(r, d[1], code == _SEND, d[2], clock)
-                    pc += 1
-                    continue
-                batch = d[3]
-                ops = []
-                while True:
-                    ops.append(("S" if d[0] == _SEND else "R", d[1], clock, d[2], None))
-                    pc += 1
-                    if batch is None or pc >= n:
-                        break
-                    d = dec[pc]
-                    if d[0] not in (_SEND, _RECV) or d[3] != batch:
-                        break
-                self.enqueue(r, ops, clock)
+                pc = post(r, dec, pc, clock)
             else:  # a collective: ALLREDUCE, or the grad-norm collective of OPT
                 is_opt = code == _OPT
                 if not self.arrived[r]:
-                    group, dur = d[1], d[2]
-                    arrive = clock
-                    if is_opt and not in_order:
-                        # the step needs every posted send and receive complete
-                        if self.outstanding[r]:
-                            done.pop(("D", r), None)
-                            self.pc[r], self.clock[r] = pc, clock
-                            self.block(r, ("D", r))
-                            return
-                        arrive = max(clock, self.comm_done[r])
+                    arrive = comm.ready(r, clock, is_opt)
+                    if arrive is None:  # blocked before it can arrive
+                        self.pc[r], self.clock[r] = pc, clock
+                        return
+                    group = d[1]
                     ckey = self.collective_key(r, group)
-                    members = self.members(group, r)
                     self.arrived[r] = True
                     self.blocked_on[r] = ckey
-                    if in_order:
-                        self.enqueue(r, [("C", ckey, clock, dur, members)], clock)
-                        if not is_opt:  # an all-reduce does not block the host
-                            self.arrived[r] = False
-                            self.blocked_on[r] = None
-                            if self.record_events:
-                                self.events.append(Event(r, self.program.ranks[r][pc].text(), clock, clock))
-                            pc += 1
-                            continue
-                    else:
-                        slot = self.arrivals.get(ckey)
-                        if slot is None:
-                            slot = self.arrivals[ckey] = [len(members), arrive]
-                        slot[0] -= 1
-                        if arrive > slot[1]:
-                            slot[1] = arrive
-                        if slot[0] == 0:
-                            del self.arrivals[ckey]
-                            self.resolve(ckey, slot[1] + dur)
+                    if not comm.arrive(r, ckey, self.members(group, r), d[2], arrive, is_opt):
+                        # the host goes on at once
+                        self.arrived[r] = False
+                        self.blocked_on[r] = None
+                        if self.record_events:
+                            self.events.append(Event(r, self.program.ranks[r][pc].text(), clock, clock))
+                        pc += 1
+                        continue
                 ckey = self.blocked_on[r]
                 t = done.get(ckey)
                 if t is None:
@@ -462,16 +572,11 @@ class _Engine:
         while runnable:
             advance(runnable.popleft())
         stuck = [r for r in range(self.P) if self.pc[r] < len(self.dec[r])]
-        if self.model == IN_ORDER:
-            leftover = [r for r in range(self.P) if self.queues[r]]
-        else:
-            leftover = [r for r in range(self.P) if self.outstanding[r]]
-        if stuck or leftover:
-            raise Deadlock(self.model, self.explain())
-        ends = self.clock + (self.comm_done if self.model == BUFFERED else [])
+        if stuck or self.comm.unfinished():
+            raise Deadlock(self.comm.name, self.explain())
         return Execution(
-            model=self.model,
-            step_time=max(ends, default=0.0),
+            model=self.comm.name,
+            step_time=max(self.clock + self.comm.end_times(), default=0.0),
             compute=tuple(self.compute),
             comm_wait=tuple(self.wait),
             peak_activations=tuple(self.peak),
@@ -492,7 +597,7 @@ class _Engine:
         chosen = cycle if cycle else sorted(waits)
         return [f"rank {r}: {waits[r][0]}" for r in chosen]
 
-    def _text(self, key: int, send: bool) -> tuple[str, int]:
+    def message_text(self, key: int, send: bool) -> tuple[str, int]:
         """The post of a message key, and the rank at its other end."""
         kind, src, dst, m = self.keys.describe(key)
         text = _message_text(kind, src, dst, m, self.placement, send)
@@ -506,49 +611,25 @@ class _Engine:
         instrs = self.program.ranks[r]
         pc = self.pc[r]
         here = f"{instrs[pc].text()} (instruction {pc})" if pc < len(instrs) else "end of program"
-        if self.model == IN_ORDER and self.queues[r]:
-            for kind, key, _post, _dur, members in self.queues[r][0][0]:
-                if key in self.done:
-                    continue
-                if kind == "C":
-                    arrived = {x for x, _ in self.coll_heads.get(key, [0, 0, []])[2]}
-                    missing = [x for x in members if x not in arrived]
-                    if missing:
-                        return (f"{here} waits; its comm queue is headed by collective {key[1]} #{key[2]}, which "
-                                f"rank {missing[0]} has not reached"), missing[0]
-                    continue
-                send = kind == "S"
-                mine, other = self._text(key, send)
-                theirs, _ = self._text(key, not send)
-                return (f"{here} waits; its comm queue is headed by {mine}, whose "
-                        f"{'receive' if send else 'send'} {theirs} is not at the head of rank {other}'s queue"), other
+        got = self.comm.describe(r, here)
+        if got is not None:
+            return got
         key = self.blocked_on[r]
         if key is None:
-            if pc >= len(instrs) and self.model == BUFFERED and self.outstanding[r]:
-                for (k, is_send), (x, _t) in self.posted.items():
-                    if x == r:
-                        text, other = self._text(k, is_send)
-                        return f"posted {text}, which rank {other} never matches", other
             return None, None
         if isinstance(key, int):
             kind, a, _b, m = self.keys.describe(key)
             if kind in ("F", "B"):
                 return f"{here} waits for {kind}{a}.{m}, which comes later on the same rank", r
-            text, sender = self._text(key, False)
+            text, sender = self.message_text(key, False)
             return f"{here} waits for {text}, which rank {sender} has not sent", sender
-        if key[0] == "C":
-            group = key[1]
-            members = self.members(group, r)
-            waiting = [x for x in members if x != r and self.blocked_on[x] != key]
-            other = waiting[0] if waiting else None
-            name = "OPT's grad-norm collective" if group == OPTIM_GROUP else f"collective {group} #{key[2]}"
-            who = f", which rank {other} has not reached" if other is not None else ""
-            return f"{here} waits in {name}{who}", other
-        for (k, is_send), (x, _t) in self.posted.items():  # ("D", r): waits for its posts
-            if x == r:
-                text, other = self._text(k, is_send)
-                return f"{here} waits for {text} to complete, which rank {other} never matches", other
-        return f"{here} waits for its posted communication to complete", None
+        group = key[1]  # ("C", group, k): a collective
+        members = self.members(group, r)
+        waiting = [x for x in members if x != r and self.blocked_on[x] != key]
+        other = waiting[0] if waiting else None
+        name = "OPT's grad-norm collective" if group == OPTIM_GROUP else f"collective {group} #{key[2]}"
+        who = f", which rank {other} has not reached" if other is not None else ""
+        return f"{here} waits in {name}{who}", other
 
 
 def _find_cycle(edges: Mapping[int, int]) -> list[int]:
@@ -570,14 +651,14 @@ def execute(
     placement: Sequence[int],
     num_microbatches: int,
     edges: Sequence[Edge],
-    costs: Costs,
+    costs: CostModel,
     model: str = BUFFERED,
     ties: Sequence[Tie] = (),
     decoded: Decoded | None = None,
     record_events: bool = True,
 ) -> Execution:
     """Run the event loop; raises :class:`Deadlock` if the program cannot finish."""
-    if model not in MODELS:
+    if model not in _COMM_MODELS:
         raise ValueError(f"unknown comm model {model!r}; expected one of {', '.join(MODELS)}")
     if decoded is None:
         decoded = decode(program, placement=placement, num_microbatches=num_microbatches, edges=edges, costs=costs)

@@ -33,8 +33,8 @@ from typing import Sequence
 
 from pipec.compiler.ir import Instruction, Op, Program
 from pipec.compiler.plan import Edge, Tie
-from pipec.compiler.simulate import Costs
-from pipec.schedules import timing
+from pipec.compiler.engine import CostModel
+from pipec.schedules.timing import list_schedule
 from pipec.schedules.order import ComputeOrder, Kind
 
 __all__ = ["lower", "schedule_times"]
@@ -44,21 +44,19 @@ _MIN_DURATION = 1e-9
 
 
 def schedule_times(order: ComputeOrder, producers: Sequence[Sequence[int]], consumers: Sequence[Sequence[int]],
-                   costs: Costs) -> tuple[tuple[float, ...], ...]:
+                   costs: CostModel) -> tuple[tuple[float, ...], ...]:
     """Finish time of every action of every rank under the costs (buffered comm); see
     :func:`pipec.schedules.timing.list_schedule`, which raises a ``ScheduleError`` when the order
     cannot run."""
-    durations = [timing.Costs(fwd=f, bwd=b, bwd_i=i, bwd_w=w)
-                 for f, b, i, w in zip(costs.fwd, costs.bwd, costs.bwd_i, costs.bwd_w)]
-    return timing.list_schedule(order, producers=producers, consumers=consumers, durations=durations,
-                                transfer=costs.transfer, min_duration=_MIN_DURATION).finishes
+    return list_schedule(order, producers=producers, consumers=consumers, durations=costs.stages,
+                         transfer=costs.transfer, min_duration=_MIN_DURATION).finishes
 
 
 def lower(
     order: ComputeOrder,
     *,
     edges: Sequence[Edge],
-    costs: Costs,
+    costs: CostModel,
     dp: int = 1,
     ties: Sequence[Tie] = (),
 ) -> Program:
@@ -129,7 +127,7 @@ def lower(
             batch = _flush(run, out, batch)
         for tie in sorted(ties, key=lambda t: t.name):
             mine = sorted(s for s in tie.stages if placement[s] == r)
-            if mine and len({placement[s] for s in tie.stages}) > 1:
+            if mine and len(tie.ranks(placement)) > 1:
                 out.append(Instruction(Op.ALLREDUCE, mine[0], group=f"tie.{tie.name}"))
         out.append(Instruction(Op.OPTIM_STEP))
         ranks.append(tuple(out))

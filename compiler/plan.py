@@ -19,6 +19,7 @@ from pipec.compiler.ir import FIELDS, IRError, Instruction, Op, Program
 from pipec.compiler.schema import Reader, SchemaError
 from pipec.compiler.timeline import Timeline
 from pipec.schedules.order import gc_paused
+from pipec.schedules.timing import UNIT, Cost
 
 __all__ = [
     "FORMAT",
@@ -72,19 +73,8 @@ _DTYPE_BYTES = {
 }
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Cost:
-    """Per-microbatch cost of a stage's forward, backward and its two halves."""
-
-    fwd: float = 1.0
-    bwd: float = 2.0
-    bwd_i: float = 1.0
-    bwd_w: float = 1.0
-    optim: float = 0.0
-    """(added) The optimizer step over the stage's parameters, once per step."""
-
-
-UNIT_COST = Cost()
+UNIT_COST = UNIT
+"""Unit costs (F=1, B=2, I=W=1): a schedule-only plan's."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,6 +87,7 @@ class Stage:
     inputs: tuple[Signature, ...] = ()
     outputs: tuple[Signature, ...] = ()
     cost: Cost = UNIT_COST
+    """Per microbatch (:class:`pipec.schedules.timing.Cost`, pipec's one cost type)."""
     activation_bytes: int | None = None
     """Bytes saved for backward per microbatch."""
     param_bytes: int | None = None

@@ -13,29 +13,28 @@ from pipec.compiler.engine import (
     BUFFERED,
     IN_ORDER,
     MODELS,
-    Costs,
+    CostModel,
     Deadlock,
     Execution,
     execute,
     group_members,
 )
-from pipec.compiler.plan import UNIT_COST, Edge, Plan
+from pipec.compiler.plan import UNIT_COST, Plan, chain_edges
 from pipec.compiler.timeline import Timeline
 
 __all__ = [
-    "BUFFERED", "IN_ORDER", "MODELS", "Costs", "Deadlock", "Execution",
+    "BUFFERED", "IN_ORDER", "MODELS", "CostModel", "Deadlock", "Execution",
     "execute", "simulate", "plan_costs", "timeline_of", "chain_edges", "group_members",
 ]
 
 
-def plan_costs(plan: Plan) -> Costs:
+def plan_costs(plan: Plan) -> CostModel:
     """The cost model of a plan: its stages' costs, its links, its edges' bytes.
 
     A schedule-only plan (no model) has unit costs: F=1, B=2, I=W=1, and free
     communication, so the schedule table's formulas hold exactly.
     """
     num_stages = plan.num_stages
-    stage_costs = [st.cost for st in plan.stages] or [UNIT_COST] * num_stages
     unit = plan.model is None
     transfer: dict[tuple[int, int], float] = {}
     allreduce: dict[tuple[str, int], float] = {}
@@ -49,21 +48,14 @@ def plan_costs(plan: Plan) -> Costs:
             if d > 1 and st.param_bytes:
                 allreduce[("dp", st.stage)] = dp.latency_s + 2 * (d - 1) / d * st.param_bytes / dp.bandwidth_Bps
         for tie in plan.ties:
-            n = len({plan.placement[s] for s in tie.stages})
+            n = len(tie.ranks(plan.placement))
             cost = pp.latency_s + 2 * (n - 1) / n * (tie.num_bytes or 0) / pp.bandwidth_Bps if n > 1 else 0.0
             for s in tie.stages:
                 allreduce[(f"tie.{tie.name}", s)] = cost
     act = tuple(st.activation_bytes or 0 for st in plan.stages) if plan.stages and all(
         st.activation_bytes is not None for st in plan.stages) else ()
-    optim = [0.0] * plan.mesh.pp
-    for st in plan.stages:
-        optim[st.rank] += st.cost.optim
-    return Costs(
-        optim_step=tuple(optim) if any(optim) else (),
-        fwd=tuple(c.fwd for c in stage_costs),
-        bwd=tuple(c.bwd for c in stage_costs),
-        bwd_i=tuple(c.bwd_i for c in stage_costs),
-        bwd_w=tuple(c.bwd_w for c in stage_costs),
+    return CostModel(
+        stages=tuple(st.cost for st in plan.stages) or (UNIT_COST,) * num_stages,
         transfer=transfer,
         allreduce=allreduce,
         activation_bytes=act,
@@ -71,7 +63,7 @@ def plan_costs(plan: Plan) -> Costs:
     )
 
 
-def timeline_of(ex: Execution, costs: Costs, static_bytes: Sequence[int] | None = None) -> Timeline:
+def timeline_of(ex: Execution, costs: CostModel, static_bytes: Sequence[int] | None = None) -> Timeline:
     """The Timeline of an execution; ``static_bytes`` adds params/grads/optimizer state per rank."""
     num_ranks = len(ex.compute)
     mem = None
@@ -91,10 +83,6 @@ def simulate(plan: Plan, model: str = BUFFERED) -> Timeline:
     """The predicted Timeline of a plan under a comm model."""
     costs = plan_costs(plan)
     ex = execute(plan.program, placement=plan.placement, num_microbatches=plan.num_microbatches,
-                 edges=plan.edges or chain_edges(plan.num_stages), costs=costs, model=model, ties=plan.ties)
+                 edges=plan.edges, costs=costs, model=model, ties=plan.ties)
     return timeline_of(ex, costs)
 
-
-def chain_edges(num_stages: int) -> tuple[Edge, ...]:
-    """The stage graph of a schedule-only plan: stage s feeds stage s+1."""
-    return tuple(Edge(src_stage=s, dst_stage=s + 1) for s in range(num_stages - 1))

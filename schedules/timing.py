@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 from pipec.schedules.order import Action, ComputeOrder, Kind, ScheduleError
 
 __all__ = [
-    "Costs",
+    "Cost",
     "UNIT",
     "Estimate",
     "estimate",
@@ -40,17 +40,24 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Costs:
-    """Duration of each compute kind, the same on every stage."""
+class Cost:
+    """Per-microbatch duration of a stage's forward, backward and its two halves.
 
-    fwd: float = 1
+    The one cost type of pipec: a plan's per stage ``cost`` (plan.json), the
+    compiler's simulator and lowering, and this estimator (one for every
+    stage, or one per stage) all use it.
+    """
+
+    fwd: float = 1.0
     """``F``."""
-    bwd: float = 2
+    bwd: float = 2.0
     """Full backward ``B`` (= ``bwd_i + bwd_w`` under unit costs)."""
-    bwd_i: float = 1
+    bwd_i: float = 1.0
     """Input-grad ``I``."""
-    bwd_w: float = 1
+    bwd_w: float = 1.0
     """Weight-grad ``W``."""
+    optim: float = 0.0
+    """The optimizer step over the stage's parameters, once per step (not part of the order)."""
 
     def of(self, kind: Kind) -> float:
         if kind is Kind.F:
@@ -62,7 +69,7 @@ class Costs:
         return self.bwd_w
 
 
-UNIT = Costs()
+UNIT = Cost()
 """DESIGN's unit costs of a schedule-only plan: F=1, B=2, I=W=1."""
 
 
@@ -171,14 +178,14 @@ def list_schedule(
     *,
     producers: Sequence[Sequence[int]] | None = None,
     consumers: Sequence[Sequence[int]] | None = None,
-    durations: Sequence[Costs] | Costs = UNIT,
+    durations: Sequence[Cost] | Cost = UNIT,
     transfer: Mapping[tuple[int, int], float] | None = None,
     min_duration: float = 0.0,
 ) -> ListSchedule:
     """List-schedule ``order``: each rank runs its actions in order, each as soon as its inputs are done.
 
     The stage graph is the chain unless ``producers``/``consumers`` (per stage)
-    are given; ``durations`` is one :class:`Costs` for every stage or one per
+    are given; ``durations`` is one :class:`Cost` for every stage or one per
     stage; ``transfer[(src, dst)]`` delays a dependency between stages on
     different ranks; every action lasts at least ``min_duration``. Linear in
     the number of actions. Raises :class:`ScheduleError` (rule
@@ -190,7 +197,7 @@ def list_schedule(
     if producers is None or consumers is None:
         producers = [[s - 1] if s else [] for s in range(num_stages)]
         consumers = [[s + 1] if s + 1 < num_stages else [] for s in range(num_stages)]
-    per_stage = [durations] * num_stages if isinstance(durations, Costs) else list(durations)
+    per_stage = [durations] * num_stages if isinstance(durations, Cost) else list(durations)
     transfer = transfer or {}
     size = num_stages * num_mb
     # completion times, flat: table * size + stage * M + microbatch (None: not run yet)
@@ -262,7 +269,7 @@ def list_schedule(
     return ListSchedule(tuple(map(tuple, starts)), tuple(map(tuple, finishes)), tuple(busy))
 
 
-def estimate(order: ComputeOrder, *, costs: Costs = UNIT) -> Estimate:
+def estimate(order: ComputeOrder, *, costs: Cost = UNIT) -> Estimate:
     """List-schedule ``order`` over the chain stage graph under ``costs`` (see :func:`list_schedule`)."""
     sched = list_schedule(order, durations=costs)
     return Estimate(

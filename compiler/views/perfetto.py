@@ -16,6 +16,7 @@ import json
 import os
 from typing import Any
 
+from pipec.compiler.plan import Mesh
 from pipec.compiler.views.terminal import RenderError, classify, infer_dp
 from pipec.compiler.timeline import Timeline
 
@@ -44,9 +45,11 @@ def _process(
     out.append(_meta(pid, None, "process_name", kind))
     out.append(_meta(pid, None, "process_sort_index", pid))
     ranks = sorted({r.rank for r in timeline.per_rank} | {e.rank for e in timeline.events})
+    mesh = Mesh(pp=max(1, len(ranks) // (dp or 1)), dp=dp or 1)
     for rank in ranks:
         if kind == "measured" and dp is not None:
-            name = f"rank {rank} (pp {rank // dp}, dp {rank % dp})"
+            pp, d = mesh.coords(rank)
+            name = f"rank {rank} (pp {pp}, dp {d})"
         else:
             name = f"rank {rank}"
         out.append(_meta(pid, rank, "thread_name", name))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Sequence
@@ -30,6 +29,8 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from pipec.compiler.ir import COMM_OPS, IRError, Op, parse_instruction
+from pipec.compiler.plan import Mesh
 from pipec.compiler.timeline import Event, Timeline
 from pipec.errors import PipecError
 
@@ -86,21 +87,18 @@ class OpInfo:
     microbatch: int | None = None
 
 
-_OP_RE = re.compile(r"([FBIW])(\d+)\.(\d+)$|(SA|RA|SG|RG)(\d+)\.(\d+)[<>]|AR(\d+):|(OPT)$")
+_KIND_OF_OP = {Op.FWD: "F", Op.BWD: "B", Op.BWD_I: "I", Op.BWD_W: "W", Op.ALLREDUCE: "AR", Op.OPTIM_STEP: "OPT",
+               **{op: "comm" for op in COMM_OPS}}
 
 
 def classify(op: str) -> OpInfo:
-    """Kind, stage and microbatch of an op text (``F0.3``, ``RG0.3<1@1``, ``AR1:dp``, ``OPT``)."""
-    m = _OP_RE.match(op)
-    if m is None:
+    """Kind, stage and microbatch of an op text (``F0.3``, ``RG0.3<1@1``, ``AR1:dp``, ``OPT``), read by
+    the IR's own parser; text that is no instruction is ``other``."""
+    try:
+        ins = parse_instruction(op)
+    except IRError:
         return OpInfo("other")
-    if m[1]:
-        return OpInfo(m[1], int(m[2]), int(m[3]))
-    if m[4]:
-        return OpInfo("comm", int(m[5]), int(m[6]))
-    if m[7]:
-        return OpInfo("AR", int(m[7]))
-    return OpInfo("OPT")
+    return OpInfo(_KIND_OF_OP[ins.op], ins.stage, ins.microbatch)
 
 
 # ----------------------------------------------------------------------------- lanes
@@ -178,10 +176,10 @@ def lanes(timeline: Timeline, *, measured: Timeline | None = None, dp: int | Non
     else:
         meas_scale = span / _span(measured)
     out = []
+    mesh = Mesh(pp=len(pred), dp=dp)
     for i, (p, evs) in enumerate(pred.items()):
         out.append(Lane(f"{p} pred", "predicted", p, tuple(evs), 1.0, _chunks(evs)))
-        for d in range(dp):
-            g = i * dp + d
+        for g in mesh.replicas(i):
             mevs = meas.get(g, [])
             label = f"{p} meas" if dp == 1 else f"{p} meas g{g}"
             out.append(Lane(label, "measured", g, tuple(mevs), meas_scale, _chunks(mevs)))
