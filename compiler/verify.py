@@ -21,17 +21,27 @@
 
 Errors name the rank and the instruction: ``rank 2, instruction 17 (F1.3):
 needs RA1.3<0@0 posted earlier on rank 2``.
+
+One pass over the program builds an :class:`_Index` (where every forward,
+backward, send, receive and collective is), checking on the way what a single
+instruction must satisfy by itself (its stage is on its rank, a post names an
+edge and the right peer, a group exists, nothing comes twice); each proof is
+then one function over that index (:data:`PROOFS`). Each reports its first
+broken obligation with its place in the report order (:data:`Violation`), and
+the earliest is raised: of several mistakes, the first in program order, so a
+hand edit is fixed from the top. Proof 3 runs only on a program the others
+accept.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
 
-from pipec.compiler.ir import Instruction, Op, Program, message_edge
+from pipec.compiler.ir import Instruction, Op, Program
 from pipec.compiler.plan import Edge, Plan, Stage, Tie
-from pipec.compiler.engine import BUFFERED, MODELS, Costs, Deadlock, Execution, decode, execute
-from pipec.compiler.simulate import chain_edges, plan_costs
+from pipec.compiler.engine import BUFFERED, MODELS, CostModel, Deadlock, Execution, decode, execute
+from pipec.compiler.simulate import plan_costs
 from pipec.errors import PipecError
 
 __all__ = ["VerifyError", "Proof", "verify", "verify_program"]
@@ -52,6 +62,327 @@ def _at(rank: int, index: int, ins: Instruction) -> str:
     return f"rank {rank}, instruction {index} ({ins.text()})"
 
 
+Where = tuple[int, int]
+"""(rank, index) of an instruction."""
+
+Violation = tuple[tuple[int, int, float], str]
+"""A broken obligation: its place in the report order, (phase, rank, index), and the message.
+Phase 0 is program order (an instruction, or ``index = inf`` for the end of a rank); then a missing
+compute (1), a message without its other end (2), collectives out of order (3)."""
+
+END = float("inf")
+"""The index of "after the rank's last instruction"."""
+
+
+def _at_ins(r: int, i: int, ins: Instruction, text: str) -> Violation:
+    return (0, r, i), f"{_at(r, i, ins)}: {text}"
+
+
+@dataclass(slots=True, kw_only=True)
+class _Index:
+    """Where everything a program does is, by integer key (built once by :func:`_build_index`).
+
+    Keys: ``s*M+m`` for a (stage, microbatch); ``(src*S+dst)*M+m`` for a message on edge
+    src->dst, plus ``S*S*M`` for its grad.
+    """
+
+    program: Program
+    placement: Sequence[int]
+    num_microbatches: int
+    dp: int
+    ties: dict[str, Tie]
+    """``tie.<name>`` -> its tie group."""
+    producers: list[list[int]]
+    consumers: list[list[int]]
+    edge_keys: set[int]
+    """``src*S+dst`` of every stage-graph edge."""
+    num_stages: int
+    fwd: dict[int, Where] = field(default_factory=dict)
+    bwd: dict[int, Where] = field(default_factory=dict)
+    """Full or input-grad backwards."""
+    inp: dict[int, Where] = field(default_factory=dict)
+    """Input-grad backwards (their W must follow)."""
+    wgt: dict[int, Where] = field(default_factory=dict)
+    sent: dict[int, Where] = field(default_factory=dict)
+    received: dict[int, Where] = field(default_factory=dict)
+    order_out: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    """(a, b) -> message keys rank a sends rank b, in order."""
+    order_in: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    """(a, b) -> message keys rank b receives from rank a, in order."""
+    last_backward: dict[int, int] = field(default_factory=dict)
+    """Stage -> index (on its rank) of its last completing backward (B or W)."""
+    num_backwards: dict[int, int] = field(default_factory=dict)
+    allreduces: list[list[tuple[int, str, int]]] = field(default_factory=list)
+    """Per rank: (index, group, stage) of each ALLREDUCE, in order."""
+    collectives: list[list[str]] = field(default_factory=list)
+    """Per rank: the groups of its tie all-reduces and OPT's pp collective, in order."""
+    broken: Violation | None = None
+    """What stopped the build: the first instruction (program order) that is wrong by itself.
+    The index holds everything before it, which is all the proofs of earlier instructions read."""
+
+    def ins(self, where: Where) -> Instruction:
+        return self.program.ranks[where[0]][where[1]]
+
+    def at(self, where: Where) -> str:
+        return _at(where[0], where[1], self.ins(where))
+
+    def violation(self, where: Where, text: str) -> Violation:
+        """A broken obligation of the instruction at ``where``."""
+        return _at_ins(where[0], where[1], self.ins(where), text)
+
+
+# ----------------------------------------------------------------------------- the index (and per-instruction checks)
+
+
+class _Broken(Exception):
+    """Stops the index build at an instruction that is wrong by itself (internal: never escapes)."""
+
+    def __init__(self, violation: Violation) -> None:
+        self.violation = violation
+
+
+def _broken(r: int, i: int, ins: Instruction, text: str) -> _Broken:
+    return _Broken(_at_ins(r, i, ins, text))
+
+
+def _twice(first: Where, r: int, i: int, ins: Instruction, what: str) -> _Broken:
+    return _broken(r, i, ins, f"second {what} of stage {ins.stage} microbatch {ins.microbatch} "
+                              f"(the first is rank {first[0]}, instruction {first[1]})")
+
+
+def _indexers(ix: _Index) -> dict[Op, Callable[[int, int, Instruction], None]]:
+    """Per opcode: what one instruction adds to the index, and what it must satisfy by itself.
+    (Closures over the index's tables: this runs once per instruction.) OPT is handled by
+    :func:`_build_index`: it ends every program."""
+    S, M, placement = ix.num_stages, ix.num_microbatches, ix.placement
+    G = S * S * M
+    fwd, bwd, inp, wgt, sent, received = ix.fwd, ix.bwd, ix.inp, ix.wgt, ix.sent, ix.received
+    last_backward, num_backwards, edge_keys = ix.last_backward, ix.num_backwards, ix.edge_keys
+
+    def forward(r: int, i: int, ins: Instruction) -> None:
+        sm = ins.stage * M + ins.microbatch
+        if sm in fwd:
+            raise _twice(fwd[sm], r, i, ins, "forward")
+        fwd[sm] = (r, i)
+
+    def backward(r: int, i: int, ins: Instruction) -> None:
+        s = ins.stage
+        sm = s * M + ins.microbatch
+        if sm in bwd:
+            raise _twice(bwd[sm], r, i, ins, "backward")
+        bwd[sm] = (r, i)
+        if ins.op is Op.BWD_I:
+            inp[sm] = (r, i)
+        else:
+            last_backward[s] = i
+            num_backwards[s] = num_backwards.get(s, 0) + 1
+
+    def weight_grad(r: int, i: int, ins: Instruction) -> None:
+        s = ins.stage
+        sm = s * M + ins.microbatch
+        if sm in wgt:
+            raise _twice(wgt[sm], r, i, ins, "weight-grad backward")
+        wgt[sm] = (r, i)
+        last_backward[s] = i
+        num_backwards[s] = num_backwards.get(s, 0) + 1
+
+    def poster(is_send: bool, is_act: bool) -> Callable[[int, int, Instruction], None]:
+        """A send or receive: on an edge of the stage graph, to the rank holding the other stage,
+        not to itself; once. ``message_edge`` inlined, one closure per opcode."""
+        table, order, what = (sent, ix.order_out, "send") if is_send else (received, ix.order_in, "receive")
+        offset = 0 if is_act else G
+        # the other stage is downstream for an activation send or a grad receive
+        downstream = is_send == is_act
+
+        def post(r: int, i: int, ins: Instruction) -> None:
+            s = ins.stage
+            other = ins.to_stage if is_send else ins.from_stage
+            src, dst = (s, other) if downstream else (other, s)
+            if src * S + dst not in edge_keys:
+                raise _broken(r, i, ins, f"there is no edge {src}->{dst} in the stage graph")
+            peer = ins.peer
+            if peer != placement[other]:
+                raise _broken(r, i, ins, f"stage {other} is on rank {placement[other]}, "
+                                  f"but the peer is {peer}")
+            if peer == r:
+                raise _broken(r, i, ins, f"stages {src} and {dst} are both on rank {r}; "
+                                  "pass the tensor locally instead of a send to self")
+            key = (src * S + dst) * M + ins.microbatch + offset
+            if key in table:
+                raise _twice(table[key], r, i, ins, what)
+            table[key] = (r, i)
+            pair = (r, peer) if is_send else (peer, r)
+            keys = order.get(pair)
+            if keys is None:
+                order[pair] = [key]
+            else:
+                keys.append(key)
+
+        return post
+
+    def allreduce(r: int, i: int, ins: Instruction) -> None:
+        """Over dp, or over a tie group that holds a copy on its stage."""
+        group, s = ins.group, ins.stage
+        if group != "dp":
+            tie = ix.ties.get(group)
+            if tie is None:
+                known = ", ".join(sorted(ix.ties)) or "none"
+                raise _broken(r, i, ins, f"unknown group {group!r} (tie groups: {known})")
+            if s not in tie.stages:
+                raise _broken(r, i, ins, f"stage {s} holds no copy of tied weight {group[4:]!r}")
+            ix.collectives[r].append(group)
+        ix.allreduces[r].append((i, group, s))
+
+    return {Op.FWD: forward, Op.BWD: backward, Op.BWD_I: backward, Op.BWD_W: weight_grad,
+            Op.SEND_ACT: poster(True, True), Op.RECV_ACT: poster(False, True), Op.SEND_GRAD: poster(True, False),
+            Op.RECV_GRAD: poster(False, False), Op.ALLREDUCE: allreduce}
+
+
+def _build_index(program: Program, placement: Sequence[int], num_microbatches: int, edges: Sequence[Edge],
+                 ties: Sequence[Tie], dp: int) -> _Index:
+    """One pass over the program: the index, and every per-instruction check (stage placed on this
+    rank, batches adjacent, OPT last, nothing twice, posts on real edges, known groups)."""
+    P = program.num_ranks
+    S = len(placement)
+    if S and max(placement) >= P:
+        raise VerifyError(f"placement names pp rank {max(placement)}, but the program has {P} ranks")
+    edge_set = {(e.src_stage, e.dst_stage) for e in edges}
+    producers: list[list[int]] = [[] for _ in range(S)]
+    consumers: list[list[int]] = [[] for _ in range(S)]
+    for src, dst in edge_set:
+        producers[dst].append(src)
+        consumers[src].append(dst)
+    ix = _Index(program=program, placement=placement, num_microbatches=num_microbatches, dp=dp,
+                ties={f"tie.{t.name}": t for t in ties}, producers=producers, consumers=consumers,
+                edge_keys={src * S + dst for src, dst in edge_set}, num_stages=S)
+    try:
+        _index_ranks(ix, _indexers(ix))
+    except _Broken as e:
+        ix.broken = e.violation
+    return ix
+
+
+def _index_ranks(ix: _Index, indexers: dict[Op, Callable[[int, int, Instruction], None]]) -> None:
+    placement = ix.placement
+    for r, instrs in enumerate(ix.program.ranks):
+        ix.allreduces.append([])
+        ix.collectives.append([])
+        last_batch, closed = None, set()
+        n = len(instrs)
+        for i, ins in enumerate(instrs):
+            batch = ins.batch
+            if batch != last_batch:
+                if batch is not None and batch in closed:
+                    raise _broken(r, i, ins, f"batch {batch} is split; posts of one batch must be adjacent")
+                if last_batch is not None:
+                    closed.add(last_batch)
+                last_batch = batch
+            op = ins.op
+            if op is Op.OPTIM_STEP:
+                if i != n - 1:
+                    raise _broken(r, i, ins, "OPT must be the last instruction of the step")
+                ix.collectives[r].append("pp")
+                continue
+            s = ins.stage
+            if placement[s] != r:
+                raise _broken(r, i, ins, f"stage {s} is placed on rank {placement[s]}, not here")
+            indexers[op](r, i, ins)
+        if not instrs or instrs[-1].op is not Op.OPTIM_STEP:
+            raise _Broken(((0, r, END), f"rank {r}: the program must end with OPT (the optimizer step)"))
+
+
+# ----------------------------------------------------------------------------- proof 1: work and dependencies
+
+
+Need = tuple[dict[int, Where], int, str]
+"""Something a compute needs earlier on its rank: (index table, its key at microbatch 0, the
+complaint when it is missing, with ``{m}`` left to fill)."""
+
+
+def _needs(ix: _Index) -> dict[str, list[tuple[Need, ...]]]:
+    """Proof 1's rules, per compute kind and stage: what each needs earlier on its rank, in the order
+    they are checked. A neighbour on the same rank gives its compute; one elsewhere its message."""
+    S, M, placement = ix.num_stages, ix.num_microbatches, ix.placement
+    G = S * S * M
+
+    def forward(s: int) -> tuple[Need, ...]:
+        r = placement[s]
+        return tuple((ix.fwd, o * M, f"needs F{o}.{{m}} earlier on rank {r}") if placement[o] == r else
+                     (ix.received, (o * S + s) * M, f"needs RA{s}.{{m}}<{o}@{placement[o]} earlier on rank {r}")
+                     for o in ix.producers[s])
+
+    def backward(s: int) -> tuple[Need, ...]:
+        r = placement[s]
+        return ((ix.fwd, s * M, f"backward before its forward F{s}.{{m}}"),) + tuple(
+            (ix.bwd, o * M, f"needs B{o}.{{m}} (or I{o}.{{m}}) earlier on rank {r}") if placement[o] == r else
+            (ix.received, (s * S + o) * M + G, f"needs RG{s}.{{m}}<{o}@{placement[o]} earlier on rank {r}")
+            for o in ix.consumers[s])
+
+    def weight_grad(s: int) -> tuple[Need, ...]:
+        return ((ix.inp, s * M, f"weight-grad W needs I{s}.{{m}} earlier on rank {placement[s]}"),)
+
+    return {kind: [rule(s) for s in range(S)] for kind, rule in
+            (("F", forward), ("B", backward), ("W", weight_grad))}
+
+
+Violation = tuple[Where, str]
+"""A broken obligation: where, and the complaint."""
+
+
+def _check_needs(ix: _Index, table: dict[int, Where], needs: list[tuple[Need, ...]]) -> Violation | None:
+    """The first compute in ``table`` (program order) that comes before something it needs (``needs[stage]``)."""
+    M = ix.num_microbatches
+    for sm, (r, i) in table.items():
+        s, m = divmod(sm, M)
+        for where, key, text in needs[s]:
+            got = where.get(key + m)
+            if got is None or got[1] > i:
+                return ix.violation((r, i), text.format(m=m))
+    return None
+
+
+def _check_sends(ix: _Index) -> Violation | None:
+    """The first send (program order) before the compute that makes its data: F of its stage, or its B (or I)."""
+    S, M = ix.num_stages, ix.num_microbatches
+    G = S * S * M
+    for key, (r, i) in ix.sent.items():
+        if key < G:  # an activation: sent by the edge's source
+            edge, m = divmod(key, M)
+            s, table = edge // S, ix.fwd
+        else:        # a grad: sent by the edge's destination
+            edge, m = divmod(key - G, M)
+            s, table = edge % S, ix.bwd
+        got = table.get(s * M + m)
+        if got is None or got[1] > i:
+            what = f"F{s}.{m}" if key < G else f"B{s}.{m} (or I{s}.{m})"
+            return ix.violation((r, i), f"sends data that {what} makes, which has not run yet on rank {r}")
+    return None
+
+
+def _prove_work(ix: _Index) -> Violation | None:
+    """Proof 1: one forward and one backward per (stage, microbatch), each after what it needs."""
+    needs = _needs(ix)
+    found = [v for v in (*(_check_needs(ix, table, needs[kind]) for kind, table in
+                           (("F", ix.fwd), ("B", ix.bwd), ("W", ix.wgt))), _check_sends(ix)) if v is not None]
+    if found or ix.broken is not None:  # a partial index: what is missing may come after the break
+        return min(found, default=None)
+    S, M = ix.num_stages, ix.num_microbatches
+    if len(ix.fwd) == S * M and len(ix.bwd) == S * M and len(ix.wgt) == len(ix.inp):
+        return None
+    for s in range(S):
+        for m in range(M):
+            sm = s * M + m
+            missing = (f"has no forward F{s}.{m}" if sm not in ix.fwd else
+                       f"has no backward B{s}.{m}" if sm not in ix.bwd else
+                       f"has I{s}.{m} but no W{s}.{m}" if sm in ix.inp and sm not in ix.wgt else None)
+            if missing:
+                return (1, 0, 0), f"rank {ix.placement[s]}: stage {s} microbatch {m} {missing}"
+    return None
+
+
+# ----------------------------------------------------------------------------- proof 2: matching
+
+
 def _check_signatures(stages: Sequence[Stage], edges: Sequence[Edge]) -> None:
     """Both ends of an edge agree on what crosses it."""
     if not stages or not any(st.inputs or st.outputs for st in stages):
@@ -70,226 +401,133 @@ def _check_signatures(stages: Sequence[Stage], edges: Sequence[Edge]) -> None:
                     )
 
 
+def _prove_matching(ix: _Index) -> Violation | None:
+    """Proof 2: every send has one receive and the reverse; each directed pair posts them in one order."""
+    for key, where in ix.sent.items():
+        if key not in ix.received:
+            return (2, 0, 0), f"{ix.at(where)}: no rank posts the matching receive"
+    for key, where in ix.received.items():
+        if key not in ix.sent:
+            return (2, 0, 0), f"{ix.at(where)}: no rank posts the matching send"
+    for pair, outs in ix.order_out.items():
+        ins_order = ix.order_in.get(pair, [])
+        if outs != ins_order:
+            k = next(j for j, (a, b) in enumerate(zip(outs, ins_order)) if a != b)
+            return (2, 0, 0), (
+                f"{ix.at(ix.sent[outs[k]])} is send #{k} from rank {pair[0]} to rank {pair[1]}, but "
+                f"receive #{k} there is {ix.at(ix.received[ins_order[k]])}: the two ranks post them in different "
+                "orders, and gloo and NCCL match a pair's messages first-in, first-out")
+    return None
+
+
+# ----------------------------------------------------------------------------- proof 4: collectives
+
+
+def _after_backwards(ix: _Index, r: int, i: int, group: str, s: int) -> Violation | None:
+    """An all-reduce comes after the last backward of every stage whose grads it reduces."""
+    M = ix.num_microbatches
+    stages = (s,) if group == "dp" else tuple(ts for ts in ix.ties[group].stages if ix.placement[ts] == r)
+    for ts in stages:
+        if ix.num_backwards.get(ts, 0) == M and ix.last_backward[ts] < i:
+            continue
+        if group != "dp":
+            return ix.violation((r, i), f"comes before the last backward of stage {ts}, which holds "
+                                        f"a copy of {group[4:]!r}")
+        done = sum(1 for x in ix.program.ranks[r][:i] if x.stage == ts and (x.op is Op.BWD or x.op is Op.BWD_W))
+        return ix.violation((r, i), f"comes before the last backward of stage {ts} "
+                                    f"({done} of {M} done); its grads would be incomplete")
+    return None
+
+
+def _rank_reductions(ix: _Index, r: int) -> Violation | None:
+    """Rank r's all-reduces: each after its backwards and once; every stage over dp, every spanning tie."""
+    reduced: set[tuple[str, int]] = set()
+    for i, group, s in ix.allreduces[r]:
+        late = _after_backwards(ix, r, i, group, s)
+        if late is not None:
+            return late
+        key = (group, s if group == "dp" else -1)
+        if key in reduced:
+            return ix.violation((r, i), f"second all-reduce of {'stage %d' % s if group == 'dp' else group}")
+        reduced.add(key)
+    for s in (st for st in range(ix.num_stages) if ix.placement[st] == r):
+        if ix.dp > 1 and ("dp", s) not in reduced:
+            return (0, r, END), (f"rank {r}: stage {s} is never all-reduced over dp (dp={ix.dp}); "
+                                 f"add AR{s}:dp after its last backward")
+    for name, tie in ix.ties.items():
+        ranks_of_tie = tie.ranks(ix.placement)
+        if r in ranks_of_tie and len(ranks_of_tie) > 1 and (name, -1) not in reduced:
+            return (0, r, END), (f"rank {r}: tied weight {tie.name!r} is never all-reduced over its tie group; "
+                                 "the copies would drift")
+    return None
+
+
+def _collective_order(ix: _Index) -> Violation | None:
+    """Members of a group issue their collectives in the same order (any two ranks sharing groups)."""
+    members: dict[str, set[int]] = {g: set(t.ranks(ix.placement)) for g, t in ix.ties.items()}
+    members["pp"] = set(range(ix.program.num_ranks))
+    involved = sorted({r for g, ms in members.items() if g != "pp" and len(ms) > 1 for r in ms})
+    for a_i, a in enumerate(involved):
+        for b in involved[a_i + 1:]:
+            shared = {g for g, ms in members.items() if a in ms and b in ms}
+            seq_a = [g for g in ix.collectives[a] if g in shared]
+            seq_b = [g for g in ix.collectives[b] if g in shared]
+            if seq_a != seq_b:
+                return (3, 0, 0), (f"ranks {a} and {b} issue their shared collectives in different orders: "
+                                   f"rank {a}: {', '.join(seq_a)}; rank {b}: {', '.join(seq_b)}")
+    return None
+
+
+def _prove_collectives(ix: _Index) -> Violation | None:
+    """Proof 4: all-reduces after the backwards, once each, none missing; groups agree on their order."""
+    for r in range(len(ix.allreduces)):
+        got = _rank_reductions(ix, r)
+        if got is not None:
+            return got
+    if ix.broken is not None:
+        return None
+    return _collective_order(ix)
+
+
+# ----------------------------------------------------------------------------- proof 3: no deadlock
+
+
+def _prove_no_deadlock(ix: _Index, edges: Sequence[Edge], costs: CostModel, ties: Sequence[Tie]) -> dict[str, Execution]:
+    """Proof 3: the program finishes under every comm model (the simulator's event loop)."""
+    kw = dict(placement=ix.placement, num_microbatches=ix.num_microbatches, edges=edges, costs=costs)
+    decoded = decode(ix.program, **kw)
+    executions = {}
+    for model in MODELS:
+        try:
+            executions[model] = execute(ix.program, **kw, model=model, ties=ties, decoded=decoded,
+                                        record_events=model == BUFFERED)
+        except Deadlock as e:
+            raise VerifyError(str(e)) from None
+    return executions
+
+
+PROOFS: tuple[Callable[[_Index], Violation | None], ...] = (_prove_work, _prove_matching, _prove_collectives)
+"""The proofs over the index; proof 3 (no deadlock) runs once they hold."""
+
+
 def verify_program(
     program: Program,
     *,
     placement: Sequence[int],
     num_microbatches: int,
     edges: Sequence[Edge],
-    costs: Costs,
+    costs: CostModel,
     dp: int = 1,
     ties: Sequence[Tie] = (),
     stages: Sequence[Stage] = (),
 ) -> Proof:
-    """Run all four proofs; raise :class:`VerifyError` at the first broken obligation."""
-    P = program.num_ranks
-    S = len(placement)
-    M = num_microbatches
-    if len(placement) and max(placement) >= P:
-        raise VerifyError(f"placement names pp rank {max(placement)}, but the program has {P} ranks")
-    edge_set = {(e.src_stage, e.dst_stage) for e in edges}
-    producers: list[list[int]] = [[] for _ in range(S)]
-    consumers: list[list[int]] = [[] for _ in range(S)]
-    for s, t in edge_set:
-        producers[t].append(s)
-        consumers[s].append(t)
-    ties_by_group = {f"tie.{t.name}": t for t in ties}
+    """Run all four proofs; raise :class:`VerifyError` at the first broken obligation (see the module docstring)."""
     _check_signatures(stages, edges)
-
-    # proof 1 and the raw material of proofs 2 and 4, in one pass per rank. Keys are integers:
-    # s*M+m for a (stage, microbatch), (src*S+dst)*M+m for a message on edge src->dst (+G for grads).
-    G = S * S * M
-    edge_keys = {src * S + dst for src, dst in edge_set}
-    fwd: dict[int, tuple[int, int]] = {}   # forwards done -> (rank, index)
-    bwd: dict[int, tuple[int, int]] = {}   # full or input-grad backwards done
-    inp: set[int] = set()                  # input-grad backwards (their W must follow)
-    wgt: dict[int, tuple[int, int]] = {}   # weight-grad backwards
-    sent: dict[int, tuple[int, int]] = {}
-    received: dict[int, tuple[int, int]] = {}
-    order_out: dict[tuple[int, int], list[int]] = {}  # (a, b) -> message keys a sends b, in order
-    order_in: dict[tuple[int, int], list[int]] = {}   # (a, b) -> message keys b receives from a
-    backwards_done: dict[int, int] = {}               # stage -> completed backwards
-    collectives: list[list[str]] = []
-    FWD, BWD, BWD_I, BWD_W, AR, OPT = Op.FWD, Op.BWD, Op.BWD_I, Op.BWD_W, Op.ALLREDUCE, Op.OPTIM_STEP
-    SEND_ACT, SEND_GRAD = Op.SEND_ACT, Op.SEND_GRAD
-    for r, instrs in enumerate(program.ranks):
-        reduced: set[tuple[str, int]] = set()
-        colls: list[str] = []
-        last_batch, closed = None, set()
-        n = len(instrs)
-        for i, ins in enumerate(instrs):
-            op, s, m, batch = ins.op, ins.stage, ins.microbatch, ins.batch
-            if batch != last_batch:
-                if batch is not None and batch in closed:
-                    raise VerifyError(f"{_at(r, i, ins)}: batch {batch} is split; posts of one batch must be adjacent")
-                if last_batch is not None:
-                    closed.add(last_batch)
-                last_batch = batch
-            if op is OPT:
-                if i != n - 1:
-                    raise VerifyError(f"{_at(r, i, ins)}: OPT must be the last instruction of the step")
-                colls.append("pp")
-                continue
-            if placement[s] != r:
-                raise VerifyError(f"{_at(r, i, ins)}: stage {s} is placed on rank {placement[s]}, not here")
-            sm = s * M + m if m is not None else -1
-            if op is FWD:
-                if sm in fwd:
-                    _twice(fwd, sm, r, i, ins, "forward", s, m)
-                fwd[sm] = (r, i)
-                for p in producers[s]:
-                    if placement[p] == r:
-                        if p * M + m not in fwd:
-                            raise VerifyError(f"{_at(r, i, ins)}: needs F{p}.{m} earlier on rank {r}")
-                    elif (p * S + s) * M + m not in received:
-                        raise VerifyError(f"{_at(r, i, ins)}: needs RA{s}.{m}<{p}@{placement[p]} earlier on rank {r}")
-            elif op is BWD or op is BWD_I:
-                if sm in bwd:
-                    _twice(bwd, sm, r, i, ins, "backward", s, m)
-                if sm not in fwd:
-                    raise VerifyError(f"{_at(r, i, ins)}: backward before its forward F{s}.{m}")
-                bwd[sm] = (r, i)
-                if op is BWD_I:
-                    inp.add(sm)
-                else:
-                    backwards_done[s] = backwards_done.get(s, 0) + 1
-                for c in consumers[s]:
-                    if placement[c] == r:
-                        if c * M + m not in bwd:
-                            raise VerifyError(f"{_at(r, i, ins)}: needs B{c}.{m} (or I{c}.{m}) earlier on rank {r}")
-                    elif G + (s * S + c) * M + m not in received:
-                        raise VerifyError(f"{_at(r, i, ins)}: needs RG{s}.{m}<{c}@{placement[c]} earlier on rank {r}")
-            elif op is BWD_W:
-                if sm not in inp:
-                    raise VerifyError(f"{_at(r, i, ins)}: weight-grad W needs I{s}.{m} earlier on rank {r}")
-                if sm in wgt:
-                    _twice(wgt, sm, r, i, ins, "weight-grad backward", s, m)
-                wgt[sm] = (r, i)
-                backwards_done[s] = backwards_done.get(s, 0) + 1
-            elif op is AR:
-                group = ins.group
-                if group != "dp" and group not in ties_by_group:
-                    known = ", ".join(sorted(ties_by_group)) or "none"
-                    raise VerifyError(f"{_at(r, i, ins)}: unknown group {group!r} (tie groups: {known})")
-                if group != "dp" and s not in ties_by_group[group].stages:
-                    raise VerifyError(f"{_at(r, i, ins)}: stage {s} holds no copy of tied weight {group[4:]!r}")
-                if group == "dp" and backwards_done.get(s, 0) != M:
-                    raise VerifyError(
-                        f"{_at(r, i, ins)}: comes before the last backward of stage {s} "
-                        f"({backwards_done.get(s, 0)} of {M} done); its grads would be incomplete")
-                if group != "dp":
-                    for ts in ties_by_group[group].stages:
-                        if placement[ts] == r and backwards_done.get(ts, 0) != M:
-                            raise VerifyError(
-                                f"{_at(r, i, ins)}: comes before the last backward of stage {ts}, which holds "
-                                f"a copy of {group[4:]!r}")
-                key = (group, s if group == "dp" else -1)
-                if key in reduced:
-                    raise VerifyError(f"{_at(r, i, ins)}: second all-reduce of {'stage %d' % s if group == 'dp' else group}")
-                reduced.add(key)
-                if group != "dp":
-                    colls.append(group)
-            else:  # sends and receives
-                is_send = op is SEND_ACT or op is SEND_GRAD
-                other = ins.to_stage if is_send else ins.from_stage
-                is_act, src, dst = message_edge(ins)
-                if src * S + dst not in edge_keys:
-                    raise VerifyError(f"{_at(r, i, ins)}: there is no edge {src}->{dst} in the stage graph")
-                peer = ins.peer
-                if peer != placement[other]:
-                    raise VerifyError(f"{_at(r, i, ins)}: stage {other} is on rank {placement[other]}, "
-                                      f"but the peer is {peer}")
-                if peer == r:
-                    raise VerifyError(f"{_at(r, i, ins)}: stages {src} and {dst} are both on rank {r}; "
-                                      "pass the tensor locally instead of a send to self")
-                key = (src * S + dst) * M + m + (0 if is_act else G)
-                if is_send:
-                    if sm not in (fwd if is_act else bwd):
-                        what = f"F{s}.{m}" if is_act else f"B{s}.{m} (or I{s}.{m})"
-                        raise VerifyError(f"{_at(r, i, ins)}: sends data that {what} makes, which has not run yet on rank {r}")
-                    if key in sent:
-                        _twice(sent, key, r, i, ins, "send", s, m)
-                    sent[key] = (r, i)
-                    order_out.setdefault((r, peer), []).append(key)
-                else:
-                    if key in received:
-                        _twice(received, key, r, i, ins, "receive", s, m)
-                    received[key] = (r, i)
-                    order_in.setdefault((peer, r), []).append(key)
-        if not instrs or instrs[-1].op is not Op.OPTIM_STEP:
-            raise VerifyError(f"rank {r}: the program must end with OPT (the optimizer step)")
-        # proof 4, per rank: every stage reduced over dp, every spanning tie reduced
-        for s in (st for st in range(S) if placement[st] == r):
-            if dp > 1 and ("dp", s) not in reduced:
-                raise VerifyError(f"rank {r}: stage {s} is never all-reduced over dp (dp={dp}); "
-                                  f"add AR{s}:dp after its last backward")
-        for name, tie in ties_by_group.items():
-            ranks_of_tie = {placement[ts] for ts in tie.stages}
-            if r in ranks_of_tie and len(ranks_of_tie) > 1 and (name, -1) not in reduced:
-                raise VerifyError(f"rank {r}: tied weight {tie.name!r} is never all-reduced over its tie group; "
-                                  f"the copies would drift")
-        collectives.append(colls)
-
-    if len(fwd) != S * M or len(bwd) != S * M or len(wgt) != len(inp):
-        for s in range(S):
-            for m in range(M):
-                sm = s * M + m
-                if sm not in fwd:
-                    raise VerifyError(f"rank {placement[s]}: stage {s} microbatch {m} has no forward F{s}.{m}")
-                if sm not in bwd:
-                    raise VerifyError(f"rank {placement[s]}: stage {s} microbatch {m} has no backward B{s}.{m}")
-                if sm in inp and sm not in wgt:
-                    raise VerifyError(f"rank {placement[s]}: stage {s} microbatch {m} has I{s}.{m} but no W{s}.{m}")
-
-    # proof 2: matching and FIFO order per directed pair
-    for key, (r, i) in sent.items():
-        if key not in received:
-            ins = program.ranks[r][i]
-            raise VerifyError(f"{_at(r, i, ins)}: no rank posts the matching receive")
-    for key, (r, i) in received.items():
-        if key not in sent:
-            ins = program.ranks[r][i]
-            raise VerifyError(f"{_at(r, i, ins)}: no rank posts the matching send")
-    for pair, outs in order_out.items():
-        ins_order = order_in.get(pair, [])
-        if outs != ins_order:
-            k = next(j for j, (a, b) in enumerate(zip(outs, ins_order)) if a != b)
-            sr, si = sent[outs[k]]
-            rr, ri = received[ins_order[k]]
-            raise VerifyError(
-                f"{_at(sr, si, program.ranks[sr][si])} is send #{k} from rank {pair[0]} to rank {pair[1]}, but "
-                f"receive #{k} there is {_at(rr, ri, program.ranks[rr][ri])}: the two ranks post them in different "
-                "orders, and gloo and NCCL match a pair's messages first-in, first-out")
-
-    # proof 4: members of a group issue their collectives in the same order
-    members: dict[str, set[int]] = {g: {placement[s] for s in t.stages} for g, t in ties_by_group.items()}
-    members["pp"] = set(range(P))
-    involved = sorted({r for g, ms in members.items() if g != "pp" and len(ms) > 1 for r in ms})
-    for a_i, a in enumerate(involved):
-        for b in involved[a_i + 1:]:
-            shared = {g for g, ms in members.items() if a in ms and b in ms}
-            seq_a = [g for g in collectives[a] if g in shared]
-            seq_b = [g for g in collectives[b] if g in shared]
-            if seq_a != seq_b:
-                raise VerifyError(f"ranks {a} and {b} issue their shared collectives in different orders: "
-                                  f"rank {a}: {', '.join(seq_a)}; rank {b}: {', '.join(seq_b)}")
-
-    # proof 3: no deadlock, under both comm models
-    executions = {}
-    decoded = decode(program, placement=placement, num_microbatches=M, edges=edges, costs=costs)
-    for model in MODELS:
-        try:
-            executions[model] = execute(program, placement=placement, num_microbatches=M, edges=edges, costs=costs,
-                                        model=model, ties=ties, decoded=decoded, record_events=model == BUFFERED)
-        except Deadlock as e:
-            raise VerifyError(str(e)) from None
-    return Proof(executions)
-
-
-def _twice(table: dict, key: int, r: int, i: int, ins: Instruction, what: str, s: int, m: int) -> None:
-    first = table[key]
-    raise VerifyError(f"{_at(r, i, ins)}: second {what} of stage {s} microbatch {m} "
-                      f"(the first is rank {first[0]}, instruction {first[1]})")
+    ix = _build_index(program, placement, num_microbatches, edges, ties, dp)
+    found = [v for v in (ix.broken, *(prove(ix) for prove in PROOFS)) if v is not None]
+    if found:
+        raise VerifyError(min(found)[1])
+    return Proof(_prove_no_deadlock(ix, edges, costs, ties))
 
 
 def verify(plan: Plan) -> Proof:
@@ -300,7 +538,7 @@ def verify(plan: Plan) -> Proof:
         plan.program,
         placement=plan.placement,
         num_microbatches=plan.num_microbatches,
-        edges=plan.edges or chain_edges(plan.num_stages),
+        edges=plan.edges,
         costs=plan_costs(plan),
         dp=plan.mesh.dp,
         ties=plan.ties,
