@@ -161,4 +161,6 @@ def test_program_counts():
     prog = parse_program(TEXT)
     assert isinstance(prog, Program)
     assert prog.num_ranks == 2
-    assert prog.num_instructions == sum(len(r) for r in prog.ranks)
+    # counted by hand: rank 0 F, SA, RG, B, AR, AR, OPT; rank 1 RA, F, I, SG, W, AR, OPT (batch brackets are no instructions)
+    assert prog.num_instructions == 14
+    assert parse_program("0: OPT\n1: F0.0 OPT").num_instructions == 3
