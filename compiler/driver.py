@@ -1,27 +1,34 @@
-"""The driver: one linear pass pipeline from resolved keys to a verified plan.
+"""The driver: one linear pass pipeline from a compile request to a verified plan.
 
-Each line of :func:`compile_plan` is one named pass; nothing else in pipec
-sequences them. A schedule-only compile imports neither torch nor networkx
-(networkx is loaded only to report a deadlock cycle; torch only when a model
-is traced).
+Each line of :func:`_compile` is one named pass; nothing else in pipec
+sequences them, and nothing else checks a named schedule's rules or builds a
+compute order (:func:`schedule_order`). A complaint about a key raises a
+:class:`~pipec.errors.PipecError` with ``key=`` and comes back as a
+:class:`~pipec.errors.Diagnostic` when it is a warning or a note; the
+language's boundary (:func:`compile_spec`) locates both once. A
+schedule-only compile imports neither torch nor networkx (networkx is loaded
+only to report a deadlock cycle; torch only when a model is traced).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import pipec
 from pipec.compiler.ir import Program
 from pipec.compiler.lower import lower
-from pipec.compiler.plan import DEFAULT_LINKS, Edge, Link, Mesh, Plan, Stage, Tie, check_limits
+from pipec.compiler.plan import DEFAULT_LINKS, Link, Mesh, Plan, Stage, check_limits
+from pipec.compiler.request import CompileRequest, ModelSpec
 from pipec.compiler.simulate import BUFFERED, chain_edges, plan_costs, timeline_of
 from pipec.compiler.verify import verify
-from pipec.schedules import build_order, check_rules
+from pipec.errors import Diagnostic, PipecError
+from pipec.schedules import check_rules, get_schedule, loop_placement, v_placement
 from pipec.schedules.order import ComputeOrder, ScheduleError, gc_paused, validate_order
+from pipec.schedules.policy import policy_order
 
-__all__ = ["Compiled", "StageGraphParts", "compile_plan", "compile_spec", "prove_and_predict", "state_bytes",
-           "MemoryBudgetError"]
+__all__ = ["Compiled", "compile_request", "compile_plan", "compile_spec", "schedule_order", "prove_and_predict",
+           "state_bytes", "MemoryBudgetError"]
 
 BUBBLE_WARNING = 0.5
 """A predicted bubble above this fraction gets a warning."""
@@ -30,17 +37,88 @@ BUBBLE_WARNING = 0.5
 @dataclass(frozen=True, slots=True)
 class Compiled:
     plan: Plan
-    warnings: tuple[str, ...] = ()
+    diagnostics: tuple[Any, ...] = ()
+    """Warnings and notes, in the order the passes made them: :class:`~pipec.errors.Diagnostic`
+    from the driver, located ones (``str()`` renders them) from :func:`compile_spec`."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StageGraphParts:
-    """What the model front end contributes to a plan."""
+def compile_request(req: CompileRequest) -> Compiled:
+    """Compile a request into a verified, predicted plan (see the module docstring)."""
+    with gc_paused():  # hundreds of thousands of acyclic objects: collections would only rescan them
+        return _compile(req)
 
-    model: Mapping[str, Any]
-    stages: tuple[Stage, ...]
-    edges: tuple[Edge, ...]
-    ties: tuple[Tie, ...] = ()
+
+def _compile(req: CompileRequest) -> Compiled:
+    check_limits(pp=req.pp, num_stages=req.num_stages, num_microbatches=req.num_microbatches)  # refuse what is too big
+    order, diagnostics = schedule_order(req)                     # the schedule's rules, then its order
+    graph = model_graph(req) if req.model else None              # trace, partition, costs (model plans)
+    if graph is not None and len(graph.stages) != order.num_stages:
+        raise PipecError(f"the model was partitioned into {len(graph.stages)} stages but the schedule runs "
+                         f"{order.num_stages}", key="partition")
+    spec = dict(req.spec)
+    if graph is not None:
+        diagnostics += [Diagnostic("note", note, key="trace") for note in graph.notes]
+        if "init" in graph.model:                                # the front end resolved `init auto`
+            spec["init"] = graph.model["init"]
+    plan = Plan(                                                 # everything but the program and prediction
+        mesh=Mesh(pp=req.pp, dp=req.dp),
+        num_stages=order.num_stages,
+        num_microbatches=req.num_microbatches,
+        placement=order.placement,
+        program=Program(()),
+        stages=_placed(graph.stages, order.placement) if graph else tuple(
+            Stage(stage=s, rank=r) for s, r in enumerate(order.placement)),
+        edges=graph.edges if graph else chain_edges(order.num_stages),
+        ties=graph.ties if graph else (),
+        links=dict(req.links),
+        spec=spec,
+        model=_model_entry(graph, req) if graph else None,
+        pipec_version=pipec.__version__,
+    )
+    costs = plan_costs(plan)                                     # unit, or the front end's costs
+    program = lower(order, edges=plan.edges, costs=costs, dp=req.dp, ties=plan.ties)  # comm and collectives
+    check_limits(pp=req.pp, num_stages=plan.num_stages, num_microbatches=req.num_microbatches,
+                 instructions=program.num_instructions)
+    plan = prove_and_predict(replace(plan, program=program))      # the four proofs, then the timeline
+    if plan.prediction.bubble_fraction > BUBBLE_WARNING:
+        diagnostics.append(Diagnostic(
+            "warning", f"the predicted bubble is {plan.prediction.bubble_fraction:.0%} of the step; more "
+            "microbatches or another schedule would waste less", key="microbatches"))
+    if req.device_memory is not None:                            # refuse what does not fit
+        _check_memory(plan, req.device_memory)
+    return Compiled(plan, tuple(diagnostics))
+
+
+def schedule_order(req: CompileRequest) -> tuple[ComputeOrder, list[Diagnostic]]:
+    """The request's compute order and its schedule's warnings.
+
+    The one place a named schedule's rules are checked and an order is built:
+    a named schedule's by its family, a policy's by :func:`policy_order`, an
+    explicit one from its actions (its invariants checked once).
+    """
+    P, M, v = req.pp, req.num_microbatches, req.num_chunks
+    if req.schedule == "order":
+        order = ComputeOrder(num_ranks=P, num_microbatches=M, placement=req.placement, ranks=req.order)
+        validate_order(order)
+        return order, []
+    if req.schedule == "policy":
+        return policy_order(req.policy, num_ranks=P, num_microbatches=M, num_chunks=v), []
+    info = get_schedule(req.schedule)
+    warnings: list[Diagnostic] = list(check_rules(info.name, num_ranks=P, num_microbatches=M, num_chunks=v))
+    order = info.build(num_ranks=P, num_microbatches=M, num_chunks=v)
+    if req.placement is not None and req.placement != order.placement:
+        raise ScheduleError(f"{info.name} needs placement {info.placement}, got {_placement_text(req.placement, P)}",
+                            rule=f"{info.name}.placement", key="placement",
+                            hints=(f"use placement {info.placement}, or an explicit order for another placement",))
+    return order, warnings
+
+
+def _placement_text(placement: tuple[int, ...], num_ranks: int) -> str:
+    if placement == loop_placement(num_ranks, len(placement)):
+        return "loop"
+    if len(placement) == 2 * num_ranks and placement == v_placement(num_ranks, len(placement)):
+        return "v"
+    return ", ".join(map(str, placement))
 
 
 def compile_plan(
@@ -51,62 +129,38 @@ def compile_plan(
     num_chunks: int | None = None,
     dp: int = 1,
     order: ComputeOrder | None = None,
-    graph: StageGraphParts | None = None,
-    links: Mapping[str, Link] | None = None,
-    spec: Mapping[str, Any] | None = None,
+    links: dict[str, Link] | None = None,
+    spec: dict[str, Any] | None = None,
     device_memory: int | None = None,
 ) -> Compiled:
-    """Compile a schedule (by name, or a custom compute order) into a verified plan."""
-    with gc_paused():  # hundreds of thousands of acyclic objects: collections would only rescan them
-        return _compile(num_ranks=num_ranks, num_microbatches=num_microbatches, schedule=schedule,
-                        num_chunks=num_chunks, dp=dp, order=order, graph=graph, links=links, spec=spec,
-                        device_memory=device_memory)
-
-
-def _compile(*, num_ranks, num_microbatches, schedule, num_chunks, dp, order, graph, links, spec,
-             device_memory) -> Compiled:
-    num_stages = (order.num_stages if order is not None else num_ranks * (num_chunks or 1))
-    check_limits(pp=num_ranks, num_stages=num_stages, num_microbatches=num_microbatches)  # refuse what is too big
-    warnings: list[str] = []
-    if order is None:                                            # the named schedule's rules, then its order
-        warnings += check_rules(schedule, num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks)
-        order = build_order(schedule, num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks)
+    """Compile a schedule-only plan: a named schedule, or a custom compute order (an imported one)."""
+    if order is not None:
+        choice = dict(schedule="order", order=order.ranks, placement=order.placement,
+                      num_chunks=max(1, order.num_stages // max(1, num_ranks)))
     else:
-        validate_order(order)                                     # a custom order must hold the invariants
-    if order.num_ranks != num_ranks or order.num_microbatches != num_microbatches:
-        raise ScheduleError(
-            f"the order is for {order.num_ranks} ranks and {order.num_microbatches} microbatches, but "
-            f"{num_ranks} ranks and {num_microbatches} microbatches were asked for", rule="order.shape")
-    if graph is not None and len(graph.stages) != order.num_stages:
-        raise ScheduleError(f"the model was partitioned into {len(graph.stages)} stages but the schedule runs "
-                            f"{order.num_stages}", rule="order.stages")
-    stages = _placed(graph.stages, order.placement) if graph else tuple(
-        Stage(stage=s, rank=r) for s, r in enumerate(order.placement))
-    plan = Plan(                                                 # everything but the program and prediction
-        mesh=Mesh(pp=num_ranks, dp=dp),
-        num_stages=order.num_stages,
-        num_microbatches=num_microbatches,
-        placement=order.placement,
-        program=Program(()),
-        stages=stages,
-        edges=graph.edges if graph else chain_edges(order.num_stages),
-        ties=graph.ties if graph else (),
-        links=dict(links or DEFAULT_LINKS),
-        spec=dict(spec or {}),
-        model=graph.model if graph else None,
-        pipec_version=pipec.__version__,
-    )
-    costs = plan_costs(plan)                                     # unit, or the front end's costs
-    program = lower(order, edges=plan.edges, costs=costs, dp=dp, ties=plan.ties)  # comm and collectives
-    check_limits(pp=num_ranks, num_stages=plan.num_stages, num_microbatches=num_microbatches,
-                 instructions=program.num_instructions)
-    plan = prove_and_predict(replace(plan, program=program))
-    if plan.prediction.bubble_fraction > BUBBLE_WARNING:
-        warnings.append(f"the predicted bubble is {plan.prediction.bubble_fraction:.0%} of the step; more "
-                        "microbatches or another schedule would waste less")
-    if device_memory is not None:                                # refuse what does not fit
-        _check_memory(plan, device_memory)
-    return Compiled(plan, tuple(warnings))
+        choice = dict(schedule=schedule, num_chunks=get_schedule(schedule).default_chunks if num_chunks is None
+                      else num_chunks)
+    return compile_request(CompileRequest(**choice, pp=num_ranks, dp=dp, num_microbatches=num_microbatches,
+                                          links=dict(links or DEFAULT_LINKS), spec=dict(spec or {}),
+                                          device_memory=device_memory))
+
+
+def compile_spec(spec, *, trace: bool = True) -> Compiled:
+    """Compile the language's resolved spec, every complaint about a key located once.
+
+    ``spec`` is a :class:`pipec.dsl.Spec` (the compiler does not import the
+    language): ``spec.request`` is its :class:`CompileRequest`, and
+    ``spec.locate`` turns an error or diagnostic about a key into one that
+    prints ``file:line:col`` and a caret. The diagnostics are the language's
+    own warnings, then the passes'. ``trace=False`` compiles the schedule
+    alone (unit costs), without the model.
+    """
+    req = spec.request if trace else replace(spec.request, model=None)
+    try:
+        compiled = compile_request(req)
+    except PipecError as err:
+        raise spec.locate(err) from None
+    return replace(compiled, diagnostics=(*spec.warnings, *(spec.locate(d) for d in compiled.diagnostics)))
 
 
 def prove_and_predict(plan: Plan) -> Plan:
@@ -134,8 +188,10 @@ def _placed(stages: Sequence[Stage], placement: Sequence[int]) -> tuple[Stage, .
     return tuple(replace(st, rank=placement[st.stage]) for st in stages)
 
 
-class MemoryBudgetError(ValueError):
-    """The predicted memory of a rank exceeds the device memory."""
+class MemoryBudgetError(PipecError):
+    """The predicted memory of a rank exceeds the device memory (key ``device_memory``)."""
+
+    key = "device_memory"
 
 
 def _check_memory(plan: Plan, device_memory: int) -> None:
@@ -156,56 +212,38 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-# ----------------------------------------------------------------------------- from a schedule file
+# ----------------------------------------------------------------------------- the model
 
 
-def compile_spec(spec) -> Compiled:
-    """Compile a resolved :class:`pipec.dsl.Spec` (a schedule file plus flags) into a verified plan."""
-    order = spec.compute_order()                                 # a policy or explicit order, or None
-    graph = model_graph(spec) if spec["model"] else None         # trace, partition, costs (model plans)
-    links = {axis: Link(latency_s=v["latency_s"], bandwidth_Bps=v["bandwidth_Bps"])
-             for axis, v in spec.to_json()["links"].items()}
-    compiled = compile_plan(
-        num_ranks=spec["pp"],
-        num_microbatches=spec["microbatches"],
-        schedule=None if order is not None else spec["schedule"],
-        num_chunks=spec["virtual"],
-        dp=spec["dp"],
-        order=order,
-        graph=graph,
-        links=links,
-        spec=spec.to_json(),
-        device_memory=spec["device_memory"],
-    )
-    return Compiled(compiled.plan, tuple(str(w) for w in spec.warnings) + compiled.warnings)
-
-
-def model_graph(spec) -> StageGraphParts:
-    """Run the model front end for a spec that names a model."""
+def model_graph(req: CompileRequest):
+    """Run the model front end (trace, partition, costs) for a request that names a model."""
     from pipec.compiler.frontend import Balanced, InputSpec, Markers, ModelRequest, SplitBefore, build_stage_graph
 
-    part = spec["partition"]
+    m: ModelSpec = req.model
+    part = m.partition
     partition = {"split": lambda: SplitBefore(tuple(part.split_before)), "balanced": lambda: Balanced(part.by),
                  "markers": lambda: Markers(), "auto": lambda: None}[part.method]()
-    world = spec["pp"] * spec["dp"]
-    req = ModelRequest(
-        target=spec["model"],
-        kwargs=dict(spec["model_args"] or {}),
-        inputs=tuple(InputSpec(t.name, t.dtype, tuple(t.shape)) for t in spec["input"]),
-        num_microbatches=spec["microbatches"],
-        num_stages=spec["stages"],
+    world = req.pp * req.dp
+    return build_stage_graph(ModelRequest(
+        target=m.target,
+        kwargs=dict(m.kwargs),
+        inputs=tuple(InputSpec(t.name, t.dtype, tuple(t.shape)) for t in m.inputs),
+        num_microbatches=req.num_microbatches,
+        num_stages=req.num_stages,
         partition=partition,
-        costs=spec["costs"],
-        trace=spec["trace"],
-        recompute=frozenset(spec["recompute"] or ()),
-        dtype=spec["dtype"],
-        peak_flops=spec["peak_flops"],
+        costs=m.costs,
+        trace=m.trace,
+        recompute=m.recompute,
+        dtype=m.dtype,
+        peak_flops=m.peak_flops,
         threads_per_rank=1 if world > 1 else _threads(),
-    )
-    sg = build_stage_graph(req)
-    flops = sum(sum(f) for f in sg.flops) * spec["microbatches"]  # forward + backward, one replica's step
-    return StageGraphParts(model={**sg.model, "flops_per_step": flops}, stages=sg.stages, edges=sg.edges,
-                           ties=sg.ties)
+    ))
+
+
+def _model_entry(graph, req: CompileRequest) -> dict[str, Any]:
+    """plan.json's ``model``: the front end's, with one replica's step FLOPs and its notes."""
+    flops = sum(sum(f) for f in graph.flops) * req.num_microbatches  # forward + backward, one replica's step
+    return {**graph.model, "flops_per_step": flops, **({"notes": list(graph.notes)} if graph.notes else {})}
 
 
 def _threads() -> int:

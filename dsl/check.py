@@ -1,82 +1,48 @@
 """The semantic pass: statements and flags -> a :class:`~pipec.dsl.spec.Spec`.
 
 Driven by the key table: each statement's key must be in :data:`KEYS`
-(did-you-mean otherwise), each value is converted by its key's kind, flags
-override the file, and defaults are filled in. Then the cross-key rules run,
-in order, each a small function of the resolution state (``RULES``): the
-mesh (stages = pp x virtual, placement), the schedule table's rules, the
-model's input and partition, the training settings. Every error points at
-the value at fault; a rule broken by a default points at the statement that
-made the rule apply.
+(did-you-mean otherwise), each value is converted by its key's kind (a
+flag's was converted once, by :mod:`pipec.dsl.flags`), flags override the
+file, and defaults are filled in. Then the cross-key rules run, in order,
+each a small function of the resolution state (``RULES``): the mesh (stages
+= pp x virtual, placement), the model's input and partition, the policy's
+expressions, the training settings. Every error points at the value at
+fault; a rule broken by a default points at the statement that made the
+rule apply. Last, the keys are resolved into the compiler's request
+(:mod:`pipec.dsl.boundary`). A schedule's own rules (1f1b's chunks, an
+order's invariants, a policy's warm-up bounds) are the compiler driver's:
+it checks them when it builds the order, and the boundary locates its
+complaints.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from typing import Any, Callable, Mapping
 
 from pipec.dsl import ast
 from pipec.dsl.ast import NO_SPAN, Span
+from pipec.dsl.boundary import request_of
 from pipec.dsl.errors import DSLError, DSLWarning, Source, did_you_mean
 from pipec.dsl.expr import ExprError, referenced_names
+from pipec.dsl.flags import Flags, read_flags
 from pipec.dsl.keys import KEYS
-from pipec.dsl.kinds import Ctx
+from pipec.dsl.kinds import Ctx, to_json
 from pipec.dsl.structured import DTYPES, OrderDraft
-from pipec.dsl.order import ORDER_NAMES, build_order, expand_block, read_csv, shape
-from pipec.dsl.parse import Parsed, parse_value
-from pipec.dsl.spec import Origin, Spec
-from pipec.dsl.values import OrderSpec, literal_text
-from pipec.schedules import SCHEDULES, check_rules
+from pipec.dsl.order import ORDER_NAMES, expand_block, read_csv, shape
+from pipec.dsl.parse import Parsed
+from pipec.dsl.spec import Origin, Spec, placement_ranks
+from pipec.dsl.values import OrderSpec
+from pipec.schedules import SCHEDULES
 from pipec.schedules.order import ScheduleError, loop_placement, v_placement
 
-__all__ = ["check", "flag_node", "command_line"]
+__all__ = ["check", "base_dir_of"]
+
+_UNSET = object()
+"""A given key's value not converted yet (a file's statement; a flag's arrives converted)."""
 
 CUSTOM = ("schedule", "policy", "order")
 """The keys that choose the schedule: at most one of them is given."""
-
-
-# ----------------------------------------------------------------------------- flags
-
-
-def command_line(overrides: Mapping[str, Any]) -> tuple[Source, list[tuple[str, str, Span]]]:
-    """The flags as one line of text (the "source" of flag errors), and each
-    flag's (key, value text, span of the value)."""
-    parts: list[str] = []
-    entries: list[tuple[str, str, Span]] = []
-    col = 1
-    for key, value in overrides.items():
-        if key not in KEYS:
-            raise DSLError(f"unknown key '{key}'", Source("<command line>", "").locate(NO_SPAN),
-                           [did_you_mean(key, KEYS)])
-        spec_key = KEYS[key]
-        if key == "model_args" and isinstance(value, Mapping):
-            texts = [f"{k}={literal_text(v)}" for k, v in value.items()]
-        elif key == "model_args" and isinstance(value, (list, tuple)):
-            texts = [str(v) for v in value]  # repeated --model-arg k=v
-        elif isinstance(value, str):
-            texts = [value]
-        else:
-            texts = [spec_key.kind.show(value)]
-        for text in texts:
-            text = text.replace("\n", " ").replace("\r", " ")
-            start = col + len(spec_key.flag) + 1
-            parts.append(f"{spec_key.flag} {text}")
-            entries.append((key, text, Span(1, start, 1, start + max(1, len(text)))))
-            col += len(parts[-1]) + 1
-    return Source("<command line>", " ".join(parts)), entries
-
-
-def flag_node(key: str, text: str, source: Source, span: Span) -> ast.Node:
-    """Parse a flag's value text (written at ``span`` of ``source``) as ``key``'s value."""
-    kind = KEYS[key].kind
-    if kind.raw_flag(text):
-        return ast.String(text, span)
-    wrap = key == "model_args" or (
-        key == "policy" and "=" in text and not re.match(r"\s*(\(|[A-Za-z_0-9]+\s*\()", text))
-    if wrap:
-        return parse_value(" " * (span.col - 2) + "(" + text + ")", source)
-    return parse_value(" " * (span.col - 1) + text, source)
 
 
 # ----------------------------------------------------------------------------- the resolution state
@@ -93,6 +59,8 @@ class _State:
         self.warnings: list[DSLWarning] = []
         self.form = "named"
         self.order_draft: OrderDraft | None = None
+        self.policy = None
+        """The bound :class:`~pipec.schedules.policy.Policy` of a policy schedule."""
 
     def given(self, key: str) -> bool:
         return key in self.origins and self.origins[key].given
@@ -119,7 +87,7 @@ class _State:
     def error(self, key: str, message: str, *hints: str, fallback: tuple[str, ...] = ()) -> DSLError:
         """An error at ``key``'s value; at the first given of ``fallback`` when ``key`` is a default."""
         source, span = self._place(key, fallback)
-        return source.error(span, self._wording(message), *hints, self._note(key))
+        return source.error(span, message, *hints, self._note(key))
 
     def item_error(self, key: str, index: int, message: str, *hints: str) -> DSLError:
         """An error at the ``index``-th item of ``key``'s (given) value."""
@@ -127,17 +95,7 @@ class _State:
 
     def warn(self, key: str, message: str, *hints: str, fallback: tuple[str, ...] = ()) -> None:
         source, span = self._place(key, fallback)
-        self.warnings.append(source.warning(span, self._wording(message), *hints, self._note(key)))
-
-    def _wording(self, message: str) -> str:
-        """Schedule messages name flags (``--virtual 3``); a value from the file is named by its key."""
-        for k, spec_key in KEYS.items():
-            origin = self.origins.get(k)
-            if origin is not None and origin.kind == "flag":
-                continue
-            for flag in spec_key.flags:
-                message = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", k, message)
-        return message
+        self.warnings.append(source.warning(span, message, *hints, self._note(key)))
 
     def item_span(self, key: str, index: int) -> Span:
         node = self.origins[key].node
@@ -148,9 +106,10 @@ class _State:
 # ----------------------------------------------------------------------------- collection
 
 
-def _collect(parsed: Parsed | None, overrides: Mapping[str, Any], st: _State) -> dict[str, tuple[ast.Node, Origin]]:
-    """Each given key's syntax node and origin: the file's statements, then the flags over them."""
-    given: dict[str, tuple[ast.Node, Origin]] = {}
+def _collect(parsed: Parsed | None, flags: Flags, st: _State) -> dict[str, tuple[ast.Node, Origin, Any]]:
+    """Each given key's syntax node, origin and (a flag's) converted value: the
+    file's statements, then the flags over them."""
+    given: dict[str, tuple[ast.Node, Origin, Any]] = {}
     if parsed is not None:
         source = parsed.source
         for stmt in parsed.file.statements:
@@ -172,24 +131,20 @@ def _collect(parsed: Parsed | None, overrides: Mapping[str, Any], st: _State) ->
                 if value.args:
                     raise source.error(value.args[0].span, "model arguments are written name=value")
                 given["model_args"] = (ast.Group((), value.kwargs, value.span),
-                                       Origin("file", source, value.span, node=value))
+                                       Origin("file", source, value.span, node=value), _UNSET)
                 value = value.func
-            given[name] = (value, Origin("file", source, value.span, node=value))
-    if overrides:
-        cmd, entries = command_line(overrides)
-        flagged_custom = any(k in CUSTOM for k in overrides)
-        if flagged_custom:
-            for k in CUSTOM:
-                given.pop(k, None)
-        for key, text, span in entries:
-            node = flag_node(key, text, cmd, span)
-            origin = Origin("flag", cmd, node.span, flag=KEYS[key].flag, node=node)
-            if key == "model_args" and key in given:  # --model-arg k=v changes one argument, keeps the others
-                old_node, _ = given[key]
-                names = {kw.name.name for kw in node.kwargs}
-                kept = tuple(kw for kw in old_node.kwargs if kw.name.name not in names)
-                node = ast.Group((), kept + node.kwargs, node.span)
-            given[key] = (node, origin)
+            given[name] = (value, Origin("file", source, value.span, node=value), _UNSET)
+    if any(k in CUSTOM for k in flags):  # a flag that chooses the schedule replaces the file's choice
+        for k in CUSTOM:
+            given.pop(k, None)
+    for key, flag in flags.entries.items():
+        origin = Origin("flag", flags.source, flag.node.span, flag=KEYS[key].flag, node=flag.node)
+        value = flag.value
+        if key == "model_args" and key in given:  # --model-arg k=v changes one argument, keeps the others
+            old_node, old_origin, _ = given[key]
+            kept = KEYS[key].kind.convert(old_node, Ctx(key, old_origin.source, st.base_dir))
+            value = type(value)({**kept, **value})
+        given[key] = (flag.node, origin, value)
     return given
 
 
@@ -200,10 +155,10 @@ def _unknown_key_hints(name: str, given: Mapping[str, Any]) -> tuple[str, ...]:
     return (hint,) if hint else ("the keys are listed in docs/reference.md",)
 
 
-def _convert(given: Mapping[str, tuple[ast.Node, Origin]], st: _State) -> None:
-    for key, (node, origin) in given.items():
-        ctx = Ctx(key, origin.source, st.base_dir if origin.kind == "file" else ".")
-        st.values[key] = KEYS[key].kind.convert(node, ctx)
+def _convert(given: Mapping[str, tuple[ast.Node, Origin, Any]], st: _State) -> None:
+    for key, (node, origin, value) in given.items():
+        st.values[key] = (KEYS[key].kind.convert(node, Ctx(key, origin.source, st.base_dir))
+                          if value is _UNSET else value)
         st.origins[key] = origin
 
 
@@ -302,7 +257,7 @@ def _placement(st: _State) -> None:
         else:
             st.default("placement", "loop")
     placement = st.values["placement"]
-    if placement == "v" and v != 2:
+    if placement == "v" and v != 2 and st.given("placement"):  # a named schedule's own: the driver's rule
         raise st.error("placement", f"the v placement needs exactly 2 chunks per rank, got virtual {v}",
                        "use virtual 2, or placement loop", fallback=("virtual",))
     if isinstance(placement, tuple):
@@ -321,17 +276,6 @@ def _placement(st: _State) -> None:
             r = next(r for r, c in enumerate(counts) if c != v)
             raise st.error("placement", f"rank {r} holds {counts[r]} stages; every rank must hold "
                            f"virtual = {v}")
-    if st.form == "named":
-        info = SCHEDULES[st.values["schedule"]]
-        wanted = loop_placement(pp, stages) if info.placement == "loop" else (
-            v_placement(pp, stages) if stages == 2 * pp else None)
-        as_list = (placement if isinstance(placement, tuple) else
-                   loop_placement(pp, stages) if placement == "loop" else
-                   v_placement(pp, stages) if stages == 2 * pp else None)
-        if placement != info.placement and (wanted is None or as_list != wanted):
-            raise st.error("placement", f"{info.name} needs placement {info.placement}, got "
-                           f"{KEYS['placement'].kind.show(placement)}",
-                           f"use placement {info.placement}, or an explicit order for another placement")
 
 
 def _mesh_of_order(st: _State) -> None:
@@ -388,8 +332,8 @@ def _mesh_of_order(st: _State) -> None:
                            "leave placement out: an order places its own stages")
     else:
         st.default("placement", named, "from the order")
-    order = build_order(expanded, num_ranks=pp, num_microbatches=st.values["microbatches"], placement=placement)
-    st.values["order"] = OrderSpec("inline" if draft.block is not None else "csv", draft.path, order)
+    ranks = tuple(tuple(expanded.actions.get(r, ())) for r in range(pp))
+    st.values["order"] = OrderSpec("inline" if draft.block is not None else "csv", draft.path, ranks, expanded)
 
 
 def _model(st: _State) -> None:
@@ -448,56 +392,22 @@ def _divisors(n: int, most: int = 12) -> list[int]:
     return sorted(set(small + [n // d for d in small]))[:most]
 
 
-_RULE_KEYS = {"ranks": "pp", "microbatches": "microbatches", "chunks": "virtual", "placement": "placement"}
-
-
-def _schedule_rules(st: _State) -> None:
-    """The schedule table's rules (chunks, microbatches) for a named schedule."""
-    if st.form != "named":
-        return
-    pp, m, v = st.values["pp"], st.values["microbatches"], st.values["virtual"]
-    name = st.values["schedule"]
-    try:
-        warnings = check_rules(name, num_ranks=pp, num_microbatches=m, num_chunks=v)
-    except ScheduleError as err:
-        key = _RULE_KEYS.get(err.rule.rpartition(".")[2], "schedule")
-        raise st.error(key, str(err), fallback=("schedule",)) from None
-    for w in warnings:
-        st.warn("microbatches", w, fallback=("schedule", "pp"))
-
-
-def _policy_rules(st: _State) -> None:
-    """The policy's settings for these counts; its warm-up evaluated on every rank."""
+def _policy(st: _State) -> None:
+    """A policy schedule's Policy for these counts: its expressions evaluated
+    on every rank, its settings checked together (where a setting is written)."""
     if st.form != "policy":
         return
-    spec = st.values["policy"]
     origin = st.origins["policy"]
-    node = origin.node
-    kwargs = {kw.name.name: kw for kw in getattr(node, "kwargs", ())}
-    pp, m, v = st.values["pp"], st.values["microbatches"], st.values["virtual"]
     try:
-        policy = spec.policy(placement=st.values["placement"], num_ranks=pp, num_microbatches=m, num_chunks=v)
+        st.policy = st.values["policy"].policy(
+            placement=st.values["placement"], num_ranks=st.values["pp"],
+            num_microbatches=st.values["microbatches"], num_chunks=st.values["virtual"])
+    except ExprError as err:
+        raise origin.source.error(err.span, err.message, *err.hints) from None
     except ScheduleError as err:
         field = err.rule.rpartition(".")[2]
-        where = kwargs[field].span if field in kwargs else origin.span
-        raise origin.source.error(where, str(err)) from None
-    total = v * m
-    for field, lo, hi in (("warmup", 0, total), ("max_in_flight", 1, None)):
-        fn = getattr(policy, field)
-        if not callable(fn):
-            continue
-        span = kwargs[field].value.span if field in kwargs else origin.span
-        for rank in range(pp):
-            try:
-                value = fn(rank)
-            except ExprError as err:
-                raise origin.source.error(err.span, err.message + f" (on rank {rank})", *err.hints) from None
-            if value < lo or (hi is not None and value > hi):
-                bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-                fix = ("cap it with min(..., chunks * M)" if hi is not None and value > hi else
-                       f"use max({lo}, ...)")
-                raise origin.source.error(span, f"{field} is {value} on rank {rank}, outside {bound}"
-                                          + (f" (chunks {v} x microbatches {m})" if hi else ""), fix)
+        kwargs = {kw.name.name: kw for kw in getattr(origin.node, "kwargs", ())}
+        raise origin.source.error(kwargs[field].span if field in kwargs else origin.span, str(err)) from None
 
 
 def _training(st: _State) -> None:
@@ -517,7 +427,7 @@ def _training(st: _State) -> None:
 
 
 RULES: tuple[Callable[[_State], None], ...] = (
-    _form, _mesh, _schedule_rules, _placement, _model, _policy_rules, _training,
+    _form, _mesh, _placement, _model, _policy, _training,
 )
 """The cross-key rules, in the order they run; each may fill in defaults the next ones read."""
 
@@ -526,17 +436,22 @@ RULES: tuple[Callable[[_State], None], ...] = (
 
 
 def check(parsed: Parsed | None, overrides: Mapping[str, Any] | None = None, *, base_dir: str = ".") -> Spec:
-    """Resolve a parsed file (or None) and flag overrides into a :class:`Spec`."""
-    anchor = parsed.source if parsed is not None else command_line(overrides or {})[0]
+    """Resolve a parsed file (or None) and flag overrides (:class:`Flags`, or
+    key -> value text or typed value) into a :class:`Spec` and its compile request."""
+    flags = read_flags(overrides or {})
+    anchor = parsed.source if parsed is not None else flags.source
     st = _State(anchor, base_dir)
-    given = _collect(parsed, overrides or {}, st)
-    _convert(given, st)
+    _convert(_collect(parsed, flags, st), st)
     for rule in RULES:
         rule(st)
     assert set(st.values) == set(KEYS), set(KEYS) ^ set(st.values)
-    ordered = {k: st.values[k] for k in KEYS}
-    return Spec(values=ordered, origins={k: st.origins[k] for k in KEYS}, warnings=tuple(st.warnings),
-                anchor=anchor)
+    values = {k: st.values[k] for k in KEYS}
+    origins = {k: st.origins[k] for k in KEYS}
+    own = st.form == "named" and not st.given("placement")  # the named schedule places its own stages
+    request = request_of(values, origins, policy=st.policy, placement=None if own else placement_ranks(
+                             values["placement"], values["pp"], values["stages"]),
+                         spec_json={key: to_json(value) for key, value in values.items()}, base_dir=base_dir)
+    return Spec(values=values, origins=origins, warnings=tuple(st.warnings), anchor=anchor, request=request)
 
 
 def base_dir_of(filename: str) -> str:

@@ -13,15 +13,11 @@ before layers.2, layers.4"``, ``--input tokens:int64[16,128]``); paths and
 from __future__ import annotations
 
 import argparse
-from types import MappingProxyType
 from typing import Any
 
-from pipec.dsl.check import command_line, flag_node
-from pipec.dsl.errors import DSLError
 from pipec.dsl.fmt import format_file
+from pipec.dsl.flags import Flags, read_flags
 from pipec.dsl.keys import KEYS
-from pipec.dsl.kinds import Ctx
-from pipec.dsl.structured import Kwargs, OrderDraft
 
 __all__ = ["add_flags", "overrides_from_args", "format_file", "dest_of"]
 
@@ -51,8 +47,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The keys whose flags were given, with typed, checked values.
+def overrides_from_args(args: argparse.Namespace) -> Flags:
+    """The keys whose flags were given, with typed, checked values (converted once).
 
     A bad value raises :class:`DSLError` located in the command line, naming
     the flag. ``--model-arg`` values merge into one mapping (a later one wins).
@@ -62,28 +58,5 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, dest_of(key.name), None)
         if value is None:
             continue
-        if key.repeatable:
-            raw[key.name] = [str(v) for v in value]
-        else:
-            raw[key.name] = str(value)
-    if not raw:
-        return {}
-    source, entries = command_line(raw)
-    out: dict[str, Any] = {}
-    for key, text, span in entries:
-        flag = KEYS[key].flag
-        try:
-            node = flag_node(key, text, source, span)
-            kind = Kwargs() if key == "model_args" else KEYS[key].kind
-            value = kind.convert(node, Ctx(key, source))
-        except DSLError as err:
-            raise DSLError(f"{flag}: {err.message}", err.location, err.hints) from None
-        if key == "model_args":
-            out.setdefault("model_args", {}).update(value)
-        elif isinstance(value, OrderDraft):
-            out[key] = text  # an order resolves only with the mesh: its text, checked for syntax
-        else:
-            out[key] = value
-    if "model_args" in out:
-        out["model_args"] = MappingProxyType(out["model_args"])
-    return out
+        raw[key.name] = [str(v) for v in value] if key.repeatable else str(value)
+    return read_flags(raw)

@@ -20,25 +20,11 @@ import difflib
 from dataclasses import dataclass
 from typing import Iterable
 
+from pipec.compiler.request import Location  # one place type: the compile request's origins use it too
 from pipec.dsl.ast import NO_SPAN, Span
 from pipec.errors import PipecError
 
 __all__ = ["Location", "Source", "DSLError", "DSLWarning", "did_you_mean", "suggest"]
-
-
-@dataclass(frozen=True, slots=True)
-class Location:
-    """A place in a source: 1-based line and column, the end column of the
-    caret (exclusive; on the same line), and the text of the line."""
-
-    file: str
-    line: int
-    col: int
-    end_col: int
-    source_line: str
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}:{self.col}"
 
 
 class Source:
@@ -71,6 +57,10 @@ class Source:
 
     def warning(self, span: Span, message: str, *hints: str) -> "DSLWarning":
         return DSLWarning(message, self.locate(span), tuple(h for h in hints if h))
+
+    def start(self) -> Location:
+        """The source's first line: where a complaint about a default points when nothing else fits."""
+        return self.locate(NO_SPAN)
 
 
 def _render(kind: str, message: str, loc: Location, hints: Iterable[str]) -> str:
@@ -131,14 +121,16 @@ class DSLError(_Located, PipecError):
 @dataclass(frozen=True, slots=True)
 class DSLWarning(_Located):
     """A legal but wasteful setting (1f1b with fewer microbatches than ranks),
-    located like a :class:`DSLError`; ``str()`` renders ``... warning: ...``."""
+    or a note (``level="note"``: the trace fell back to torch.export), located
+    like a :class:`DSLError`; ``str()`` renders ``... warning: ...``."""
 
     message: str
     location: Location
     hints: tuple[str, ...] = ()
+    level: str = "warning"
 
     def __str__(self) -> str:
-        return _render("warning", self.message, self.location, self.hints)
+        return _render(self.level, self.message, self.location, self.hints)
 
 
 def suggest(word: str, candidates: Iterable[str]) -> str | None:

@@ -1,5 +1,11 @@
 """Explicit orders: expand an ``order`` block, or read torch's compute-only CSV.
 
+The language only reads an order: its actions per rank, each with the place
+it was written (:class:`Expanded`), and its shape (ranks, microbatches,
+placement) for the mesh's defaults. The compiler's driver checks its
+invariants and builds it; a complaint names a rank and an action index,
+which :meth:`Expanded.place` turns back into a place in the text.
+
 An order block has one clause per rank (or per range of ranks)::
 
     order
@@ -28,9 +34,9 @@ from pipec.dsl import ast
 from pipec.dsl.ast import Span
 from pipec.dsl.errors import DSLError, Source
 from pipec.dsl.expr import ExprError, compile_int, referenced_names
-from pipec.schedules.order import Action, ComputeOrder, Kind, ScheduleError, validate_order
+from pipec.schedules.order import Action, Kind
 
-__all__ = ["MAX_ACTIONS", "ORDER_NAMES", "Expanded", "expand_block", "read_csv", "shape", "build_order"]
+__all__ = ["MAX_ACTIONS", "ORDER_NAMES", "Expanded", "expand_block", "read_csv", "shape"]
 
 MAX_ACTIONS = 5_000_000
 """Most actions (and loop iterations) an order may expand to: DESIGN's instruction limit."""
@@ -58,6 +64,15 @@ class Expanded:
     actions: dict[int, list[Action]] = field(default_factory=dict)
     spans: dict[int, list[Span]] = field(default_factory=dict)
     clauses: dict[int, Span] = field(default_factory=dict)
+
+    def place(self, rank: int | None, index: int | None) -> tuple[Source, Span]:
+        """Where the ``index``-th action of ``rank`` was written; its rank's clause
+        when ``index`` is None; the whole order when neither is known."""
+        if rank in self.spans and index is not None and 0 <= index < len(self.spans[rank]):
+            return self.source, self.spans[rank][index]
+        if rank in self.clauses:
+            return self.source, self.clauses[rank]
+        return self.owner, self.span
 
 
 class _Budget:
@@ -351,27 +366,3 @@ def shape(exp: Expanded) -> tuple[int, int, tuple[int, ...]]:
     placement = _placement(exp)
     num_mb = 1 + max((a.microbatch for acts in exp.actions.values() for a in acts), default=0)
     return num_ranks, num_mb, placement
-
-
-_AT_ACTION = re.compile(r"^rank (\d+), action (\d+) ")
-_AT_RANK = re.compile(r"^rank (\d+): ")
-
-
-def build_order(exp: Expanded, *, num_ranks: int, num_microbatches: int, placement: tuple[int, ...]) -> ComputeOrder:
-    """The :class:`ComputeOrder`, validated; a broken invariant is reported at the action."""
-    ranks = tuple(tuple(exp.actions.get(r, ())) for r in range(num_ranks))
-    order = ComputeOrder(num_ranks=num_ranks, num_microbatches=num_microbatches, placement=placement, ranks=ranks)
-    try:
-        validate_order(order)
-    except ScheduleError as err:
-        message = str(err)
-        m = _AT_ACTION.match(message)
-        if m and int(m.group(1)) in exp.spans and int(m.group(2)) < len(exp.spans[int(m.group(1))]):
-            span = exp.spans[int(m.group(1))][int(m.group(2))]
-        else:
-            m = _AT_RANK.match(message)
-            if m and int(m.group(1)) in exp.clauses:
-                raise exp.source.error(exp.clauses[int(m.group(1))], f"invalid order: {message}") from None
-            raise exp.owner.error(exp.span, f"invalid order: {message}") from None
-        raise exp.source.error(span, f"invalid order: {message}") from None
-    return order

@@ -40,10 +40,11 @@ def _spec(args: argparse.Namespace):
     return load_spec(args.file, overrides_from_args(args))
 
 
-def _report_warnings(warnings) -> None:
-    for w in warnings:
-        text = str(w)
-        print(text if text.startswith(("pipec:", "warning")) or ": warning:" in text else f"pipec: warning: {text}",
+def _report(diagnostics) -> None:
+    """Print warnings and notes: located ones as they render, others after ``pipec: <level>:``."""
+    for d in diagnostics:
+        text = str(d)
+        print(text if getattr(d, "location", None) is not None else f"pipec: {getattr(d, 'level', 'warning')}: {text}",
               file=sys.stderr)
 
 
@@ -52,7 +53,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from pipec.compiler.plan import write_plan
 
     compiled = compile_spec(_spec(args))
-    _report_warnings(compiled.warnings)
+    _report(compiled.diagnostics)
     write_plan(compiled.plan, args.output)
     plan, pred = compiled.plan, compiled.plan.prediction
     what = f"model {plan.model['target']}, " if plan.model else ""
@@ -75,13 +76,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     from pipec.compiler.driver import compile_spec
 
     spec = _spec(args)
-    if spec["model"] and args.no_model:
-        _report_warnings(spec.warnings)
-        print(f"{args.file}: checked (the model {spec['model']} was not traced: --no-model)")
-        return 0
-    compiled = compile_spec(spec)
-    _report_warnings(compiled.warnings)
+    untraced = bool(spec["model"]) and args.no_model
+    compiled = compile_spec(spec, trace=not untraced)  # --no-model: the schedule alone, at unit costs
+    _report(compiled.diagnostics)
     plan = compiled.plan
+    if untraced:
+        print(f"{args.file}: checked, schedule compiled and verified (the model {spec['model']} was not traced: "
+              "--no-model)")
+        return 0
     print(f"{args.file}: checked, compiled and verified ({plan.program.num_instructions} instructions, "
           f"{plan.mesh.pp} pp x {plan.mesh.dp} dp; predicted bubble {plan.prediction.bubble_fraction:.1%})")
     return 0

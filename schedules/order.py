@@ -23,6 +23,7 @@ __all__ = [
     "ScheduleError",
     "ScheduleWarning",
     "Setting",
+    "Worded",
     "word",
     "loop_placement",
     "v_placement",
@@ -55,7 +56,7 @@ def word(message: str, got: Sequence[Setting] = (), fix: Sequence[Sequence[Setti
     return text
 
 
-class _Worded:
+class Worded:
     """A complaint about settings: ``message`` (what must hold), ``got`` (the
     settings at fault) and ``fix`` (alternatives, each a few settings), worded
     by :func:`word`; the language words them with the names its user wrote."""
@@ -69,7 +70,7 @@ class _Worded:
         return word(self.message, self.got, self.fix, name)
 
 
-class ScheduleError(_Worded, PipecError):
+class ScheduleError(Worded, PipecError):
     """A schedule's rule is broken by the requested configuration.
 
     ``rule`` names the rule (for example ``"zbv.chunks"``), so tools and tests
@@ -92,7 +93,7 @@ class ScheduleError(_Worded, PipecError):
 
 
 @dataclass(frozen=True, slots=True)
-class ScheduleWarning(_Worded, Diagnostic):
+class ScheduleWarning(Worded, Diagnostic):
     """A legal but wasteful setting (1f1b with fewer microbatches than ranks),
     worded like a :class:`ScheduleError`; a :class:`~pipec.errors.Diagnostic`
     about ``key``."""

@@ -49,7 +49,7 @@ def test_user_mistakes_exit_2_without_traceback(cli, tmp_path):
 def test_warnings_do_not_fail(cli):
     out = cli("compile", "--schedule", "1f1b", "--ranks", "4", "--microbatches", "2", "-o", "p.json")
     assert out.returncode == 0
-    assert "pipec: warning:" in out.stderr
+    assert ": warning: " in out.stderr  # located at the flag that set it
 
 
 def test_torch_csv_round_trip_through_the_cli(cli, tmp_path):

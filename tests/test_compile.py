@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipec.compiler.driver import compile_plan
-from pipec.compiler.engine import MODELS, execute
+from pipec.compiler.engine import execute
 from pipec.compiler.ir import parse_program
 from pipec.compiler.plan import read_plan, write_plan
 from pipec.compiler.simulate import chain_edges, plan_costs
@@ -130,4 +130,3 @@ def test_golden_programs(name, P, M, v, dp):
 
 def test_chain_edges():
     assert [(e.src_stage, e.dst_stage) for e in chain_edges(3)] == [(0, 1), (1, 2)]
-    assert MODELS == ("buffered", "in_order")

@@ -1,15 +1,23 @@
 """Golden error messages: the exact text a user sees for common mistakes.
 
 Each case is a schedule file with one mistake and the full rendered error
-(``file:line:col: error: ...``, the source line, the caret, the hints). A
-wording change is deliberate: update the text here with it.
+(``file:line:col: error: ...``, the source line, the caret, the hints), as
+`pipec check` prints it: the language's own errors, and the compiler
+driver's (a schedule's rules, an order's invariants) located by the
+boundary. A wording change is deliberate: update the text here with it.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from pipec.compiler.driver import compile_spec
 from pipec.dsl import DSLError, parse_spec
+
+
+def check(text: str) -> None:
+    """Parse, resolve and compile (the schedule alone) ``text`` as job.pipe."""
+    compile_spec(parse_spec(text, filename="job.pipe"), trace=False)
 
 GOLDEN = [
     pytest.param(
@@ -360,13 +368,13 @@ did you mean 'min_lr'?
 @pytest.mark.parametrize(("text", "expected"), GOLDEN)
 def test_golden_error(text: str, expected: str) -> None:
     with pytest.raises(DSLError) as info:
-        parse_spec(text, filename="job.pipe")
+        check(text)
     assert str(info.value) + "\n" == expected
 
 
 def test_error_fields_match_the_rendering() -> None:
     with pytest.raises(DSLError) as info:
-        parse_spec("pp 4\nschedule zbv\nvirtual 3\n", filename="job.pipe")
+        check("pp 4\nschedule zbv\nvirtual 3\n")
     err = info.value
     assert (err.file, err.line, err.col) == ("job.pipe", 3, 9)
     assert err.source_line == "virtual 3"

@@ -11,7 +11,8 @@ import pytest
 
 from pipec.dsl import KEYS, load_spec, parse_spec
 from pipec.dsl.reference import MICROBATCH_RULES, reference
-from pipec.schedules import SCHEDULES, build_order
+from pipec.compiler.driver import schedule_order
+from pipec.schedules import SCHEDULES
 from pipec.schedules.order import validate_order
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,10 +23,8 @@ EXAMPLES = sorted((REPO / "examples").glob("*.pipe"))
 def test_example_checks_and_orders(path: Path) -> None:
     spec = load_spec(str(path))
     assert spec.warnings == ()
-    order = spec.compute_order()
-    if order is None:
-        order = build_order(spec.schedule, num_ranks=spec.pp, num_microbatches=spec.microbatches,
-                            num_chunks=spec.virtual)
+    order, warnings = schedule_order(spec.request)  # the driver's rules and order: valid, or it raises
+    assert warnings == []
     validate_order(order)
     assert (order.num_ranks, order.num_microbatches, order.placement) == (
         spec.pp, spec.microbatches, spec.placement_ranks())

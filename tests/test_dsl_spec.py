@@ -19,8 +19,15 @@ from pipec.dsl import (
     load_spec,
     parse_spec,
 )
+from pipec.compiler.driver import compile_spec, schedule_order
+from pipec.errors import Diagnostic, PipecError
 from pipec.schedules import build_order
 from pipec.schedules.order import Action, Kind, validate_order
+
+
+def order_of(spec):
+    """The compute order the compiler's driver builds for a spec."""
+    return schedule_order(spec.request)[0]
 
 
 def test_empty_file_is_all_defaults() -> None:
@@ -29,7 +36,7 @@ def test_empty_file_is_all_defaults() -> None:
     assert (spec.schedule, spec.pp, spec.dp, spec.virtual, spec.stages, spec.placement) == ("1f1b", 2, 1, 1, 2, "loop")
     assert spec.microbatches == 4 and spec.costs == "unit" and spec.model is None
     assert all(spec.source(k).startswith("default") for k in KEYS)
-    assert spec.compute_order() is None
+    assert (spec.request.schedule, spec.request.policy, spec.request.order) == ("1f1b", None, None)
     assert spec.warnings == ()
 
 
@@ -167,7 +174,9 @@ def test_virtual_stages_and_placement_follow_each_other() -> None:
 
 def test_one_f_one_b_with_few_microbatches_warns_at_the_value() -> None:
     spec = parse_spec("schedule 1f1b\npp 4\nmicrobatches 2\n", filename="w.pipe")
-    (warning,) = spec.warnings
+    assert spec.warnings == ()  # the schedule's rules are the compiler driver's
+    warning, bubble = compile_spec(spec).diagnostics
+    assert "predicted bubble is 60%" in str(bubble) and bubble.line == 3
     assert (warning.file, warning.line, warning.col) == ("w.pipe", 3, 14)
     assert str(warning).startswith("w.pipe:3:14: warning: 1f1b with fewer microbatches (2) than ranks (4)")
     assert "use microbatches >= 4" in warning.message  # the file's key, not the flag
@@ -181,18 +190,20 @@ def test_other_warnings() -> None:
     assert any("input is used only with a model" in m for m in messages)
 
 
-def test_warn_at_and_error_at_locate_later_complaints() -> None:
+def test_later_complaints_about_a_key_are_located_there() -> None:
     spec = parse_spec("pp 4\npartition split before blocks.2, blocks.4, blocks.6\n", filename="p.pipe")
-    warning = spec.warn_at("microbatches", "a predicted bubble above 50%")
-    assert (warning.line, warning.col) == (1, 1)  # a default: at the file's start, saying so
-    assert "microbatches was not set" in str(warning)
-    err = spec.error_at("partition", "the model has no module 'blocks.4'", index=1)
+    err = spec.locate(PipecError("the model has no module 'blocks.4'", key="partition", index=1))
     assert (err.line, err.col) == (2, 34)
     assert str(err).splitlines()[2] == "    " + " " * 33 + "^~~~~~~~"
-    err = spec.error_at("pp", "too few ranks")
+    err = spec.locate(PipecError("too few ranks", key="pp"))
     assert str(err).startswith("p.pipe:1:4: error: too few ranks")
-    warning = spec.warn_at("microbatches", "a predicted bubble above 50%", fallback=("schedule", "pp"))
-    assert (warning.line, warning.col) == (1, 4)  # schedule is a default too; pp was given
+    warning = spec.locate(Diagnostic("warning", "a predicted bubble above 50%", key="microbatches"))
+    assert (warning.line, warning.col) == (1, 4)  # a default: at the statement that made it matter (pp)
+    assert "microbatches was not set" in str(warning) and ": warning: " in str(warning)
+    note = spec.locate(Diagnostic("note", "fell back to torch.export", key="trace"))
+    assert (note.line, note.col) == (1, 1) and ": note: " in str(note)  # nothing given it falls back to
+    plain = PipecError("not about a key")
+    assert spec.locate(plain) is plain
 
 
 # ----------------------------------------------------------------------------- custom schedules
@@ -204,14 +215,14 @@ def test_policy_presets_equal_their_named_schedules(preset: str, pp: int, mb: in
     spec = parse_spec(f"pp {pp} microbatches {mb} policy {preset}")
     assert spec.schedule == "policy" and spec.custom == "policy"
     named = build_order(preset, num_ranks=pp, num_microbatches=mb, num_chunks=spec.virtual)
-    assert spec.compute_order() == named
+    assert order_of(spec) == named
 
 
 def test_policy_expression_is_torch_interleaved_warmup() -> None:
     spec = parse_spec("pp 4 virtual 2 microbatches 8\n"
                       "policy (warmup=min((chunks - 1) * (M // max(1, M // P)) + 2 * (P - 1 - rank), chunks * M), "
                       "priority=forward)\n")
-    assert spec.compute_order() == build_order("interleaved_1f1b", num_ranks=4, num_microbatches=8, num_chunks=2)
+    assert order_of(spec) == build_order("interleaved_1f1b", num_ranks=4, num_microbatches=8, num_chunks=2)
     assert spec.to_json()["policy"]["warmup"] == \
         "min((chunks - 1) * (M // max(1, M // P)) + 2 * (P - 1 - rank), chunks * M)"
 
@@ -220,16 +231,17 @@ def test_policy_that_cannot_run_is_located_at_the_policy() -> None:
     spec = parse_spec("pp 4 microbatches 8\npolicy (warmup=max(1, 3 - rank), priority=forward)\n",
                       filename="p.pipe")
     try:
-        order = spec.compute_order()
+        plan = compile_spec(spec).plan
     except DSLError as err:
         assert err.line == 2 and "policy" in err.message
     else:
-        validate_order(order)
+        assert plan.prediction is not None
 
 
 def test_policy_warmup_is_checked_on_every_rank() -> None:
-    with pytest.raises(DSLError, match="warmup is 9 on rank 3, outside 0..8") as info:
-        parse_spec("pp 4 microbatches 8 policy (warmup=rank * 3)")
+    spec = parse_spec("pp 4 microbatches 8 policy (warmup=rank * 3)")
+    with pytest.raises(DSLError, match=r"policy warm-up on rank 3 must be in 0..8 .*got 9") as info:
+        compile_spec(spec)  # the bound is the driver's; the boundary points at the setting
     assert info.value.col == 36
     with pytest.raises(DSLError, match="division by zero"):
         parse_spec("pp 4 policy (warmup=M // rank)")
@@ -245,7 +257,7 @@ order
 @pytest.mark.parametrize(("pp", "mb"), [(1, 1), (2, 2), (4, 8), (3, 7), (8, 16)])
 def test_order_template_is_one_f_one_b(pp: int, mb: int) -> None:
     spec = parse_spec(ONE_F_ONE_B.format(P=pp, M=mb))
-    assert spec.compute_order() == build_order("1f1b", num_ranks=pp, num_microbatches=mb)
+    assert order_of(spec) == build_order("1f1b", num_ranks=pp, num_microbatches=mb)
     assert spec.to_json()["order"]["ranks"][0].startswith("F0.0")
 
 
@@ -263,16 +275,17 @@ def test_order_infers_the_mesh() -> None:
 
 def test_order_with_split_backward() -> None:
     spec = parse_spec("order rank 0: F0.0 F0.1 I0.0 I0.1 W0.0 W0.1")
-    assert spec.compute_order().ranks[0][2] == Action(Kind.I, 0, 0)
-    with pytest.raises(DSLError, match=r"rank 0, action 1 \(W0.0\): weight-grad W needs its input-grad I0.0"):
-        parse_spec("order rank 0: F0.0 W0.0 I0.0")
+    assert order_of(spec).ranks[0][2] == Action(Kind.I, 0, 0)
+    with pytest.raises(DSLError, match=r"rank 0, action 1 \(W0.0\): weight-grad W needs its input-grad I0.0") as info:
+        compile_spec(parse_spec("order rank 0: F0.0 W0.0 I0.0"))
+    assert info.value.col == 20  # at the action
 
 
 def test_csv_order(tmp_path) -> None:
     (tmp_path / "o.csv").write_text("0F0,,0F1,0B0,0B1\n1F0,1B0,,1F1,1B1\n")
     (tmp_path / "s.pipe").write_text('order "o.csv"\n')
     spec = load_spec(str(tmp_path / "s.pipe"))
-    assert spec.compute_order().text() == "0: F0.0 F0.1 B0.0 B0.1\n1: F1.0 B1.0 F1.1 B1.1"
+    assert order_of(spec).text() == "0: F0.0 F0.1 B0.0 B0.1\n1: F1.0 B1.0 F1.1 B1.1"
     assert spec.to_json()["order"] == {"form": "csv", "path": "o.csv",
                                        "ranks": ["F0.0 F0.1 B0.0 B0.1", "F1.0 B1.0 F1.1 B1.1"]}
     (tmp_path / "o.csv").write_text("0F0,0SEND_F0,0B0\n1F0,1B0\n")
