@@ -1,5 +1,9 @@
 """Interop with torch.distributed.pipelining's schedule CSV (pure Python, no torch).
 
+The cell grammar, the rows and the compute-only form live in
+:mod:`pipec.schedules.torch_csv` (the schedule language reads orders with
+them too); this module adds the compute+comms form, which is a Program.
+
 torch writes a schedule as one CSV row per pp rank, one cell per action
 (``PipelineScheduleMulti._dump_csv``, ``_PipelineScheduleRuntime._dump_csv``)
 and reads it back with ``_load_csv(path, format=...)``. A cell is
@@ -48,16 +52,22 @@ stages) and tie-group all-reduces have no torch equivalent and are refused.
 
 from __future__ import annotations
 
-import csv
-import io
 import os
-import re
 from dataclasses import dataclass
 from typing import Literal
 
 from pipec.compiler.ir import COMM_OPS as _COMM_OPS, COMPUTE_OPS, Instruction, Op, Program
-from pipec.schedules.order import Action, ComputeOrder, Kind
-from pipec.errors import PipecError
+from pipec.schedules.order import ComputeOrder, Kind
+from pipec.schedules.torch_csv import (
+    TorchAction,
+    TorchCsvError,
+    check_compute,
+    compute_order,
+    compute_rows,
+    format_rows,
+    parse_rows,
+    where as _where,
+)
 
 __all__ = [
     "TorchCsvError",
@@ -73,14 +83,6 @@ Form = Literal["compute_only", "compute_comms"]
 FORMS: tuple[str, ...] = ("compute_only", "compute_comms")
 
 
-class TorchCsvError(PipecError):
-    """A torch schedule CSV cannot be read, or a program cannot be written as one."""
-
-
-# One cell: <stage><torch _ComputationType value><microbatch>; OVERLAP_F_B is refused before this.
-OTHER_TYPES = ("REDUCE_GRAD", "UNSHARD", "RESHARD")
-_CELL_RE = re.compile(r"(\d+)(REDUCE_GRAD|UNSHARD|RESHARD|SEND_F|RECV_F|SEND_B|RECV_B|[FBIW])(\d*)")
-
 _KIND_OF = {"F": Kind.F, "B": Kind.B, "I": Kind.I, "W": Kind.W}
 _OP_OF_KIND = {Kind.F: Op.FWD, Kind.B: Op.BWD, Kind.I: Op.BWD_I, Kind.W: Op.BWD_W}
 _TYPE_OF_OP = {
@@ -94,21 +96,6 @@ _COMM = {
     "SEND_B": (Op.SEND_GRAD, -1, True),
     "RECV_B": (Op.RECV_GRAD, +1, False),
 }
-
-
-@dataclass(frozen=True, slots=True)
-class TorchAction:
-    """One cell of torch's CSV: ``type`` is torch's ``_ComputationType`` value."""
-
-    stage: int
-    type: str
-    microbatch: int | None = None
-
-    def text(self) -> str:
-        """The cell text torch writes: ``2F0``, ``0SEND_B3``, ``1REDUCE_GRAD``."""
-        return f"{self.stage}{self.type}{'' if self.microbatch is None else self.microbatch}"
-
-    __str__ = text
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -138,16 +125,7 @@ class TorchSchedule:
 
     def to_order(self) -> ComputeOrder:
         """The compute actions of every row, in order (either form)."""
-        ranks = tuple(
-            tuple(Action(_KIND_OF[a.type], a.stage, a.microbatch) for a in row if a is not None and a.type in _KIND_OF)
-            for row in self.rows
-        )
-        return ComputeOrder(
-            num_ranks=self.num_ranks,
-            num_microbatches=self.num_microbatches,
-            placement=self.placement,
-            ranks=ranks,
-        )
+        return compute_order(self.rows, self.placement, self.num_microbatches)
 
     def to_program(self, *, dp: int = 1) -> Program:
         """The Program of a ``compute_comms`` file.
@@ -194,110 +172,6 @@ class TorchSchedule:
 
 
 # ----------------------------------------------------------------------------- reading
-
-
-def _where(source: str, rank: int, col: int, cell: str) -> str:
-    return f"{source}: rank {rank} (row {rank + 1}), column {col + 1} ({cell!r})"
-
-
-def _parse_cell(cell: str, source: str, rank: int, col: int) -> TorchAction | None:
-    text = cell.strip()
-    if not text:
-        return None
-    if "OVERLAP_F_B" in text:
-        raise TorchCsvError(
-            f"{_where(source, rank, col, cell)}: OVERLAP_F_B (DualPipeV's fused forward+backward) "
-            "is not supported: pipec runs one compute action at a time; write its sub-actions "
-            "as separate cells (e.g. '0F7,3B1' for '(0F7;3B1)OVERLAP_F_B')"
-        )
-    m = _CELL_RE.fullmatch(text)
-    if m is None:
-        raise TorchCsvError(
-            f"{_where(source, rank, col, cell)}: not a torch action; expected "
-            "<stage><type><microbatch> with type one of F, B, I, W, SEND_F, RECV_F, SEND_B, "
-            "RECV_B (e.g. '2F0', '0SEND_F1'), or <stage>REDUCE_GRAD / UNSHARD / RESHARD"
-        )
-    stage, typ, mb = int(m[1]), m[2], m[3]
-    if typ in OTHER_TYPES:
-        if mb and typ == "REDUCE_GRAD":
-            raise TorchCsvError(
-                f"{_where(source, rank, col, cell)}: REDUCE_GRAD takes no microbatch; "
-                f"write '{stage}REDUCE_GRAD'"
-            )
-        return TorchAction(stage, typ, None)
-    if not mb:
-        raise TorchCsvError(
-            f"{_where(source, rank, col, cell)}: {typ} needs a microbatch number, "
-            f"e.g. '{stage}{typ}0'"
-        )
-    return TorchAction(stage, typ, int(mb))
-
-
-def _check_compute(
-    rows: list[list[TorchAction | None]], source: str
-) -> tuple[tuple[int, ...], int]:
-    """Infer placement and M; check each (stage, mb) gets one F and one backward, in order."""
-    owner: dict[int, tuple[int, int]] = {}  # stage -> (rank, column of its first compute)
-    state: dict[tuple[int, int], str] = {}  # (stage, mb) -> "F" | "I" | "done"
-    max_stage = max_mb = -1
-    for rank, row in enumerate(rows):
-        for col, a in enumerate(row):
-            if a is None:
-                continue
-            max_stage = max(max_stage, a.stage)
-            if a.type not in _KIND_OF:
-                continue
-            where = _where(source, rank, col, a.text())
-            s, mb = a.stage, a.microbatch
-            assert mb is not None
-            max_mb = max(max_mb, mb)
-            if s in owner and owner[s][0] != rank:
-                r0, c0 = owner[s]
-                raise TorchCsvError(
-                    f"{where}: stage {s} is computed on rank {r0} (row {r0 + 1}, column {c0 + 1}) "
-                    f"and on rank {rank}; a stage lives on one rank: move its actions to one row"
-                )
-            owner.setdefault(s, (rank, col))
-            cur = state.get((s, mb))
-            if a.type == "F":
-                if cur is not None:
-                    raise TorchCsvError(f"{where}: second forward of stage {s} microbatch {mb}; keep one")
-                state[(s, mb)] = "F"
-            elif a.type in ("B", "I"):
-                if cur is None:
-                    raise TorchCsvError(
-                        f"{where}: backward of stage {s} microbatch {mb} before its forward "
-                        f"{s}F{mb}; put the forward earlier in the row"
-                    )
-                if cur != "F":
-                    raise TorchCsvError(f"{where}: second backward of stage {s} microbatch {mb}; keep one")
-                state[(s, mb)] = "I" if a.type == "I" else "done"
-            else:  # W
-                if cur != "I":
-                    raise TorchCsvError(
-                        f"{where}: weight-grad W of stage {s} microbatch {mb} needs its input-grad "
-                        f"{s}I{mb} earlier in the same row"
-                    )
-                state[(s, mb)] = "done"
-    if max_stage < 0:
-        raise TorchCsvError(f"{source}: no actions; expected one row per rank with cells like '0F0'")
-    num_stages, num_mb = max_stage + 1, max_mb + 1
-    for s in range(num_stages):
-        if s not in owner:
-            raise TorchCsvError(
-                f"{source}: stage {s} has no compute action in any row, so its rank is unknown; "
-                f"stages must be numbered 0..{num_stages - 1} and each computed somewhere"
-            )
-        rank = owner[s][0]
-        for mb in range(num_mb):
-            cur = state.get((s, mb))
-            if cur != "done":
-                missing = {None: f"{s}F{mb} and its backward", "F": f"a backward ({s}B{mb} or {s}I{mb})", "I": f"{s}W{mb}"}[cur]
-                raise TorchCsvError(
-                    f"{source}: rank {rank} (row {rank + 1}): stage {s} microbatch {mb} is missing "
-                    f"{missing}; every stage needs all {num_mb} microbatches"
-                )
-    return tuple(owner[s][0] for s in range(num_stages)), num_mb
 
 
 def _check_others(
@@ -355,11 +229,8 @@ def parse_torch_csv(text: str, *, form: Form | None = None, source: str = "<csv>
     """
     if form is not None and form not in FORMS:
         raise TorchCsvError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
-    raw_rows = list(csv.reader(io.StringIO(text)))
-    while raw_rows and not any(c.strip() for c in raw_rows[-1]):
-        raw_rows.pop()  # trailing blank lines; torch never writes a rank without actions
-    rows = [[_parse_cell(c, source, r, i) for i, c in enumerate(row)] for r, row in enumerate(raw_rows)]
-    placement, num_mb = _check_compute(rows, source)
+    rows = parse_rows(text, source)
+    placement, num_mb = check_compute(rows, source)
     _check_others(rows, placement, num_mb, source)
     # A single rank needs no comms: there, torch's REDUCE_GRAD marks the lowered form too
     # (a multi-rank file with REDUCE_GRAD and no comms is a Single schedule's order, e.g. GPipe's).
@@ -409,7 +280,7 @@ def read_torch_csv(path: str | os.PathLike[str], *, form: Form | None = None) ->
 
 def _compute_rows(source: Program | ComputeOrder) -> list[list[str]]:
     if isinstance(source, ComputeOrder):
-        return [[f"{a.stage}{a.kind.value}{a.microbatch}" for a in actions] for actions in source.ranks]
+        return compute_rows(source)
     return [
         [f"{i.stage}{_TYPE_OF_OP[i.op]}{i.microbatch}" for i in instrs if i.op in COMPUTE_OPS]
         for instrs in source.ranks
@@ -503,9 +374,7 @@ def format_torch_csv(source: Program | ComputeOrder, *, form: Form = "compute_on
         )
     else:
         rows = _comms_rows(source)
-    out = io.StringIO()
-    csv.writer(out, lineterminator="\r\n").writerows(rows)
-    return out.getvalue()
+    return format_rows(rows)
 
 
 def write_torch_csv(

@@ -31,6 +31,7 @@ from pipec.compiler.torch_csv import (
 from pipec.compiler.verify import verify
 from pipec.schedules import build_order
 from pipec.schedules.order import ComputeOrder, validate_order
+from pipec.schedules.torch_csv import CellError, format_compute_csv, parse_cell, parse_compute_csv
 
 S = pytest.importorskip("torch.distributed.pipelining.schedules")
 
@@ -358,6 +359,38 @@ def test_export_form_rules():
     assert "REDUCE_GRAD" not in format_torch_csv(lowered(order, dp=2))
 
 
+@pytest.mark.parametrize("order", ORDERS, ids=lambda o: f"P{o.num_ranks}S{o.num_stages}M{o.num_microbatches}")
+def test_schedules_compute_only_reader_round_trips_and_agrees_with_the_compiler(order):
+    text = format_compute_csv(order)
+    assert parse_compute_csv(text) == order == parse_torch_csv(text).to_order()
+    assert text == format_torch_csv(order)
+
+
+@pytest.mark.parametrize(
+    "cell, got",
+    [("2F0", TorchAction(2, "F", 0)), (" 1I3 ", TorchAction(1, "I", 3)), ("0SEND_B3", TorchAction(0, "SEND_B", 3)),
+     ("1REDUCE_GRAD", TorchAction(1, "REDUCE_GRAD")), ("", None), ("  ", None)],
+)
+def test_cell_grammar(cell, got):
+    assert parse_cell(cell) == got
+
+
+@pytest.mark.parametrize(
+    "cell, reason, typ",
+    [("(0F7;3B1)OVERLAP_F_B", "overlap", None), ("2X0", "unknown", None), ("0F", "microbatch", "F"),
+     ("0REDUCE_GRAD2", "microbatch", "REDUCE_GRAD")],
+)
+def test_cell_errors_say_why(cell, reason, typ):
+    with pytest.raises(CellError) as e:
+        parse_cell(cell)
+    assert (e.value.reason, e.value.type) == (reason, typ)
+
+
+def test_compute_only_reader_refuses_comms_at_the_cell():
+    with pytest.raises(TorchCsvError, match=r"s.csv: rank 0 \(row 1\), column 2 \('0SEND_F0'\): a compute_only"):
+        parse_compute_csv("0F0,0SEND_F0,0B0\n1F0,1B0\n", "s.csv")
+
+
 def test_library_module_does_not_import_torch():
-    code = "import sys, pipec.compiler.torch_csv\nassert 'torch' not in sys.modules\n"
+    code = "import sys, pipec.compiler.torch_csv, pipec.schedules.torch_csv\nassert 'torch' not in sys.modules\n"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
