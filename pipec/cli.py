@@ -171,7 +171,6 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     from pipec.compiler.driver import compile_plan, prove_and_predict
     from pipec.compiler.plan import Mesh, Plan, Stage, write_plan
-    from pipec.compiler.simulate import chain_edges
     from pipec.compiler.torch_csv import read_torch_csv
 
     sched = read_torch_csv(args.file)
@@ -183,8 +182,7 @@ def cmd_import(args: argparse.Namespace) -> int:
             num_microbatches=sched.num_microbatches,
             placement=sched.placement,
             program=sched.to_program(dp=args.dp),
-            stages=tuple(Stage(stage=s, rank=r) for s, r in enumerate(sched.placement)),
-            edges=chain_edges(sched.num_stages),
+            stages=tuple(Stage(stage=s, rank=r) for s, r in enumerate(sched.placement)),  # edges: the chain
             spec=spec,
         )
         plan = prove_and_predict(plan)
