@@ -1,12 +1,13 @@
 """Front-end benchmark: trace + partition + predict GPT-125M, 1.3B and 13B on the meta device.
 
-Each configuration runs in a fresh process (so peak RSS is its own): build the
-example GPT on meta, trace, propagate shapes/FLOPs/saved bytes, balance into
-8 stages by FLOPs, split with torch.fx, cost by FLOPs, predict memory per pp
-rank (1F1B in-flight counts). Prints seconds (import of torch and pipec
-apart) and peak RSS, and checks that the 13B memory report at pp=8 sums to 16
-bytes per held parameter copy before activations (goal: 13B in <= 10 s and
-<= 2 GB RSS).
+Each configuration runs in a fresh process (so peak RSS is its own) and is
+compiled by the driver as ``pipec compile`` does: build the example GPT on
+meta, trace, propagate shapes/FLOPs/saved bytes, balance into 8 stages by
+FLOPs, split with torch.fx, cost by FLOPs, then lower 1F1B, verify and
+simulate, which predicts each pp rank's peak memory (the one memory model,
+:mod:`pipec.compiler.memory`). Prints seconds (import of torch and pipec
+apart) and peak RSS, and checks that the 13B plan's state at pp=8 is 16 bytes
+per held parameter copy (goal: 13B in <= 10 s and <= 2 GB RSS).
 
     .venv/bin/python bench/frontend.py            # all three
     .venv/bin/python bench/frontend.py 13b        # one
@@ -14,6 +15,7 @@ bytes per held parameter copy before activations (goal: 13B in <= 10 s and
 
 from __future__ import annotations
 
+import io
 import json
 import resource
 import subprocess
@@ -34,29 +36,37 @@ def one(name: str) -> dict:
     t0 = time.perf_counter()
     import torch  # noqa: F401
 
-    from pipec.compiler.frontend import Balanced, InputSpec, ModelRequest, build_stage_graph
-    from pipec.compiler.memory import format_memory, predict_memory
+    from pipec.compiler.driver import compile_request
+    from pipec.compiler.memory import state_bytes
+    from pipec.compiler.request import CompileRequest, InputTensor, ModelSpec, PartitionRequest
+    from pipec.compiler.views.stage_table import stage_table
 
     t1 = time.perf_counter()
     cfg = CONFIGS[name]
-    req = ModelRequest(
-        target="pipec.examples.gpt:build", kwargs=cfg, inputs=(InputSpec("tokens", "int64", (BATCH, cfg["seq"])),),
-        num_microbatches=MICROBATCHES, num_stages=PP, partition=Balanced("flops"), costs="flops", peak_flops=989e12,
-    )
-    sg = build_stage_graph(req, placement=list(range(PP)))
-    in_flight = {r: {r: PP - r} for r in range(PP)}  # 1F1B: rank r holds P - r microbatches at its peak
-    report = predict_memory(sg, in_flight)
+    model = ModelSpec(target="pipec.examples.gpt:build", kwargs=cfg,
+                      inputs=(InputTensor(name="tokens", dtype="int64", shape=(BATCH, cfg["seq"])),),
+                      partition=PartitionRequest(method="balanced", by="flops"), costs="flops", trace="auto",
+                      peak_flops=989e12)
+    plan = compile_request(CompileRequest(schedule="1f1b", pp=PP, num_microbatches=MICROBATCHES, model=model)).plan
     t2 = time.perf_counter()
-    held = sum(st.num_params for st in sg.stages)
+    held = sum(st.num_params for st in plan.stages)
     total = sum(p.numel() for p in _meta_params(cfg))
-    tied = sum(t.num_bytes // 4 * (len(t.stages) - 1) for t in sg.ties)
-    state = sum(r.state_bytes for r in report)
+    tied = sum(t.num_bytes // 4 * (len(t.stages) - 1) for t in plan.ties)
+    state = sum(state_bytes(plan))
     return {
         "config": name, "params": total, "held_param_copies": held, "import_s": t1 - t0, "frontend_s": t2 - t1,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "state_bytes": state, "state_ok": state == 16 * held and held == total + tied,
-        "max_stage_fwd_s": max(st.cost.fwd for st in sg.stages), "table": format_memory(report),
+        "max_stage_fwd_s": max(st.cost.fwd for st in plan.stages), "table": _text(stage_table(plan)),
     }
+
+
+def _text(table) -> str:
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=120)
+    console.print(table)
+    return console.file.getvalue()
 
 
 def _meta_params(cfg: dict):
@@ -73,7 +83,7 @@ def main() -> None:
         print(json.dumps(one(sys.argv[2])))
         return
     names = sys.argv[1:] or list(CONFIGS)
-    print(f"{'config':>6} {'params':>8} {'import s':>9} {'frontend s':>11} {'total s':>8} {'peak RSS':>9}  16 B/param copy")
+    print(f"{'config':>6} {'params':>8} {'import s':>9} {'compile s':>11} {'total s':>8} {'peak RSS':>9}  16 B/param copy")
     for name in names:
         t = time.perf_counter()
         out = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True, check=True)
