@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import sys
 
 import pytest
 import torch
@@ -12,9 +13,13 @@ import torch.nn.functional as F
 from pipec.compiler.frontend import Balanced, FrontendError, InputSpec, ModelRequest, SplitBefore, build_stage_graph
 from pipec.compiler.views.graph import render_graph
 from pipec.compiler.ir import Program
-from pipec.compiler.memory import MemoryBudgetError, check_memory, predict_memory
+from pipec.compiler.driver import compile_request
+from pipec.compiler.request import CompileRequest, InputTensor, ModelSpec, PartitionRequest
+from pipec.compiler.memory import MemoryBudgetError, check_memory, state_bytes
 from pipec.compiler.plan import Mesh, Plan, read_plan, write_plan
 from pipec.compiler.frontend.stages import build_reference, build_stages, module_seed, run_stages
+from pipec.compiler.frontend import weights
+from pipec.errors import PipecError, UserCodeError
 
 GPT = "pipec.examples.gpt:build"
 GPT_ARGS = dict(layers=4, dim=32, heads=2, vocab=64, seq=16)
@@ -186,7 +191,7 @@ def test_build_stages_names_the_fingerprint_part_that_differs():
         build_stages(old, [0], seed=0)
     with pytest.raises(FrontendError, match="no model"):
         build_stages(dataclasses.replace(plan, model=None), [0], seed=0)
-    with pytest.raises(FrontendError, match="init must be one of module, exact"):
+    with pytest.raises(FrontendError, match="init must be one of auto, module, exact"):
         build_stages(plan, [0], seed=0, init="random")
 
 
@@ -211,9 +216,59 @@ def half_init() -> torch.nn.Module:
 
 def test_init_module_refuses_a_parameter_the_module_does_not_initialise():
     sg = build_stage_graph(request("test_frontend:half_init", {}, (InputSpec("x", "float32", (2, 4)),), stages=1))
+    assert sg.model["init"] == "exact"  # auto: the meta run of reset_parameters() leaves shift unset
     with pytest.raises(FrontendError, match="left 'shift' .* unset"):
         build_reference(plan_of(sg), seed=0, init="module")
     assert torch.equal(build_reference(plan_of(sg), seed=0, init="exact").model.shift, torch.zeros(4))
+    with pytest.raises(FrontendError, match=r"init module: .*HalfInit\): its init leaves 'shift' unset") as err:
+        build_stage_graph(request("test_frontend:half_init", {}, (InputSpec("x", "float32", (2, 4)),), stages=1,
+                                  init="module"))  # refused at compile time, not on the ranks
+    assert err.value.key == "init"
+
+
+class NanoGPT(torch.nn.Module):
+    """nanoGPT's layout: a raw position-embedding parameter on the root, and its own _init_weights."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, seq: int = 8) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, dim)
+        self.wpe = torch.nn.Parameter(torch.randn(seq, dim) * 0.02)
+        self.blocks = torch.nn.Sequential(*(torch.nn.Linear(dim, dim) for _ in range(2)))
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.wte(tokens) + self.wpe))
+
+
+def nano_gpt(**kw) -> torch.nn.Module:
+    return NanoGPT(**kw)
+
+
+def test_init_auto_is_module_when_every_module_has_an_init_path_else_exact_else_refused(monkeypatch):
+    gpt = build_stage_graph(request(stages=2))
+    assert gpt.model["init"] == "module"  # every module of the example GPT has reset_parameters()
+    explicit = build_stage_graph(request(stages=2, init="module"))
+    assert explicit.model == gpt.model
+    nano = request("test_frontend:nano_gpt", {}, (InputSpec("tokens", "int64", (2, 8)),), stages=2)
+    sg = build_stage_graph(nano)
+    assert sg.model["init"] == "exact"  # the root's wpe: _init_weights(root) does not set it
+    plan = plan_of(sg)
+    ref = build_reference(plan, seed=4, init="exact").canonical_params()
+    for p_ in (plan, plan_of(build_stage_graph(dataclasses.replace(nano, num_stages=3)))):
+        for mod in build_stages(p_, range(p_.num_stages), seed=4, init="auto").values():  # the plan's resolution
+            for name, p in mod.canonical_params().items():
+                assert torch.equal(p, ref[name]), name
+    older = dataclasses.replace(plan, model={k: v for k, v in plan.model.items() if k != "init"})
+    assert torch.equal(build_reference(older, seed=4, init="auto").model.wpe, ref["wpe"])  # resolved at build
+    monkeypatch.setattr(weights, "EXACT_MAX_PARAMS", 100)
+    with pytest.raises(FrontendError, match=r"init auto: modules without an init path: \(the root module\) \(NanoGPT\)"
+                       r": its init leaves 'wpe' unset.*above the 100") as err:
+        build_stage_graph(nano)
+    assert err.value.key == "model" and any("reset_parameters()" in h for h in err.value.hints)
 
 
 # ----------------------------------------------------------------------------- costs and memory
@@ -262,28 +317,31 @@ def test_profile_costs_are_measured_with_the_rank_thread_count():
     assert sg.stages[0].cost.bwd_i == 0  # stage 0's input needs no gradient
 
 
-def test_memory_prediction_counts_each_held_copy():
-    sg = build_stage_graph(request(stages=4, partition=SplitBefore(("blocks.1", "blocks.2", "blocks.3"))))
-    placement = [0, 1, 1, 0]  # rank 0 holds both copies of the tied weight
-    in_flight = {0: {0: 3, 3: 1}, 1: {1: 2, 2: 2}}
-    report = predict_memory(sg, in_flight, placement=placement)
-    assert [r.rank for r in report] == [0, 1]
-    r0 = report[0]
-    assert [s.stage for s in r0.stages] == [0, 3]
-    assert r0.num_params == sg.stages[0].num_params + sg.stages[3].num_params
-    assert r0.state_bytes == 16 * r0.num_params
-    assert r0.activation_bytes == 3 * sg.stages[0].activation_bytes + sg.stages[3].activation_bytes
-    assert r0.total_bytes == r0.state_bytes + r0.activation_bytes
-    total = sum(p.numel() for p in _gpt_params())
-    tied = 64 * 32
-    assert sum(r.num_params for r in report) == total + tied
-    assert sum(r.state_bytes for r in predict_memory(sg, placement=placement)) == 16 * (total + tied)
-    check_memory(report, report[0].total_bytes)
-    with pytest.raises(MemoryBudgetError, match=r"pp rank 0 needs .* device_memory") as err:
-        check_memory(report, report[0].total_bytes - 1)
-    assert f"{r0.num_params:,} parameters x 16 bytes" in str(err.value)
-    plan = plan_of(sg, placement)
-    assert predict_memory(plan, in_flight) == report
+def _compiled(device_memory=None) -> Plan:
+    """The test GPT compiled by the driver: zbv on 2 ranks, placement 0 1 1 0 (rank 0 holds both tied copies)."""
+    model = ModelSpec(target=GPT, kwargs=GPT_ARGS, inputs=(InputTensor(name="tokens", dtype="int64", shape=(4, 16)),),
+                      partition=PartitionRequest(method="split", split_before=("blocks.1", "blocks.2", "blocks.3")),
+                      costs="unit", trace="auto")
+    return compile_request(CompileRequest(schedule="zbv", pp=2, num_chunks=2, num_microbatches=2, model=model,
+                                          device_memory=device_memory)).plan
+
+
+def test_memory_model_counts_each_held_copy_and_refuses_what_does_not_fit():
+    plan = _compiled()
+    assert plan.placement == (0, 1, 1, 0)
+    st = plan.stages
+    held = [st[0].num_params + st[3].num_params, st[1].num_params + st[2].num_params]
+    assert state_bytes(plan) == [16 * n for n in held]
+    assert sum(held) == sum(p.numel() for p in _gpt_params()) + 64 * 32  # every parameter, the tied one twice
+    peaks = [r.peak_memory_bytes for r in plan.prediction.per_rank]
+    assert all(peak > state for peak, state in zip(peaks, state_bytes(plan)))  # saved activations on top
+    check_memory(plan, max(peaks))
+    with pytest.raises(MemoryBudgetError, match=r"pp rank 0 needs .* at its peak but device_memory is") as err:
+        check_memory(plan, peaks[0] - 1)
+    assert isinstance(err.value, PipecError) and err.value.key == "device_memory"
+    assert f"{held[0]:,} parameters x 16 bytes" in str(err.value) and "recompute" in str(err.value)
+    assert state_bytes(dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, num_params=None)
+                                                             for s in st))) is None
 
 
 def _gpt_params():
@@ -296,19 +354,93 @@ def _gpt_params():
 # ----------------------------------------------------------------------------- errors
 
 
-def test_request_errors_say_what_to_do():
-    with pytest.raises(FrontendError, match="3 microbatches do not divide"):
-        build_stage_graph(dataclasses.replace(request(), num_microbatches=3))
-    with pytest.raises(FrontendError, match="not an argument of GPT.forward"):
-        build_stage_graph(request(inputs=(InputSpec("ids", "int64", (4, 16)),)))
-    with pytest.raises(FrontendError, match="pkg.module:factory"):
-        build_stage_graph(request(target="pipec.examples.gpt"))
-    with pytest.raises(FrontendError, match="no callable 'nope'"):
-        build_stage_graph(request(target="pipec.examples.gpt:nope"))
-    with pytest.raises(FrontendError, match="recompute names stage 9"):
-        build_stage_graph(request(recompute=frozenset({9})))
-    with pytest.raises(FrontendError, match="balanced"):
-        build_stage_graph(request(partition=Balanced("speed")))
+def _refused(req: ModelRequest, key: str, match: str, kind=FrontendError) -> PipecError:
+    with pytest.raises(kind, match=match) as err:
+        build_stage_graph(req)
+    assert err.value.key == key, err.value
+    return err.value
+
+
+def not_a_module():
+    return 42
+
+
+def raises_value_error(**kw):
+    raise ValueError("bad config")
+
+
+def test_request_errors_say_what_to_do_and_name_their_key():
+    _refused(dataclasses.replace(request(), num_microbatches=3), "input", "3 microbatches do not divide")
+    _refused(request(inputs=(InputSpec("ids", "int64", (4, 16)),)), "input", "not an argument of GPT.forward")
+    _refused(request(inputs=(InputSpec("tokens", "int65", (4, 16)),)), "input", "int65")
+    _refused(request(target="pipec.examples.gpt"), "model", "pkg.module:factory")
+    _refused(request(target="pipec.examples.gpt:nope"), "model", "no callable 'nope'")
+    _refused(request(target="no_such_module_h1b:build", search_path=("/nonexistent",)), "model",
+             r"cannot find module 'no_such_module_h1b'; searched /nonexistent, then the installed packages")
+    _refused(request(kwargs=dict(GPT_ARGS, depth=3)), "model_args", r"rejected its arguments .*depth")
+    _refused(request(target="test_frontend:not_a_module", kwargs={}), "model", "must return a torch.nn.Module, got int")
+    err = _refused(request(target="test_frontend:raises_value_error"), "model", "raised ValueError: bad config",
+                   kind=UserCodeError)
+    assert isinstance(err.original, ValueError)
+    _refused(request(recompute=frozenset({9})), "recompute", "recompute names stage 9")
+    _refused(request(partition=Balanced("speed")), "partition", "balanced")
+    _refused(request(costs="flops"), "costs", "peak_flops")
+
+
+def test_the_auto_trace_fallback_note_is_kept_in_the_model_record():
+    sg = build_stage_graph(request("test_trace:encoder", {}, (InputSpec("x", "float32", (2, 4, 16)),), stages=3))
+    assert sg.notes and sg.model["notes"] == list(sg.notes) and "fell back to torch.export" in sg.notes[0]
+    assert "notes" not in build_stage_graph(request(stages=2)).model  # fx traced: nothing to say
+
+
+# ----------------------------------------------------------------------------- where the model is found
+
+MODEL_FILE = """
+import torch
+from torch import nn
+
+from helper_h1b import width  # a sibling module, as a user's model file would import it
+
+
+class Net(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.blocks = nn.Sequential(*(nn.Linear(dim, width(dim)) for _ in range(3)))
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+def build(dim=8):
+    return Net(dim)
+"""
+
+
+def test_a_model_beside_the_schedule_file_is_found_by_compile_and_by_ranks_from_any_folder(tmp_path, monkeypatch):
+    proj, elsewhere = tmp_path / "proj", tmp_path / "elsewhere"
+    (proj / "models").mkdir(parents=True)
+    elsewhere.mkdir()
+    (proj / "my.pipe").write_text('model "beside_h1b:build"\n')
+    (proj / "beside_h1b.py").write_text(MODEL_FILE)
+    (proj / "models" / "net_h1b.py").write_text(MODEL_FILE)
+    for folder in (proj, proj / "models"):
+        (folder / "helper_h1b.py").write_text("def width(dim):\n    return dim\n")
+    monkeypatch.chdir(elsewhere)
+    path_before = list(sys.path)
+    x = (InputSpec("x", "float32", (4, 8)),)
+    for target in ("beside_h1b:build", "models/net_h1b.py:build"):
+        with pytest.raises(FrontendError, match="cannot find module 'beside_h1b'|no file 'models/net_h1b.py'") as err:
+            build_stage_graph(request(target, {}, x, stages=2))  # not on sys.path, not in the current folder
+        assert err.value.key == "model"
+        sg = build_stage_graph(request(target, {}, x, stages=2, search_path=(str(proj), str(elsewhere))))
+        assert sys.path == path_before  # searched, not added for good
+        assert sg.model["search_path"] == [str(proj), str(elsewhere)]
+        if target.startswith("models/"):  # the file form is recorded absolute
+            assert sg.model["target"] == f"{proj / 'models' / 'net_h1b.py'}:build"
+        write_plan(plan_of(sg), str(tmp_path / "plan.json"))
+        monkeypatch.chdir(tmp_path)  # a rank started somewhere else finds it the same way
+        assert_stages_match(read_plan(str(tmp_path / "plan.json")), mse)
+        monkeypatch.chdir(elsewhere)
 
 
 # ----------------------------------------------------------------------------- the graph view

@@ -3,7 +3,19 @@
 The driver resolves the schedule file's model keys into a
 :class:`ModelRequest`; this runs the front end's passes in order and returns
 the :class:`~pipec.compiler.graph.StageGraph` that becomes plan.json's
-``model``, ``stages``, ``edges`` and ``ties``.
+``model``, ``stages``, ``edges`` and ``ties``. The passes, one module each:
+
+- :mod:`.trace`: find the model (:func:`~.trace.locate_model`: the search
+  path, a model file), build it on meta or fake tensors, trace it (fx or
+  torch.export), annotate shapes, FLOPs and saved bytes;
+- :mod:`.weights`: each module's init path, ``init auto`` resolved on meta;
+- :mod:`.partition`: where cuts can go, the partition, the split;
+- :mod:`.costs`: stage costs and saved activations (unit, flops, profile);
+- :mod:`.data`: synthetic data that fits the model, the loss checked on meta;
+- :mod:`.stages`: (the runtime's side) runnable stages rebuilt from a plan.
+
+Every :class:`FrontendError` names the key it is about (``key=``, and
+``index=`` for one split point), so the language can print it at that key.
 """
 
 from __future__ import annotations
@@ -18,9 +30,14 @@ from pipec.compiler.frontend import costs as costs_pass
 from pipec.compiler.graph import StageGraph, make_graph
 from pipec.compiler.frontend.partition import Balanced, Markers, SplitBefore, analyse_cuts, assign_stages, split_graph
 from pipec.compiler.plan import Stage
-from pipec.compiler.frontend.trace import FrontendError, InputSpec, example_inputs, instantiate, propagate, to_dtype, trace_model
+from pipec.compiler.frontend.trace import (
+    FrontendError, InputSpec, ModelSource, Traced, example_inputs, instantiate, locate_model, propagate, to_dtype,
+    trace_model,
+)
+from pipec.compiler.frontend.weights import EXACT_MAX_PARAMS, INIT_MODES, resolve_init
 
-__all__ = ["ModelRequest", "InputSpec", "SplitBefore", "Balanced", "Markers", "FrontendError", "microbatch_inputs", "build_stage_graph"]
+__all__ = ["ModelRequest", "InputSpec", "SplitBefore", "Balanced", "Markers", "FrontendError", "INIT_MODES",
+           "EXACT_MAX_PARAMS", "microbatch_inputs", "build_stage_graph", "resolve_init"]
 
 _AUTOCAST = ("bfloat16", "float16")
 
@@ -30,7 +47,11 @@ class ModelRequest:
     """What the driver passes, from the resolved schedule-file keys."""
 
     target: str
-    """``"pkg.module:factory"`` (key ``model``)."""
+    """``"pkg.module:factory"`` or ``"path/to/file.py:factory"`` (key ``model``)."""
+    search_path: tuple[str, ...] = ()
+    """Folders searched for the model before ``sys.path``, in order (the schedule file's, then the current
+    one); a relative model file is found from them. plan.json's ``model.search_path`` records them absolute,
+    and every rank searches them again."""
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Factory arguments (key ``model_args``)."""
     inputs: tuple[InputSpec, ...]
@@ -52,25 +73,28 @@ class ModelRequest:
     threads_per_rank: int = 1
     """Threads each rank runs with, for ``costs profile`` and ``balanced(by=time)``."""
     profile_reps: int = 3
+    init: str = "auto"
+    """``auto`` | ``module`` | ``exact`` (key ``init``); the result's ``model["init"]`` is never ``auto``."""
 
 
 def microbatch_inputs(req: ModelRequest) -> tuple[InputSpec, ...]:
     """The inputs of one microbatch: dim 0 divided by ``num_microbatches``."""
     if req.num_microbatches < 1:
-        raise FrontendError(f"microbatches must be at least 1, got {req.num_microbatches}")
+        raise FrontendError(f"microbatches must be at least 1, got {req.num_microbatches}", key="microbatches")
     if not req.inputs:
-        raise FrontendError("a model needs at least one input, e.g. input tokens: int64[16, 128]")
+        raise FrontendError("a model needs at least one input, e.g. input tokens: int64[16, 128]", key="input")
     out = []
     for spec in req.inputs:
         if not spec.shape:
-            raise FrontendError(f"input {spec.name!r} needs a batch dimension (dim 0), got a scalar")
+            raise FrontendError(f"input {spec.name!r} needs a batch dimension (dim 0), got a scalar", key="input")
         batch = spec.shape[0]
         if batch % req.num_microbatches:
             raise FrontendError(
                 f"input {spec.name!r} has batch {batch} (dim 0), which {req.num_microbatches} microbatches do not divide; "
-                f"use a batch that is a multiple of {req.num_microbatches} or a microbatch count dividing {batch}"
+                f"use a batch that is a multiple of {req.num_microbatches} or a microbatch count dividing {batch}",
+                key="input",
             )
-        to_dtype(spec.dtype, f"input {spec.name!r}'s dtype")
+        to_dtype(spec.dtype, f"input {spec.name!r}'s dtype", "input")
         out.append(InputSpec(spec.name, spec.dtype, (batch // req.num_microbatches, *spec.shape[1:])))
     return tuple(out)
 
@@ -82,7 +106,7 @@ def _recompute_set(req: ModelRequest) -> frozenset[int]:
         return frozenset()
     bad = sorted(s for s in req.recompute if not 0 <= s < req.num_stages)
     if bad:
-        raise FrontendError(f"recompute names stage {bad[0]}, but stages are 0..{req.num_stages - 1}")
+        raise FrontendError(f"recompute names stage {bad[0]}, but stages are 0..{req.num_stages - 1}", key="recompute")
     return frozenset(req.recompute)
 
 
@@ -91,32 +115,37 @@ def build_stage_graph(req: ModelRequest, *, placement: Sequence[int] | None = No
     inputs = microbatch_inputs(req)
     recompute = _recompute_set(req)
     if req.dtype not in ("float32", *_AUTOCAST):
-        raise FrontendError(f"dtype must be float32, bfloat16 or float16, got {req.dtype!r}")
+        raise FrontendError(f"dtype must be float32, bfloat16 or float16, got {req.dtype!r}", key="dtype")
     autocast = req.dtype if req.dtype in _AUTOCAST else None
-    # 1. build the model with no real memory: meta, or fake CPU tensors when autocast decides dtypes
+    # 1. find the model (search path, model file), and resolve init on the meta device
+    src = locate_model(req.target, req.search_path)
+    init = resolve_init(req.init, src.target, req.kwargs, search_path=src.search_path)
+    # 2. build the model with no real memory: meta, or fake CPU tensors when autocast decides dtypes
     fake_mode = FakeTensorMode() if autocast else None
-    model, _ = instantiate(req.target, req.kwargs, mode="fake" if fake_mode else "meta", fake_mode=fake_mode)
+    model, _ = instantiate(src.target, req.kwargs, mode="fake" if fake_mode else "meta", search_path=src.search_path,
+                           fake_mode=fake_mode)
     with fake_mode if fake_mode else contextlib.nullcontext():
         example = example_inputs(inputs, device="cpu" if fake_mode else "meta")
-    # 2. trace (fx, or torch.export where fx cannot or would hide layers a split point names)
+    # 3. trace (fx, or torch.export where fx cannot or would hide layers a split point names)
     paths = req.partition.paths if isinstance(req.partition, SplitBefore) else ()
     traced = trace_model(model, inputs, example, mode=req.trace, split_paths=paths)
-    # 3. shapes, dtypes, FLOPs and saved bytes on every node
+    # 4. shapes, dtypes, FLOPs and saved bytes on every node
     propagate(traced, example, fake_mode=fake_mode, autocast=autocast)
-    # 4. where cuts can go, and the partition
+    # 5. where cuts can go, and the partition
     cuts = analyse_cuts(traced)
     weights = None
     if isinstance(req.partition, Balanced) or (req.partition is None and not cuts.marker_cuts):
         by = req.partition.by if isinstance(req.partition, Balanced) else "flops"
-        times = costs_pass.time_nodes(traced, req.target, req.kwargs, threads=req.threads_per_rank) if by == "time" else None
+        times = costs_pass.time_nodes(traced, src.target, req.kwargs, threads=req.threads_per_rank,
+                                      search_path=src.search_path) if by == "time" else None
         weights = costs_pass.node_weights(traced, cuts, by, times=times)
     stage_of = assign_stages(traced, cuts, req.partition, req.num_stages, weights)
-    # 5. split with torch.fx split_module: stage inputs/outputs, skip edges, tie groups
+    # 6. split with torch.fx split_module: stage inputs/outputs, skip edges, tie groups
     split = split_graph(traced, stage_of, req.num_stages)
-    # 6. costs and saved activations per stage
+    # 7. costs and saved activations per stage
     stage_costs = costs_pass.stage_costs(
         split, req.costs, recompute=recompute, peak_flops=req.peak_flops, threads=req.threads_per_rank,
-        reps=req.profile_reps, autocast=autocast, target=req.target, kwargs=req.kwargs,
+        reps=req.profile_reps, autocast=autocast, target=src.target, kwargs=req.kwargs, search_path=src.search_path,
     )
     ranks = list(placement) if placement is not None else [-1] * req.num_stages
     if len(ranks) != req.num_stages:
@@ -128,20 +157,32 @@ def build_stage_graph(req: ModelRequest, *, placement: Sequence[int] | None = No
         )
         for p, c in zip(split.parts, stage_costs)
     )
-    model_d = {
-        "target": req.target,
-        "kwargs": dict(req.kwargs),
-        "trace": traced.path,
-        "fingerprint": traced.fingerprint,
-        "fingerprint_parts": dict(traced.fingerprint_parts),
-        "inputs": [{"name": s.name, "shape": list(s.shape), "dtype": s.dtype} for s in inputs],
-        "traced_on": "fake" if fake_mode else "meta",
-    }
     notes = (f"trace: auto fell back to torch.export: {traced.fallback}",) if traced.fallback else ()
     return StageGraph(
-        model=model_d, stages=stages, edges=split.edges, ties=split.ties,
+        model=_model_record(src, req, traced, inputs, traced_on="fake" if fake_mode else "meta", init=init, notes=notes),
+        stages=stages, edges=split.edges, ties=split.ties,
         graph=make_graph(stages, split.edges, split.ties), recompute=recompute,
         full_activation_bytes=tuple(c.full_activation_bytes for c in stage_costs),
         flops=tuple(c.flops for c in stage_costs), notes=notes,
     )
 
+
+def _model_record(src: ModelSource, req: ModelRequest, traced: Traced, inputs: Sequence[InputSpec], *, traced_on: str,
+                  init: str, notes: Sequence[str]) -> dict[str, Any]:
+    """plan.json's ``model``. ``target`` is cwd-independent (a model file's absolute path); ``search_path``,
+    ``notes`` (what the user should be told, e.g. the auto-trace fallback) only when there are any."""
+    out: dict[str, Any] = {
+        "target": src.target,
+        "kwargs": dict(req.kwargs),
+        "trace": traced.path,
+        "fingerprint": traced.fingerprint,
+        "fingerprint_parts": dict(traced.fingerprint_parts),
+        "inputs": [{"name": s.name, "shape": list(s.shape), "dtype": s.dtype} for s in inputs],
+        "traced_on": traced_on,
+        "init": init,
+    }
+    if src.search_path:
+        out["search_path"] = list(src.search_path)
+    if notes:
+        out["notes"] = list(notes)
+    return out

@@ -156,7 +156,7 @@ def node_weights(traced: Traced, cuts: Cuts, by: str, *, times: Mapping[str, flo
             float(bytes_per_param * first_use.get(n, 0) + sum(b for _, b in n.meta.get("pipec_saved", ())))
             for n in cuts.nodes
         ]
-    raise FrontendError(f"balanced(by=...) must be one of params, flops, time, memory, got {by!r}")
+    raise FrontendError(f"balanced(by=...) must be one of params, flops, time, memory, got {by!r}", key="partition")
 
 
 def _first_use_params(traced: Traced, cuts: Cuts) -> dict[Node, int]:
@@ -203,13 +203,15 @@ def _threads(num: int) -> Callable[[], None]:
     return lambda: torch.set_num_threads(old)
 
 
-def time_nodes(traced: Traced, target: str, kwargs: Mapping[str, Any], *, threads: int = 1, reps: int = 3) -> dict[str, float]:
+def time_nodes(traced: Traced, target: str, kwargs: Mapping[str, Any], *, threads: int = 1, reps: int = 3,
+               search_path: Sequence[str] = ()) -> dict[str, float]:
     """Median forward seconds of every node, on a real CPU copy of the model (it must fit in memory)."""
-    model, _ = instantiate(target, kwargs, mode="cpu", seed=0)
+    model, _ = instantiate(target, kwargs, mode="cpu", seed=0, search_path=search_path)
     example = example_inputs(traced.inputs, device="cpu")
     real = trace_model(model, traced.inputs, example, mode=traced.path)
     if real.fingerprint != traced.fingerprint:
-        raise FrontendError("balanced(by=time): the model traces differently on CPU than on meta; balance by flops instead")
+        raise FrontendError("balanced(by=time): the model traces differently on CPU than on meta; balance by flops "
+                            "instead", key="partition")
     restore = _threads(threads)
     try:
         runs: dict[str, list[float]] = {}
@@ -296,10 +298,11 @@ def stage_costs(
     autocast: str | None = None,
     target: str = "",
     kwargs: Mapping[str, Any] | None = None,
+    search_path: Sequence[str] = (),
 ) -> tuple[StageCost, ...]:
     """Costs and activation bytes of every stage of ``split`` from ``source`` (``unit``/``flops``/``profile``)."""
     if source not in COST_SOURCES:
-        raise FrontendError(f"costs must be one of {', '.join(COST_SOURCES)}, got {source!r}")
+        raise FrontendError(f"costs must be one of {', '.join(COST_SOURCES)}, got {source!r}", key="costs")
     num = split.num_stages
     flops = [stage_flops(split, s) for s in range(num)]
     if source == "unit":
@@ -308,11 +311,12 @@ def stage_costs(
         if not peak_flops or peak_flops <= 0:
             raise FrontendError(
                 "costs flops converts FLOPs to seconds at a device peak, but peak_flops is not set; "
-                "set peak_flops (e.g. peak_flops 989e12 for an H100 in bf16) or use costs profile"
+                "set peak_flops (e.g. peak_flops 989e12 for an H100 in bf16) or use costs profile", key="costs",
             )
         base = [Cost(fwd=f / peak_flops, bwd=(i + w) / peak_flops, bwd_i=i / peak_flops, bwd_w=w / peak_flops) for f, i, w in flops]
     else:
-        base = _profile(split, threads=threads, reps=reps, autocast=autocast, target=target, kwargs=kwargs or {})
+        base = _profile(split, threads=threads, reps=reps, autocast=autocast, target=target, kwargs=kwargs or {},
+                        search_path=search_path)
     out = []
     for s in range(num):
         if source != "unit" and all(src < 0 for src in split.parts[s].sources):
@@ -326,10 +330,11 @@ def stage_costs(
     return tuple(out)
 
 
-def _profile(split: Split, *, threads: int, reps: int, autocast: str | None, target: str, kwargs: Mapping[str, Any]) -> list[Cost]:
+def _profile(split: Split, *, threads: int, reps: int, autocast: str | None, target: str, kwargs: Mapping[str, Any],
+             search_path: Sequence[str]) -> list[Cost]:
     from pipec.compiler.frontend.stages import materialize  # costs -> stages -> partition; imported late to keep layers clear
 
-    _, buffers = instantiate(target, kwargs, mode="skeleton")
+    _, buffers = instantiate(target, kwargs, mode="skeleton", search_path=search_path)
     gen = torch.Generator().manual_seed(0)
     values = {c: (torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype) for c, p in split.traced.param_of.items()}
     restore = _threads(threads)

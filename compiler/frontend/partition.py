@@ -236,19 +236,36 @@ def _check_count(what: str, num_cuts: int, num_stages: int) -> None:
     if num_cuts + 1 != num_stages:
         raise FrontendError(
             f"{what} gives {num_cuts + 1} stages but stages is {num_stages}; "
-            f"list {num_stages - 1} split points or set stages {num_cuts + 1}"
+            f"list {num_stages - 1} split points or set stages {num_cuts + 1}", key="partition",
         )
 
 
-def _cut_before_path(cuts: Cuts, path: str) -> int:
+def _cut_before_path(cuts: Cuts, path: str, index: int) -> int:
     for i, n in enumerate(cuts.nodes):
         p = module_path(n)
         if p == path or p.startswith(path + "."):
             return i
-    known = sorted({".".join(module_path(n).split(".")[:k]) for n in cuts.nodes for k in range(1, len(module_path(n).split(".")) + 1) if module_path(n)})
-    close = difflib.get_close_matches(path, known, n=3)
-    hint = f"; did you mean {', '.join(close)}?" if close else f"; module paths look like {', '.join(known[:4])}"
-    raise FrontendError(f"split before {path!r}: no node of the traced graph belongs to module {path!r}{hint}")
+    known = sorted({".".join(parts[:k]) for n in cuts.nodes if (parts := module_path(n).split(".")) != [""]
+                    for k in range(1, len(parts) + 1)})
+    layers = _layer_ranges(known)
+    same_index = [f"{prefix}.{path.rpartition('.')[2]}" for prefix in layers
+                  if f"{prefix}.{path.rpartition('.')[2]}" in known]
+    close = list(dict.fromkeys(same_index + difflib.get_close_matches(path, known, n=3)))[:3]
+    hints = [f"did you mean {', '.join(close)}?"] if close else []
+    hints += [f"the model's layers are {' and '.join(f'{p}.{lo} .. {p}.{hi}' for p, (lo, hi) in layers.items())}"
+              if layers else f"module paths look like {', '.join(known[:4])}"]
+    raise FrontendError(f"split before {path!r}: no node of the traced graph belongs to module {path!r}; "
+                        + "; ".join(hints), key="partition", index=index)
+
+
+def _layer_ranges(paths: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """Repeated layers among module paths: ``{"blocks": (0, 7)}`` for ``blocks.0`` .. ``blocks.7``."""
+    found: dict[str, list[int]] = {}
+    for p in paths:
+        prefix, _, last = p.rpartition(".")
+        if prefix and last.isdigit():
+            found.setdefault(prefix, []).append(int(last))
+    return {prefix: (min(ix), max(ix)) for prefix, ix in found.items() if len(ix) > 1}
 
 
 def assign_stages(
@@ -260,36 +277,41 @@ def assign_stages(
     ``None`` means markers when the model has any, else ``Balanced("flops")``.
     """
     if num_stages < 1:
-        raise FrontendError(f"stages must be at least 1, got {num_stages}")
+        raise FrontendError(f"stages must be at least 1, got {num_stages}", key="stages")
     if partition is None:
         partition = Markers() if cuts.marker_cuts else Balanced("flops")
     positions: list[int]
     if isinstance(partition, SplitBefore):
         _check_count(f"split before {', '.join(partition.paths)}", len(partition.paths), num_stages)
-        positions = [_cut_before_path(cuts, p) for p in partition.paths]
-        for path, pos, prev in zip(partition.paths, positions, [-1] + positions[:-1]):
+        positions = [_cut_before_path(cuts, p, i) for i, p in enumerate(partition.paths)]
+        for i, (path, pos, prev) in enumerate(zip(partition.paths, positions, [-1] + positions[:-1])):
             if pos == 0:
-                raise FrontendError(f"split before {path!r} leaves stage 0 empty (it is where the graph starts); drop that split point")
+                raise FrontendError(f"split before {path!r} leaves stage 0 empty (it is where the graph starts); "
+                                    "drop that split point", key="partition", index=i)
             if pos <= prev:
                 raise FrontendError(
                     f"split before {path!r} does not come after the previous split point in the graph's order; "
-                    "list split points in model order, each once"
+                    "list split points in model order, each once", key="partition", index=i,
                 )
             if not cuts.valid[pos]:
-                raise FrontendError(f"cannot split before {path!r}: {_blocker(cuts, pos)}; split before another module")
+                raise FrontendError(f"cannot split before {path!r}: {_blocker(cuts, pos)}; split before another module",
+                                    key="partition", index=i)
     elif isinstance(partition, Markers):
         if not cuts.marker_cuts:
-            raise FrontendError("partition by pipe_split markers, but the traced model has none; call pipe_split() in forward or use balanced(by=flops)")
+            raise FrontendError("partition by pipe_split markers, but the traced model has none; call pipe_split() in "
+                                "forward or use balanced(by=flops)", key="partition")
         positions = list(cuts.marker_cuts)
         _check_count(f"{len(positions)} pipe_split markers", len(positions), num_stages)
         for k, pos in enumerate(positions):
             if pos == 0 or pos >= len(cuts.nodes) or (k and pos == positions[k - 1]):
-                raise FrontendError(f"pipe_split marker {k + 1} leaves a stage empty; remove it or move it between layers")
+                raise FrontendError(f"pipe_split marker {k + 1} leaves a stage empty; remove it or move it between "
+                                    "layers", key="partition")
             if not cuts.valid[pos]:
-                raise FrontendError(f"cannot split at pipe_split marker {k + 1}: {_blocker(cuts, pos)}")
+                raise FrontendError(f"cannot split at pipe_split marker {k + 1}: {_blocker(cuts, pos)}", key="partition")
     elif isinstance(partition, Balanced):
         if partition.by not in BALANCE_BY:
-            raise FrontendError(f"balanced(by=...) must be one of {', '.join(BALANCE_BY)}, got {partition.by!r}")
+            raise FrontendError(f"balanced(by=...) must be one of {', '.join(BALANCE_BY)}, got {partition.by!r}",
+                                key="partition")
         assert weights is not None and len(weights) == len(cuts.nodes)
         positions = _balanced_positions(cuts, weights, num_stages)
     else:
@@ -322,7 +344,7 @@ def _balanced_positions(cuts: Cuts, weights: Sequence[float], num_stages: int) -
     if len(valid) < num_stages - 1:
         raise FrontendError(
             f"cannot cut the model into {num_stages} stages: it has only {len(valid)} places where only tensors "
-            f"cross; use at most {len(valid) + 1} stages"
+            f"cross; use at most {len(valid) + 1} stages", key="partition",
         )
     anywhere, worst = _best_cuts(valid, weights, len(cuts.nodes), num_stages)
     units = [i for i in valid if cuts.unit_start[i]]
@@ -427,7 +449,8 @@ def _fold_and_route(gm: GraphModule, stage_of: dict[str, int], num_stages: int) 
         if "pipec_value" not in node.meta or not _foldable(value):
             raise FrontendError(
                 f"node {node.name!r} (a non-tensor value) crosses from stage {stage_of[node.name]} to stage "
-                f"{stage(far[0])} (used by {far[0].name!r}); only tensors and constants can cross, cut elsewhere"
+                f"{stage(far[0])} (used by {far[0].name!r}); only tensors and constants can cross, cut elsewhere",
+                key="partition",
             )
         for u in far:
             u.args = torch.fx.node.map_arg(u.args, lambda a: value if a is node else a)
@@ -447,7 +470,8 @@ def _fold_and_route(gm: GraphModule, stage_of: dict[str, int], num_stages: int) 
         if v.op == "get_attr" or _tensor_meta(v) is None:
             continue
         if v.op == "placeholder":
-            raise FrontendError(f"the model returns its input {v.name!r} unchanged; return only computed tensors")
+            raise FrontendError(f"the model returns its input {v.name!r} unchanged; return only computed tensors",
+                                key="model")
         if stage_of[v.name] != num_stages - 1:
             with graph.inserting_before(out_node):
                 hop = graph.create_node("call_function", _passthrough, (v,), name=f"{v.name}_to_output")
@@ -477,7 +501,8 @@ def split_graph(traced: Traced, stage_of: Mapping[str, int], num_stages: int) ->
             keep_original_order=True, keep_original_node_name=True, tuple_return=True,
         )
     except RuntimeError as e:
-        raise FrontendError(f"torch.fx split_module refused the partition: {e}; choose contiguous stages in model order") from None
+        raise FrontendError(f"torch.fx split_module refused the partition: {e}; choose contiguous stages in model order",
+                            key="partition") from None
     orig = {n.name: n for n in gm.graph.nodes}
     canon_by_id = {id(p): c for c, p in traced.param_of.items()}
     order = {c: i for i, c in enumerate(traced.param_of)}
@@ -490,7 +515,7 @@ def split_graph(traced: Traced, stage_of: Mapping[str, int], num_stages: int) ->
             node_lists[stage_of[n.name]].append(n.name)
     for s in range(num_stages):
         if not hasattr(split_gm, f"submod_{s}"):
-            raise FrontendError(f"stage {s} is empty; use fewer stages or other split points")
+            raise FrontendError(f"stage {s} is empty; use fewer stages or other split points", key="partition")
         sub = split_gm.get_submodule(f"submod_{s}")
         inputs, sources = [], []
         local: dict[str, str] = {}
@@ -507,7 +532,8 @@ def split_graph(traced: Traced, stage_of: Mapping[str, int], num_stages: int) ->
                     sources.append(stage_of[o.name])
                     edge_tensors.setdefault((stage_of[o.name], s), []).append(_sig(o))
                 if _tensor_meta(o) is None:
-                    raise FrontendError(f"stage {s} would receive {o.name!r}, which is not a tensor; cut elsewhere")
+                    raise FrontendError(f"stage {s} would receive {o.name!r}, which is not a tensor; cut elsewhere",
+                                        key="partition")
                 inputs.append(_sig(o))
             elif node.op in ("call_module", "get_attr"):
                 _hold(traced, qualname_map.get(f"submod_{s}.{node.target}", str(node.target)), canon_by_id, local)

@@ -5,15 +5,12 @@ checks the fingerprint and names the part that differs, splits the graph
 exactly as the plan's stages record it (their node names), and materialises
 only the requested stages: no process ever holds another stage's parameters.
 
-Initialisation (DESIGN, *Runtime*), so weights do not depend on the partition
-and equal :func:`build_reference`'s for the same seed:
-
-- ``module``: each module that owns a parameter's canonical name is
-  materialised alone and initialised by its own ``reset_parameters()`` (for
-  Hugging Face models without one, the model's ``_init_weights(module)``)
-  with the CPU generator seeded from ``(seed, canonical module name)``.
-- ``exact``: the whole model is built on CPU by its factory after
-  ``torch.manual_seed(seed)``; each stage keeps its part (small models).
+Initial weights (``init module``/``exact``, and ``auto`` resolved when a plan
+still says it) are :mod:`pipec.compiler.frontend.weights`'s; they do not
+depend on the partition and equal :func:`build_reference`'s for the same seed.
+The model is found as the compiler found it: plan.json's ``model.target``
+(absolute for a model file) and ``model.search_path``, whatever the current
+folder.
 
 Tied copies start equal (one canonical name, one value). Buffers come from a
 real CPU construction with parameters on meta, so a causal mask computed in
@@ -23,7 +20,7 @@ real CPU construction with parameters on meta, so a causal mask computed in
 from __future__ import annotations
 
 import copy
-import hashlib
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -43,6 +40,7 @@ from pipec.compiler.frontend.trace import (
     propagate,
     trace_model,
 )
+from pipec.compiler.frontend.weights import INIT_MODES, initial_values, module_seed, resolve_init
 
 __all__ = [
     "INIT_MODES",
@@ -55,8 +53,6 @@ __all__ = [
     "initial_values",
     "module_seed",
 ]
-
-INIT_MODES = ("module", "exact")
 
 
 class StageModule(GraphModule):
@@ -101,76 +97,6 @@ class ReferenceModule(nn.Module):
 
     def canonical_params(self) -> dict[str, nn.Parameter]:
         return dict(self.model.named_parameters())
-
-
-# ----------------------------------------------------------------------------- initial values
-
-
-def module_seed(seed: int, module_name: str) -> int:
-    """The generator seed of one module under ``init module``."""
-    digest = hashlib.sha256(f"{seed}:{module_name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def _owner(name: str) -> tuple[str, str]:
-    mod, _, attr = name.rpartition(".")
-    return mod, attr
-
-
-def _module_init(target: str, kwargs: Mapping[str, Any], needed: Iterable[str], seed: int) -> dict[str, torch.Tensor]:
-    scratch, _ = instantiate(target, kwargs, mode="meta")
-    needed = set(needed)
-    owners = {_owner(n)[0] for n in needed}
-    values: dict[str, torch.Tensor] = {}
-    init_weights = getattr(scratch, "_init_weights", None)
-    for mod_name, mod in scratch.named_modules():
-        if mod_name not in owners:
-            continue
-        mod.to_empty(device="cpu", recurse=False)
-        for p in mod._parameters.values():
-            if p is not None and p.is_floating_point():
-                p.data.fill_(float("nan"))  # to catch a reset that leaves a parameter out
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(module_seed(seed, mod_name))
-            reset = getattr(mod, "reset_parameters", None) or getattr(mod, "_reset_parameters", None)
-            if callable(reset):
-                reset()
-            elif callable(init_weights):
-                init_weights(mod)
-            else:
-                raise FrontendError(
-                    f"init module: module {mod_name!r} ({type(mod).__name__}) owns parameters but has no "
-                    "reset_parameters(); give it one, or use init exact"
-                )
-        for key, p in mod._parameters.items():
-            name = f"{mod_name}.{key}" if mod_name else key
-            if p is not None and name in needed:
-                if p.is_floating_point() and bool(torch.isnan(p).any()):
-                    raise FrontendError(
-                        f"init module: {type(mod).__name__}'s initialisation left {name!r} (partly) unset; "
-                        "initialise every parameter the module owns, or use init exact"
-                    )
-                values[name] = p.detach().clone()
-    missing = needed - set(values)
-    assert not missing, sorted(missing)[:3]
-    return values
-
-
-def initial_values(target: str, kwargs: Mapping[str, Any], needed: Iterable[str], *, seed: int, init: str
-                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
-    """Initial values of the ``needed`` canonical parameters, and (``exact``) all buffers."""
-    if init == "module":
-        return _module_init(target, kwargs, needed, seed), None
-    if init == "exact":
-        model, _ = instantiate(target, kwargs, mode="cpu", seed=seed)
-        params = dict(model.named_parameters())
-        return {n: params[n].detach() for n in needed}, {n: b for n, b in model.named_buffers(remove_duplicate=False)}
-    raise FrontendError(f"init must be one of {', '.join(INIT_MODES)}, got {init!r}")
-
-
-def _check_init(init: str) -> None:
-    if init not in INIT_MODES:
-        raise FrontendError(f"init must be one of {', '.join(INIT_MODES)}, got {init!r}")
 
 
 # ----------------------------------------------------------------------------- materialising
@@ -279,32 +205,59 @@ def materialize(split: Split, s: int, values: Mapping[str, torch.Tensor], buffer
 # ----------------------------------------------------------------------------- from a plan
 
 
-def _plan_inputs(plan: Plan) -> tuple[InputSpec, ...]:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _PlanModel:
+    """plan.json's ``model``, as this module reads it."""
+
+    target: str
+    kwargs: Mapping[str, Any]
+    search_path: tuple[str, ...]
+    inputs: tuple[InputSpec, ...]
+    init: str | None
+    """The ``init`` the compiler resolved (absent in older plans)."""
+
+    def build(self, mode: str, **kw: Any) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+        return instantiate(self.target, self.kwargs, mode=mode, search_path=self.search_path, **kw)
+
+    def resolve(self, init: str) -> str:
+        """``module`` or ``exact``: ``auto`` is the compiler's resolution, or resolved here for an older plan."""
+        if init not in INIT_MODES:
+            raise FrontendError(f"init must be one of {', '.join(INIT_MODES)}, got {init!r}", key="init")
+        if init != "auto":
+            return init
+        if self.init in ("module", "exact"):
+            return self.init
+        return resolve_init(init, self.target, self.kwargs, search_path=self.search_path)
+
+
+def _plan_model(plan: Plan) -> _PlanModel:
     model = plan.model
     if not model:
         raise FrontendError("this plan names no model (a schedule-only plan); run it with --emulate, or compile it with a model")
     raw = model.get("inputs")
     if not raw:
         raise FrontendError("the plan's model has no inputs; re-compile it with this pipec")
-    return tuple(InputSpec(str(i["name"]), str(i["dtype"]), tuple(int(d) for d in i["shape"])) for i in raw)
+    return _PlanModel(
+        target=str(model["target"]), kwargs=dict(model.get("kwargs") or {}),
+        search_path=tuple(str(f) for f in model.get("search_path") or ()),
+        inputs=tuple(InputSpec(str(i["name"]), str(i["dtype"]), tuple(int(d) for d in i["shape"])) for i in raw),
+        init=model.get("init"),
+    )
 
 
-def _retrace(plan: Plan) -> tuple[Traced, dict[str, torch.Tensor], str]:
+def _retrace(plan: Plan, m: _PlanModel) -> tuple[Traced, dict[str, torch.Tensor], str]:
     """Trace the plan's model as the compiler did; returns it, real buffers, and the device traced on."""
-    model_d = plan.model or {}
-    inputs = _plan_inputs(plan)
-    target, kwargs = str(model_d["target"]), dict(model_d.get("kwargs") or {})
-    skeleton, buffers = instantiate(target, kwargs, mode="skeleton")
-    if model_d.get("traced_on") == "fake":
+    skeleton, buffers = m.build("skeleton")
+    if (plan.model or {}).get("traced_on") == "fake":
         fake_mode = FakeTensorMode()
-        model, _ = instantiate(target, kwargs, mode="fake", fake_mode=fake_mode)
+        model, _ = m.build("fake", fake_mode=fake_mode)
         with fake_mode:
-            example = example_inputs(inputs, device="cpu")
+            example = example_inputs(m.inputs, device="cpu")
         traced_on = "cpu"
     else:
         fake_mode, model, traced_on = None, skeleton, "meta"
-        example = example_inputs(inputs)
-    traced = trace_model(model, inputs, example, mode=str(model_d.get("trace", "auto")))
+        example = example_inputs(m.inputs)
+    traced = trace_model(model, m.inputs, example, mode=str((plan.model or {}).get("trace", "auto")))
     _check_fingerprint(plan, traced)
     propagate(traced, example, fake_mode=fake_mode)
     return traced, buffers, traced_on
@@ -346,30 +299,28 @@ def build_stages(plan: Plan, stage_ids: Iterable[int], *, seed: int, init: str =
                  device: str | torch.device = "cpu") -> dict[int, StageModule]:
     """The requested stages of ``plan`` as runnable modules (see module doc)."""
     ids = sorted(set(stage_ids))
-    _check_init(init)
+    m = _plan_model(plan)
+    init = m.resolve(init)
     for s in ids:
         if not 0 <= s < plan.num_stages:
             raise FrontendError(f"stage {s} is not in the plan (stages 0..{plan.num_stages - 1})")
-    traced, buffers, traced_on = _retrace(plan)
+    traced, buffers, traced_on = _retrace(plan, m)
     split = _split_from_plan(plan, traced)
     needed = {c for s in ids for c in split.parts[s].params}
-    model_d = plan.model or {}
-    values, exact_buffers = initial_values(str(model_d["target"]), dict(model_d.get("kwargs") or {}), needed, seed=seed, init=init)
+    values, exact_buffers = initial_values(m.target, m.kwargs, needed, seed=seed, init=init, search_path=m.search_path)
     return {s: materialize(split, s, values, exact_buffers or buffers, device, traced_on=traced_on) for s in ids}
 
 
 def build_reference(plan: Plan, *, seed: int, init: str = "module", device: str | torch.device = "cpu") -> ReferenceModule:
     """The unpartitioned model, initialised as :func:`build_stages` initialises the stages."""
-    _check_init(init)
-    model_d = plan.model or {}
-    inputs = _plan_inputs(plan)
-    target, kwargs = str(model_d["target"]), dict(model_d.get("kwargs") or {})
+    m = _plan_model(plan)
+    init = m.resolve(init)
     if init == "exact":
-        model, _ = instantiate(target, kwargs, mode="cpu", seed=seed)
+        model, _ = m.build("cpu", seed=seed)
     else:
-        model, buffers = instantiate(target, kwargs, mode="skeleton")
+        model, buffers = m.build("skeleton")
         names = dict(model.named_parameters())
-        values, _ = initial_values(target, kwargs, names, seed=seed, init=init)
+        values, _ = initial_values(m.target, m.kwargs, names, seed=seed, init=init, search_path=m.search_path)
         fresh = {id(p): nn.Parameter(values[n], requires_grad=p.requires_grad) for n, p in names.items()}
         for mod_name, mod in model.named_modules(remove_duplicate=False):
             prefix = f"{mod_name}." if mod_name else ""
@@ -379,7 +330,7 @@ def build_reference(plan: Plan, *, seed: int, init: str = "module", device: str 
             for key, b in list(mod._buffers.items()):
                 if b is not None:
                     mod._buffers[key] = buffers[prefix + key]
-    return ReferenceModule(model.to(device), tuple(i.name for i in inputs))
+    return ReferenceModule(model.to(device), tuple(i.name for i in m.inputs))
 
 
 def run_stages(stages: Mapping[int, StageModule], inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -31,11 +31,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import json
 import operator
+import os
+import re
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -51,6 +57,8 @@ __all__ = [
     "TRACE_PATHS",
     "pipe_split",
     "is_pipe_split",
+    "ModelSource",
+    "locate_model",
     "load_factory",
     "instantiate",
     "example_inputs",
@@ -58,6 +66,7 @@ __all__ = [
     "propagate",
     "module_path",
     "compute_nodes",
+    "storage_key",
     "torch_version",
     "dtype_name",
     "to_dtype",
@@ -111,10 +120,11 @@ def is_pipe_split(node: Node) -> bool:
 # ----------------------------------------------------------------------------- dtypes
 
 
-def to_dtype(name: str, what: str = "dtype") -> torch.dtype:
+def to_dtype(name: str, what: str = "dtype", key: str | None = None) -> torch.dtype:
+    """The torch dtype ``name``; a :class:`FrontendError` about ``key`` if there is none."""
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
-        raise FrontendError(f"{what} must name a torch dtype such as float32, bfloat16 or int64, got {name!r}")
+        raise FrontendError(f"{what} must name a torch dtype such as float32, bfloat16 or int64, got {name!r}", key=key)
     return dt
 
 
@@ -130,33 +140,158 @@ def torch_version() -> str:
 # ----------------------------------------------------------------------------- building the model
 
 
-def load_factory(target: str) -> Callable[..., nn.Module]:
-    """Import ``"pkg.module:factory"``."""
-    mod_name, sep, fn_name = target.partition(":")
-    if not sep or not mod_name or not fn_name:
-        raise FrontendError(f"model must be 'pkg.module:factory', got {target!r}; e.g. \"pipec.examples.gpt:build\"")
+MODEL_FORMS = "'pkg.module:factory' or 'path/to/file.py:factory'"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where a model factory was found: what plan.json's ``model`` records so every rank finds it again."""
+
+    target: str
+    """The factory, cwd-independent: ``"pkg.module:fn"``, or ``"/abs/path/file.py:fn"`` for the file form."""
+    search_path: tuple[str, ...] = ()
+    """Absolute folders searched before ``sys.path`` (the schedule file's folder, the current folder)."""
+    file: str | None = None
+    """The model file's absolute path (the file form only)."""
+
+    @property
+    def folders(self) -> tuple[str, ...]:
+        """What goes in front of ``sys.path`` while the model is imported and built (a file's own folder too)."""
+        return self.search_path + ((str(Path(self.file).parent),) if self.file else ())
+
+
+def _split_target(target: str) -> tuple[str, str]:
+    mod, sep, fn = target.rpartition(":")
+    if not sep or not mod or not fn:
+        raise FrontendError(f"model must be {MODEL_FORMS}, got {target!r}; e.g. \"pipec.examples.gpt:build\"",
+                            key="model")
+    return mod, fn
+
+
+def _is_file(mod: str) -> bool:
+    return mod.endswith(".py") or "/" in mod or os.sep in mod
+
+
+def locate_model(target: str, search_path: Sequence[str] = ()) -> ModelSource:
+    """Resolve a file-form target to its absolute file; a module form is kept as it is.
+
+    A relative ``file.py`` is looked up in each folder of ``search_path`` in
+    order (the schedule file's folder first), or the current folder when
+    ``search_path`` is empty.
+    """
+    mod, fn = _split_target(target)
+    folders = tuple(str(Path(f).resolve()) for f in search_path)
+    if not _is_file(mod):
+        return ModelSource(target, folders)
+    path = Path(mod).expanduser()
+    tried = [path] if path.is_absolute() else [Path(f) / path for f in folders or (os.getcwd(),)]
+    found = next((t.resolve() for t in tried if t.is_file()), None)
+    if found is None:
+        raise FrontendError(f"model {target!r}: no file {mod!r} in {', '.join(str(t.parent) for t in tried)}",
+                            key="model", hints=("a relative model file is found from the schedule file's folder",))
+    return ModelSource(f"{found}:{fn}", folders, str(found))
+
+
+@contextlib.contextmanager
+def _on_sys_path(folders: Sequence[str]) -> Iterator[None]:
+    """``folders`` in front of ``sys.path`` while a model is imported and built, as Python puts a script's folder.
+
+    Removed afterwards, so a rank's or a test's later imports are not changed;
+    a module imported meanwhile stays in ``sys.modules`` (its package keeps
+    its absolute ``__path__``), which is how the runtime finds it again.
+    """
+    added = [f for f in dict.fromkeys(folders) if f not in sys.path]
+    sys.path[:0] = added
+    if added:
+        importlib.invalidate_caches()  # a file written a moment ago (a test's tmp_path) is seen
     try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise FrontendError(f"model {target!r}: cannot import module {mod_name!r} ({e}); check the name and sys.path") from None
+        yield
+    finally:
+        for f in added:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(f)
+
+
+def _import_file(path: str) -> ModuleType:
+    """The module of a model file, under a name unique to its path (kept in ``sys.modules``, imported once)."""
+    stem = re.sub(r"\W", "_", Path(path).stem)
+    name = f"pipec_model_{stem}_{hashlib.sha256(path.encode()).hexdigest()[:12]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses and pickling look a class's module up there
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return mod
+
+
+def _import(src: ModelSource, mod_name: str) -> ModuleType:
+    if src.file is not None:
+        return _import_file(src.file)
+    try:
+        return importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (mod_name == e.name or mod_name.startswith(e.name + ".")):
+            raise  # the module itself imports something missing: the user's code
+        where = ", ".join(src.search_path)
+        raise FrontendError(
+            f"model {src.target!r}: cannot find module {mod_name!r}; searched "
+            + (f"{where}, then " if where else "") + "the installed packages (sys.path)",
+            key="model",
+            hints=(f"put {mod_name.split('.')[0]}.py beside the schedule file, write the file form "
+                   f"(model \"path/to/{mod_name.split('.')[-1]}.py:factory\"), or install its package",),
+        ) from None
+
+
+def _user_error(what: str, target: str, err: BaseException, *hints: str) -> UserCodeError:
+    out = UserCodeError(what, target, err, *hints)
+    out.key = "model"
+    return out
+
+
+def load_factory(target: str, search_path: Sequence[str] = ()) -> Callable[..., Any]:
+    """Import the factory of ``"pkg.module:factory"`` or ``"path/to/file.py:factory"`` (see :func:`locate_model`)."""
+    return _load(locate_model(target, search_path))
+
+
+def _load(src: ModelSource) -> Callable[..., Any]:
+    mod_name, fn_name = _split_target(src.target)
+    with _on_sys_path(src.folders):
+        try:
+            mod = _import(src, mod_name)
+        except PipecError:
+            raise
+        except Exception as e:  # the model's module raised while it was imported: the user's own code
+            raise _user_error("importing the module of", src.target, e, "fix the module") from e
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
-        raise FrontendError(f"model {target!r}: module {mod_name!r} has no callable {fn_name!r}")
+        raise FrontendError(f"model {src.target!r}: module {mod_name!r} has no callable {fn_name!r}", key="model")
     return fn
 
 
-def _call_factory(target: str, kwargs: Mapping[str, Any]) -> nn.Module:
-    factory = load_factory(target)
+def _call_factory(src: ModelSource, factory: Callable[..., Any], kwargs: Mapping[str, Any]) -> nn.Module:
+    target = src.target
+    kwargs = dict(kwargs)
     try:
-        model = factory(**dict(kwargs))
+        inspect.signature(factory).bind(**kwargs)
     except TypeError as e:
-        raise FrontendError(f"model {target!r} rejected its arguments {dict(kwargs)!r}: {e}") from None
-    except PipecError:
-        raise
-    except Exception as e:  # the user's own code: name it, keep the cause for --verbose readers
-        raise UserCodeError("the model factory", target, e, "fix the factory, or the model arguments given to it") from e
+        raise FrontendError(f"model {target!r} rejected its arguments {kwargs!r}: {e}", key="model_args") from None
+    except ValueError:  # no signature to check (a builtin): the call says
+        pass
+    with _on_sys_path(src.folders):
+        try:
+            model = factory(**kwargs)
+        except PipecError:
+            raise
+        except Exception as e:  # the user's own code: name it, keep the cause for --verbose readers
+            raise _user_error("the model factory", target, e, "fix the factory, or the model arguments given to it") from e
     if not isinstance(model, nn.Module):
-        raise FrontendError(f"model {target!r} must return a torch.nn.Module, got {type(model).__name__}")
+        raise FrontendError(f"model {target!r} must return a torch.nn.Module, got {type(model).__name__}", key="model")
     return model
 
 
@@ -178,7 +313,8 @@ def _params_on_meta() -> Iterator[None]:
 
 
 def instantiate(
-    target: str, kwargs: Mapping[str, Any], *, mode: str, fake_mode: Any = None, seed: int | None = None
+    target: str, kwargs: Mapping[str, Any], *, mode: str, search_path: Sequence[str] = (), fake_mode: Any = None,
+    seed: int | None = None,
 ) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """Build the model; returns it and, for ``mode="skeleton"``, its real buffers by name.
 
@@ -186,17 +322,21 @@ def instantiate(
     (fake CPU tensors). ``skeleton``: parameters on meta, buffers computed for
     real on CPU, then returned and replaced by meta copies so the model traces
     like a ``meta`` one. ``cpu``: a real model with the factory's own
-    initialisation (after ``torch.manual_seed(seed)`` when given).
+    initialisation (after ``torch.manual_seed(seed)`` when given). The factory
+    is found by :func:`locate_model` and imported before any of these apply,
+    so tensors its module makes at import are ordinary ones.
     """
+    src = locate_model(target, search_path)
+    factory = _load(src)
     if mode == "meta":
         with torch.device("meta"):
-            model = _call_factory(target, kwargs)
+            model = _call_factory(src, factory, kwargs)
     elif mode == "fake":
         with fake_mode:
-            model = _call_factory(target, kwargs)
+            model = _call_factory(src, factory, kwargs)
     elif mode == "skeleton":
         with _params_on_meta(), torch.device("cpu"):
-            model = _call_factory(target, kwargs)
+            model = _call_factory(src, factory, kwargs)
         buffers: dict[str, torch.Tensor] = {}
         for mod_name, mod in model.named_modules(remove_duplicate=False):
             for key, buf in list(mod._buffers.items()):
@@ -211,7 +351,7 @@ def instantiate(
             if seed is not None:
                 torch.manual_seed(seed)
             with torch.device("cpu"):
-                model = _call_factory(target, kwargs)
+                model = _call_factory(src, factory, kwargs)
     else:
         raise AssertionError(mode)
     return model, {}
@@ -219,7 +359,8 @@ def instantiate(
 
 def example_inputs(inputs: tuple[InputSpec, ...], *, device: str = "meta") -> dict[str, torch.Tensor]:
     """Zero tensors of the given shapes (zeros are valid token ids)."""
-    return {s.name: torch.zeros(s.shape, dtype=to_dtype(s.dtype, f"input {s.name}'s dtype"), device=device) for s in inputs}
+    return {s.name: torch.zeros(s.shape, dtype=to_dtype(s.dtype, f"input {s.name}'s dtype", "input"), device=device)
+            for s in inputs}
 
 
 # ----------------------------------------------------------------------------- tracing
@@ -276,7 +417,7 @@ def _fx_trace(model: nn.Module, names: list[str]) -> GraphModule:
         if p.default is inspect.Parameter.empty:
             raise FrontendError(
                 f"{type(model).__name__}.forward needs argument {pname!r}, which no input names; "
-                f"declare it as an input (input {pname}: dtype[shape])"
+                f"declare it as an input (input {pname}: dtype[shape])", key="input",
             )
         concrete[pname] = p.default
     graph = _Tracer().trace(model, concrete_args=concrete or None)
@@ -290,7 +431,8 @@ def _fx_trace(model: nn.Module, names: list[str]) -> GraphModule:
         while todo:
             u = todo.pop()
             if u.op != "call_function" or u.target not in checks:
-                raise FrontendError(f"{type(model).__name__}.forward's argument {node.target!r} is used but is no input; declare it as an input")
+                raise FrontendError(f"{type(model).__name__}.forward's argument {node.target!r} is used but is no input; declare it as an input",
+                                    key="input")
             chain.append(u)
             todo.extend(u.users)
         for u in reversed(list(dict.fromkeys(chain))):
@@ -367,7 +509,7 @@ def trace_model(
     ``auto`` mode, one inside an fx leaf module selects export.
     """
     if mode not in TRACE_PATHS:
-        raise FrontendError(f"trace must be one of {', '.join(TRACE_PATHS)}, got {mode!r}")
+        raise FrontendError(f"trace must be one of {', '.join(TRACE_PATHS)}, got {mode!r}", key="trace")
     names = [s.name for s in inputs]
     params = inspect.signature(model.forward).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -375,7 +517,7 @@ def trace_model(
             if n not in params:
                 raise FrontendError(
                     f"input {n!r} is not an argument of {type(model).__name__}.forward "
-                    f"({', '.join(params)}); name inputs after forward's arguments"
+                    f"({', '.join(params)}); name inputs after forward's arguments", key="input",
                 )
     fallback = ""
     gm: GraphModule | None = None
@@ -389,7 +531,7 @@ def trace_model(
             if mode == "fx":
                 raise FrontendError(
                     f"torch.fx cannot trace {type(model).__name__}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
-                    "use trace export (or auto)"
+                    "use trace export (or auto)", key="trace",
                 ) from None
             fallback = f"fx failed ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
         if gm is not None:
@@ -398,7 +540,7 @@ def trace_model(
                 if mode == "fx":
                     raise FrontendError(
                         f"torch.fx keeps module {hidden[0]!r} as one leaf node, so the partition cannot cut inside it; "
-                        "use trace export (or auto)"
+                        "use trace export (or auto)", key="trace",
                     )
                 fallback = f"fx keeps {hidden[0]!r} as one leaf node with layers inside"
                 gm = None
@@ -411,7 +553,8 @@ def trace_model(
             raise FrontendError(
                 f"torch.export cannot capture {type(model).__name__}{how}: {type(e).__name__}: "
                 f"{str(e).splitlines()[0] if str(e) else ''}; make forward traceable (no data-dependent "
-                "control flow, tensor or tuple outputs; for Hugging Face models set use_cache=False)"
+                "control flow, tensor or tuple outputs; for Hugging Face models set use_cache=False)",
+                key="trace" if mode == "export" else "model",
             ) from None
     fp, parts = _fingerprint(path, gm, model)
     canonical, param_of = _canonical_names(model)
@@ -453,7 +596,8 @@ def _flop_counter() -> FlopCounterMode:
     return FlopCounterMode(display=False, custom_mapping=mapping)
 
 
-def _storage_key(t: torch.Tensor) -> int:
+def storage_key(t: torch.Tensor) -> int:
+    """Identifies a tensor's storage (shared by its views), meta and fake tensors included."""
     return t.untyped_storage()._cdata
 
 
@@ -468,7 +612,7 @@ class _Probe(ShapeProp):
         self.saved: dict[int, int] = {}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
+        key = storage_key(t)
         if key not in self.param_keys and self.current is not None:
             self.saved[key] = t.untyped_storage().nbytes()
         return t
@@ -483,12 +627,12 @@ class _Probe(ShapeProp):
             raise FrontendError(
                 f"running node {n.name!r} ({n.format_node()}) on meta tensors failed: "
                 f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}; "
-                "the model's forward must run on the declared input shapes"
+                "the model's forward must run on the declared input shapes", key="input",
             ) from None
         n.meta["pipec_flops"] = self.counter.get_total_flops() - before
         n.meta["pipec_saved"] = tuple(self.saved.items())
         if isinstance(result, torch.Tensor):
-            n.meta["pipec_storage"] = (_storage_key(result), result.untyped_storage().nbytes())
+            n.meta["pipec_storage"] = (storage_key(result), result.untyped_storage().nbytes())
         elif not _holds_tensor(result):
             n.meta["pipec_value"] = result
         self.current = None
@@ -508,7 +652,7 @@ def _holds_tensor(value: Any) -> bool:
 def propagate(traced: Traced, example: Mapping[str, torch.Tensor], *, fake_mode: Any = None, autocast: str | None = None) -> None:
     """Run the graph once on ``example`` (meta or fake tensors) and annotate every node (see module doc)."""
     gm = traced.gm
-    param_keys = {_storage_key(p) for p in gm.parameters()}
+    param_keys = {storage_key(p) for p in gm.parameters()}
     counter = _flop_counter()
     probe = _Probe(gm, counter, param_keys)
     args = [example[n.target] for n in gm.graph.nodes if n.op == "placeholder"]
