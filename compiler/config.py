@@ -43,7 +43,8 @@ OPTIMIZER_SETTINGS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
 LR_SCHEDULES = ("constant", "cosine", "linear")
 RUN_DTYPES = ("float32", "bfloat16", "float16")
 """The dtypes a run computes in (float32, or autocast to one of the others)."""
-INITS = ("module", "exact")
+INITS = ("auto", "module", "exact")
+"""``init``: ``auto`` is resolved to ``module`` or ``exact`` by ``pipec compile`` (the model front end)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +133,9 @@ class TrainingConfig:
     """Folder of the run's distributed checkpoints; None: none are written."""
     checkpoint_every: int = 0
     """Write a checkpoint every N steps; 0 writes none (above 0 needs ``checkpoint_dir``)."""
-    init: str = "module"
-    """Initial weights: ``module`` (each module's reset_parameters, seeded by name) or ``exact``."""
+    init: str = "auto"
+    """Initial weights: ``module`` (each module's init path, seeded by name), ``exact`` (the factory's), or
+    ``auto`` (an older plan's or an unresolved one: the ranks resolve it as the compiler does)."""
     peak_flops: float | None = None
     """The device's peak FLOP/s as compiled (the run's MFU uses it unless ``--peak-flops`` is given)."""
 

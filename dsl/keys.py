@@ -165,9 +165,13 @@ KEYS: dict[str, Key] = {key.name: key for key in (
         example="trace export"),
     Key(name="init", kind=k.Choice(INITS), default=TRAINING.init, default_doc=TRAINING.init,
         flag="--init", group="Model",
-        meaning="Initial weights: `module` (each module's reset_parameters under a generator seeded from "
-                "(seed, module name); independent of the partition) or `exact` (the factory's own "
-                "initialisation on CPU; small models).",
+        meaning="Initial weights: `module` (each module's reset_parameters(), else the enclosing Hugging "
+                "Face model's _init_weights, under a generator seeded from (seed, module name); independent "
+                "of the partition), `exact` (the factory's own initialisation, the whole model on each "
+                "rank's CPU; needed for a factory that loads pretrained weights), or `auto`: `module` when "
+                "every module that owns parameters has such an init path, else `exact` up to 1e9 "
+                "parameters, else a compile-time error naming the modules. `pipec compile` resolves it; "
+                "plan.json's spec.init records the result.",
         example="init exact"),
     # ------------------------------------------------------------------ costs and hardware
     Key(name="costs", kind=k.Choice(("unit", "flops", "profile")), default=DERIVED,

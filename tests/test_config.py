@@ -60,7 +60,7 @@ def test_an_older_plan_without_training_fields_loads_with_the_defaults():
     config = TrainingConfig.from_spec(older)
     assert config.steps == 5 and config.optimizer == Optimizer.of("adam") and config.lr_schedule == LRSchedule("linear")
     assert config.optimizer.kwargs["weight_decay"] == 0.0  # adam's own default, not adamw's
-    assert (config.lr, config.dtype, config.grad_clip, config.init) == (DEFAULTS.lr, "float32", None, "module")
+    assert (config.lr, config.dtype, config.grad_clip, config.init) == (DEFAULTS.lr, "float32", None, "auto")
     assert TrainingConfig.from_spec({}) == DEFAULTS
 
 
@@ -81,7 +81,7 @@ def test_an_older_plan_without_training_fields_loads_with_the_defaults():
     ("recompute", [0, -1], r"plan\.spec\.recompute\[1\]"),
     ("checkpoint_every", -1, r"plan\.spec\.checkpoint_every"),
     ("checkpoint_dir", 3, r"plan\.spec\.checkpoint_dir: expected a string"),
-    ("init", "zeros", r"plan\.spec\.init: expected one of 'module', 'exact'"),
+    ("init", "zeros", r"plan\.spec\.init: expected one of 'auto', 'module', 'exact'"),
 ])
 def test_a_malformed_field_is_refused_naming_it(field, value, match):
     with pytest.raises(SchemaError, match=match) as err:
