@@ -27,7 +27,6 @@ microbatch 0; an empty cell is an idle slot).
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 
 from pipec.dsl import ast
@@ -35,6 +34,7 @@ from pipec.dsl.ast import Span
 from pipec.dsl.errors import DSLError, Source
 from pipec.dsl.expr import ExprError, compile_int, referenced_names
 from pipec.schedules.order import Action, Kind
+from pipec.schedules.torch_csv import COMPUTE_TYPES, CellError, parse_cell
 
 __all__ = ["MAX_ACTIONS", "ORDER_NAMES", "Expanded", "expand_block", "read_csv", "shape"]
 
@@ -273,10 +273,6 @@ def _expand(block: ast.OrderBlock, env: dict[str, int], source: Source) -> Expan
     return out
 
 
-_COMPUTE = re.compile(r"(\d+)(F|B|I|W)(\d+)")
-_COMMS = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|REDUCE_GRAD|UNSHARD|RESHARD)(\d*)")
-
-
 def read_csv(path: str, base_dir: str, node: ast.Node, source: Source) -> Expanded:
     """Read a torch compute-only CSV order (path relative to ``base_dir``)."""
     full = path if os.path.isabs(path) else os.path.join(base_dir, path)
@@ -313,18 +309,22 @@ def read_csv(path: str, base_dir: str, node: ast.Node, source: Source) -> Expand
             col += len(cell) + 1
             if not text_cell:
                 continue
-            m = _COMPUTE.fullmatch(text_cell)
-            if m is None:
-                if _COMMS.fullmatch(text_cell):
+            try:  # torch's cell grammar, shared with `pipec import` (text_cell is not blank: an action)
+                cell_action, why = parse_cell(text_cell), None
+                typ = cell_action.type
+            except CellError as err:
+                cell_action, typ, why = None, err.type, err.reason
+            if cell_action is None or typ not in COMPUTE_TYPES:
+                if typ is not None and typ not in COMPUTE_TYPES:
                     raise csv_source.error(span, f"'{text_cell}' is a communication action: this is torch's "
                                            "compute+comms form", "pipec reads the compute-only form here; "
                                            "use `pipec import FILE.csv` for the other")
-                if "OVERLAP_F_B" in text_cell:
+                if why == "overlap":
                     raise csv_source.error(span, "OVERLAP_F_B actions are not supported",
                                            "write the overlapped F and B as two cells")
                 raise csv_source.error(span, f"unknown action '{text_cell}'",
                                        "cells look like 2F0 (stage 2, forward, microbatch 0); kinds are F, B, I, W")
-            stage, kind, mb = int(m.group(1)), m.group(2), int(m.group(3))
+            stage, kind, mb = cell_action.stage, cell_action.type, cell_action.microbatch
             if stage > MAX_INDEX or mb > MAX_INDEX:
                 raise csv_source.error(span, f"'{text_cell}' is beyond pipec's limit of {MAX_INDEX} "
                                        "for a stage or microbatch")
