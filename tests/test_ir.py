@@ -164,3 +164,39 @@ def test_program_counts():
     # counted by hand: rank 0 F, SA, RG, B, AR, AR, OPT; rank 1 RA, F, I, SG, W, AR, OPT (batch brackets are no instructions)
     assert prog.num_instructions == 14
     assert parse_program("0: OPT\n1: F0.0 OPT").num_instructions == 3
+
+
+def _bare_plan(**kw) -> Plan:
+    return Plan(mesh=Mesh(pp=2), num_stages=4, num_microbatches=2, placement=(0, 1, 1, 0), program=Program(()), **kw)
+
+
+def test_a_plan_always_carries_its_edges():
+    chain = [(0, 1), (1, 2), (2, 3)]
+    assert [(e.src_stage, e.dst_stage) for e in _bare_plan().edges] == chain
+    skip = (Edge(src_stage=0, dst_stage=2), Edge(src_stage=2, dst_stage=3), Edge(src_stage=0, dst_stage=1))
+    assert _bare_plan(edges=skip).edges == skip  # given edges are kept as they are
+    obj = plan_to_json(_bare_plan())
+    del obj["edges"]  # an old or hand-written plan without edges
+    obj["ranks"] = [{"rank": 0, "instructions": []}, {"rank": 1, "instructions": []}]
+    assert [(e.src_stage, e.dst_stage) for e in load_plan(obj).edges] == chain
+
+
+def test_tie_ranks():
+    plan = _bare_plan(ties=(Tie(name="wte", stages=(0, 3), params=("a", "b")),
+                            Tie(name="x", stages=(3, 1, 2), params=("a", "b", "c"))))
+    assert plan.tie_ranks("wte") == (0,)     # stages 0 and 3 are both on rank 0: no all-reduce needed
+    assert plan.tie_ranks("x") == (0, 1)     # sorted, each rank once
+    assert plan.tie("x").ranks((1, 1, 1, 1)) == (1,)
+    with pytest.raises(KeyError, match="no tied weight 'nope'"):
+        plan.tie_ranks("nope")
+
+
+def test_one_cost_type_from_plan_to_the_event_loop():
+    from pipec.compiler.simulate import plan_costs
+    from pipec.schedules import timing
+
+    assert Cost is timing.Cost
+    costs = (Cost(fwd=0.5, bwd=1.5, bwd_i=1.0, bwd_w=0.5, optim=0.25),) * 4
+    stages = tuple(Stage(stage=s, rank=r, cost=c) for (s, r), c in zip(enumerate((0, 1, 1, 0)), costs))
+    model = plan_costs(_bare_plan(stages=stages, model={"target": "m:f"}))
+    assert model.stages == costs and model.stages[0] is costs[0]  # handed on, not converted
