@@ -159,32 +159,24 @@ def _indexers(ix: _Index) -> dict[Op, Callable[[int, int, Instruction], None]]:
     fwd, bwd, inp, wgt, sent, received = ix.fwd, ix.bwd, ix.inp, ix.wgt, ix.sent, ix.received
     last_backward, num_backwards, edge_keys = ix.last_backward, ix.num_backwards, ix.edge_keys
 
-    def forward(r: int, i: int, ins: Instruction) -> None:
-        sm = ins.stage * M + ins.microbatch
-        if sm in fwd:
-            raise _twice(fwd[sm], r, i, ins, "forward")
-        fwd[sm] = (r, i)
+    def compute(table: dict[int, Where], what: str, *, completes: bool,
+                also: dict[int, Where] | None = None) -> Callable[[int, int, Instruction], None]:
+        """A compute: once per (stage, microbatch) in ``table`` (and ``also``); ``completes``: the
+        stage's last backward part (B or W), which its all-reduce must follow."""
 
-    def backward(r: int, i: int, ins: Instruction) -> None:
-        s = ins.stage
-        sm = s * M + ins.microbatch
-        if sm in bwd:
-            raise _twice(bwd[sm], r, i, ins, "backward")
-        bwd[sm] = (r, i)
-        if ins.op is Op.BWD_I:
-            inp[sm] = (r, i)
-        else:
-            last_backward[s] = i
-            num_backwards[s] = num_backwards.get(s, 0) + 1
+        def index(r: int, i: int, ins: Instruction) -> None:
+            s = ins.stage
+            sm = s * M + ins.microbatch
+            if sm in table:
+                raise _twice(table[sm], r, i, ins, what)
+            table[sm] = (r, i)
+            if also is not None:
+                also[sm] = (r, i)
+            if completes:
+                last_backward[s] = i
+                num_backwards[s] = num_backwards.get(s, 0) + 1
 
-    def weight_grad(r: int, i: int, ins: Instruction) -> None:
-        s = ins.stage
-        sm = s * M + ins.microbatch
-        if sm in wgt:
-            raise _twice(wgt[sm], r, i, ins, "weight-grad backward")
-        wgt[sm] = (r, i)
-        last_backward[s] = i
-        num_backwards[s] = num_backwards.get(s, 0) + 1
+        return index
 
     def poster(is_send: bool, is_act: bool) -> Callable[[int, int, Instruction], None]:
         """A send or receive: on an edge of the stage graph, to the rank holding the other stage,
@@ -233,7 +225,9 @@ def _indexers(ix: _Index) -> dict[Op, Callable[[int, int, Instruction], None]]:
             ix.collectives[r].append(group)
         ix.allreduces[r].append((i, group, s))
 
-    return {Op.FWD: forward, Op.BWD: backward, Op.BWD_I: backward, Op.BWD_W: weight_grad,
+    return {Op.FWD: compute(fwd, "forward", completes=False), Op.BWD: compute(bwd, "backward", completes=True),
+            Op.BWD_I: compute(bwd, "backward", completes=False, also=inp),
+            Op.BWD_W: compute(wgt, "weight-grad backward", completes=True),
             Op.SEND_ACT: poster(True, True), Op.RECV_ACT: poster(False, True), Op.SEND_GRAD: poster(True, False),
             Op.RECV_GRAD: poster(False, False), Op.ALLREDUCE: allreduce}
 
