@@ -342,6 +342,10 @@ def test_memory_model_counts_each_held_copy_and_refuses_what_does_not_fit():
     assert f"{held[0]:,} parameters x 16 bytes" in str(err.value) and "recompute" in str(err.value)
     assert state_bytes(dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, num_params=None)
                                                              for s in st))) is None
+    with pytest.raises(MemoryBudgetError) as through_driver:  # the compile path refuses with the same model
+        _compiled(device_memory=peaks[0] - 1)
+    assert str(through_driver.value) == str(err.value) and through_driver.value.key == "device_memory"
+    assert _compiled(device_memory=max(peaks)).prediction == plan.prediction
 
 
 def _gpt_params():

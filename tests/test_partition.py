@@ -107,8 +107,8 @@ def test_split_point_errors_name_the_problem():
     cuts = analyse_cuts(traced)
     with pytest.raises(FrontendError, match=r"'block.1'.*did you mean blocks.1"):
         assign_stages(traced, cuts, SplitBefore(("block.1",)), 2)
-    with pytest.raises(FrontendError, match=r"'layers.1'.*did you mean blocks.1\?; the model's layers are "
-                                            r"blocks.0 .. blocks.1") as err:
+    with pytest.raises(FrontendError, match=r"'layers.1'.*did you mean blocks.1\? \(the model's layers are "
+                                            r"blocks.0 .. blocks.1\)") as err:
         assign_stages(traced, cuts, SplitBefore(("blocks.1", "layers.1")), 3)
     assert (err.value.key, err.value.index) == ("partition", 1)  # the second split point
     with pytest.raises(FrontendError, match="gives 2 stages but stages is 4"):

@@ -251,11 +251,11 @@ def _cut_before_path(cuts: Cuts, path: str, index: int) -> int:
     same_index = [f"{prefix}.{path.rpartition('.')[2]}" for prefix in layers
                   if f"{prefix}.{path.rpartition('.')[2]}" in known]
     close = list(dict.fromkeys(same_index + difflib.get_close_matches(path, known, n=3)))[:3]
-    hints = [f"did you mean {', '.join(close)}?"] if close else []
-    hints += [f"the model's layers are {' and '.join(f'{p}.{lo} .. {p}.{hi}' for p, (lo, hi) in layers.items())}"
-              if layers else f"module paths look like {', '.join(known[:4])}"]
+    context = (f"the model's layers are {' and '.join(f'{p}.{lo} .. {p}.{hi}' for p, (lo, hi) in layers.items())}"
+               if layers else f"module paths look like {', '.join(known[:4])}")
     raise FrontendError(f"split before {path!r}: no node of the traced graph belongs to module {path!r}; "
-                        + "; ".join(hints), key="partition", index=index)
+                        + (f"did you mean {', '.join(close)}? ({context})" if close else context),
+                        key="partition", index=index)
 
 
 def _layer_ranges(paths: Sequence[str]) -> dict[str, tuple[int, int]]:
