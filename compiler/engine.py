@@ -23,6 +23,13 @@ line per rank.
 Internally every instruction is decoded once into a tuple and every thing an
 instruction can wait for is an integer key, which keeps the loop fast enough
 for the 780K-instruction plans of the compile benchmark.
+
+The comm model is a strategy the rank loop calls (:class:`_Buffered`,
+:class:`_InOrder`: how posts and collectives complete, what is left over at
+the end, how a wait reads in a deadlock report); compute and the waits on data
+are the loop's own. This module is past 600 lines on purpose: the loop, its
+decoding and its two strategies share the integer keys and the hot state, and
+splitting them would put attribute lookups across modules on the fastest path.
 """
 
 from __future__ import annotations
