@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import pipec
 from pipec.compiler.ir import Program
 from pipec.compiler.lower import lower
+from pipec.compiler.memory import check_memory, state_bytes
 from pipec.compiler.plan import DEFAULT_LINKS, Link, Mesh, Plan, Stage, check_limits
 from pipec.compiler.request import CompileRequest, ModelSpec
 from pipec.compiler.simulate import BUFFERED, chain_edges, plan_costs, timeline_of
@@ -27,8 +28,7 @@ from pipec.schedules import check_rules, get_schedule, loop_placement, v_placeme
 from pipec.schedules.order import ComputeOrder, ScheduleError, gc_paused, validate_order
 from pipec.schedules.policy import policy_order
 
-__all__ = ["Compiled", "compile_request", "compile_plan", "compile_spec", "schedule_order", "prove_and_predict",
-           "state_bytes", "MemoryBudgetError"]
+__all__ = ["Compiled", "compile_request", "compile_plan", "compile_spec", "schedule_order", "prove_and_predict"]
 
 BUBBLE_WARNING = 0.5
 """A predicted bubble above this fraction gets a warning."""
@@ -85,7 +85,7 @@ def _compile(req: CompileRequest) -> Compiled:
             "warning", f"the predicted bubble is {plan.prediction.bubble_fraction:.0%} of the step; more "
             "microbatches or another schedule would waste less", key="microbatches"))
     if req.device_memory is not None:                            # refuse what does not fit
-        _check_memory(plan, req.device_memory)
+        check_memory(plan, req.device_memory)
     return Compiled(plan, tuple(diagnostics))
 
 
@@ -170,46 +170,8 @@ def prove_and_predict(plan: Plan) -> Plan:
     return replace(plan, prediction=timeline_of(proof.executions[BUFFERED], plan_costs(plan), state_bytes(plan)))
 
 
-BYTES_PER_PARAM = 16
-"""Mixed-precision Adam: fp16 weights and grads, fp32 master weights, momentum and variance."""
-
-
-def state_bytes(plan: Plan) -> list[int] | None:
-    """Per pp rank: params, grads and optimizer state of every parameter copy it holds; None if unknown."""
-    if not plan.stages or any(st.num_params is None for st in plan.stages):
-        return None
-    out = [0] * plan.mesh.pp
-    for st in plan.stages:
-        out[st.rank] += BYTES_PER_PARAM * st.num_params
-    return out
-
-
 def _placed(stages: Sequence[Stage], placement: Sequence[int]) -> tuple[Stage, ...]:
     return tuple(replace(st, rank=placement[st.stage]) for st in stages)
-
-
-class MemoryBudgetError(PipecError):
-    """The predicted memory of a rank exceeds the device memory (key ``device_memory``)."""
-
-    key = "device_memory"
-
-
-def _check_memory(plan: Plan, device_memory: int) -> None:
-    state = state_bytes(plan)
-    for rt in plan.prediction.per_rank:
-        if rt.peak_memory_bytes is not None and rt.peak_memory_bytes > device_memory:
-            params = sum(st.num_params for st in plan.stages if st.rank == rt.rank)
-            raise MemoryBudgetError(
-                f"pp rank {rt.rank} needs {_gib(rt.peak_memory_bytes)} at its peak but device_memory is "
-                f"{_gib(device_memory)}: parameters, gradients and optimizer state {_gib(state[rt.rank])} "
-                f"({params:,} parameters x {BYTES_PER_PARAM} bytes) + activations "
-                f"{_gib(rt.peak_memory_bytes - state[rt.rank])} ({rt.peak_activations} stage-microbatches in flight "
-                "at the peak); use more pp ranks, recompute, a schedule with fewer microbatches in flight, or a "
-                "larger device_memory")
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 # ----------------------------------------------------------------------------- the model
@@ -226,6 +188,7 @@ def model_graph(req: CompileRequest):
     world = req.pp * req.dp
     return build_stage_graph(ModelRequest(
         target=m.target,
+        search_path=m.search_path,
         kwargs=dict(m.kwargs),
         inputs=tuple(InputSpec(t.name, t.dtype, tuple(t.shape)) for t in m.inputs),
         num_microbatches=req.num_microbatches,
@@ -237,13 +200,14 @@ def model_graph(req: CompileRequest):
         dtype=m.dtype,
         peak_flops=m.peak_flops,
         threads_per_rank=1 if world > 1 else _threads(),
+        init=m.init,
     ))
 
 
 def _model_entry(graph, req: CompileRequest) -> dict[str, Any]:
-    """plan.json's ``model``: the front end's, with one replica's step FLOPs and its notes."""
+    """plan.json's ``model``: the front end's record (its notes too), with one replica's step FLOPs."""
     flops = sum(sum(f) for f in graph.flops) * req.num_microbatches  # forward + backward, one replica's step
-    return {**graph.model, "flops_per_step": flops, **({"notes": list(graph.notes)} if graph.notes else {})}
+    return {**graph.model, "flops_per_step": flops}
 
 
 def _threads() -> int:

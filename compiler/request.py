@@ -121,6 +121,8 @@ class ModelSpec:
     search_path: tuple[str, ...] = ()
     """Absolute folders searched for the model's module, in order: the schedule
     file's folder, then the current folder (no repeats)."""
+    init: str = "auto"
+    """How the initial weights are made (key ``init``): ``auto``, ``module`` or ``exact``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -81,6 +81,7 @@ def request_of(values: Mapping[str, Any], origins: Mapping[str, Any], *, policy,
             dtype=values["dtype"],
             peak_flops=values["peak_flops"],
             search_path=search_path(base_dir),
+            init=values["init"],
         )
     order = values["order"]
     return CompileRequest(

@@ -130,8 +130,9 @@ def _collect(parsed: Parsed | None, flags: Flags, st: _State) -> dict[str, tuple
             if name == "model" and isinstance(value, ast.Call) and isinstance(value.func, ast.String):
                 if value.args:
                     raise source.error(value.args[0].span, "model arguments are written name=value")
-                given["model_args"] = (ast.Group((), value.kwargs, value.span),
-                                       Origin("file", source, value.span, node=value), _UNSET)
+                args = _args_span(value)
+                given["model_args"] = (ast.Group((), value.kwargs, args),
+                                       Origin("file", source, args, node=value), _UNSET)
                 value = value.func
             given[name] = (value, Origin("file", source, value.span, node=value), _UNSET)
     if any(k in CUSTOM for k in flags):  # a flag that chooses the schedule replaces the file's choice
@@ -146,6 +147,14 @@ def _collect(parsed: Parsed | None, flags: Flags, st: _State) -> dict[str, tuple
             value = type(value)({**kept, **value})
         given[key] = (flag.node, origin, value)
     return given
+
+
+def _args_span(call: ast.Call) -> Span:
+    """The span of a call's arguments: from the first to the closing parenthesis."""
+    if not call.kwargs:
+        return call.span
+    first = call.kwargs[0].span
+    return Span(first.line, first.col, call.span.end_line, call.span.end_col)
 
 
 def _unknown_key_hints(name: str, given: Mapping[str, Any]) -> tuple[str, ...]:

@@ -130,3 +130,52 @@ def test_golden_programs(name, P, M, v, dp):
 
 def test_chain_edges():
     assert [(e.src_stage, e.dst_stage) for e in chain_edges(3)] == [(0, 1), (1, 2)]
+
+
+# ----------------------------------------------------------------------------- located errors through `pipec compile`
+
+MLP = 'model "pipec.examples.mlp:build" (layers=4, dim=8)\ninput x: float32[8, 8]\npp 2\nloss mse\ncosts flops\npeak_flops 1e12\n'
+
+
+def _compile_file(tmp_path, capsys, text: str) -> tuple[int, str]:
+    from pipec.cli import main
+
+    path = tmp_path / "f.pipe"
+    path.write_text(text)
+    code = main(["compile", str(path), "-o", str(tmp_path / "plan.json")])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, line, col, width, message", [
+    (MLP + "partition split before blocks.9\n", 7, 24, 8, "no node of the traced graph belongs to module 'blocks.9'"),
+    (MLP.replace("pipec.examples.mlp:build", "pipec_no_such_module:build"), 1, 7, 28,
+     "cannot find module 'pipec_no_such_module'"),
+    (MLP.replace("dim=8)", "dim=8, width=3)"), 1, 35, 25, "rejected its arguments"),
+    (MLP + "device_memory 1KB\n", 7, 15, 3, "pp rank 0 needs"),
+], ids=["split point", "import", "factory arguments", "device_memory"])
+def test_post_trace_errors_are_located_at_their_key(tmp_path, capsys, text, line, col, width, message):
+    code, err = _compile_file(tmp_path, capsys, text)
+    assert code == 2, err
+    assert "Traceback" not in err
+    first, source_line, marker = err.splitlines()[:3]
+    assert f"f.pipe:{line}:{col}: error: " in first and message in first, err
+    assert source_line == "    " + text.splitlines()[line - 1]
+    assert marker == "    " + " " * (col - 1) + "^" + "~" * (width - 1), err
+    assert err.count(message) == 1
+
+
+def test_the_1f1b_warning_is_printed_once_at_the_value(tmp_path, capsys):
+    code, err = _compile_file(tmp_path, capsys, "schedule 1f1b\npp 4\nmicrobatches 2\n")
+    assert code == 0
+    assert err.count("1f1b with fewer microbatches (2) than ranks (4)") == 1, err
+    assert f"{tmp_path / 'f.pipe'}:3:14: warning: 1f1b with fewer microbatches" in err
+    assert "use microbatches >= 4" in err
+
+
+def test_the_trace_fallback_is_a_note_at_the_model(tmp_path, capsys):
+    text = ('model "test_trace:encoder"\ninput x: float32[2, 4, 16]\npp 3\nloss mse\ncosts flops\npeak_flops 1e12\n')
+    code, err = _compile_file(tmp_path, capsys, text)
+    assert code == 0, err
+    assert f"{tmp_path / 'f.pipe'}:1:7: note: trace: auto fell back to torch.export" in err, err
+    assert "trace was not set" in err and err.count("fell back") == 1
+    assert "fell back to torch.export" in read_plan(str(tmp_path / "plan.json")).model["notes"][0]

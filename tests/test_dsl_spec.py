@@ -97,7 +97,7 @@ def test_every_key_is_writable() -> None:
     assert spec.recompute == tuple(range(8))
     assert (spec.data, spec.loss, spec.checkpoint_dir, spec.checkpoint_every) == (
         "mypkg.data:batches", "mse", "ckpt/run1", 50)
-    assert spec.source("model_args") == "sink.pipe:1:18"
+    assert spec.source("model_args") == "sink.pipe:1:46"  # its arguments, written with the model
     as_json = spec.to_json()
     assert set(as_json) == set(KEYS)
     assert json.loads(json.dumps(as_json)) == as_json

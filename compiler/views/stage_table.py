@@ -26,7 +26,7 @@ def stage_table(plan: Plan) -> Table | None:
     """The per-stage cost and memory table of a model plan (None for a schedule-only plan)."""
     if plan.model is None or not plan.stages:
         return None
-    from pipec.compiler.driver import BYTES_PER_PARAM
+    from pipec.compiler.memory import BYTES_PER_PARAM
 
     unit = plan.prediction.time_unit if plan.prediction else "s"
     scale, tname = (1.0, "units") if unit == "unit" else (1e3, "ms")
