@@ -101,19 +101,19 @@ def synthetic_batch(step: int, dp_rank: int, dp_size: int, *, inputs: Sequence[M
     g = torch.Generator().manual_seed(hash((seed, step, dp_rank)) & 0x7FFFFFFFFFFF)
     out: dict[str, torch.Tensor] = {}
     target: torch.Tensor | None = None
-    for spec in inputs:
-        shape, dtype = tuple(spec["shape"]), spec["dtype"]
+    for inp in inputs:
+        shape, dtype = tuple(inp["shape"]), inp["dtype"]
         if dtype.startswith("int"):
             v = vocab or 2
             start = torch.randint(0, v, (shape[0],) + (1,) * (len(shape) - 1), generator=g)
             pos = torch.arange(shape[-1]).reshape((1,) * (len(shape) - 1) + (shape[-1],))
             tokens = (start + pos) % v
-            out[spec["name"]] = tokens
+            out[inp["name"]] = tokens
             if target is None:
                 target = (tokens + 1) % v
         else:
             x = torch.randn(shape, generator=g, dtype=getattr(torch, dtype))
-            out[spec["name"]] = x
+            out[inp["name"]] = x
             if target is None:
                 w = torch.randn(shape[-1], shape[-1], generator=torch.Generator().manual_seed(seed)) / shape[-1] ** 0.5
                 target = torch.tanh(x @ w)
