@@ -1,38 +1,50 @@
 """The executor: one rank's program, instruction by instruction, through a dispatch table.
 
-Each opcode has one handler (``HANDLERS``); an unknown opcode fails loudly.
+Each opcode has one handler (``handlers``), chosen once at construction; an
+opcode without one fails when the executor is built. The program is prepared
+into *units* once: a compute or collective instruction, or a group of comm
+posts that go out together (one ``batch``), each with what its handler needs
+resolved (peers as global ranks, signatures, groups, parameters), so the
+per-instruction path only calls handlers.
+
 Stage boundaries are cut: a stage's float inputs are leaves that require grad,
 so every stage runs its own backward and hands the input grads on (over the
 wire, or directly to a local producer stage). Every compute instruction and
-every wait is timed (a monotonic clock; CUDA events on GPU would slot in
-here), which is what the bubble accounting reads.
+every wait is timed (a monotonic clock; CUDA events on GPU), which is what the
+bubble accounting reads.
 
-``emulate`` (seconds per cost unit) replaces every compute with a sleep of its
-predicted cost and sends one-element tensors, so a schedule-only plan runs
-and the accounting can be checked against the prediction.
+``emulate`` (seconds per cost unit) puts other entries in the tables: every
+compute op sleeps for its predicted cost and every message is a one-element
+placeholder, so a schedule-only plan runs and the accounting can be checked
+against the prediction; comm, collectives and the optimizer step run as usual.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
 from pipec.compiler.ir import Instruction, Op, message_edge
-from pipec.compiler.plan import Plan, Signature
-from pipec.compiler.simulate import chain_edges, group_members
+from pipec.compiler.plan import UNIT_COST, Plan, Signature
 from pipec.compiler.timeline import Event
+from pipec.errors import EXIT_RUN, PipecError, RunFailed
+from pipec.runtime.clock import CudaClock, HostClock
 from pipec.runtime.deferred import WeightGradStash, defer_weight_grads
 from pipec.runtime.transport import P2P, Transport
-from pipec.errors import RunFailed
 
-__all__ = ["RunError", "RankStep", "Executor"]
+__all__ = ["RunError", "PlanMismatch", "RankStep", "Executor"]
 
 
 class RunError(RunFailed):
     """A failure during execution, named by global rank, (pp, dp) and instruction."""
+
+
+class PlanMismatch(PipecError):
+    """The model does not produce what the plan says: the plan was compiled for another model or input."""
 
 
 _DTYPES = {
@@ -40,6 +52,11 @@ _DTYPES = {
     "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
     "bool": torch.bool,
 }
+
+_SENDS = frozenset({Op.SEND_ACT, Op.SEND_GRAD})
+_COMM = _SENDS | {Op.RECV_ACT, Op.RECV_GRAD}
+_COST_FIELD = {Op.FWD: "fwd", Op.BWD: "bwd", Op.BWD_I: "bwd_i", Op.BWD_W: "bwd_w"}
+"""Compute ops and the field of a stage's cost each one takes (what ``emulate`` sleeps)."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -59,6 +76,39 @@ class RankStep:
     peak_memory_bytes: int | None = None
 
 
+class Message(NamedTuple):
+    """One comm post, resolved when the executor is built."""
+
+    ins: Instruction
+    send: bool
+    peer: int
+    """The global rank at the other end."""
+    sigs: tuple[Signature, ...]
+    """What travels: the edge's tensors (grads: its floating-point ones)."""
+    key: tuple
+    """Sends: the (stage, microbatch) whose outputs or input grads go out; receives: the buffer's key."""
+
+
+class Reduction(NamedTuple):
+    """One ``ALLREDUCE``, resolved when the executor is built."""
+
+    ins: Instruction
+    group: tuple[int, ...]
+    """Global ranks."""
+    params: tuple[torch.nn.Parameter, ...]
+    """The local parameters reduced (none under ``emulate``, or for a stage without any: a placeholder goes)."""
+    tie: bool
+    """A tie group: the local copies' grads are summed and every copy gets the total (dp: averaged, in place)."""
+
+
+class Sleep(NamedTuple):
+    """An emulated compute instruction: the receives it uses, then its predicted cost."""
+
+    ins: Instruction
+    receives: tuple[tuple, ...]
+    seconds: float
+
+
 class Executor:
     """Runs one pp rank's program for one dp replica."""
 
@@ -75,14 +125,13 @@ class Executor:
         device: torch.device | str = "cpu",
         autocast_dtype: torch.dtype | None = None,
         optimizer_step: Callable[[], None] | None = None,
-        grad_clip: Callable[[], None] | None = None,
         fail_hook: Callable[[int, Instruction], None] | None = None,
     ) -> None:
         self.plan = plan
+        self.mesh = plan.mesh
         self.pp_rank = pp_rank
         self.dp_rank = dp_rank
-        self.D = plan.mesh.dp
-        self.global_rank = pp_rank * self.D + dp_rank
+        self.global_rank = plan.mesh.global_rank(pp_rank, dp_rank)
         self.transport = transport
         self.modules = dict(modules or {})
         self.loss_fn = loss_fn
@@ -90,51 +139,130 @@ class Executor:
         self.device = torch.device(device)
         self.autocast_dtype = autocast_dtype
         self.optimizer_step = optimizer_step
-        self.fail_hook = fail_hook
         self.instructions = plan.program.ranks[pp_rank]
         self.M = plan.num_microbatches
-        edges = plan.edges or chain_edges(plan.num_stages)
         self.edge_tensors: dict[tuple[int, int], tuple[Signature, ...]] = {}
         self.producers: dict[int, list[int]] = {}
         self.consumers: dict[int, list[int]] = {}
-        for e in edges:
-            sigs = e.tensors or (Signature("x", (1,), "float32"),)
-            self.edge_tensors[(e.src_stage, e.dst_stage)] = sigs
+        for e in plan.edges:
+            self.edge_tensors[(e.src_stage, e.dst_stage)] = e.tensors or (Signature("x", (1,), "float32"),)
             self.producers.setdefault(e.dst_stage, []).append(e.src_stage)
             self.consumers.setdefault(e.src_stage, []).append(e.dst_stage)
+        here = plan.placement
+        self.remote_producers = {s: [p for p in ps if here[p] != pp_rank] for s, ps in self.producers.items()}
+        self.remote_consumers = {s: [c for c in cs if here[c] != pp_rank] for s, cs in self.consumers.items()}
         self.split = {ins.stage for ins in self.instructions if ins.op is Op.BWD_I}
         self.recompute = set(plan.spec.get("recompute") or ())
         """Stages that save only their inputs and run their forward again in the backward."""
-        if emulate is None:
-            missing = [s for s, r in enumerate(plan.placement) if r == pp_rank and s not in self.modules]
-            assert not missing, f"no module for stages {missing}"
         self.clock = CudaClock(self.device) if self.device.type == "cuda" else HostClock()
-        self.handlers: dict[Op, Callable[[Instruction], None]] = {
-            Op.FWD: self.forward,
-            Op.BWD: self.backward,
-            Op.BWD_I: self.backward,
-            Op.BWD_W: self.backward_weight,
-            Op.ALLREDUCE: self.allreduce,
-            Op.OPTIM_STEP: self.optim_step,
-        }
+        compute: dict[Op, Callable[[Any], None]] = {
+            Op.FWD: self.forward, Op.BWD: self.backward, Op.BWD_I: self.backward, Op.BWD_W: self.backward_weight}
+        payload: dict[Op, Callable[[Message], list[torch.Tensor]]]
+        if emulate is None:
+            missing = [s for s, r in enumerate(here) if r == pp_rank and s not in self.modules]
+            assert not missing, f"no module for stages {missing}"
+            payload = {Op.SEND_ACT: self.activations_out, Op.SEND_GRAD: self.input_grads_out,
+                       Op.RECV_ACT: self.buffers, Op.RECV_GRAD: self.buffers}
+            prepare = {}
+        else:
+            compute = dict.fromkeys(compute, self.emulated)
+            payload = dict.fromkeys(_COMM, self.placeholders)
+            prepare = dict.fromkeys(compute, self.sleep)
+        self.handlers: dict[Op, Callable[[Any], None]] = {
+            **compute, **dict.fromkeys(_COMM, self.post), Op.ALLREDUCE: self.allreduce, Op.OPTIM_STEP: self.optim_step}
+        """One handler per opcode; each takes what :attr:`prepare` made of its instruction."""
+        self.payload = payload
+        """What each comm op moves: real tensors checked against the plan's signatures, or placeholders."""
+        self.prepare: dict[Op, Callable[[Sequence[Instruction]], Any]] = {
+            **prepare, **dict.fromkeys(_COMM, self.messages), Op.ALLREDUCE: self.reduction}
+        """Opcodes whose handler takes a value resolved once (the rest take the instruction itself)."""
+        self.local_ties = [self.tied_params(t.name) for t in plan.ties
+                           if emulate is None and plan.tie_ranks(t.name) == (pp_rank,) and len(t.stages) > 1]
+        """Tie groups held entirely by this rank: their copies' grads are summed here, without a collective."""
+        self.units = self.build_units(fail_hook)
+
+    # ------------------------------------------------------------------ preparing the program
+
+    def build_units(self, fail_hook: Callable[[int, Instruction], None] | None) -> list[tuple[int, Callable, Any]]:
+        """The program as (index of its first instruction, handler, argument): comm posts of one batch together."""
+        instrs = self.instructions
+        units = []
+        i, n = 0, len(instrs)
+        while i < n:
+            ins = instrs[i]
+            j = i + 1
+            if ins.op in _COMM and ins.batch is not None:
+                while j < n and instrs[j].batch == ins.batch:
+                    j += 1
+            handler = self.handlers.get(ins.op)
+            if handler is None:
+                raise RunError(f"{self.where(i, ins)}: no handler for opcode {ins.op}")
+            prepare = self.prepare.get(ins.op)
+            arg = ins if prepare is None else prepare(instrs[i:j])
+            if fail_hook is not None:
+                handler = _hooked(fail_hook, i, ins, handler)
+            units.append((i, handler, arg))
+            i = j
+        return units
+
+    def messages(self, instrs: Sequence[Instruction]) -> tuple[Message, ...]:
+        out = []
+        for ins in instrs:
+            s, m = ins.stage, ins.microbatch
+            peer = self.mesh.global_rank(ins.peer, self.dp_rank)
+            if ins.op is Op.SEND_ACT:
+                out.append(Message(ins, True, peer, self.edge_tensors[(s, ins.to_stage)], (s, m)))
+            elif ins.op is Op.SEND_GRAD:
+                out.append(Message(ins, True, peer, self.grad_sigs((ins.to_stage, s)), (s, m)))
+            else:
+                is_act, src, dst = message_edge(ins)
+                sigs = self.edge_tensors[(src, dst)] if is_act else self.grad_sigs((src, dst))
+                out.append(Message(ins, False, peer, sigs, ("A" if is_act else "G", src, dst, m)))
+        return tuple(out)
+
+    def reduction(self, instrs: Sequence[Instruction]) -> Reduction:
+        (ins,) = instrs
+        if ins.group == "dp":
+            group = tuple(self.mesh.replicas(self.pp_rank))
+            params = () if self.emulate is not None else tuple(self.modules[ins.stage].parameters())
+            return Reduction(ins, group, params, tie=False)
+        name = ins.group[4:]
+        group = tuple(self.mesh.global_rank(p, self.dp_rank) for p in self.plan.tie_ranks(name))
+        return Reduction(ins, group, () if self.emulate is not None else tuple(self.tied_params(name)), tie=True)
+
+    def sleep(self, instrs: Sequence[Instruction]) -> Sleep:
+        (ins,) = instrs
+        s, m = ins.stage, ins.microbatch
+        if ins.op is Op.FWD:
+            receives = tuple(("A", p, s, m) for p in self.remote_producers.get(s, ()))
+        elif ins.op is Op.BWD_W:
+            receives = ()
+        else:
+            receives = tuple(("G", s, c, m) for c in self.remote_consumers.get(s, ()))
+        cost = self.plan.stages[s].cost if self.plan.stages else UNIT_COST
+        return Sleep(ins, receives, getattr(cost, _COST_FIELD[ins.op]) * self.emulate)
 
     # ------------------------------------------------------------------ helpers
 
     def autocast(self):
         if self.autocast_dtype is None:
-            return _null()
+            return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
-    def peer_global(self, pp: int) -> int:
-        return pp * self.D + self.dp_rank
 
     def now(self):
         """A timestamp token: seconds on the host clock, or a recorded CUDA event (resolved at the step's end)."""
         return self.clock.mark()
 
     def where(self, index: int, ins: Instruction) -> str:
-        return (f"global rank {self.global_rank} (pp {self.pp_rank}, dp {self.dp_rank}), "
-                f"instruction {index} ({ins.text()})")
+        return f"{self.mesh.where(self.global_rank)}, instruction {index} ({ins.text()})"
+
+    def located(self, index: int, err: Exception) -> RunError:
+        """``err`` raised by instruction ``index``, named by rank and instruction; a pipec error keeps its exit code."""
+        ins = self.instructions[index]
+        detail = str(err) if isinstance(err, PipecError) else f"{type(err).__name__}: {err}"
+        out = RunError(f"{self.where(index, ins)}: {detail}")
+        out.exit_code = err.exit_code if isinstance(err, PipecError) else EXIT_RUN
+        return out
 
     def wait(self, works: Sequence) -> None:
         t = self.clock.mark()
@@ -142,8 +270,8 @@ class Executor:
             w.wait()
         self.waits.append((t, self.clock.mark()))
 
-    def grad_sigs(self, edge: tuple[int, int]) -> list[Signature]:
-        return [s for s in self.edge_tensors[edge] if torch_dtype(s.dtype).is_floating_point]
+    def grad_sigs(self, edge: tuple[int, int]) -> tuple[Signature, ...]:
+        return tuple(s for s in self.edge_tensors[edge] if torch_dtype(s.dtype).is_floating_point)
 
     # ------------------------------------------------------------------ the step
 
@@ -166,32 +294,12 @@ class Executor:
         self.spans: list[tuple[Instruction, object, object, bool]] = []  # (instruction, start, end, is compute)
         self.waits: list[tuple[object, object]] = []
         self.optimizer_spans: list[tuple[object, object]] = []
-        instrs = self.instructions
-        i = 0
-        n = len(instrs)
-        while i < n:
-            ins = instrs[i]
-            if self.fail_hook is not None:
-                self.fail_hook(i, ins)
-            self.index = i
-            try:
-                if ins.op in (Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD, Op.RECV_GRAD):
-                    j = i + 1
-                    if ins.batch is not None:
-                        while j < n and instrs[j].batch == ins.batch:
-                            j += 1
-                    self.post(instrs[i:j])
-                    i = j
-                    continue
-                handler = self.handlers.get(ins.op)
-                if handler is None:
-                    raise RunError(f"{self.where(i, ins)}: no handler for opcode {ins.op}")
-                handler(ins)
-            except RunError:
-                raise
-            except Exception as e:  # name the rank and instruction, keep the cause
-                raise RunError(f"{self.where(i, ins)}: {type(e).__name__}: {e}") from e
-            i += 1
+        index = 0
+        try:
+            for index, handler, arg in self.units:
+                handler(arg)
+        except Exception as e:  # name the rank and instruction, keep the cause
+            raise self.located(index, e) from e
         self.finish_accounting(self.now())
         if self.losses:
             self.step.loss = float(sum(self.losses))
@@ -199,55 +307,48 @@ class Executor:
 
     # ------------------------------------------------------------------ communication
 
-    def post(self, instrs: Sequence[Instruction]) -> None:
+    def post(self, batch: Sequence[Message]) -> None:
+        """Post a group of sends and receives together; receives are waited for by the instruction that uses them."""
         ops: list[P2P] = []
         pending: list[tuple[tuple, list[torch.Tensor], int]] = []
         keep: list[torch.Tensor] = []
-        for ins in instrs:
-            peer = self.peer_global(ins.peer)
-            s, m = ins.stage, ins.microbatch
-            if ins.op is Op.SEND_ACT:
-                sigs = self.edge_tensors[(s, ins.to_stage)]
-                tensors = [self.outputs[(s, m)][sig.name] for sig in sigs] if self.emulate is None else [
-                    torch.zeros(1) for _ in sigs]
-                self.check(sigs, tensors, ins)
-                tensors = [t.detach().contiguous() for t in tensors]
-            elif ins.op is Op.SEND_GRAD:
-                sigs = self.grad_sigs((ins.to_stage, s))
-                tensors = self.take_input_grads(s, m, sigs) if self.emulate is None else [
-                    torch.zeros(1) for _ in sigs]
-                self.check(sigs, tensors, ins)
-                tensors = [t.detach().contiguous() for t in tensors]
-            else:
-                is_act, src, dst = message_edge(ins)
-                sigs = self.edge_tensors[(src, dst)] if is_act else self.grad_sigs((src, dst))
-                tensors = [self.empty(sig) for sig in sigs]
-                pending.append((("A" if is_act else "G", src, dst, m), tensors, len(ops)))
-            for t in tensors:
-                ops.append(P2P(ins.op in (Op.SEND_ACT, Op.SEND_GRAD), t, peer))
-            if ins.op in (Op.SEND_ACT, Op.SEND_GRAD):
+        payload = self.payload
+        for msg in batch:
+            tensors = payload[msg.ins.op](msg)
+            if msg.send:
                 keep.extend(tensors)
+            else:
+                pending.append((msg.key, tensors, len(ops)))
+            ops.extend(P2P(msg.send, t, msg.peer) for t in tensors)
         works = self.transport.post(ops) if ops else []
         for key, tensors, first in pending:
             self.recvs[key] = (tensors, works[first:first + len(tensors)])
         if keep:  # a send's buffer lives until it completes; each work is waited once (gloo hangs on a second wait)
             self.sends.append(([w for w, op in zip(works, ops) if op.send], keep))
 
-    def empty(self, sig: Signature) -> torch.Tensor:
-        if self.emulate is not None:
-            return torch.empty(1)
-        return torch.empty(sig.shape, dtype=torch_dtype(sig.dtype), device=self.device)
+    def activations_out(self, msg: Message) -> list[torch.Tensor]:
+        outputs = self.outputs[msg.key]
+        return self.checked(msg, [outputs[sig.name] for sig in msg.sigs])
 
-    def check(self, sigs: Sequence[Signature], tensors: Sequence[torch.Tensor], ins: Instruction) -> None:
+    def input_grads_out(self, msg: Message) -> list[torch.Tensor]:
+        return self.checked(msg, self.take_input_grads(*msg.key, msg.sigs))
+
+    def buffers(self, msg: Message) -> list[torch.Tensor]:
+        return [torch.empty(sig.shape, dtype=torch_dtype(sig.dtype), device=self.device) for sig in msg.sigs]
+
+    def placeholders(self, msg: Message) -> list[torch.Tensor]:
+        """``emulate``: one element per tensor, sent or received."""
+        return [torch.zeros(1, device=self.device) for _ in msg.sigs]
+
+    @staticmethod
+    def checked(msg: Message, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Every tensor matches the plan's signature before it goes out (gloo aborts the receiver otherwise)."""
-        if self.emulate is not None:
-            return
-        for sig, t in zip(sigs, tensors):
+        for sig, t in zip(msg.sigs, tensors):
             if tuple(t.shape) != sig.shape or t.dtype != torch_dtype(sig.dtype):
-                raise RunError(
-                    f"{self.where(self.index, ins)}: tensor {sig.name!r} is {str(t.dtype)[6:]}{list(t.shape)} but "
-                    f"the plan's signature is {sig.dtype}{list(sig.shape)}; recompile the plan for this model and "
-                    "input shape")
+                raise PlanMismatch(
+                    f"tensor {sig.name!r} is {str(t.dtype)[6:]}{list(t.shape)} but the plan's signature is "
+                    f"{sig.dtype}{list(sig.shape)}; recompile the plan for this model and input shape")
+        return [t.detach().contiguous() for t in tensors]
 
     def take_input_grads(self, s: int, m: int, sigs: Sequence[Signature]) -> list[torch.Tensor]:
         """The grads w.r.t. stage s's inputs of one producer edge; freed once every producer has its part."""
@@ -282,14 +383,18 @@ class Executor:
         step.comm_wait = sum(at(b) - at(a) for a, b in self.waits)
         step.step_time = at(end)
 
+    def emulated(self, job: Sleep) -> None:
+        """``emulate``: any compute op waits for the receives it uses, then sleeps for its predicted cost."""
+        for key in job.receives:
+            self.received(key)
+        start = self.now()
+        time.sleep(job.seconds)
+        self.record(job.ins, start)
+
     def forward(self, ins: Instruction) -> None:
         s, m = ins.stage, ins.microbatch
-        remote = {p: self.received(("A", p, s, m)) for p in self.producers.get(s, ()) if self.plan.placement[p] != self.pp_rank}
+        remote = {p: self.received(("A", p, s, m)) for p in self.remote_producers.get(s, ())}
         start = self.now()
-        if self.emulate is not None:
-            time.sleep(self.plan.stages[s].cost.fwd * self.emulate if self.plan.stages else self.emulate)
-            self.outputs[(s, m)] = {}
-            return self.record(ins, start)
         stage = self.plan.stages[s]
         values: dict[str, torch.Tensor] = {}
         for p in self.producers.get(s, ()):
@@ -345,13 +450,8 @@ class Executor:
 
     def backward(self, ins: Instruction) -> None:
         s, m = ins.stage, ins.microbatch
-        remote = {c: self.received(("G", s, c, m)) for c in self.consumers.get(s, ()) if self.plan.placement[c] != self.pp_rank}
+        remote = {c: self.received(("G", s, c, m)) for c in self.remote_consumers.get(s, ())}
         start = self.now()
-        if self.emulate is not None:
-            cost = self.plan.stages[s].cost if self.plan.stages else None
-            units = (cost.bwd if ins.op is Op.BWD else cost.bwd_i) if cost else (2 if ins.op is Op.BWD else 1)
-            time.sleep(units * self.emulate)
-            return self.record(ins, start)
         grad_inputs, loss, named, replay = self.saved.pop((s, m))
         if replay is not None:  # recompute: run the forward again, now building the graph
             args, rng = replay
@@ -386,44 +486,30 @@ class Executor:
 
     def backward_weight(self, ins: Instruction) -> None:
         start = self.now()
-        if self.emulate is not None:
-            cost = self.plan.stages[ins.stage].cost.bwd_w if self.plan.stages else 1
-            time.sleep(cost * self.emulate)
-        else:
-            self.stashes.pop((ins.stage, ins.microbatch)).run()
+        self.stashes.pop((ins.stage, ins.microbatch)).run()
         self.record(ins, start)
 
     # ------------------------------------------------------------------ collectives
 
-    def allreduce(self, ins: Instruction) -> None:
+    def allreduce(self, job: Reduction) -> None:
         start = self.now()
-        if ins.group == "dp":
-            group = tuple(self.pp_rank * self.D + d for d in range(self.D))
-            params = [] if self.emulate is not None else list(self.modules[ins.stage].parameters())
-            average = True
-        else:
-            members = group_members(ins.group, self.pp_rank, self.plan.mesh.pp, self.plan.ties, self.plan.placement)
-            group = tuple(self.peer_global(p) for p in members)
+        params = job.params
+        if job.tie:
             self.finish_reductions()  # the dp average of each copy must be in before the copies are summed
-            params = [] if self.emulate is not None else self.tied_params(ins.group[4:])
-            average = False
-        if not params:
-            buf = torch.zeros(1)
-            work = self.transport.all_reduce(buf, group, average=average)
-            self.reductions.append((work, buf, []))
-        elif ins.group == "dp":
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-            work = self.transport.all_reduce(flat, group, average=average)
-            self.reductions.append((work, flat, params))
-        else:  # sum the local copies, reduce once, and give every copy the total
-            flat = sum((p.grad if p.grad is not None else torch.zeros_like(p)) for p in params).reshape(-1).clone()
-            work = self.transport.all_reduce(flat, group, average=average)
-            self.reductions.append((work, flat, params, "shared"))
-        self.record(ins, start, compute=False)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if not grads:
+            flat = torch.zeros(1, device=self.device)
+        elif job.tie:  # sum the local copies, reduce once, and give every copy the total
+            flat = sum(grads).reshape(-1).clone()
+        else:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+        work = self.transport.all_reduce(flat, job.group, average=not job.tie)
+        self.reductions.append((work, flat, params, job.tie))
+        self.record(job.ins, start, compute=False)
 
     def tied_params(self, name: str) -> list[torch.nn.Parameter]:
         """Every local copy of a tied weight (a rank may hold several stages of one tie)."""
-        tie = next(t for t in self.plan.ties if t.name == name)
+        tie = self.plan.tie(name)
         out = []
         for s, pname in zip(tie.stages, tie.params):
             if self.plan.placement[s] == self.pp_rank:
@@ -431,7 +517,7 @@ class Executor:
         return out
 
     def finish_reductions(self) -> None:
-        for work, flat, params, *shared in self.reductions:
+        for work, flat, params, shared in self.reductions:
             self.wait([work])
             offset = 0
             for p in params:
@@ -446,24 +532,19 @@ class Executor:
 
     def sum_local_ties(self) -> None:
         """A tie group held entirely by this rank needs no collective: its copies' grads are summed here."""
-        for tie in self.plan.ties:
-            ranks = {self.plan.placement[s] for s in tie.stages}
-            if ranks == {self.pp_rank} and len(tie.stages) > 1:
-                params = self.tied_params(tie.name)
-                total = sum(p.grad if p.grad is not None else torch.zeros_like(p) for p in params)
-                for p in params:
-                    p.grad = total.clone()
+        for params in self.local_ties:
+            total = sum(p.grad if p.grad is not None else torch.zeros_like(p) for p in params)
+            for p in params:
+                p.grad = total.clone()
 
     def optim_step(self, ins: Instruction) -> None:
         start = self.now()
         self.wait([w for works, _ in self.sends for w in works])
         self.sends.clear()
         self.finish_reductions()
-        if self.emulate is None:
-            self.sum_local_ties()
-        leftover = [k for k in self.recvs]
-        if leftover:
-            raise RunError(f"{self.where(self.index, ins)}: receives posted but never used: {leftover[:3]}")
+        self.sum_local_ties()
+        if self.recvs:  # the verifier proves this cannot happen
+            raise RunError(f"receives posted but never used: {list(self.recvs)[:3]}")
         stepped = self.now()
         if self.optimizer_step is not None:
             self.optimizer_step()
@@ -471,49 +552,11 @@ class Executor:
         self.optimizer_spans.append((stepped, self.now()))
 
 
-class HostClock:
-    """Timestamps on the host's monotonic clock, in seconds from the step's start."""
+def _hooked(hook: Callable[[int, Instruction], None], index: int, ins: Instruction,
+            handler: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``handler`` with ``hook(index, ins)`` called first (fault injection: only when a hook is given)."""
+    def run(arg: Any) -> None:
+        hook(index, ins)
+        handler(arg)
 
-    def start(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def mark(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def resolve(self, token: float) -> float:
-        return token
-
-
-class CudaClock:
-    """Timestamps as CUDA events on the current stream: GPU time, resolved after one synchronize.
-
-    A compute instruction's span is what the GPU spent on it, and a wait's span
-    (events recorded before and after ``work.wait()``, which makes the stream
-    wait for the collective) is the time the stream stalled on communication.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def start(self) -> None:
-        self.t0 = self.mark()
-        self.synced = False
-
-    def mark(self):
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
-
-    def resolve(self, token) -> float:
-        if not self.synced:
-            torch.cuda.synchronize(self.device)
-            self.synced = True
-        return self.t0.elapsed_time(token) / 1e3
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    return run
