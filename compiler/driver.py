@@ -55,11 +55,12 @@ def _compile(req: CompileRequest) -> Compiled:
     if graph is not None and len(graph.stages) != order.num_stages:
         raise PipecError(f"the model was partitioned into {len(graph.stages)} stages but the schedule runs "
                          f"{order.num_stages}", key="partition")
-    spec = dict(req.spec)
+    training = req.training
     if graph is not None:
         diagnostics += [Diagnostic("note", note, key="trace") for note in graph.notes]
-        if "init" in graph.model:                                # the front end resolved `init auto`
-            spec["init"] = graph.model["init"]
+        if training is not None and "init" in graph.model:       # the front end resolved `init auto`
+            training = replace(training, init=graph.model["init"])
+    spec = {**req.spec, **(training.to_json() if training is not None else {})}
     plan = Plan(                                                 # everything but the program and prediction
         mesh=Mesh(pp=req.pp, dp=req.dp),
         num_stages=order.num_stages,

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from pipec.compiler.config import TrainingConfig
 from pipec.compiler.plan import DEFAULT_LINKS, Link
 from pipec.schedules.order import Action
 from pipec.schedules.policy import Policy
@@ -146,8 +147,11 @@ class CompileRequest:
     model: ModelSpec | None = None
     device_memory: int | None = None
     """Bytes one device holds: a plan needing more on some rank is refused (key ``device_memory``)."""
+    training: TrainingConfig | None = None
+    """The training settings, typed; plan.json's ``spec`` records them (``init`` as the front end resolved
+    it). None: the plan's ``spec`` is ``spec`` as given (an imported schedule)."""
     spec: Mapping[str, Any] = field(default_factory=dict)
-    """plan.json's ``spec``: every key's resolved value, JSON-ready (the training settings the runtime reads)."""
+    """plan.json's ``spec``: every key's resolved value, JSON-ready."""
     origins: Mapping[str, KeyOrigin] = field(default_factory=dict)
     """Per key, where its value came from."""
 

@@ -14,8 +14,10 @@ them: ``--virtual 3`` for a flag, ``virtual 3`` for a file's key.
 from __future__ import annotations
 
 import os
+from dataclasses import fields
 from typing import Any, Mapping
 
+from pipec.compiler.config import TrainingConfig
 from pipec.compiler.request import (
     CompileRequest,
     InputTensor,
@@ -96,6 +98,7 @@ def request_of(values: Mapping[str, Any], origins: Mapping[str, Any], *, policy,
         links=values["links"].as_dict(),
         model=model,
         device_memory=values["device_memory"],
+        training=TrainingConfig(**{f.name: values[f.name] for f in fields(TrainingConfig)}),
         spec=spec_json,
         origins={key: key_origin(o) for key, o in origins.items()},
     )

@@ -101,6 +101,8 @@ class DSLError(_Located, PipecError):
     the source line, a caret under the offending text, then hints.
     """
 
+    located = True
+
     def __init__(self, message: str, location: Location, hints: Iterable[str] = ()) -> None:
         self.message = message
         self.location = location

@@ -106,10 +106,8 @@ class Spec:
         return placement_ranks(self.values["placement"], self.values["pp"], self.values["stages"])
 
     def to_json(self) -> dict[str, Any]:
-        """plan.json's ``spec``: every key's resolved value, JSON-ready."""
-        from pipec.dsl.kinds import to_json
-
-        return {key: to_json(value) for key, value in self.values.items()}
+        """plan.json's ``spec``: every key's resolved value, JSON-ready (as the request carries it)."""
+        return dict(self.request.spec)
 
     # --- the compiler's side
 

@@ -22,7 +22,7 @@ from pipec.dsl import (
 from pipec.compiler.driver import compile_spec, schedule_order
 from pipec.errors import Diagnostic, PipecError
 from pipec.schedules import build_order
-from pipec.schedules.order import Action, Kind, validate_order
+from pipec.schedules.order import Action, Kind
 
 
 def order_of(spec):
