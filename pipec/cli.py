@@ -245,14 +245,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from pipec.runtime.failures import quiet_launcher, summarise
+
     try:
-        run(parse_args(argv))
-    except ChildFailedError as e:
-        for rank, fail in sorted(e.failures.items()):  # keyed by global rank
-            pp, dp = divmod(rank, plan.mesh.dp)
-            how = f"signal {-fail.exitcode}" if fail.exitcode < 0 else f"exit code {fail.exitcode}"
-            _err(f"the run failed: global rank {rank} (pp {pp}, dp {dp}) ended with {how}")
-        return 1
+        with quiet_launcher(args.verbose):  # the ranks report their errors here; torchrun's log lines hidden
+            run(parse_args(argv))
+    except ChildFailedError as e:  # every rank's error, keyed by global rank: each message once, causes first
+        return summarise(e.failures, plan.mesh.where)
     return 0
 
 
@@ -322,6 +321,7 @@ def _parser() -> argparse.ArgumentParser:
     add_run_flags(r)
     r.add_argument("--nproc", type=int, required=True, help="ranks on this node (pp x dp on one node)")
     r.add_argument("--max-restarts", type=int, default=0, help="torchrun's elastic restarts")
+    r.add_argument("--verbose", action="store_true", help="also show torchrun's own log lines")
     for flag in ("--nnodes", "--node-rank", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--master-addr",
                  "--master-port"):
         r.add_argument(flag, help="passed to torchrun (multi-node rendezvous)")

@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 from pipec.errors import PipecError
+from pipec.runtime.failures import RankFailed, RankReport, deliver, linger_when_stopped
 
 __all__ = ["main", "run_parser", "add_run_flags", "run_flags", "RunOptions", "LaunchError", "Env",
            "init_process_group", "plan_transport"]
@@ -27,6 +28,9 @@ DEFAULT_TIMEOUT = 300.0
 """Seconds a rank waits on a peer before the whole job ends (torch's default would be 30 minutes)."""
 DEFAULT_UNIT_TIME = 0.01
 """Seconds per cost unit with --emulate."""
+
+LINGER_S = 5.0
+"""Seconds a rank the launcher stops (another rank failed) goes on, so that its own error is reported too."""
 
 KNOWN_PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
 """Dense bf16/fp16 tensor-core FLOP/s of known GPUs, by a substring of the device name."""
@@ -170,10 +174,6 @@ def _fail_at(text: str | None) -> tuple[int, int] | None:
         raise LaunchError(f"--fail-at {text!r}: expected STEP:RANK, e.g. --fail-at 2:1") from None
 
 
-def _say(env: Env, message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def init_process_group(env: Env, timeout: float):
     """The world process group, on a per-attempt store prefix; returns (backend, device)."""
     import torch
@@ -204,14 +204,16 @@ def plan_transport(plan, env: Env, timeout: float, backend: str, device):
     td = datetime.timedelta(seconds=timeout)
     opts = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
     opts._timeout = td  # subgroups do not inherit the world group's timeout
-    P, D = plan.mesh.pp, plan.mesh.dp
-    pp_rank, dp_rank = divmod(env.rank, D)
-    pp_ranks = tuple(p * D + dp_rank for p in range(P))
-    dp_ranks = tuple(pp_rank * D + d for d in range(D))
+    mesh = plan.mesh
+    P, D = mesh.pp, mesh.dp
+    pp_rank, dp_rank = mesh.coords(env.rank)
+    pp_ranks = tuple(mesh.global_rank(p, dp_rank) for p in range(P))
+    dp_ranks = tuple(mesh.replicas(pp_rank))
     if P > 1 and D > 1:
-        mesh = init_device_mesh(device.type, (P, D), mesh_dim_names=("pp", "dp"),
-                                backend_override={"pp": (backend, opts), "dp": (backend, opts)})
-        groups: dict[tuple[int, ...], Any] = {pp_ranks: mesh["pp"].get_group(), dp_ranks: mesh["dp"].get_group()}
+        device_mesh = init_device_mesh(device.type, (P, D), mesh_dim_names=("pp", "dp"),
+                                       backend_override={"pp": (backend, opts), "dp": (backend, opts)})
+        groups: dict[tuple[int, ...], Any] = {pp_ranks: device_mesh["pp"].get_group(),
+                                              dp_ranks: device_mesh["dp"].get_group()}
     elif P > 1 or D > 1:
         # one axis spans the world: a 1-D mesh reuses the world group (every idle gloo group costs a
         # polling thread), whose timeout init_process_group set
@@ -221,11 +223,11 @@ def plan_transport(plan, env: Env, timeout: float, backend: str, device):
         groups = {}  # one rank: every collective is local
     # tie groups: one per dp replica; every rank creates every group, in the same order
     for tie in plan.ties:
-        members = sorted({plan.placement[s] for s in tie.stages})
+        members = plan.tie_ranks(tie.name)
         if len(members) < 2:
             continue
         for d in range(D):
-            ranks = [p * D + d for p in members]
+            ranks = [mesh.global_rank(p, d) for p in members]
             g = dist.new_group(ranks, timeout=td, backend=backend)
             if env.rank in ranks:
                 groups[tuple(ranks)] = g
@@ -281,13 +283,10 @@ def run(args: argparse.Namespace, env: Env) -> int:
         trainer = Trainer(plan, config, options, env, transport, device, peak_flops=_peak_flops(options, config),
                           peak_memory=lambda: _peak_memory(device))
         return trainer.train()
-    except RunError as e:  # names the rank, its coordinates and the instruction
-        _say(env, f"pipec: error: {e}")
-        return 1
     except RuntimeError as e:  # a peer died or timed out outside an instruction (between steps)
-        pp, dp = divmod(env.rank, D)
-        _say(env, f"pipec: error: global rank {env.rank} (pp {pp}, dp {dp}), between steps: {e}")
-        return 1
+        raise RankFailed(plan.mesh.where(env.rank), RunError(f"between steps: {type(e).__name__}: {e}")) from e
+    except PipecError as e:  # a RunError names the instruction too; main() reports it
+        raise RankFailed(plan.mesh.where(env.rank), e) from e
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -305,12 +304,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LaunchError as e:
         print(f"pipec: error: {e}", file=sys.stderr)
         return 2
+    linger_when_stopped(LINGER_S)
     try:
         return run(args, env)
-    except PipecError as e:
-        if e.exit_code != 2:
-            _say(env, f"pipec: error: {e}")
-            return e.exit_code
-        if env.rank == 0:  # every rank finds the same mistake: say it once
-            print(f"pipec: error: {e}", file=sys.stderr, flush=True)
-        return 2
+    except PipecError as e:  # every rank reports its own error (runtime/failures.py); `pipec run` prints each once
+        where = e.where if isinstance(e, RankFailed) else f"global rank {env.rank}"
+        deliver(RankReport.of(e, rank=env.rank, where=where))
+        return e.exit_code

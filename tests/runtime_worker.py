@@ -7,6 +7,8 @@ For each plan (whose pp x dp must equal N): run STEPS training steps with
 train the unpartitioned reference for the same steps on the same data and
 record both loss curves; and check that every tied weight's copies are
 identical on every rank. Rank 0 writes one JSON record per plan to OUT.json.
+
+Also the data functions of the tests of errors on some ranks only.
 """
 
 from __future__ import annotations
@@ -26,6 +28,21 @@ from pipec.compiler.config import TrainingConfig
 from pipec.runtime.launch import Env, RunOptions, init_process_group, plan_transport, run_parser
 from pipec.runtime.trainer import Trainer
 from pipec.runtime.training import make_data, make_loss, make_optimizer, replica_inputs, split_microbatches
+
+
+def uneven_batches(step: int, dp_rank: int, dp_size: int):
+    """A data function whose batch on dp rank 1 (6 rows) does not split into 4 microbatches; dp rank 0's does."""
+    return _tokens(6 if dp_rank == 1 else 8)
+
+
+def short_batches(step: int, dp_rank: int, dp_size: int):
+    """A data function whose batch (6 rows) does not split into 4 microbatches on any rank."""
+    return _tokens(6)
+
+
+def _tokens(rows: int):
+    x = torch.arange(rows * 8).reshape(rows, 8) % 32
+    return x, (x + 1) % 32
 
 
 def reference_losses(plan, steps: int) -> list[float]:

@@ -8,14 +8,23 @@
   with the same losses as single-process training on the same data, and keeps
   tied weights identical across stages.
 - An injected rank failure ends the job non-zero, naming the rank.
+- ``--emulate``: every kind of instruction runs through the emulated table, and
+  the measured bubble of a unit-cost plan is the predicted one.
+- Every rank's error reaches the user, under ``pipec run`` and plain torchrun:
+  an error on one rank only, named by it; identical errors printed once with
+  the ranks; root causes before the ranks that only lost a failed peer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
+import signal
 import subprocess
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,8 +35,12 @@ from pipec.compiler.config import TrainingConfig
 from pipec.compiler.driver import compile_spec
 from pipec.compiler.plan import write_plan
 from pipec.compiler.frontend.stages import build_reference, build_stages
+from pipec.compiler.plan import Mesh
 from pipec.dsl import load_spec
+from pipec.errors import PipecError
+from pipec.runtime.accounting import measured_timeline
 from pipec.runtime.executor import Executor
+from pipec.runtime.failures import RankReport, summarise
 from pipec.runtime.training import make_data, make_loss, split_microbatches
 from pipec.runtime.transport import FakeWorld
 
@@ -44,23 +57,30 @@ def tiny_gpt(schedule: str, virtual: int, pp: int, dp: int = 1, microbatches: in
     return compile_spec(load_spec(None, overrides)).plan
 
 
-def run_in_process(plan, step: int = 0, on_modules=None):
-    """Every rank of the plan on a thread over the fake transport; returns per-rank results and modules."""
+def run_in_process(plan, step: int = 0, on_modules=None, emulate: float | None = None):
+    """Every rank of the plan on a thread over the fake transport; returns per-rank results and modules.
+
+    ``emulate``: seconds per cost unit, no modules and no data (as ``--emulate`` runs)."""
     P, D = plan.mesh.pp, plan.mesh.dp
     world = FakeWorld(P * D, timeout=60)
-    modules = {(p, d): build_stages(plan, [s for s, r in enumerate(plan.placement) if r == p], seed=0)
+    modules = {(p, d): {} if emulate else build_stages(plan, [s for s, r in enumerate(plan.placement) if r == p],
+                                                        seed=0)
                for p in range(P) for d in range(D)}
     for mods in modules.values():
         if on_modules is not None:
             on_modules(mods)
-    config = TrainingConfig.from_spec(plan.spec)
-    data, loss_fn = make_data(config, plan), make_loss(config.loss)
+    if emulate is None:
+        config = TrainingConfig.from_spec(plan.spec)
+        data, loss_fn = make_data(config, plan), make_loss(config.loss)
     results, errors = {}, []
 
     def rank(p: int, d: int) -> None:
         try:
-            ex = Executor(plan, pp_rank=p, dp_rank=d, transport=world.transport(p * D + d), modules=modules[(p, d)],
-                          loss_fn=loss_fn)
+            ex = Executor(plan, pp_rank=p, dp_rank=d, transport=world.transport(plan.mesh.global_rank(p, d)),
+                          modules=modules[(p, d)], loss_fn=None if emulate else loss_fn, emulate=emulate)
+            if emulate:
+                results[(p, d)] = ex.run_step(None, None)
+                return
             x, y = data(step, d, D)
             results[(p, d)] = ex.run_step(split_microbatches(x, plan.num_microbatches, "x", ["tokens"]),
                                           split_microbatches(y, plan.num_microbatches, "y"))
@@ -120,6 +140,21 @@ def test_zero_bubble_split_defers_weight_grads():
     for r in results.values():
         kinds = {e.op[0] for e in r.events}
         assert {"F", "I", "W"} <= kinds and "B" not in kinds
+
+
+def test_emulate_runs_every_kind_of_instruction_and_measures_the_predicted_bubble():
+    """--emulate's own table entries: compute sleeps its cost, one-element placeholders travel, collectives and
+    the optimizer step run; at unit cost the measured bubble is the predicted one."""
+    model_plan = tiny_gpt("zb_h1", 1, 2, dp=2)  # F, I, W, comm, AR:dp, AR:tie (the tied embedding), OPT
+    schedule_plan = compile_spec(load_spec(None, {"schedule": "1f1b", "pp": 2, "microbatches": 4})).plan  # F, B
+    ran: set[str] = set()
+    for plan in (model_plan, schedule_plan):
+        results, _ = run_in_process(plan, emulate=0.01)
+        ran |= {re.match("[A-Z]+", e.op).group() + (":tie" if ":tie." in e.op else "")
+                for r in results.values() for e in r.events}
+    assert ran == {"F", "B", "I", "W", "AR", "AR:tie", "OPT"}
+    measured = measured_timeline(list(results.values()))
+    assert measured.bubble_fraction == pytest.approx(schedule_plan.prediction.bubble_fraction, abs=0.05)
 
 
 # ----------------------------------------------------------------------------- torchrun
@@ -204,3 +239,94 @@ def test_recompute_runs_the_forward_again_and_keeps_gradients_exact(schedule, vi
         for mod in mods.values():
             for name, p in mod.canonical_params().items():
                 assert torch.allclose(p.grad, ref_grads[name], rtol=1e-4, atol=1e-6), name
+
+
+# ----------------------------------------------------------------------------- every rank's error
+
+
+def _failure(exitcode: int, report: RankReport | None = None):
+    """What torchelastic's ChildFailedError.failures holds for a rank (its error file's data, if it wrote one)."""
+    data = {"pipec": dataclasses.asdict(report)} if report else {}
+    return SimpleNamespace(exitcode=exitcode, error_file_data=data)
+
+
+def test_summary_puts_the_root_cause_first_and_summarises_lost_peers(capsys):
+    mesh = Mesh(pp=2, dp=2)
+
+    def report(rank: int, message: str, code: int) -> RankReport:
+        return RankReport.of(RuntimeError(message) if code == 1 else _Mistake(message), rank=rank,
+                             where=mesh.where(rank))
+
+    lost = "[gloo/pair.cc:534] Connection closed by peer [127.0.0.1]:4242"
+    failures = {0: _failure(1, report(0, lost, 1)), 1: _failure(2, report(1, "bad data", 2)),
+                2: _failure(2, report(2, "bad data", 2)), 3: _failure(-signal.SIGTERM)}
+    assert summarise(failures, mesh.where) == 2  # a user's mistake on any rank
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "pipec: error: global ranks 1, 2: bad data"  # identical messages once, with the ranks
+    assert lines[1] == ("pipec: note: global rank 0 (pp 0, dp 0) then stopped: it lost a failed peer (RuntimeError: "
+                        f"{lost})")
+    assert lines[2] == "pipec: note: global rank 3 (pp 1, dp 1) stopped by the launcher after the failure"
+    assert len(lines) == 3
+    # a rank that ended without a report is named with its exit code; lost peers alone are errors
+    assert summarise({1: _failure(13), 0: _failure(1, report(0, lost, 1))}, mesh.where) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "pipec: error: the run failed: global rank 1 (pp 0, dp 1) ended with exit code 13"
+    assert summarise({0: _failure(1, report(0, lost, 1))}, mesh.where) == 1
+    assert "lost a peer that failed" in capsys.readouterr().err
+    assert summarise({0: _failure(3), 1: _failure(3)}, mesh.where) == 3  # --check: rank 0 told the verdict
+    assert capsys.readouterr().err == ""
+
+
+class _Mistake(PipecError):
+    """A user's mistake (exit code 2)."""
+
+
+@pytest.fixture(scope="module")
+def data_plans(tmp_path_factory):
+    """dp=2 plans whose data function fails on dp rank 1 only, or on every rank (tests/runtime_worker.py)."""
+    folder = tmp_path_factory.mktemp("data_plans")
+    out = {}
+    for fn in ("uneven_batches", "short_batches"):
+        path = folder / f"{fn}.json"
+        write_plan(tiny_gpt("1f1b", 1, 1, dp=2, data=f"runtime_worker:{fn}"), str(path))
+        out[fn] = str(path)
+    return out
+
+
+def launch(launcher: str, plan: str, *flags: str) -> subprocess.CompletedProcess:
+    """Two ranks of ``plan`` under ``pipec run`` or plain torchrun, in their own session."""
+    if launcher == "pipec run":
+        cmd = [PYTHON, "-m", "pipec", "run", plan, "--nproc", "2"]
+    else:
+        cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "pipec.runtime",
+               plan]
+    return run_in_session([*cmd, "--steps", "1", "--timeout", "30", *flags], timeout=120)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("launcher", ["pipec run", "torchrun"])
+def test_an_error_on_one_rank_only_reaches_the_user_named_by_its_rank(data_plans, launcher):
+    run = launch(launcher, data_plans["uneven_batches"])
+    err = run.stderr
+    cause = next((line for line in err.splitlines() if line.startswith("pipec: error: global rank 1 (pp 0, dp 1): ")),
+                 None)
+    assert cause is not None and "batch of 6" in cause, err[-3000:]
+    if launcher == "pipec run":
+        assert run.returncode == 2, err[-3000:]  # a user's mistake, on rank 1
+        assert err.count("pipec: error:") == 1  # rank 0 only lost its peer: a note, after the cause
+        assert "Traceback" not in err
+        assert "OMP_NUM_THREADS" not in err and "failed (exitcode" not in err  # torchrun's lines hidden
+    else:
+        assert run.returncode != 0  # torchrun's own; the rank's exit code shows in its summary
+        assert "exitcode  : 2" in err
+
+
+@pytest.mark.timeout(300)
+def test_identical_errors_from_every_rank_are_printed_once_with_the_ranks(data_plans):
+    run = launch("pipec run", data_plans["short_batches"], "--verbose")
+    err = run.stderr
+    assert run.returncode == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("pipec: error:")]
+    assert len(errors) == 1 and errors[0].startswith("pipec: error: global ranks 0, 1: "), err[-3000:]
+    assert "batch of 6" in errors[0]
+    assert "failed (exitcode: 2)" in err  # --verbose: torchrun's own lines shown
