@@ -9,8 +9,12 @@ like a compiler's error, located at the offending text; wasteful settings are
 :class:`DSLWarning`.
 
 Pipeline: ``grammar.lark`` (lark, LALR) -> :mod:`.parse` (frozen AST with
-spans) -> :mod:`.check` (the key table :mod:`.keys` drives names, types,
-ranges and cross-key rules) -> :class:`Spec`. :mod:`.fmt` prints the
+spans); :mod:`.flags` (each flag's value converted once) -> :mod:`.check`
+(the key table :mod:`.keys` drives names, types, ranges and cross-key
+rules) -> :class:`Spec`, whose ``request`` is the compiler's
+:class:`~pipec.compiler.request.CompileRequest` (:mod:`.boundary`). The
+compiler's complaints about a key come back through :meth:`Spec.locate`
+(:mod:`.boundary` again), printed at the key. :mod:`.fmt` prints the
 canonical form, :mod:`.cli` adds the flags, :mod:`.reference` writes
 ``docs/reference.md``. Pure Python: no torch, no networkx.
 """
