@@ -7,15 +7,8 @@ import torch
 from torch import nn
 
 from pipec.compiler.frontend.data import describe_data
-from pipec.compiler.frontend.trace import FrontendError, InputSpec, example_inputs, instantiate, propagate, trace_model
-
-
-def _traced(target, kwargs, inputs, mode="auto"):
-    model, _ = instantiate(target, kwargs, mode="meta")
-    ex = example_inputs(inputs)
-    traced = trace_model(model, inputs, ex, mode=mode)
-    propagate(traced, ex)
-    return traced
+from pipec.compiler.frontend.trace import FrontendError, InputSpec
+from test_partition import traced_model as _traced
 
 
 class Classifier(nn.Module):
