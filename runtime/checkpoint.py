@@ -33,6 +33,10 @@ next older valid one is used.
 Saving is asynchronous by default (``dcp.async_save`` on a gloo group of its
 own): the step is blocked only while the state is copied to host memory;
 writing, hashing and the commit run in a background thread.
+
+Why one module of ~640 lines: save, commit, validation, retention and resume
+all read and write the same folder layout and manifest, and a change to one
+is a change to all.
 """
 
 from __future__ import annotations
