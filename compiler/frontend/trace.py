@@ -24,6 +24,12 @@ The fingerprint (DESIGN): sha256 over the trace path, torch major.minor, the
 graph's nodes in order as ``(op, target)`` and the sorted ``(canonical
 parameter name, shape, dtype)`` list; each part is also hashed on its own so a
 mismatch can be named.
+
+Why one module of ~670 lines: finding and building the model (search path,
+model files, meta / fake / skeleton builds) and tracing it share the device
+contexts and the error wording, and every later pass reads the one
+:class:`Traced` it returns; the building half is the first to split out when
+this grows.
 """
 
 from __future__ import annotations
