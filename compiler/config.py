@@ -31,6 +31,8 @@ __all__ = [
     "LR_SCHEDULES",
     "RUN_DTYPES",
     "INITS",
+    "TokenData",
+    "TOKEN_DTYPES",
 ]
 
 OPTIMIZER_SETTINGS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
@@ -45,6 +47,25 @@ RUN_DTYPES = ("float32", "bfloat16", "float16")
 """The dtypes a run computes in (float32, or autocast to one of the others)."""
 INITS = ("auto", "module", "exact")
 """``init``: ``auto`` is resolved to ``module`` or ``exact`` by ``pipec compile`` (the model front end)."""
+TOKEN_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")
+"""The element types a token file may hold (uint16 holds a vocabulary up to 65,536)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenData:
+    """``data tokens("train.bin", dtype=uint16)``: a flat file of token ids written back to back (the
+    nanoGPT layout), read memory-mapped in windows of seq + 1 tokens (:mod:`pipec.runtime.data`)."""
+
+    path: str
+    """The file, absolute (the language resolves it from the schedule file's folder)."""
+    dtype: str = "uint16"
+    """Its element type, one of :data:`TOKEN_DTYPES`."""
+
+    def text(self) -> str:
+        return f'tokens("{self.path}", dtype={self.dtype})'
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "tokens", "path": self.path, "dtype": self.dtype}
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +146,9 @@ class TrainingConfig:
     """Compute dtype: float32, or autocast to bfloat16 or float16 (float32 master weights)."""
     recompute: tuple[int, ...] = ()
     """Stages that save only their inputs and run their forward again in the backward."""
-    data: str = "synthetic"
-    """Training data: ``synthetic`` (tokens from the seed) or ``pkg.module:fn(step, dp_rank, dp_size)``."""
+    data: str | TokenData = "synthetic"
+    """Training data: ``synthetic`` (derived from the model and the loss at compile time), a token file
+    (:class:`TokenData`), or ``pkg.module:fn(step, dp_rank, dp_size)`` returning ``(inputs, targets)``."""
     loss: str = "cross_entropy"
     """Loss of the last stage: ``cross_entropy``, ``mse`` or ``pkg.module:fn(output, target)``."""
     checkpoint_dir: str | None = None
@@ -214,6 +236,15 @@ def _optimizer(rd: Reader, key: str) -> Optimizer | None:
     return Optimizer.of(name, **{k: v for k, v in given.items() if v is not None})
 
 
+def _data(rd: Reader, key: str) -> str | TokenData | None:
+    """``"synthetic"``, ``"pkg.module:fn"``, or a token file ``{"kind": "tokens", "path", "dtype"}``."""
+    if not isinstance(rd.obj.get(key), dict):
+        return rd.str(key, required=False)
+    sub = rd.sub(key)
+    sub.str("kind", choices=("tokens",))
+    return TokenData(path=sub.str("path"), dtype=sub.str("dtype", choices=TOKEN_DTYPES))
+
+
 def _lr_schedule(rd: Reader, key: str) -> LRSchedule | None:
     sub = rd.sub(key, required=False)
     if sub is None:
@@ -232,7 +263,7 @@ _READERS: Mapping[str, Callable[[Reader, str], Any]] = {
     "grad_clip": _positive,
     "dtype": lambda rd, k: rd.str(k, choices=RUN_DTYPES, required=False),
     "recompute": lambda rd, k: rd.ints(k, lo=0, hi=2**31, required=False),
-    "data": lambda rd, k: rd.str(k, required=False),
+    "data": _data,
     "loss": lambda rd, k: rd.str(k, required=False),
     "checkpoint_dir": lambda rd, k: rd.str(k, required=False),
     "checkpoint_every": lambda rd, k: rd.int(k, lo=0, required=False),

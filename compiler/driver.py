@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import pipec
+from pipec.compiler.config import TrainingConfig
 from pipec.compiler.ir import Program
 from pipec.compiler.lower import lower
 from pipec.compiler.memory import check_memory, state_bytes
@@ -183,6 +184,7 @@ def model_graph(req: CompileRequest):
     from pipec.compiler.frontend import Balanced, InputSpec, Markers, ModelRequest, SplitBefore, build_stage_graph
 
     m: ModelSpec = req.model
+    training = req.training or TrainingConfig()
     part = m.partition
     partition = {"split": lambda: SplitBefore(tuple(part.split_before)), "balanced": lambda: Balanced(part.by),
                  "markers": lambda: Markers(), "auto": lambda: None}[part.method]()
@@ -202,6 +204,10 @@ def model_graph(req: CompileRequest):
         peak_flops=m.peak_flops,
         threads_per_rank=1 if world > 1 else _threads(),
         init=m.init,
+        loss=training.loss,
+        targets=tuple(InputSpec(t.name, t.dtype, tuple(t.shape)) for t in m.targets),
+        data=training.data,
+        dp=req.dp,
     ))
 
 

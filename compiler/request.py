@@ -83,7 +83,8 @@ DEFAULT_ORIGIN = KeyOrigin(kind="default")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class InputTensor:
-    """One example input (key ``input``): one dp replica's batch, dim 0 split into microbatches."""
+    """One example input (key ``input``) or target (key ``targets``): one dp replica's batch, dim 0 split
+    into microbatches."""
 
     name: str
     dtype: str
@@ -124,6 +125,9 @@ class ModelSpec:
     file's folder, then the current folder (no repeats)."""
     init: str = "auto"
     """How the initial weights are made (key ``init``): ``auto``, ``module`` or ``exact``."""
+    targets: tuple[InputTensor, ...] = ()
+    """What the loss takes, one dp replica's batch (key ``targets``); empty: derived from the traced output
+    and the loss (the loss and the data are the training config's)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -138,6 +142,10 @@ class CompileRequest:
     """For ``schedule == "order"``: each pp rank's actions, in order."""
     pp: int
     dp: int = 1
+    shard: str = "none"
+    """How the dp replicas share each stage's state (key ``shard``; :data:`~pipec.compiler.plan.SHARD_MODES`)."""
+    shard_size: int | None = None
+    """Replicas per shard group (key ``shard_size``); None: all of dp."""
     num_chunks: int = 1
     """Stages per pp rank (key ``virtual``)."""
     placement: tuple[int, ...] | None = None

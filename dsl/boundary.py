@@ -47,6 +47,11 @@ FALLBACK: Mapping[str, tuple[str, ...]] = {
     "costs": ("model",),
     "dtype": ("model",),
     "recompute": ("model",),
+    "loss": ("model",),
+    "targets": ("loss", "model"),
+    "data": ("model",),
+    "shard": ("dp",),
+    "shard_size": ("shard", "dp"),
 }
 """For a key left at its default, the keys whose statement made it matter, most telling first."""
 
@@ -84,6 +89,7 @@ def request_of(values: Mapping[str, Any], origins: Mapping[str, Any], *, policy,
             peak_flops=values["peak_flops"],
             search_path=search_path(base_dir),
             init=values["init"],
+            targets=tuple(InputTensor(name=t.name, dtype=t.dtype, shape=tuple(t.shape)) for t in values["targets"] or ()),
         )
     order = values["order"]
     return CompileRequest(
@@ -92,6 +98,8 @@ def request_of(values: Mapping[str, Any], origins: Mapping[str, Any], *, policy,
         order=order.ranks if order is not None else None,
         pp=values["pp"],
         dp=values["dp"],
+        shard=values["shard"],
+        shard_size=values["shard_size"],
         num_chunks=values["virtual"],
         placement=placement,
         num_microbatches=values["microbatches"],

@@ -347,8 +347,8 @@ def _mesh_of_order(st: _State) -> None:
 
 def _model(st: _State) -> None:
     """The model's input, microbatches, costs, partition and recompute."""
-    for key in ("dp", "model", "model_args", "input", "partition", "trace", "init", "peak_flops", "device_memory",
-                "links", "steps", "seed", "optimizer", "lr", "lr_schedule", "grad_clip", "dtype",
+    for key in ("dp", "shard", "shard_size", "model", "model_args", "input", "targets", "partition", "trace", "init", "peak_flops",
+                "device_memory", "links", "steps", "seed", "optimizer", "lr", "lr_schedule", "grad_clip", "dtype",
                 "recompute", "data", "loss", "checkpoint_dir", "checkpoint_every"):
         if key not in st.values:
             st.default(key, KEYS[key].default)
@@ -360,6 +360,11 @@ def _model(st: _State) -> None:
         raise st.error("model_args", "model_args without a model", 'add: model "pkg.module:factory"')
     if st.given("input") and not has_model:
         st.warn("input", "input is used only with a model; this plan is schedule-only")
+    if st.given("targets") and not has_model:
+        st.warn("targets", "targets is used only with a model; this plan is schedule-only")
+    if st.given("targets") and not isinstance(st.values["data"], str):
+        raise st.error("targets", "data tokens(...) makes the targets (each row's next tokens); targets cannot "
+                       "declare others", "leave targets out")
     batch = _input_batch(st)
     m = st.values["microbatches"]
     if batch is not None and batch % m:

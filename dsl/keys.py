@@ -16,7 +16,8 @@ from types import MappingProxyType
 from typing import Any
 
 from pipec.compiler.config import DEFAULTS as TRAINING
-from pipec.compiler.config import INITS, RUN_DTYPES
+from pipec.compiler.config import INITS, RUN_DTYPES, TOKEN_DTYPES
+from pipec.compiler.plan import SHARD_MODES
 from pipec.dsl import kinds as k
 from pipec.dsl import structured as sk
 from pipec.dsl.values import Links, Partition
@@ -83,6 +84,27 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                 "pp_rank x dp + dp_rank.",
         constraints="1..65536.",
         example="dp 2"),
+    Key(name="shard", kind=k.Choice(SHARD_MODES), default="none", default_doc="none",
+        flag="--shard", group="Schedule and mesh",
+        meaning="Sharded data parallelism: how the dp replicas share each stage's state. `none`: every "
+                "replica holds all of it and gradients are all-reduced. `optimizer` (ZeRO-1): optimizer state "
+                "sharded; gradients all-reduced; the optimizer step updates its shard and gathers the "
+                "parameters. `grads` (ZeRO-2, FSDP2 reshard_after_forward=False): gradients and optimizer "
+                "state sharded, parameters sharded at rest and gathered once per step (UNSHARD, kept until "
+                "the stage's last backward), gradients reduce-scattered once per step (REDUCE_SCATTER). "
+                "`full` (ZeRO-3, FSDP FULL_SHARD): parameters also resharded after each forward and gathered "
+                "again for the backward.",
+        constraints="Needs dp >= 2. Shards are padded as FSDP2 pads them (dim 0 rounded up to a multiple "
+                    "of the shard size). Shard groups are consecutive dp ranks.",
+        example="shard full"),
+    Key(name="shard_size", kind=k.Maybe(k.Int(1, 65536)), default=None, default_doc="dp",
+        flag="--shard-size", group="Schedule and mesh",
+        meaning="Replicas that shard a stage's state among themselves. Below dp (HSDP, a 2-D dp mesh "
+                "replicate x shard) the state is sharded within groups of this many consecutive dp ranks "
+                "(group `dp.shard`) and replicated across the groups (group `dp.replicate`, whose all-reduce "
+                "follows the reduce-scatter).",
+        constraints="Divides dp; needs shard other than none.",
+        example="shard_size 4"),
     Key(name="virtual", kind=k.Int(1, 65536), default=DERIVED, default_doc="the schedule's chunks per rank "
         "(1; interleaved_1f1b, looped_bfs and zbv: 2)",
         flag="--virtual", group="Schedule and mesh",
@@ -150,6 +172,16 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                 "model input. The model is traced with it; its batch is split into microbatches.",
         constraints=f"dtypes: {', '.join(sk.DTYPES)}. Required with `model`.",
         example="input tokens: int64[16, 128]"),
+    Key(name="targets", kind=k.Maybe(sk.Tensors("y: float32[32, 4]", one=True)), default=None, default_doc="derived from the model and the loss",
+        flag="--targets", group="Model",
+        meaning="The targets of one dp replica's whole batch, as the loss takes them: name, dtype and shape "
+                "(written like `input`). Synthetic targets then have this shape and dtype, and a data "
+                "function's targets are checked against it. Left out, the targets are derived from the traced "
+                "output and the loss. `pipec compile` runs loss(output, targets) on the meta device and refuses "
+                "a mismatch.",
+        constraints="Its batch (dim 0) is the input's. Not with `data tokens(...)`, whose targets "
+                    "are the next tokens.",
+        example="targets y: float32[32, 4]"),
     Key(name="partition", kind=sk.PartitionKind(), default=Partition("auto"),
         default_doc="auto", flag="--partition", group="Model",
         meaning="How the model is cut into stages: `auto` (the model's pipe_split() markers if it has "
@@ -238,11 +270,26 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                 "saves only its inputs and runs its forward again in the backward.",
         constraints="Stages in 0..stages-1. The resolved value is the tuple of stages.",
         example="recompute stages 0, 1"),
-    Key(name="data", kind=k.Target(("synthetic",)), default=TRAINING.data, default_doc=TRAINING.data,
+    Key(name="data", kind=sk.DataKind(), default=TRAINING.data, default_doc=TRAINING.data,
         flag="--data", group="Training",
-        meaning="Training data: synthetic tokens from the seed, or \"pkg.module:fn\" called as "
-                "fn(step, dp_rank, dp_size) returning (inputs, targets) for that replica's batch.",
-        example='data "mypkg.data:batches"'),
+        meaning="Training data. `synthetic`: made from the seed to fit the model and the loss (token ids in the "
+                "range of the embedding they feed, class indices in [0, C) for cross_entropy over the output's "
+                "last dimension, the output's shape and dtype for mse; see `targets`). "
+                "`tokens(\"train.bin\", dtype=uint16)`: a flat file of token ids written back to back (the "
+                "nanoGPT layout, e.g. `numpy.array(ids, dtype=numpy.uint16).tofile(\"train.bin\")`), read "
+                "memory-mapped: each row of a batch is a window of seq + 1 tokens (the input and its next-token "
+                "targets) chosen by (seed, step, dp rank, row), replicas disjoint within a step, wrapping at the "
+                "end of the file, so a resumed run continues the same stream. \"pkg.module:fn\": called as "
+                "fn(step, dp_rank, dp_size), returning (inputs, targets) for that replica's whole batch; inputs is "
+                "a tensor (one model input), a tuple in input order, or a dict by input name, each shaped as "
+                "`input` says; targets is one tensor (as `targets` says, when set). It must be a pure function "
+                "of its arguments.",
+        constraints="tokens: the path is relative to the schedule file (a flag's: to the current folder); "
+                    f"dtype one of {', '.join(TOKEN_DTYPES)} (default uint16); the model has one int64 input "
+                    "[batch, seq]; the file holds at least batch x dp windows, ids below the embedding's size "
+                    "(checked by pipec compile). A function is found like the model (the schedule file's folder, "
+                    "the current folder, then the installed packages); what it returns is checked on every call.",
+        example='data tokens("train.bin", dtype=uint16)'),
     Key(name="loss", kind=k.Target(("cross_entropy", "mse")), default=TRAINING.loss,
         default_doc=TRAINING.loss, flag="--loss", group="Training",
         meaning="Loss of the last stage: cross_entropy, mse, or \"pkg.module:fn\" called as "

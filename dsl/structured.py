@@ -1,5 +1,5 @@
-"""Structured value kinds: model arguments, inputs, partition, placement,
-recompute, optimizer, learning-rate schedule, links, policy and order.
+"""Structured value kinds: model arguments, inputs and targets, partition, placement,
+recompute, optimizer, learning-rate schedule, links, policy, order and data.
 
 See :mod:`pipec.dsl.kinds` for the kind protocol (``convert``, ``show``,
 ``raw_flag``) and the scalar kinds these are built from.
@@ -7,11 +7,12 @@ See :mod:`pipec.dsl.kinds` for the kind protocol (``convert``, ``show``,
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from pipec.compiler.config import LR_SCHEDULES, OPTIMIZER_SETTINGS
+from pipec.compiler.config import LR_SCHEDULES, OPTIMIZER_SETTINGS, TOKEN_DTYPES, TokenData
 from pipec.compiler.plan import Link
 from pipec.dsl import ast
 from pipec.dsl.errors import did_you_mean
@@ -24,6 +25,7 @@ from pipec.dsl.kinds import (
     Int,
     Kind,
     Real,
+    Target,
     got,
     literal,
     number_of,
@@ -42,7 +44,7 @@ from pipec.dsl.values import (
 
 __all__ = [
     "Kwargs", "Tensors", "PartitionKind", "PlacementKind", "RecomputeKind", "OptimizerKind",
-    "LRScheduleKind", "LinksKind", "PolicyKind", "OrderKind", "OrderDraft", "DTYPES", "OPTIMIZERS",
+    "LRScheduleKind", "LinksKind", "PolicyKind", "OrderKind", "OrderDraft", "DataKind", "DTYPES", "OPTIMIZERS",
     "POLICY_NAMES", "POLICY_SETTINGS", "PARTITION_MEASURES", "DEFAULT_LINK",
 ]
 
@@ -68,23 +70,33 @@ DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16"
 
 @dataclass(frozen=True, slots=True)
 class Tensors(Kind):
-    doc = "one or more typed inputs such as tokens: int64[16, 128]"
+    """Typed tensors ``NAME: DTYPE[DIMS], ...`` (``one``: exactly one)."""
+
+    example: str = "tokens: int64[16, 128]"
+    one: bool = False
+
+    @property
+    def doc(self) -> str:
+        return f"{'a typed tensor' if self.one else 'one or more typed tensors'} such as {self.example}"
 
     def convert(self, node: ast.Node, ctx: Ctx) -> tuple[TensorSpec, ...]:
         items = node.items if isinstance(node, ast.Seq) else (node,)
+        if self.one and len(items) > 1:
+            raise ctx.error(items[1], f"{ctx.key} takes one tensor, got {len(items)}", f"for example {ctx.key} "
+                            f"{self.example}")
         out, names = [], set()
         for item in items:
             if not isinstance(item, ast.Typed):
                 raise ctx.error(item, f"{ctx.key} needs NAME: DTYPE[DIMS], got {ast.describe(item)}",
-                                "for example input tokens: int64[16, 128]")
+                                f"for example {ctx.key} {self.example}")
             t = item.type
             if not isinstance(t, ast.Subscript):
-                raise ctx.error(t, "an input's type is DTYPE[DIMS], such as int64[16, 128]")
+                raise ctx.error(t, f"a tensor of {ctx.key} is typed DTYPE[DIMS], such as int64[16, 128]")
             if t.name.name not in DTYPES:
                 raise ctx.error(t.name, f"unknown dtype '{t.name.name}'",
                                 did_you_mean(t.name.name, DTYPES) or "dtypes: " + ", ".join(DTYPES))
             if not t.items:
-                raise ctx.error(t, "an input needs at least one dimension (the batch)")
+                raise ctx.error(t, f"a tensor of {ctx.key} needs at least one dimension (the batch)")
             dims = []
             for d in t.items:
                 v = number_of(d, ctx)
@@ -92,7 +104,7 @@ class Tensors(Kind):
                     raise ctx.error(d, f"a dimension must be a whole number in 1..{2**31}, got {got(d)}")
                 dims.append(v)
             if item.name.name in names:
-                raise ctx.error(item.name, f"input '{item.name.name}' is given twice")
+                raise ctx.error(item.name, f"{ctx.key} '{item.name.name}' is given twice")
             names.add(item.name.name)
             out.append(TensorSpec(item.name.name, t.name.name, tuple(dims)))
         return tuple(out)
@@ -407,3 +419,39 @@ class OrderKind(Kind):
     def raw_flag(self, text: str) -> bool:
         return not text.lstrip().startswith(("rank", '"'))
 
+
+
+_DATA_BUILTINS = ("synthetic",)
+
+
+@dataclass(frozen=True, slots=True)
+class DataKind(Kind):
+    """``synthetic``, ``tokens("train.bin", dtype=uint16)`` (a token file, relative to the schedule file's
+    folder; a flag's to the current folder), or a ``"pkg.module:fn"`` data function."""
+
+    doc = 'synthetic, tokens("train.bin", dtype=uint16), or a "pkg.module:function" string'
+
+    def convert(self, node: ast.Node, ctx: Ctx) -> str | TokenData:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Word) and node.func.name == "tokens":
+            return self._tokens(node, ctx)
+        if isinstance(node, ast.Word) and node.name not in _DATA_BUILTINS:
+            raise ctx.error(node, f"unknown data '{node.name}'", did_you_mean(node.name, (*_DATA_BUILTINS, "tokens"))
+                            or 'data is synthetic, tokens("train.bin", dtype=uint16), or "pkg.module:fn"')
+        return Target(_DATA_BUILTINS).convert(node, ctx)
+
+    def _tokens(self, node: ast.Call, ctx: Ctx) -> TokenData:
+        if len(node.args) != 1 or not isinstance(node.args[0], ast.String) or not node.args[0].value:
+            raise ctx.error(node, "tokens takes the file's path as a string", 'write tokens("train.bin", dtype=uint16)')
+        dtype = "uint16"
+        for kw in settings_of(ast.Call(node.func, (), node.kwargs, node.span), ctx, "tokens"):
+            if kw.name.name != "dtype":
+                raise unknown_setting(kw, ctx, "tokens", ["dtype"])
+            dtype = Choice(TOKEN_DTYPES).convert(kw.value, Ctx("dtype", ctx.source))
+        path = os.path.abspath(os.path.join(ctx.base_dir, os.path.expanduser(node.args[0].value)))
+        return TokenData(path=path, dtype=dtype)
+
+    def show(self, value: Any) -> str:
+        return value.text() if isinstance(value, TokenData) else Target(_DATA_BUILTINS).show(value)
+
+    def raw_flag(self, text: str) -> bool:
+        return not text.lstrip().startswith("tokens") and Target(_DATA_BUILTINS).raw_flag(text)

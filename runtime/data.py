@@ -28,29 +28,30 @@ always fits the model. It is a learnable task, so the loss falls: token
 sequences ``(start + t) mod vocab`` with next-token targets, class targets
 that are a function of the input, regression targets a fixed smooth map of
 the input.
+
+A user's data function (``data "pkg.module:fn"``) is wrapped by
+:func:`user_data`: its own exceptions become a
+:class:`~pipec.errors.UserCodeError` naming it, and what it returns is
+checked on every call against what the plan expects (:data:`CONTRACT`).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import random
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from pipec.errors import PipecError
+from pipec.compiler.config import TOKEN_DTYPES
+from pipec.compiler.frontend.data import DataError, map_tokens
+from pipec.errors import PipecError, UserCodeError
 
-__all__ = ["DataError", "TOKEN_DTYPES", "TokenFile", "window_index", "open_tokens", "synthetic_batch"]
-
-TOKEN_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")
-"""The element types a token file may hold (uint16 holds a vocabulary up to 65,536)."""
-
-
-class DataError(PipecError):
-    """The training data cannot be used as the plan says; the message names the key to fix."""
+__all__ = ["DataError", "TOKEN_DTYPES", "TokenFile", "window_index", "open_tokens", "synthetic_batch", "CONTRACT",
+           "user_data", "check_batch", "shown"]
 
 
 @lru_cache(maxsize=64)
@@ -103,36 +104,13 @@ def open_tokens(path: str, *, dtype: str, seq: int, batch: int, dp_size: int, se
                 vocab: int | None = None) -> TokenFile:
     """Open ``path`` for batches of ``batch`` rows of ``seq`` tokens on ``dp_size`` replicas.
 
-    Refuses, naming the fix, a dtype pipec does not read, a missing file, a
-    size that is not whole tokens, a file too short for one step's windows,
-    and (when ``vocab`` is known) a first window holding an id outside it.
+    Refuses, naming the fix, what ``pipec compile`` refuses too
+    (:func:`~pipec.compiler.frontend.data.map_tokens`: a dtype pipec does not
+    read, a missing file, a size that is not whole tokens, a file too short
+    for one step's windows, ids outside ``vocab``), in case the file changed since.
     """
-    if dtype not in TOKEN_DTYPES:
-        raise DataError(f"data tokens: dtype {dtype!r} is not a token type; use one of {', '.join(TOKEN_DTYPES)}",
-                        key="data")
-    try:
-        size = os.path.getsize(path)
-    except OSError as e:
-        raise DataError(f"data tokens: cannot read {path!r}: {e.strerror or e}", key="data",
-                        hints=("paths are relative to the schedule file",)) from None
-    item = np.dtype(dtype).itemsize
-    if size % item:
-        raise DataError(f"data tokens: {path!r} is {size:,} bytes, not a whole number of {dtype} tokens "
-                        f"({item} bytes each); was it written with another dtype?", key="data")
-    tokens = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype=dtype)
-    need = dp_size * batch
-    if len(tokens) // (seq + 1) < need:
-        raise DataError(f"data tokens: {path!r} holds {len(tokens):,} tokens, {len(tokens) // (seq + 1):,} windows "
-                        f"of seq + 1 = {seq + 1}; one step reads {need} distinct windows (batch {batch} x dp "
-                        f"{dp_size}); use a larger file or a smaller batch", key="data")
-    tf = TokenFile(path=path, tokens=tokens, seq=seq, seed=seed)
-    if vocab is not None:
-        head = tokens[: min(len(tokens), 1 << 20)]
-        top = int(head.max()) if int(head.min()) >= 0 else int(head.min())
-        if not 0 <= top < vocab:
-            raise DataError(f"data tokens: {path!r} holds token id {top}, outside the model's vocabulary of {vocab} "
-                            "(the embedding's size); was the file written for another tokenizer?", key="data")
-    return tf
+    tokens = map_tokens(path, dtype=dtype, seq=seq, batch=batch, dp_size=dp_size, vocab=vocab)
+    return TokenFile(path=path, tokens=tokens, seq=seq, seed=seed)
 
 
 def _generator(seed: int, *parts: int) -> torch.Generator:
@@ -185,3 +163,91 @@ def synthetic_batch(desc: dict, *, step: int, dp_rank: int, seed: int) -> tuple[
     g = _generator(seed, step, dp_rank)
     inputs = {spec["name"]: _input(spec, g) for spec in desc["inputs"]}
     return inputs, _target(desc["target"], inputs, seed)
+
+
+# ----------------------------------------------------------------------------- a user's data function
+
+CONTRACT = ("fn(step, dp_rank, dp_size) returns (inputs, targets) for that replica's whole batch: inputs a tensor "
+            "(a model with one input), a tuple in input order, or a dict by input name, each shaped as `input` "
+            "says; targets one tensor (as `targets` says, when set)")
+"""What a data function must return (the README and the reference page say the same)."""
+
+
+def shown(value: Any) -> str:
+    """A returned value as a message shows it: ``int64[8, 16]``, ``(int64[8, 16], str)``, ``{tokens: ...}``."""
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(shown(v) for v in value)
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {shown(v)}" for k, v in value.items()) + "}"
+    return type(value).__name__
+
+
+def _expected(spec: Mapping[str, Any]) -> str:
+    return f"{spec['dtype']}{list(spec['shape'])}"
+
+
+def _by_name(x: Any, names: Sequence[str], wrong: Callable[[str], DataError]) -> dict[str, Any]:
+    if isinstance(x, torch.Tensor):
+        if len(names) != 1:
+            raise wrong(f"one tensor for the model's {len(names)} inputs ({', '.join(names)})")
+        return {names[0]: x}
+    if isinstance(x, (tuple, list)):
+        if len(x) != len(names):
+            raise wrong(f"{len(x)} inputs for the model's {len(names)} ({', '.join(names)})")
+        return dict(zip(names, x))
+    if isinstance(x, Mapping):
+        if set(x) != set(names):
+            raise wrong(f"inputs named {', '.join(map(str, x))}; the model's are {', '.join(names)}")
+        return {n: x[n] for n in names}
+    raise wrong(f"inputs of type {type(x).__name__}")
+
+
+def check_batch(out: Any, target: str, *, inputs: Sequence[Mapping[str, Any]],
+                target_spec: Mapping[str, Any] | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A data function's ``(inputs, targets)`` checked against the plan: inputs by name, as each of ``inputs``
+    (name, dtype, shape of one replica's batch) says; targets as ``target_spec`` says, else of the inputs' batch."""
+    what = f"data function {target!r}"
+
+    def wrong(got: str) -> DataError:
+        return DataError(f"the {what} returned {got}", key="data", hints=(f"a data function's contract: {CONTRACT}",))
+
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise wrong(f"{shown(out)}, not a pair (inputs, targets)")
+    x, y = _by_name(out[0], [i["name"] for i in inputs], wrong), out[1]
+    for spec in inputs:
+        t = x[spec["name"]]
+        if not isinstance(t, torch.Tensor) or str(t.dtype) != f"torch.{spec['dtype']}" \
+                or list(t.shape) != list(spec["shape"]):
+            raise wrong(f"{shown(t)} for input {spec['name']!r}, which the plan expects as {_expected(spec)} "
+                        "(one dp replica's batch)")
+    if not isinstance(y, torch.Tensor):
+        raise wrong(f"targets {shown(y)}, not a tensor")
+    if target_spec is not None and (str(y.dtype) != f"torch.{target_spec['dtype']}"
+                                    or list(y.shape) != list(target_spec["shape"])):
+        raise wrong(f"targets {shown(y)}, which the plan expects as {_expected(target_spec)} (key targets)")
+    batch = inputs[0]["shape"][0] if inputs else None
+    if target_spec is None and (y.dim() == 0 or y.shape[0] != batch):
+        raise wrong(f"targets {shown(y)}, whose batch (dim 0) is not the inputs' {batch}")
+    return x, y
+
+
+def user_data(fn: Callable[..., Any], target: str, *, inputs: Sequence[Mapping[str, Any]],
+              target_spec: Mapping[str, Any] | None) -> Callable[[int, int, int], tuple[dict, torch.Tensor]]:
+    """``fn`` as the trainer calls it: its exceptions named, what it returns checked (:func:`check_batch`)."""
+
+    def data(step: int, dp_rank: int, dp_size: int) -> tuple[dict, torch.Tensor]:
+        try:
+            out = fn(step, dp_rank, dp_size)
+        except PipecError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's own code: name it, without pipec's traceback
+            err = UserCodeError("the data function", target, e,
+                                f"it was called as fn(step={step}, dp_rank={dp_rank}, dp_size={dp_size})")
+            err.key = "data"
+            raise err from None
+        return check_batch(out, target, inputs=inputs, target_spec=target_spec)
+
+    return data

@@ -66,11 +66,11 @@ class Trainer:
             self.modules = build_stages(plan, self.own, seed=config.seed, init=config.init, device=device)
             params = [p for s in self.own for p in self.modules[s].parameters()]
             self.optimizer = make_optimizer(params, config)
-            self.loss_fn = make_loss(config.loss)
+            self.loss_fn = make_loss(config.loss, (plan.model or {}).get("search_path") or ())
             self.data = make_data(config, plan)
         emulate = None
         if options.emulate:
-            emulate = options.unit_time if plan.model is None else 1.0
+            emulate = options.unit_time if plan.unit_costs else 1.0  # seconds per unit, or costs in seconds
         self.executor = Executor(
             plan, pp_rank=self.pp_rank, dp_rank=self.dp_rank, transport=transport, modules=self.modules,
             loss_fn=None if options.emulate else self.loss_fn, emulate=emulate, device=device,

@@ -2,6 +2,7 @@
 
 The torch side of :class:`~pipec.compiler.config.TrainingConfig`: the
 optimizer (AdamW, Adam, SGD), the loss, the autocast dtype, the data callable
+(synthetic, a token file or a user's function: :mod:`pipec.runtime.data`)
 and microbatch slicing (the learning-rate schedule is plain arithmetic:
 :meth:`TrainingConfig.lr_at`). Everything a user can get wrong raises
 :class:`TrainingError` with the key to fix.
@@ -9,15 +10,15 @@ and microbatch slicing (the learning-rate schedule is plain arithmetic:
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from pipec.compiler.config import TrainingConfig
+from pipec.compiler.config import TokenData, TrainingConfig
+from pipec.compiler.frontend.data import load_function, load_loss
 from pipec.compiler.plan import Plan
-from pipec.errors import PipecError
+from pipec.errors import PipecError, UserCodeError
+from pipec.runtime import data as data_mod
 
 __all__ = [
     "TrainingError",
@@ -28,27 +29,11 @@ __all__ = [
     "make_data",
     "synthetic_batch",
     "split_microbatches",
-    "load_target",
 ]
 
 
 class TrainingError(PipecError):
     """A training setting cannot be used; the message names the key."""
-
-
-def load_target(target: str, key: str) -> Any:
-    """Import ``pkg.module:name``; a bad target is a clear error naming the key."""
-    mod_name, _, attr = target.partition(":")
-    if not mod_name or not attr:
-        raise TrainingError(f"{key} {target!r}: expected 'pkg.module:name'")
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise TrainingError(f"{key} {target!r}: cannot import {mod_name}: {e}") from None
-    try:
-        return getattr(mod, attr)
-    except AttributeError:
-        raise TrainingError(f"{key} {target!r}: module {mod_name} has no {attr!r}") from None
 
 
 _OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
@@ -63,26 +48,23 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], config: TrainingConfig)
         raise TrainingError(f"optimizer {opt.name}: {e}") from None
 
 
-def _cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    if output.dim() > 2:
-        return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1))
-    return F.cross_entropy(output.float(), target)
+def make_loss(name: str, search_path: Sequence[str] = ()) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """The loss of the last stage: cross_entropy, mse or ``pkg.module:fn(output, target)`` (found on
+    ``search_path``, the plan's ``model.search_path``, like the model); what it raises names it."""
+    fn = load_loss(name, search_path)
 
+    def loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+        try:
+            return fn(output, target)
+        except PipecError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a user's loss, or a built-in one given targets it cannot take
+            err = UserCodeError("the loss", name, e, f"it was given the output {data_mod.shown(output)} and the "
+                                f"targets {data_mod.shown(target)}")
+            err.key = "loss"
+            raise err from None
 
-def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(output.float(), target.float())
-
-
-def make_loss(name: str) -> Callable[[Any, torch.Tensor], torch.Tensor]:
-    """The loss of the last stage: cross_entropy, mse or ``pkg.module:fn(output, target)``."""
-    if name == "cross_entropy":
-        return _cross_entropy
-    if name == "mse":
-        return _mse
-    fn = load_target(name, "loss")
-    if not callable(fn):
-        raise TrainingError(f"loss {name!r} is not callable")
-    return fn
+    return loss
 
 
 def autocast_dtype(name: str | None) -> torch.dtype | None:
@@ -130,21 +112,45 @@ def replica_inputs(plan: Plan) -> tuple[dict[str, Any], ...]:
 
 
 def make_data(config: TrainingConfig, plan: Plan) -> Callable[[int, int, int], tuple[Any, Any]]:
-    """``fn(step, dp_rank, dp_size) -> (inputs, targets)`` for one replica's whole batch."""
-    data = config.data
-    if data == "synthetic":
-        inputs = replica_inputs(plan)
-        vocab = ((plan.model or {}).get("kwargs") or {}).get("vocab")
+    """``fn(step, dp_rank, dp_size) -> (inputs, targets)`` for one replica's whole batch, from the config's
+    ``data``: synthetic (from the plan's ``model["data"]``; an older plan's without it), a token file, or a
+    user's function (found on the plan's ``model.search_path``, what it returns checked)."""
+    model = plan.model or {}
+    desc = model.get("data")
+    if isinstance(config.data, TokenData):
+        return _token_data(config.data, desc["inputs"] if desc else replica_inputs(plan), plan, config.seed)
+    if config.data == "synthetic":
         seed = config.seed
+        if desc is not None and "target" in desc:
+            return lambda step, dp_rank, dp_size: data_mod.synthetic_batch(desc, step=step, dp_rank=dp_rank, seed=seed)
+        inputs = replica_inputs(plan)
+        vocab = (model.get("kwargs") or {}).get("vocab")
 
         def synthetic(step: int, dp_rank: int, dp_size: int):
             return synthetic_batch(step, dp_rank, dp_size, inputs=inputs, seed=seed, vocab=vocab)
 
         return synthetic
-    fn = load_target(data, "data")
-    if not callable(fn):
-        raise TrainingError(f"data {data!r} is not callable")
-    return fn
+    fn = load_function(config.data, "data", model.get("search_path") or ())
+    return data_mod.user_data(fn, config.data, inputs=desc["inputs"] if desc else replica_inputs(plan),
+                              target_spec=(desc or {}).get("target"))
+
+
+def _token_data(data: TokenData, inputs: Sequence[Mapping[str, Any]], plan: Plan,
+                seed: int) -> Callable[[int, int, int], tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    """Batches of the token file: the model's one ``[B, T]`` input and its next tokens."""
+    if len(inputs) != 1:
+        raise TrainingError(f"data {data.text()} feeds a model with one int64 input [batch, seq]; this plan's "
+                            f"model has {len(inputs)}", key="data")
+    inp = inputs[0]
+    batch, seq = inp["shape"]
+    tf = data_mod.open_tokens(data.path, dtype=data.dtype, seq=seq, batch=batch, dp_size=plan.mesh.dp, seed=seed,
+                              vocab=inp.get("high") if inp.get("fill") == "tokens" else None)
+
+    def tokens(step: int, dp_rank: int, dp_size: int):
+        x, y = tf.batch(step, dp_rank, dp_size, batch)
+        return {inp["name"]: x}, y
+
+    return tokens
 
 
 def split_microbatches(batch: Any, num_microbatches: int, what: str, names: Sequence[str] = ()) -> list:

@@ -11,7 +11,9 @@ the :class:`~pipec.compiler.graph.StageGraph` that becomes plan.json's
 - :mod:`.weights`: each module's init path, ``init auto`` resolved on meta;
 - :mod:`.partition`: where cuts can go, the partition, the split;
 - :mod:`.costs`: stage costs and saved activations (unit, flops, profile);
-- :mod:`.data`: synthetic data that fits the model, the loss checked on meta;
+- :mod:`.data`: the data a run trains on described (synthetic data that fits
+  the model, a token file checked, a data function found), the loss checked
+  against its targets on meta;
 - :mod:`.stages`: (the runtime's side) runnable stages rebuilt from a plan.
 
 Every :class:`FrontendError` names the key it is about (``key=``, and
@@ -26,7 +28,9 @@ from typing import Any, Mapping, Sequence
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from pipec.compiler.config import TokenData
 from pipec.compiler.frontend import costs as costs_pass
+from pipec.compiler.frontend.data import data_of
 from pipec.compiler.graph import StageGraph, make_graph
 from pipec.compiler.frontend.partition import Balanced, Markers, SplitBefore, analyse_cuts, assign_stages, split_graph
 from pipec.compiler.plan import Stage
@@ -75,6 +79,14 @@ class ModelRequest:
     profile_reps: int = 3
     init: str = "auto"
     """``auto`` | ``module`` | ``exact`` (key ``init``); the result's ``model["init"]`` is never ``auto``."""
+    loss: str = "cross_entropy"
+    """The last stage's loss (key ``loss``), checked against the targets on meta."""
+    targets: tuple[InputSpec, ...] = ()
+    """What the loss takes, one dp replica's batch (key ``targets``); empty: derived from the output and the loss."""
+    data: str | TokenData = "synthetic"
+    """``synthetic``, a token file, or a ``pkg.module:fn`` data function (key ``data``)."""
+    dp: int = 1
+    """Replicas: one step reads ``dp`` batches of a token file."""
 
 
 def microbatch_inputs(req: ModelRequest) -> tuple[InputSpec, ...]:
@@ -131,7 +143,10 @@ def build_stage_graph(req: ModelRequest, *, placement: Sequence[int] | None = No
     traced = trace_model(model, inputs, example, mode=req.trace, split_paths=paths)
     # 4. shapes, dtypes, FLOPs and saved bytes on every node
     propagate(traced, example, fake_mode=fake_mode, autocast=autocast)
-    # 5. where cuts can go, and the partition
+    # 5. the data the run trains on, described; the loss checked against its targets on meta
+    data = data_of(traced, data=req.data, loss=req.loss, num_microbatches=req.num_microbatches, dp=req.dp,
+                   targets=req.targets, search_path=src.search_path)
+    # 6. where cuts can go, and the partition
     cuts = analyse_cuts(traced)
     weights = None
     if isinstance(req.partition, Balanced) or (req.partition is None and not cuts.marker_cuts):
@@ -140,9 +155,9 @@ def build_stage_graph(req: ModelRequest, *, placement: Sequence[int] | None = No
                                       search_path=src.search_path) if by == "time" else None
         weights = costs_pass.node_weights(traced, cuts, by, times=times)
     stage_of = assign_stages(traced, cuts, req.partition, req.num_stages, weights)
-    # 6. split with torch.fx split_module: stage inputs/outputs, skip edges, tie groups
+    # 7. split with torch.fx split_module: stage inputs/outputs, skip edges, tie groups
     split = split_graph(traced, stage_of, req.num_stages)
-    # 7. costs and saved activations per stage
+    # 8. costs and saved activations per stage
     stage_costs = costs_pass.stage_costs(
         split, req.costs, recompute=recompute, peak_flops=req.peak_flops, threads=req.threads_per_rank,
         reps=req.profile_reps, autocast=autocast, target=src.target, kwargs=req.kwargs, search_path=src.search_path,
@@ -159,7 +174,8 @@ def build_stage_graph(req: ModelRequest, *, placement: Sequence[int] | None = No
     )
     notes = (f"trace: auto fell back to torch.export: {traced.fallback}",) if traced.fallback else ()
     return StageGraph(
-        model=_model_record(src, req, traced, inputs, traced_on="fake" if fake_mode else "meta", init=init, notes=notes),
+        model=_model_record(src, req, traced, inputs, traced_on="fake" if fake_mode else "meta", init=init, notes=notes,
+                            data=data),
         stages=stages, edges=split.edges, ties=split.ties,
         graph=make_graph(stages, split.edges, split.ties), recompute=recompute,
         full_activation_bytes=tuple(c.full_activation_bytes for c in stage_costs),
@@ -168,9 +184,10 @@ def build_stage_graph(req: ModelRequest, *, placement: Sequence[int] | None = No
 
 
 def _model_record(src: ModelSource, req: ModelRequest, traced: Traced, inputs: Sequence[InputSpec], *, traced_on: str,
-                  init: str, notes: Sequence[str]) -> dict[str, Any]:
-    """plan.json's ``model``. ``target`` is cwd-independent (a model file's absolute path); ``search_path``,
-    ``notes`` (what the user should be told, e.g. the auto-trace fallback) only when there are any."""
+                  init: str, notes: Sequence[str], data: Mapping[str, Any]) -> dict[str, Any]:
+    """plan.json's ``model``. ``target`` is cwd-independent (a model file's absolute path); ``data`` describes
+    one replica's inputs and targets (:mod:`.data`); ``search_path``, ``notes`` (what the user should be told,
+    e.g. the auto-trace fallback) only when there are any."""
     out: dict[str, Any] = {
         "target": src.target,
         "kwargs": dict(req.kwargs),
@@ -180,6 +197,7 @@ def _model_record(src: ModelSource, req: ModelRequest, traced: Traced, inputs: S
         "inputs": [{"name": s.name, "shape": list(s.shape), "dtype": s.dtype} for s in inputs],
         "traced_on": traced_on,
         "init": init,
+        "data": dict(data),
     }
     if src.search_path:
         out["search_path"] = list(src.search_path)
