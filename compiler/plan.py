@@ -194,7 +194,8 @@ class Plan:
 
     @property
     def unit_costs(self) -> bool:
-        return self.model is None
+        """Costs are units, not seconds: a schedule-only plan, or a model plan compiled with ``costs unit``."""
+        return self.model is None or self.spec.get("costs") == "unit"
 
     def tie(self, name: str) -> Tie:
         """The tie group called ``name`` (its canonical parameter name)."""

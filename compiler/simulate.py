@@ -31,11 +31,12 @@ __all__ = [
 def plan_costs(plan: Plan) -> CostModel:
     """The cost model of a plan: its stages' costs, its links, its edges' bytes.
 
-    A schedule-only plan (no model) has unit costs: F=1, B=2, I=W=1, and free
-    communication, so the schedule table's formulas hold exactly.
+    A plan whose costs are units (a schedule-only plan, or a model plan with
+    ``costs unit``: F=1, B=2, I=W=1) has free communication, so the schedule
+    table's formulas hold exactly and every time it predicts is in units.
     """
     num_stages = plan.num_stages
-    unit = plan.model is None
+    unit = plan.unit_costs
     transfer: dict[tuple[int, int], float] = {}
     allreduce: dict[tuple[str, int], float] = {}
     if not unit:

@@ -21,8 +21,11 @@ class UsageError(PipecError):
     """A command-line mistake not caught by argparse itself."""
 
 
-def _err(message: str) -> None:
-    print(f"pipec: error: {message}", file=sys.stderr)
+def _err(error: str | PipecError) -> None:
+    """``pipec: error: MESSAGE``; an error located in a schedule file or flag prints as it renders, like a
+    compiler's (``f.pipe:4:1: error: ...``), without a second prefix."""
+    located = isinstance(error, PipecError) and error.located
+    print(str(error) if located else f"pipec: error: {error}", file=sys.stderr)
 
 
 def _warn(message: str) -> None:
@@ -51,6 +54,7 @@ def _report(diagnostics) -> None:
 def cmd_compile(args: argparse.Namespace) -> int:
     from pipec.compiler.driver import compile_spec
     from pipec.compiler.plan import write_plan
+    from pipec.compiler.views.terminal import format_time
 
     compiled = compile_spec(_spec(args))
     _report(compiled.diagnostics)
@@ -58,8 +62,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     plan, pred = compiled.plan, compiled.plan.prediction
     what = f"model {plan.model['target']}, " if plan.model else ""
     print(f"wrote {args.output}: {what}{plan.num_stages} stages, {plan.program.num_instructions} instructions on "
-          f"{plan.mesh.pp} pp x {plan.mesh.dp} dp ranks; verified; predicted step {pred.step_time:.4g} "
-          f"{pred.time_unit}, bubble {pred.bubble_fraction:.1%}")
+          f"{plan.mesh.pp} pp x {plan.mesh.dp} dp ranks; verified; predicted step "
+          f"{format_time(pred.step_time, pred.time_unit)}, bubble {pred.bubble_fraction:.1%}")
     return 0
 
 
@@ -349,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except PipecError as e:  # a user's mistake (2), a failed run (1), a --check mismatch (3); else a bug
-        _err(str(e))
+        _err(e)
         return e.exit_code
     except KeyboardInterrupt:
         _err("interrupted")

@@ -87,7 +87,7 @@ class RunOptions:
     emulate: bool = False
     """Sleep for each compute instruction's predicted cost instead of computing."""
     unit_time: float = DEFAULT_UNIT_TIME
-    """Seconds per cost unit of a schedule-only plan with --emulate."""
+    """Seconds per cost unit of a plan whose costs are units (schedule-only, or ``costs unit``) with --emulate."""
     report: str | None = None
     """Where rank 0 writes report.json; None: nowhere."""
     trace: str | None = None

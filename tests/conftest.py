@@ -26,11 +26,13 @@ def run_cli(*args: str, cwd: str | os.PathLike | None = None, timeout: float = 1
     )
 
 
-def run_in_session(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Run ``cmd`` (a launcher and its ranks) in its own session; on timeout kill the whole session, so no rank
-    outlives the test, and fail with the end of its stderr."""
+def run_in_session(cmd: list[str], timeout: float, cwd: str | os.PathLike | None = None,
+                   env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (a launcher and its ranks) in its own session (in ``cwd``, tests/ by default, with ``env`` over
+    this environment); on timeout kill the whole session, so no rank outlives the test, and fail with the end of
+    its stderr."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            cwd=REPO / "tests")
+                            cwd=cwd or REPO / "tests", env={**os.environ, **(env or {})})
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

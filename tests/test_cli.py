@@ -41,7 +41,10 @@ def test_user_mistakes_exit_2_without_traceback(cli, tmp_path):
         out = cli(*args)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         assert "Traceback" not in out.stderr, out.stderr
-        assert out.stderr.startswith("pipec: error: ") or "usage:" in out.stderr
+        # once, in compiler style: a located error as it renders, anything else after pipec's prefix
+        first = out.stderr.splitlines()[0] if out.stderr else ""
+        assert first.startswith("pipec: error: ") or ": error: " in first or "usage:" in out.stderr, out.stderr
+        assert out.stderr.count("error:") == 1, out.stderr
         if message:
             assert message in out.stderr, (args, out.stderr)
 
@@ -85,3 +88,12 @@ def test_show_graph_with_a_bad_extension_is_a_user_error(tmp_path, capsys):
     assert main(["show", str(plan), "--graph", str(tmp_path / "x.jpg")]) == 2
     err = capsys.readouterr().err
     assert "graph file must end in .svg, .png, .pdf or .dot" in err and "Traceback" not in err
+
+
+def test_a_located_error_prints_once_in_compiler_style(cli, tmp_path):
+    (tmp_path / "f.pipe").write_text("pp 2\nmicrobatches 4\nschedule 1f1b\nmicrobatchs 8\n")
+    out = cli("compile", "f.pipe")
+    assert out.returncode == 2
+    lines = out.stderr.splitlines()
+    assert lines[0] == "f.pipe:4:1: error: unknown key 'microbatchs'", out.stderr  # no "pipec: error:" before it
+    assert lines[1:3] == ["    microbatchs 8", "    ^~~~~~~~~~~"] and "did you mean 'microbatches'?" in lines[3]

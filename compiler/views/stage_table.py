@@ -1,7 +1,7 @@
 """``pipec show``'s cost and memory table: one row per stage, totals per rank.
 
-Costs come from the plan's stages (seconds for a model plan, units for a
-schedule-only one); memory is parameters, grads and optimizer state (16
+Costs come from the plan's stages (seconds, or units for a plan whose costs
+are units); memory is parameters, grads and optimizer state (16
 bytes per parameter copy) plus saved activations per microbatch, with the
 predicted peak per rank from the simulator.
 """
@@ -28,8 +28,7 @@ def stage_table(plan: Plan) -> Table | None:
         return None
     from pipec.compiler.memory import BYTES_PER_PARAM
 
-    unit = plan.prediction.time_unit if plan.prediction else "s"
-    scale, tname = (1.0, "units") if unit == "unit" else (1e3, "ms")
+    scale, tname = (1.0, "units") if plan.unit_costs else (1e3, "ms")
     mib = 2.0**20
     t = Table(title=f"stages: cost per microbatch ({tname}; B = I + W), memory (MiB; state = {BYTES_PER_PARAM} B "
                     "per parameter copy, act = saved activations per microbatch)")
