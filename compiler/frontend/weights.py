@@ -5,13 +5,15 @@ reference's for the same seed (DESIGN, *Runtime*). Three modes:
 
 - ``module``: each module that owns a parameter (by its canonical name) is
   materialised alone and initialised by its *init path* under the CPU
-  generator seeded from ``(seed, canonical module name)``. The init path is
-  the module's own ``reset_parameters()`` (or ``_reset_parameters()``), else
-  the ``_init_weights(module)`` of the nearest enclosing module that has one:
-  a Hugging Face ``PreTrainedModel``, the module itself included, wrapped in
-  a user module or not. That is the function Hugging Face's own
-  initialisation (children first, each sub-model dispatching its own)
-  applies to the module.
+  generator seeded from ``(seed, canonical module name)``, every other
+  module left on the meta device. The init path (:func:`init_path`) is the
+  module's own ``reset_parameters()`` (or ``_reset_parameters()``), then the
+  ``_init_weights`` of the nearest module that has one (a Hugging Face
+  ``PreTrainedModel``, wrapped in a user module or not; a nanoGPT-style
+  root) applied to the module and to each module enclosing it: what Hugging
+  Face's own initialisation (children first, each sub-model dispatching its
+  own) does to the module's parameters, so the weights follow the model's
+  own scheme (GPT-2's std 0.02 embeddings, not ``nn.Embedding``'s N(0, 1)).
 - ``exact``: the whole model is built on CPU by its factory after
   ``torch.manual_seed(seed)``; each stage keeps its part (every rank holds
   the whole model for a moment, so it must fit in host memory).
@@ -61,18 +63,42 @@ def module_seed(seed: int, module_name: str) -> int:
 # ----------------------------------------------------------------------------- init paths
 
 
-def init_path(model: nn.Module, name: str) -> Callable[[], Any] | None:
-    """The init path of module ``name`` of ``model`` (see the module doc); None when it has none."""
-    mod = model.get_submodule(name)
-    reset = getattr(mod, "reset_parameters", None) or getattr(mod, "_reset_parameters", None)
-    if callable(reset):
-        return reset
-    parts = name.split(".") if name else []
-    for k in range(len(parts), -1, -1):  # the module itself, then each enclosing one out to the root
+def _init_weights_for(model: nn.Module, parts: Sequence[str]) -> Callable[[nn.Module], Any] | None:
+    """The ``_init_weights`` of the module at ``parts`` or of the nearest module enclosing it."""
+    for k in range(len(parts), -1, -1):
         init_weights = getattr(model.get_submodule(".".join(parts[:k])), "_init_weights", None)
         if callable(init_weights):
-            return lambda: init_weights(mod)
+            return init_weights
     return None
+
+
+def init_path(model: nn.Module, name: str) -> Callable[[], Any] | None:
+    """The init path of module ``name`` of ``model`` (see the module doc); None when it has none.
+
+    Its own ``reset_parameters()`` (what constructing it runs), then, as
+    ``model.apply(_init_weights)`` does (Hugging Face's initialisation, and
+    nanoGPT's), ``_init_weights`` applied to the module and then to each
+    enclosing module out to the root, each call the ``_init_weights`` nearest
+    to what it is applied to: an enclosing module's may set the module's
+    parameters too (GPT-2 rescales ``c_proj.weight`` from its attention and
+    MLP blocks).
+    """
+    mod = model.get_submodule(name)
+    reset = getattr(mod, "reset_parameters", None) or getattr(mod, "_reset_parameters", None)
+    steps: list[Callable[[], Any]] = [reset] if callable(reset) else []
+    parts = name.split(".") if name else []
+    for k in range(len(parts), -1, -1):  # the module itself, then each enclosing one out to the root
+        init_weights = _init_weights_for(model, parts[:k])
+        if init_weights is not None:
+            steps.append(lambda fn=init_weights, target=model.get_submodule(".".join(parts[:k])): fn(target))
+    if not steps:
+        return None
+
+    def run() -> None:
+        for step in steps:
+            step()
+
+    return run
 
 
 def _owners(model: nn.Module) -> dict[str, list[str]]:
@@ -221,6 +247,7 @@ def _module_init(target: str, kwargs: Mapping[str, Any], needed: Iterable[str], 
                         f"init module: {type(mod).__name__}'s initialisation left {name!r} (partly) unset; "
                         "initialise every parameter the module owns, or use init exact", key="init")
                 values[name] = p.detach().clone()
+        mod.to_empty(device="meta", recurse=False)  # an enclosing module's init run later never draws for it
     missing = needed - set(values)
     assert not missing, sorted(missing)[:3]
     return values
