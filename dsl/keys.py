@@ -67,8 +67,9 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     # ------------------------------------------------------------------ schedule and mesh
     Key(name="schedule", kind=k.Choice(tuple(SCHEDULES)), default="1f1b", default_doc="1f1b",
         flag="--schedule", group="Schedule and mesh",
-        meaning="The named pipeline schedule (see the schedule table below). With `policy` or `order` "
-                "the schedule is custom and this key reads `policy` or `order`.",
+        meaning=f"The named pipeline schedule, one of {', '.join(SCHEDULES)} (each one's chunks per rank, "
+                "placement and microbatch rule: \"Named schedules\" in docs/reference.md). With `policy` or "
+                "`order` the schedule is custom and this key reads `policy` or `order`.",
         constraints="Each schedule's rules on chunks and microbatches apply (zbv: exactly 2 chunks per rank "
                     "on the v placement; interleaved_1f1b: at least 2 chunks). Not together with `policy` "
                     "or `order`.",

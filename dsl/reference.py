@@ -125,8 +125,11 @@ remain, then runs its remaining backwards. Settings:
 | `max_in_flight` | an expression of the rank, or `max`; with `weight_grad bubbles`: the most microbatches a rank holds from F to W | what the policy without the split holds |
 
 Presets (each equals its named schedule exactly): {presets}. A preset's
-`virtual` default is its schedule's; the placement is the `placement` key
-(`loop` or `v`).
+`virtual` default is its schedule's. A bare policy (settings only, no
+preset) runs one chunk per rank unless `virtual`, `stages`, an explicit
+`placement` list or the `v` placement (2 chunks) says otherwise: write
+`policy (chunk_order=breadth_first)` with `virtual 2` for two chunks per
+rank. The placement is the `placement` key (`loop` or `v`).
 
 Expressions use integers, `+ - * //`, parentheses, `min(a, b, ...)`,
 `max(a, b, ...)` and the names `rank`, `ranks` (or `P`), `chunks` (or `V`),
