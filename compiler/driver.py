@@ -20,7 +20,7 @@ from pipec.compiler.config import TrainingConfig
 from pipec.compiler.ir import Program
 from pipec.compiler.lower import lower
 from pipec.compiler.memory import check_memory, state_bytes
-from pipec.compiler.plan import DEFAULT_LINKS, Link, Mesh, Plan, Stage, check_limits
+from pipec.compiler.plan import DEFAULT_LINKS, Link, Mesh, Plan, Stage, check_limits, check_shard
 from pipec.compiler.request import CompileRequest, ModelSpec
 from pipec.compiler.simulate import BUFFERED, chain_edges, plan_costs, timeline_of
 from pipec.compiler.verify import verify
@@ -51,6 +51,8 @@ def compile_request(req: CompileRequest) -> Compiled:
 
 def _compile(req: CompileRequest) -> Compiled:
     check_limits(pp=req.pp, num_stages=req.num_stages, num_microbatches=req.num_microbatches)  # refuse what is too big
+    mesh = Mesh(pp=req.pp, dp=req.dp, shard=req.shard, shard_size=req.shard_size)
+    check_shard(mesh)                                            # a sharding that can work
     order, diagnostics = schedule_order(req)                     # the schedule's rules, then its order
     graph = model_graph(req) if req.model else None              # trace, partition, costs (model plans)
     if graph is not None and len(graph.stages) != order.num_stages:
@@ -63,7 +65,7 @@ def _compile(req: CompileRequest) -> Compiled:
             training = replace(training, init=graph.model["init"])
     spec = {**req.spec, **(training.to_json() if training is not None else {})}
     plan = Plan(                                                 # everything but the program and prediction
-        mesh=Mesh(pp=req.pp, dp=req.dp),
+        mesh=mesh,
         num_stages=order.num_stages,
         num_microbatches=req.num_microbatches,
         placement=order.placement,
@@ -78,7 +80,7 @@ def _compile(req: CompileRequest) -> Compiled:
         pipec_version=pipec.__version__,
     )
     costs = plan_costs(plan)                                     # unit, or the front end's costs
-    program = lower(order, edges=plan.edges, costs=costs, dp=req.dp, ties=plan.ties)  # comm and collectives
+    program = lower(order, edges=plan.edges, costs=costs, mesh=mesh, ties=plan.ties)  # comm and collectives
     check_limits(pp=req.pp, num_stages=plan.num_stages, num_microbatches=req.num_microbatches,
                  instructions=program.num_instructions)
     plan = prove_and_predict(replace(plan, program=program))      # the four proofs, then the timeline
@@ -130,6 +132,8 @@ def compile_plan(
     schedule: str | None = None,
     num_chunks: int | None = None,
     dp: int = 1,
+    shard: str = "none",
+    shard_size: int | None = None,
     order: ComputeOrder | None = None,
     links: dict[str, Link] | None = None,
     spec: dict[str, Any] | None = None,
@@ -142,7 +146,8 @@ def compile_plan(
     else:
         choice = dict(schedule=schedule, num_chunks=get_schedule(schedule).default_chunks if num_chunks is None
                       else num_chunks)
-    return compile_request(CompileRequest(**choice, pp=num_ranks, dp=dp, num_microbatches=num_microbatches,
+    return compile_request(CompileRequest(**choice, pp=num_ranks, dp=dp, shard=shard, shard_size=shard_size,
+                                          num_microbatches=num_microbatches,
                                           links=dict(links or DEFAULT_LINKS), spec=dict(spec or {}),
                                           device_memory=device_memory))
 

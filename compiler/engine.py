@@ -16,6 +16,15 @@ instructions). Two comm models (DESIGN, "What the verifier proves"):
   collective when it heads the queue of every member. Collectives do not
   block the host; ``OPT`` waits for its own completion, so for the queue.
 
+Sharded data parallelism's ``UNSHARD``, ``RESHARD`` and ``REDUCE_SCATTER``
+are collectives over a dp group, posted asynchronously under both models (the
+host goes on; FSDP2 runs them on their own streams and communicator): on
+each rank they complete one after another on its dp lane, in the order
+posted, ``buffered`` as soon as they arrive, ``in_order`` through a second
+queue of the rank (the dp group's communicator, apart from the pp group's
+point-to-point queue). A compute of a stage waits for the stage's last
+``UNSHARD`` before it; ``OPT`` for the rank's last shard instruction.
+
 If no rank can move while some have instructions left, the program
 deadlocks: :class:`Deadlock` carries the cycle of waiting instructions, one
 line per rank.
@@ -35,10 +44,10 @@ splitting them would put attribute lookups across modules on the fastest path.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from pipec.compiler.ir import COMM_OPS, SEND_OPS, Op, Program, message_edge
+from pipec.compiler.ir import COMM_OPS, DP_GROUPS, SEND_OPS, SHARD_OPS, Op, Program, message_edge
 from pipec.compiler.plan import Edge, Tie
 from pipec.compiler.timeline import Event
 from pipec.errors import PipecError
@@ -56,7 +65,7 @@ OPTIM_GROUP = "pp"
 """The group of the grad-norm collective inside ``OPT``: all pp ranks."""
 
 # decoded opcodes
-_COMPUTE, _SEND, _RECV, _AR, _OPT = range(5)
+_COMPUTE, _SEND, _RECV, _AR, _OPT, _SHARD = range(6)
 
 
 class Deadlock(PipecError):
@@ -78,6 +87,10 @@ class CostModel:
     """Per edge (src_stage, dst_stage): one microbatch's message over the pp link."""
     allreduce: Mapping[tuple[str, int], float]
     """Per (group, stage): the all-reduce's duration."""
+    shard: Mapping[tuple[str, int], float] = field(default_factory=dict)
+    """Per (opcode name, stage): an ``UNSHARD``'s all-gather or a ``REDUCE_SCATTER``'s duration;
+    ``("OPTIM_STEP", stage)``: the gather of the stage's updated parameters inside ``OPT``
+    (``shard optimizer``). Missing: free."""
     activation_bytes: tuple[int, ...] = ()
     """Per stage: bytes saved per microbatch in flight (empty when unknown)."""
     time_unit: str = "s"
@@ -99,7 +112,7 @@ class Execution:
 
 def group_members(group: str, rank: int, num_ranks: int, ties: Sequence[Tie], placement: Sequence[int]) -> tuple[int, ...]:
     """The pp ranks taking part in a collective of ``group`` issued on ``rank``."""
-    if group == "dp":
+    if group in DP_GROUPS:
         return (rank,)  # dp replicas of one pp rank run the same program
     if group == OPTIM_GROUP:
         return tuple(range(num_ranks))
@@ -173,15 +186,16 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
     stage_costs = costs.stages
     optim = [0.0] * program.num_ranks  # per rank: the optimizer steps of its stages
     for s, c in enumerate(stage_costs):
-        if c.optim:
-            optim[placement[s]] += c.optim
+        optim[placement[s]] += c.optim + costs.shard.get(("OPTIM_STEP", s), 0.0)
     transfer = costs.transfer
     fwd_done, bwd_done = keys.fwd_done, keys.bwd_done
     deps_cache: dict[tuple[Op, int, int], tuple[int, ...]] = {}
     out = []
     for r, instrs in enumerate(program.ranks):
         dec = []
-        for ins in instrs:
+        unsharded: dict[int, tuple] = {}  # stage -> the key of its last UNSHARD so far
+        last_shard = None
+        for pc, ins in enumerate(instrs):
             op = ins.op
             if op is Op.FWD or op is Op.BWD or op is Op.BWD_I or op is Op.BWD_W:
                 s, m = ins.stage, ins.microbatch
@@ -197,6 +211,10 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
                             bwd_done + c * M if placement[c] == r else keys.gradk(s, c, 0) for c in consumers[s])
                     deps_cache[(op, s, r)] = base
                 deps = [k + m for k in base]
+                if unsharded:
+                    un = unsharded.get(s)
+                    if un is not None:
+                        deps.append(un)
                 c = stage_costs[s]
                 if op is Op.FWD:
                     dec.append((_COMPUTE, deps, c.fwd, fwd_done + s * M + m, 1, act_bytes[s]))
@@ -210,11 +228,17 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
                 is_act, src, dst = message_edge(ins)
                 key = keys.act(src, dst, ins.microbatch) if is_act else keys.gradk(src, dst, ins.microbatch)
                 dec.append((_SEND if op in SEND_OPS else _RECV, key, transfer.get((src, dst), 0.0), ins.batch))
+            elif op in SHARD_OPS:
+                key = ("S", r, pc)
+                if op is Op.UNSHARD:
+                    unsharded[ins.stage] = key
+                last_shard = key
+                dec.append((_SHARD, ins.group, costs.shard.get((op.value, ins.stage), 0.0), key))
             elif op is Op.ALLREDUCE:
                 dec.append((_AR, ins.group, costs.allreduce.get((ins.group, ins.stage), 0.0)))
             else:
-                # the grad-norm collective (free), then this rank's own optimizer step
-                dec.append((_OPT, OPTIM_GROUP, 0.0, optim[r]))
+                # the grad-norm collective (free), then this rank's own optimizer step (after its shard ops)
+                dec.append((_OPT, OPTIM_GROUP, 0.0, optim[r], last_shard))
         out.append(tuple(dec))
     return Decoded(tuple(out), keys)
 
@@ -236,6 +260,14 @@ class _Buffered:
         """Per rank: when its last completed post completed."""
         self.arrivals: dict[tuple, list] = {}
         """Collective key -> [members still to arrive, latest arrival]."""
+        self.lane = [0.0] * P
+        """Per rank: when its dp lane (the shard instructions, one after another) is free."""
+
+    def shard(self, r: int, key: tuple, dur: float, t: float) -> None:
+        """A shard instruction posted at t: it runs on rank r's dp lane once the lane is free."""
+        start = t if t > self.lane[r] else self.lane[r]
+        self.lane[r] = start + dur
+        self.eng.resolve(key, start + dur)
 
     def post(self, r: int, dec: tuple, pc: int, clock: float) -> int:
         """Post instruction ``pc`` of rank r; returns the next pc."""
@@ -315,8 +347,9 @@ class _InOrder:
 
     def __init__(self, eng: _Engine) -> None:
         self.eng = eng
-        self.queues: list[deque] = [deque() for _ in range(eng.P)]
-        """Per rank: units [ops, pending, done_time]; op = (kind "S"|"R"|"C", key, post, dur, members)."""
+        self.queues: dict = {q: deque() for r in range(eng.P) for q in (r, (r, "dp"))}
+        """Per queue (rank r: its p2p posts and collectives; ``(r, "dp")``: its shard instructions): units
+        [ops, pending, done_time]; op = (kind "S"|"R"|"C", key, post, dur, members)."""
         self.at_head: dict = {}
         """(key, is_send) -> (rank, unit, ready) of a p2p op heading its rank's queue, unmatched."""
         self.coll_heads: dict[tuple, list] = {}
@@ -342,6 +375,11 @@ class _InOrder:
     def ready(self, r: int, clock: float, is_opt: bool) -> float:
         return clock
 
+    def shard(self, r: int, key: tuple, dur: float, t: float) -> None:
+        """A shard instruction joins rank r's dp queue (a collective of one member: its dp replicas run
+        the same program)."""
+        self.enqueue((r, "dp"), [("C", key, t, dur, (r,))], t)
+
     def arrive(self, r: int, ckey: tuple, members: tuple[int, ...], dur: float, t: float, is_opt: bool) -> bool:
         """Queue the collective; only ``OPT`` makes the host wait for it."""
         self.enqueue(r, [("C", ckey, t, dur, members)], t)
@@ -358,7 +396,7 @@ class _InOrder:
         resolve = self.eng.resolve
         todo = [(r, head_time)]
         while todo:
-            r, head_time = todo.pop()
+            r, head_time = todo.pop()  # r: a queue
             q = self.queues[r]
             if not q:
                 continue
@@ -402,7 +440,7 @@ class _InOrder:
             todo.append((r, unit[2]))
 
     def unfinished(self) -> list[int]:
-        return [r for r in range(self.eng.P) if self.queues[r]]
+        return [r for r in range(self.eng.P) if self.queues[r] or self.queues[(r, "dp")]]
 
     def end_times(self) -> list[float]:
         return []  # a queue empties no later than the OPT that waits for it
@@ -534,8 +572,22 @@ class _Engine:
                 pc += 1
             elif code == _SEND or code == _RECV:
                 pc = post(r, dec, pc, clock)
+            elif code == _SHARD:  # posted; the host goes on
+                comm.shard(r, d[3], d[2], clock)
+                if self.record_events:
+                    self.events.append(Event(r, self.program.ranks[r][pc].text(), clock, clock))
+                pc += 1
             else:  # a collective: ALLREDUCE, or the grad-norm collective of OPT
                 is_opt = code == _OPT
+                if is_opt and d[4] is not None and not self.arrived[r]:  # after the rank's shard instructions
+                    t = done.get(d[4])
+                    if t is None:
+                        self.pc[r], self.clock[r] = pc, clock
+                        self.block(r, d[4])
+                        return
+                    if t > clock:
+                        self.wait[r] += t - clock
+                        clock = t
                 if not self.arrived[r]:
                     arrive = comm.ready(r, clock, is_opt)
                     if arrive is None:  # blocked before it can arrive
@@ -630,6 +682,8 @@ class _Engine:
                 return f"{here} waits for {kind}{a}.{m}, which comes later on the same rank", r
             text, sender = self.message_text(key, False)
             return f"{here} waits for {text}, which rank {sender} has not sent", sender
+        if key[0] == "S":  # ("S", rank, pc): a shard instruction on this rank's dp lane
+            return f"{here} waits for {instrs[key[2]].text()} (instruction {key[2]}) to complete", r
         group = key[1]  # ("C", group, k): a collective
         members = self.members(group, r)
         waiting = [x for x in members if x != r and self.blocked_on[x] != key]

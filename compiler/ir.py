@@ -26,8 +26,29 @@ opcode set is closed; each opcode's fields:
 - ``ALLREDUCE`` (``AR0:dp``, ``AR0:tie.wte``): ``stage``, ``group``. Reduce the
   stage's param grads over its dp replicas (``dp``), or a tied weight's grads
   over its tie group (``tie.<name>``).
+- ``UNSHARD`` (``UN0:dp``, ``UN0:dp.shard``): ``stage``, ``group``. Sharded
+  data parallelism (``shard grads`` or ``full``): start gathering the stage's
+  parameter shards over its shard group (an all-gather, posted early so it
+  overlaps the compute before it); the stage's next compute waits for it. From
+  here to the stage's next ``RESHARD`` is an *unshard window*: every compute of
+  a sharded stage runs inside one.
+- ``RESHARD`` (``RE0:dp``): ``stage``, ``group``. Free the gathered parameters;
+  the stage is back to its shards (no communication).
+- ``REDUCE_SCATTER`` (``RS0:dp``): ``stage``, ``group``. Reduce the stage's
+  param grads over its shard group, each member keeping its shard; after the
+  stage's last backward (its last ``BWD_W`` under zero-bubble schedules), in
+  place of ``AR<s>:dp``. With HSDP (``shard_size`` < dp) the group is
+  ``dp.shard`` and ``AR<s>:dp.replicate`` then reduces the shards across the
+  shard groups.
 - ``OPTIM_STEP`` (``OPT``): no fields. Grad clipping if set (a collective over
-  the pp group), optimizer step, zero grads.
+  the pp group, and over the shard group when sharded), optimizer step
+  (``shard optimizer``: on this rank's optimizer-state shard, then the updated
+  parameters gathered over the shard group), zero grads.
+
+Groups (``group``): ``dp`` (all dp replicas of the pp rank), ``dp.shard``
+(HSDP: the consecutive dp ranks that shard a stage among themselves),
+``dp.replicate`` (HSDP: one rank of each shard group, holding the same shard),
+``tie.<name>`` (a tied weight's copies, one per pp rank holding it).
 
 Communication posts are asynchronous; the instruction that uses a received
 buffer waits for it. Posts that go out together (one ``batch_isend_irecv``)
@@ -53,6 +74,9 @@ __all__ = [
     "SEND_OPS",
     "RECV_OPS",
     "COMM_OPS",
+    "SHARD_OPS",
+    "GROUP_OPS",
+    "DP_GROUPS",
     "message_edge",
     "parse_instruction",
     "parse_program",
@@ -76,6 +100,9 @@ class Op(str, Enum):
     SEND_GRAD = "SEND_GRAD"
     RECV_GRAD = "RECV_GRAD"
     ALLREDUCE = "ALLREDUCE"
+    UNSHARD = "UNSHARD"
+    RESHARD = "RESHARD"
+    REDUCE_SCATTER = "REDUCE_SCATTER"
     OPTIM_STEP = "OPTIM_STEP"
 
 
@@ -84,6 +111,12 @@ SEND_OPS = frozenset({Op.SEND_ACT, Op.SEND_GRAD})
 RECV_OPS = frozenset({Op.RECV_ACT, Op.RECV_GRAD})
 COMM_OPS = SEND_OPS | RECV_OPS
 """Point-to-point posts."""
+SHARD_OPS = frozenset({Op.UNSHARD, Op.RESHARD, Op.REDUCE_SCATTER})
+"""Sharded data parallelism's instructions (``stage`` and ``group``)."""
+GROUP_OPS = SHARD_OPS | {Op.ALLREDUCE}
+"""Instructions over a group (``stage`` and ``group``)."""
+DP_GROUPS = ("dp", "dp.shard", "dp.replicate")
+"""The groups over dp replicas of one pp rank (the rest are ``tie.<name>``)."""
 
 # The fields each opcode carries (besides the optional ``batch`` of comm posts).
 FIELDS: dict[Op, tuple[str, ...]] = {
@@ -96,12 +129,16 @@ FIELDS: dict[Op, tuple[str, ...]] = {
     Op.SEND_GRAD: ("stage", "microbatch", "to_stage", "peer"),
     Op.RECV_GRAD: ("stage", "microbatch", "from_stage", "peer"),
     Op.ALLREDUCE: ("stage", "group"),
+    Op.UNSHARD: ("stage", "group"),
+    Op.RESHARD: ("stage", "group"),
+    Op.REDUCE_SCATTER: ("stage", "group"),
     Op.OPTIM_STEP: (),
 }
 
 _COMPUTE_LETTER = {Op.FWD: "F", Op.BWD: "B", Op.BWD_I: "I", Op.BWD_W: "W"}
 _COMM_LETTERS = {Op.SEND_ACT: "SA", Op.RECV_ACT: "RA", Op.SEND_GRAD: "SG", Op.RECV_GRAD: "RG"}
-_LETTER_OP = {v: k for k, v in {**_COMPUTE_LETTER, **_COMM_LETTERS}.items()}
+_GROUP_LETTERS = {Op.ALLREDUCE: "AR", Op.UNSHARD: "UN", Op.RESHARD: "RE", Op.REDUCE_SCATTER: "RS"}
+_LETTER_OP = {v: k for k, v in {**_COMPUTE_LETTER, **_COMM_LETTERS, **_GROUP_LETTERS}.items()}
 
 
 class Instruction(NamedTuple):
@@ -122,7 +159,7 @@ class Instruction(NamedTuple):
     peer: int | None = None
     """Sends and receives: the pp rank that owns the other end."""
     group: str | None = None
-    """``ALLREDUCE``: ``"dp"`` or ``"tie.<name>"``."""
+    """``ALLREDUCE``, ``UNSHARD``, ``RESHARD``, ``REDUCE_SCATTER``: one of :data:`DP_GROUPS` or ``"tie.<name>"``."""
     batch: int | None = None
     """Comm posts issued together share a batch id (unique within the rank)."""
 
@@ -135,8 +172,8 @@ class Instruction(NamedTuple):
             return f"{_COMM_LETTERS[op]}{self.stage}.{self.microbatch}>{self.to_stage}@{self.peer}"
         if op is Op.RECV_ACT or op is Op.RECV_GRAD:
             return f"{_COMM_LETTERS[op]}{self.stage}.{self.microbatch}<{self.from_stage}@{self.peer}"
-        if op is Op.ALLREDUCE:
-            return f"AR{self.stage}:{self.group}"
+        if op in _GROUP_LETTERS:
+            return f"{_GROUP_LETTERS[op]}{self.stage}:{self.group}"
         return "OPT"
 
     __str__ = text
@@ -162,18 +199,19 @@ def message_edge(ins: Instruction) -> tuple[bool, int, int]:
 _INSTR_RE = re.compile(
     r"(?P<cl>[FBIW])(?P<cs>\d+)\.(?P<cm>\d+)$"
     r"|(?P<ml>SA|SG|RA|RG)(?P<ms>\d+)\.(?P<mm>\d+)(?P<dir>[<>])(?P<mo>\d+)@(?P<mp>\d+)$"
-    r"|AR(?P<as>\d+):(?P<ag>dp|tie\.[A-Za-z0-9_.]+)$"
+    r"|(?P<gl>AR|UN|RE|RS)(?P<as>\d+):(?P<ag>dp\.shard|dp\.replicate|dp|tie\.[A-Za-z0-9_.]+)$"
     r"|(?P<opt>OPT)$"
 )
 
 
 def parse_instruction(token: str, batch: int | None = None) -> Instruction:
-    """Parse one text token such as ``F0.3``, ``SA0.3>1@1``, ``AR0:dp`` or ``OPT``."""
+    """Parse one text token such as ``F0.3``, ``SA0.3>1@1``, ``AR0:dp``, ``UN0:dp.shard`` or ``OPT``."""
     m = _INSTR_RE.match(token)
     if m is None:
         raise IRError(
             f"not an instruction: {token!r} (expected F0.3, B0.3, I0.3, W0.3, SA0.3>1@1, "
-            "RA1.3<0@0, SG1.3>0@0, RG0.3<1@1, AR0:dp, AR0:tie.NAME or OPT)"
+            "RA1.3<0@0, SG1.3>0@0, RG0.3<1@1, AR0:dp, AR0:tie.NAME, UN0:dp, RE0:dp, RS0:dp, "
+            "RS0:dp.shard or OPT)"
         )
     if m["cl"]:
         return Instruction(_LETTER_OP[m["cl"]], int(m["cs"]), int(m["cm"]))
@@ -192,8 +230,8 @@ def parse_instruction(token: str, batch: int | None = None) -> Instruction:
             peer=int(m["mp"]),
             batch=batch,
         )
-    if m["as"]:
-        return Instruction(Op.ALLREDUCE, int(m["as"]), group=m["ag"])
+    if m["gl"]:
+        return Instruction(_LETTER_OP[m["gl"]], int(m["as"]), group=m["ag"])
     return Instruction(Op.OPTIM_STEP)
 
 

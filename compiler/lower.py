@@ -24,6 +24,18 @@ communication each compute needs and the collectives of the step:
    once per rank at the end (``AR<stage>:tie.<name>``, sorted by name, as
    Megatron-LM reduces its embedding group after the pipeline flush), then
    ``OPTIM_STEP``.
+5. Sharded data parallelism (the mesh's ``shard``; :func:`unshard_windows`).
+   ``optimizer`` adds nothing (``OPT`` steps its shard and gathers). Under
+   ``grads`` and ``full`` every stage's computes run in *unshard windows*:
+   ``UN<s>:<group>`` is posted one compute before the window's first (so the
+   all-gather overlaps that compute: prefetch), ``RE<s>:<group>`` follows its
+   last. ``grads`` has one window per stage, from its first compute to its last
+   backward; ``full`` one per run of the stage's consecutive computes on the
+   rank (a forward run, a backward run), runs at most one compute apart merged
+   (the prefetch would unshard right where the reshard is). After the stage's
+   last backward, ``RS<s>:<group>`` replaces ``AR<s>:dp``; under HSDP
+   (``dp.shard``) ``AR<s>:dp.replicate`` follows it; then the window's
+   ``RE``. The tie all-reduces run at the end, on the gradient shards.
 """
 
 from __future__ import annotations
@@ -31,13 +43,18 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Sequence
 
-from pipec.compiler.ir import Instruction, Op, Program
-from pipec.compiler.plan import Edge, Tie
+from pipec.compiler.ir import GROUP_OPS, Instruction, Op, Program
+from pipec.compiler.plan import Edge, Mesh, Tie
 from pipec.compiler.engine import CostModel
 from pipec.schedules.timing import list_schedule
 from pipec.schedules.order import ComputeOrder, Kind
 
-__all__ = ["lower", "schedule_times"]
+__all__ = ["lower", "schedule_times", "unshard_windows", "PREFETCH"]
+
+PREFETCH = 1
+"""Computes an ``UNSHARD`` is posted ahead of its window's first compute."""
+
+_END = float("inf")
 
 _MIN_DURATION = 1e-9
 """Zero-cost actions are given this length so that finish times strictly increase on a rank."""
@@ -59,8 +76,12 @@ def lower(
     costs: CostModel,
     dp: int = 1,
     ties: Sequence[Tie] = (),
+    mesh: Mesh | None = None,
 ) -> Program:
-    """Turn a compute order into a Program (see the module docstring)."""
+    """Turn a compute order into a Program (see the module docstring); ``mesh`` (its dp and sharding)
+    overrides ``dp``."""
+    mesh = mesh or Mesh(pp=order.num_ranks, dp=dp)
+    dp = mesh.dp
     placement = order.placement
     S = order.num_stages
     P = order.num_ranks
@@ -100,9 +121,11 @@ def lower(
                 key = (f, r, i, j)
                 mine[i + 1].append((key, send_op, s, m, other, q))
                 slots[q][bisect_right(finish[q], f)].append((key, recv_op, other, m, s, r))
-    if dp > 1:
+    if mesh.params_sharded:
+        _place_shard_ops(order, finish, slots, last_backward, mesh)
+    elif dp > 1:
         for s, (r, i) in last_backward.items():
-            slots[r][i + 1].append(((finish[r][i], r, i, float("inf")), Op.ALLREDUCE, s, None, None, None))
+            slots[r][i + 1].append(((finish[r][i], r, i, _END, 0), Op.ALLREDUCE, s, None, "dp", None))
 
     ranks = []
     for r, actions in enumerate(order.ranks):
@@ -119,9 +142,9 @@ def lower(
                 posts.sort(key=_first)
             run: list[tuple] = []
             for post in posts:
-                if post[1] is Op.ALLREDUCE:
+                if post[1] in GROUP_OPS:
                     batch = _flush(run, out, batch)
-                    out.append(Instruction(Op.ALLREDUCE, post[2], group="dp"))
+                    out.append(Instruction(post[1], post[2], group=post[4]))
                 else:
                     run.append(post)
             batch = _flush(run, out, batch)
@@ -132,6 +155,50 @@ def lower(
         out.append(Instruction(Op.OPTIM_STEP))
         ranks.append(tuple(out))
     return Program(tuple(ranks))
+
+
+def unshard_windows(stages: Sequence[int], mode: str) -> list[tuple[int, int, int]]:
+    """The unshard windows of one rank's computes (``stages[i]``: the stage of compute i), as
+    (stage, first, last) compute indices, in order of their first compute (see the module docstring)."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    runs: list[list[int]] = []
+    for i, s in enumerate(stages):
+        first.setdefault(s, i)
+        last[s] = i
+        if runs and runs[-1][0] == s:
+            runs[-1][2] = i
+        else:
+            runs.append([s, i, i])
+    if mode == "grads":
+        return sorted(((s, first[s], last[s]) for s in first), key=lambda w: w[1])
+    merged: dict[int, list[int]] = {}  # stage -> its open window
+    out: list[list[int]] = []
+    for s, a, b in runs:
+        open_ = merged.get(s)
+        if open_ is not None and a - open_[2] - 1 <= PREFETCH:
+            open_[2] = b
+            continue
+        merged[s] = [s, a, b]
+        out.append(merged[s])
+    return [tuple(w) for w in out]
+
+
+def _place_shard_ops(order: ComputeOrder, finish, slots, last_backward: dict[int, tuple[int, int]],
+                     mesh: Mesh) -> None:
+    """UNSHARD, RESHARD and REDUCE_SCATTER (and HSDP's replicate all-reduce) into the slots."""
+    group = mesh.shard_group
+    for r, actions in enumerate(order.ranks):
+        fin = finish[r]
+        for s, a, b in unshard_windows([x.stage for x in actions], mesh.shard):
+            k = max(a - PREFETCH, 0)  # slot k: after compute k - 1
+            slots[r][k].append(((fin[k - 1] if k else -1.0, r, k - 1, _END, 3), Op.UNSHARD, s, None, group, None))
+            end = (fin[b], r, b, _END)
+            if last_backward.get(s) == (r, b):
+                slots[r][b + 1].append((end + (0,), Op.REDUCE_SCATTER, s, None, group, None))
+                if mesh.hybrid:
+                    slots[r][b + 1].append((end + (1,), Op.ALLREDUCE, s, None, "dp.replicate", None))
+            slots[r][b + 1].append((end + (2,), Op.RESHARD, s, None, group, None))
 
 
 def _first(post: tuple) -> tuple:

@@ -15,9 +15,10 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
-from pipec.compiler.ir import FIELDS, IRError, Instruction, Op, Program
+from pipec.compiler.ir import DP_GROUPS, FIELDS, GROUP_OPS, IRError, Instruction, Op, Program
 from pipec.compiler.schema import Reader, SchemaError
 from pipec.compiler.timeline import Timeline
+from pipec.errors import PipecError
 from pipec.schedules.order import gc_paused
 from pipec.schedules.timing import UNIT, Cost
 
@@ -31,7 +32,9 @@ __all__ = [
     "Edge",
     "Tie",
     "Link",
+    "SHARD_MODES",
     "Mesh",
+    "check_shard",
     "Plan",
     "chain_edges",
     "check_limits",
@@ -93,6 +96,9 @@ class Stage:
     param_bytes: int | None = None
     num_params: int | None = None
     """Parameters this stage holds (a tied weight counts on each stage holding a copy)."""
+    param_shapes: tuple[tuple[int, ...], ...] = ()
+    """The shape of each of ``params``, in order (empty: unknown); sharding pads each parameter's
+    dim 0 to a multiple of the shard size, as FSDP2 does."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,10 +142,65 @@ DEFAULT_LINKS: Mapping[str, Link] = {
 }
 
 
+SHARD_MODES = ("none", "optimizer", "grads", "full")
+"""Key ``shard``: how the dp replicas share a stage's state. ``optimizer`` (ZeRO-1): optimizer state
+sharded; ``grads`` (FSDP2 ``reshard_after_forward=False``, ZeRO-2): gradients and optimizer state
+sharded, parameters sharded at rest and gathered once per step; ``full`` (ZeRO-3, FSDP FULL_SHARD):
+parameters resharded after each forward and gathered again for the backward."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Mesh:
     pp: int
     dp: int = 1
+    shard: str = "none"
+    """One of :data:`SHARD_MODES` (key ``shard``)."""
+    shard_size: int | None = None
+    """Replicas that shard a stage's state among themselves (key ``shard_size``); None: all of dp.
+    Shard groups are consecutive dp ranks; with fewer than dp (HSDP) the state is replicated across
+    the groups."""
+
+    @property
+    def num_shards(self) -> int:
+        """The effective shard size: ranks one stage's state is sharded over (1 when not sharded)."""
+        if self.shard == "none":
+            return 1
+        return self.dp if self.shard_size is None else self.shard_size
+
+    @property
+    def sharded(self) -> bool:
+        """Some state is sharded across dp (``shard`` is not ``none``)."""
+        return self.shard != "none"
+
+    @property
+    def params_sharded(self) -> bool:
+        """Parameters are sharded at rest and gathered by ``UNSHARD`` (``shard grads`` or ``full``)."""
+        return self.shard in ("grads", "full")
+
+    @property
+    def hybrid(self) -> bool:
+        """HSDP: shard groups smaller than dp, replicated across each other."""
+        return self.sharded and self.num_shards < self.dp
+
+    @property
+    def shard_group(self) -> str:
+        """The group a stage's state is sharded over: ``dp``, or ``dp.shard`` under HSDP."""
+        return "dp.shard" if self.hybrid else "dp"
+
+    def group_ranks(self, group: str, global_rank: int) -> tuple[int, ...]:
+        """The global ranks of the dp group ``group`` (``dp``, ``dp.shard``, ``dp.replicate``) that
+        ``global_rank`` belongs to, in dp order. Shard groups are consecutive dp ranks; a replicate
+        group holds the same position in each shard group."""
+        pp, d = self.coords(global_rank)
+        n = self.num_shards if self.hybrid else self.dp
+        if group == "dp":
+            return tuple(self.replicas(pp))
+        if group == "dp.shard":
+            first = d - d % n
+            return tuple(self.global_rank(pp, x) for x in range(first, first + n))
+        if group == "dp.replicate":
+            return tuple(self.global_rank(pp, x) for x in range(d % n, self.dp, n))
+        raise KeyError(f"{group!r} is not a dp group (dp, dp.shard, dp.replicate)")
 
     @property
     def world_size(self) -> int:
@@ -161,6 +222,29 @@ class Mesh:
         """``global rank G (pp P, dp D)``: how messages name a rank."""
         pp, dp = self.coords(global_rank)
         return f"global rank {global_rank} (pp {pp}, dp {dp})"
+
+
+def check_shard(mesh: Mesh) -> None:
+    """Refuse a sharding that cannot work (key ``shard`` or ``shard_size``), saying why and the fix."""
+    if mesh.shard not in SHARD_MODES:
+        raise PipecError(f"shard must be one of {', '.join(SHARD_MODES)}, got {mesh.shard!r}", key="shard")
+    size = mesh.shard_size
+    if size is not None and (size < 1 or mesh.dp % size):
+        raise PipecError(f"shard_size {size} does not divide dp {mesh.dp}: shard groups are consecutive dp "
+                         "ranks of equal size", key="shard_size",
+                         hints=(f"use a divisor of {mesh.dp} ({', '.join(map(str, _divisors(mesh.dp)))}), "
+                                "or leave shard_size out (all of dp)",))
+    if mesh.sharded and mesh.dp < 2:
+        raise PipecError(f"shard {mesh.shard} needs dp >= 2: with one replica there is no one to share the "
+                         f"state with (dp is {mesh.dp})", key="shard",
+                         hints=("set dp 2 or more, or shard none",))
+    if size is not None and not mesh.sharded:
+        raise PipecError(f"shard_size {size} is set but shard is none: nothing is sharded", key="shard_size",
+                         hints=("set shard optimizer, grads or full, or leave shard_size out",))
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
 
 
 def chain_edges(num_stages: int) -> tuple[Edge, ...]:
@@ -221,6 +305,16 @@ def _instr_json(ins: Instruction) -> dict[str, Any]:
     return d
 
 
+def _mesh_json(mesh: Mesh) -> dict[str, Any]:
+    """plan.json's ``mesh``: ``shard`` and ``shard_size`` only when set (absent: none, all of dp)."""
+    out: dict[str, Any] = {"pp": mesh.pp, "dp": mesh.dp}
+    if mesh.shard != "none":
+        out["shard"] = mesh.shard
+    if mesh.shard_size is not None:
+        out["shard_size"] = mesh.shard_size
+    return out
+
+
 def _sig_json(s: Signature) -> dict[str, Any]:
     return {"name": s.name, "shape": list(s.shape), "dtype": s.dtype}
 
@@ -230,7 +324,7 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
     out: dict[str, Any] = {"format": plan.format, "pipec_version": plan.pipec_version, "spec": dict(plan.spec)}
     if plan.model is not None:
         out["model"] = dict(plan.model)
-    out["mesh"] = {"pp": plan.mesh.pp, "dp": plan.mesh.dp}
+    out["mesh"] = _mesh_json(plan.mesh)
     out["num_stages"] = plan.num_stages
     out["num_microbatches"] = plan.num_microbatches
     out["placement"] = list(plan.placement)
@@ -252,6 +346,8 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
             d["param_bytes"] = st.param_bytes
         if st.num_params is not None:
             d["num_params"] = st.num_params
+        if st.param_shapes:
+            d["param_shapes"] = [list(shape) for shape in st.param_shapes]
         stages.append(d)
     out["stages"] = stages
     out["edges"] = [
@@ -283,8 +379,8 @@ def _instr_line(ins: Instruction) -> str:
         return f'{{"op":"{name}","stage":{ins.stage},"microbatch":{ins.microbatch}}}'
     if op is Op.OPTIM_STEP:
         return '{"op":"OPTIM_STEP"}'
-    if op is Op.ALLREDUCE:
-        return f'{{"op":"ALLREDUCE","stage":{ins.stage},"group":{json.dumps(ins.group)}}}'
+    if op in GROUP_OPS:
+        return f'{{"op":"{name}","stage":{ins.stage},"group":{json.dumps(ins.group)}}}'
     other = f'"to_stage":{ins.to_stage}' if ins.to_stage is not None else f'"from_stage":{ins.from_stage}'
     batch = "" if ins.batch is None else f',"batch":{ins.batch}'
     return f'{{"op":"{name}","stage":{ins.stage},"microbatch":{ins.microbatch},{other},"peer":{ins.peer}{batch}}}'
@@ -336,6 +432,23 @@ def _sigs(rd: Reader, key: str) -> tuple[Signature, ...]:
     return tuple(out)
 
 
+_GROUPS_OF = {Op.ALLREDUCE: ("dp", "dp.replicate"), Op.UNSHARD: DP_GROUPS[:2], Op.RESHARD: DP_GROUPS[:2],
+              Op.REDUCE_SCATTER: DP_GROUPS[:2]}
+"""The dp groups each group opcode may name (an all-reduce also a tie group)."""
+
+
+def _shapes(rd: Reader, num_params: int) -> tuple[tuple[int, ...], ...]:
+    """A stage's ``param_shapes``: absent, or one shape per parameter."""
+    raw = rd.list("param_shapes", required=False)
+    if raw is None:
+        return ()
+    if len(raw) != num_params or not all(isinstance(sh, list) and all(type(d) is int and d >= 0 for d in sh)
+                                         for sh in raw):
+        raise rd.error("param_shapes", f"expected one shape (a list of sizes) per parameter ({num_params})",
+                       raw)
+    return tuple(tuple(sh) for sh in raw)
+
+
 def _read_instructions(rd: Reader, num_ranks: int, num_stages: int, num_mb: int) -> Program:
     ranks = []
     seen = 0
@@ -364,8 +477,11 @@ def _read_instructions(rd: Reader, num_ranks: int, num_stages: int, num_mb: int)
             for name in FIELDS[op]:
                 v = d.get(name)
                 if name == "group":
-                    if not isinstance(v, str) or not (v == "dp" or v.startswith("tie.")):
-                        raise PlanError(f"{where}.group: expected 'dp' or 'tie.<name>', got {v!r:.60}")
+                    if not isinstance(v, str) or v not in _GROUPS_OF[op] and not (
+                            op is Op.ALLREDUCE and v.startswith("tie.")):
+                        want = ("'dp' or 'tie.<name>' (HSDP: 'dp.replicate')" if op is Op.ALLREDUCE else
+                                "'dp' or 'dp.shard' (HSDP)")
+                        raise PlanError(f"{where}.group: expected {want}, got {v!r:.60}")
                 elif type(v) is not int or not 0 <= v < bounds[name]:
                     raise PlanError(f"{where}.{name}: expected an integer in 0..{bounds[name] - 1}, got {v!r:.60}")
                 kw[name] = v
@@ -376,7 +492,7 @@ def _read_instructions(rd: Reader, num_ranks: int, num_stages: int, num_mb: int)
             if b is not None:
                 if type(b) is not int or b < 0:
                     raise PlanError(f"{where}.batch: expected a non-negative integer, got {b!r:.60}")
-                if op is Op.ALLREDUCE or op is Op.OPTIM_STEP or op in (Op.FWD, Op.BWD, Op.BWD_I, Op.BWD_W):
+                if op in GROUP_OPS or op is Op.OPTIM_STEP or op in (Op.FWD, Op.BWD, Op.BWD_I, Op.BWD_W):
                     raise PlanError(f"{where}.batch: only sends and receives can be batched, not {op.value}")
                 kw["batch"] = b
             out.append(Instruction(op, **kw))
@@ -394,7 +510,13 @@ def load_plan(obj: Any, where: str = "plan") -> Plan:
         if fmt != FORMAT:
             raise rd.error("format", f"expected {FORMAT!r}", fmt)
         mesh_rd = rd.sub("mesh")
-        mesh = Mesh(pp=mesh_rd.int("pp", lo=1), dp=mesh_rd.int("dp", lo=1))
+        mesh = Mesh(pp=mesh_rd.int("pp", lo=1), dp=mesh_rd.int("dp", lo=1),
+                    shard=mesh_rd.str("shard", required=False, choices=SHARD_MODES) or "none",
+                    shard_size=mesh_rd.int("shard_size", lo=1, required=False))
+        try:
+            check_shard(mesh)
+        except PipecError as e:
+            raise PlanError(f"{where}.mesh.{e.key}: {e}") from None
         num_stages = rd.int("num_stages", lo=1)
         num_mb = rd.int("num_microbatches", lo=1)
         check_limits(pp=mesh.pp, num_stages=num_stages, num_microbatches=num_mb)
@@ -408,17 +530,19 @@ def load_plan(obj: Any, where: str = "plan") -> Plan:
                 fwd=c.num("fwd", lo=0), bwd=c.num("bwd", lo=0), bwd_i=c.num("bwd_i", lo=0), bwd_w=c.num("bwd_w", lo=0),
                 optim=c.num("optim", lo=0, required=False) or 0.0,
             )
+            params = s.strs("params", required=False) or ()
             stage = Stage(
                 stage=s.int("stage", lo=0, hi=num_stages - 1),
                 rank=s.int("rank", lo=0, hi=mesh.pp - 1),
                 nodes=s.strs("nodes", required=False) or (),
-                params=s.strs("params", required=False) or (),
+                params=params,
                 inputs=_sigs(s, "inputs"),
                 outputs=_sigs(s, "outputs"),
                 cost=cost,
                 activation_bytes=s.int("activation_bytes", lo=0, required=False),
                 param_bytes=s.int("param_bytes", lo=0, required=False),
                 num_params=s.int("num_params", lo=0, required=False),
+                param_shapes=_shapes(s, len(params)),
             )
             if stage.stage != i:
                 raise s.error("stage", f"expected {i} (stages are listed in order)", stage.stage)

@@ -46,7 +46,11 @@ class RankTime:
     peak_activations: int | None = None
     """Most microbatches whose activations this rank held at once (F done, backward not)."""
     peak_memory_bytes: int | None = None
-    """Predicted: params, grads, optimizer state and activations; measured: the allocator's peak."""
+    """Predicted: params, grads, optimizer state, transiently unsharded parameters and activations;
+    measured: the allocator's peak."""
+    state_bytes: int | None = None
+    """Predicted: params, grads and optimizer state at rest as this rank holds them (sharded as the
+    mesh's ``shard`` says; padding included)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,6 +74,7 @@ class Timeline:
         events: Iterable[Event] = (),
         peak_activations: Mapping[int, int] | None = None,
         peak_memory_bytes: Mapping[int, int] | None = None,
+        state_bytes: Mapping[int, int] | None = None,
         time_unit: str = "s",
     ) -> "Timeline":
         """Assemble a Timeline from per-rank ``(compute, comm_wait)`` totals.
@@ -93,6 +98,7 @@ class Timeline:
                     bubble_fraction=bubble / step_time if step_time > 0 else 0.0,
                     peak_activations=None if peak_activations is None else peak_activations.get(rank),
                     peak_memory_bytes=None if peak_memory_bytes is None else peak_memory_bytes.get(rank),
+                    state_bytes=None if state_bytes is None else state_bytes.get(rank),
                 )
             )
         denom = len(per_rank) * step_time
@@ -119,6 +125,8 @@ class Timeline:
                 d["peak_activations"] = r.peak_activations
             if r.peak_memory_bytes is not None:
                 d["peak_memory_bytes"] = r.peak_memory_bytes
+            if r.state_bytes is not None:
+                d["state_bytes"] = r.state_bytes
             per_rank.append(d)
         return {
             "step_time": self.step_time,
@@ -143,6 +151,7 @@ class Timeline:
                 bubble_fraction=r.num("bubble_fraction", lo=0, hi=1.000001),
                 peak_activations=r.int("peak_activations", lo=0, required=False),
                 peak_memory_bytes=r.int("peak_memory_bytes", lo=0, required=False),
+                state_bytes=r.int("state_bytes", lo=0, required=False),
             )
             for r in rd.items("per_rank")
         )

@@ -18,6 +18,20 @@
    with dp > 1 every stage is reduced over dp exactly once; every tie group
    spanning several ranks is reduced once on each; members of a group issue
    their collectives in the same order; ``OPTIM_STEP`` ends every program.
+5. **Sharding** (the mesh's ``shard`` is ``grads`` or ``full``). Every compute
+   of a stage runs inside an unshard window of that stage (``UN<s>`` before
+   it, no ``RE<s>`` between), windows open and close in pairs and are closed
+   by the step's end; every shard instruction names the mesh's shard group.
+   ``REDUCE_SCATTER`` replaces the stage's ``AR<s>:dp``: once, after its last
+   backward; under HSDP ``AR<s>:dp.replicate`` once, after it; a tie
+   all-reduce runs on the gradient shards, after the ``RS`` of every stage of
+   its rank that holds the weight. Members of a shard group are the dp
+   replicas of one pp rank, which run one program, so they issue the group's
+   collectives in one order; members of a tie group (on the shards) are on
+   several pp ranks, and proof 4 checks their order, the ``RS`` before it
+   included: a tie all-reduce on one rank's full gradients and another's
+   shards would mismatch. No deadlock (proof 3) covers the shard
+   instructions under both comm models.
 
 Errors name the rank and the instruction: ``rank 2, instruction 17 (F1.3):
 needs RA1.3<0@0 posted earlier on rank 2``.
@@ -39,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from pipec.compiler.ir import Instruction, Op, Program
-from pipec.compiler.plan import Edge, Plan, Stage, Tie
+from pipec.compiler.plan import Edge, Mesh, Plan, Stage, Tie
 from pipec.compiler.engine import BUFFERED, MODELS, CostModel, Deadlock, Execution, decode, execute
 from pipec.compiler.simulate import plan_costs
 from pipec.errors import PipecError
@@ -90,6 +104,7 @@ class _Index:
     placement: Sequence[int]
     num_microbatches: int
     dp: int
+    mesh: Mesh
     ties: dict[str, Tie]
     """``tie.<name>`` -> its tie group."""
     producers: list[list[int]]
@@ -116,6 +131,10 @@ class _Index:
     """Per rank: (index, group, stage) of each ALLREDUCE, in order."""
     collectives: list[list[str]] = field(default_factory=list)
     """Per rank: the groups of its tie all-reduces and OPT's pp collective, in order."""
+    scattered: list[dict[int, int]] = field(default_factory=list)
+    """Per rank: stage -> index of its REDUCE_SCATTER."""
+    unsharded: dict[int, int] = field(default_factory=dict)
+    """While indexing a rank: stage -> index of the UNSHARD of its open window."""
     broken: Violation | None = None
     """What stopped the build: the first instruction (program order) that is wrong by itself.
     The index holds everything before it, which is all the proofs of earlier instructions read."""
@@ -158,6 +177,7 @@ def _indexers(ix: _Index) -> dict[Op, Callable[[int, int, Instruction], None]]:
     G = S * S * M
     fwd, bwd, inp, wgt, sent, received = ix.fwd, ix.bwd, ix.inp, ix.wgt, ix.sent, ix.received
     last_backward, num_backwards, edge_keys = ix.last_backward, ix.num_backwards, ix.edge_keys
+    windows, group, unsharded = ix.mesh.params_sharded, ix.mesh.shard_group, ix.unsharded
 
     def compute(table: dict[int, Where], what: str, *, completes: bool,
                 also: dict[int, Where] | None = None) -> Callable[[int, int, Instruction], None]:
@@ -169,6 +189,10 @@ def _indexers(ix: _Index) -> dict[Op, Callable[[int, int, Instruction], None]]:
             sm = s * M + ins.microbatch
             if sm in table:
                 raise _twice(table[sm], r, i, ins, what)
+            if windows and s not in unsharded:
+                raise _broken(r, i, ins, f"runs outside an unshard window: stage {s}'s parameters are sharded "
+                                         f"(shard {ix.mesh.shard}); post UN{s}:{group} before it, with no "
+                                         f"RE{s}:{group} between")
             table[sm] = (r, i)
             if also is not None:
                 also[sm] = (r, i)
@@ -213,9 +237,16 @@ def _indexers(ix: _Index) -> dict[Op, Callable[[int, int, Instruction], None]]:
         return post
 
     def allreduce(r: int, i: int, ins: Instruction) -> None:
-        """Over dp, or over a tie group that holds a copy on its stage."""
+        """Over dp (HSDP: dp.replicate), or over a tie group that holds a copy on its stage."""
         group, s = ins.group, ins.stage
-        if group != "dp":
+        want = "dp.replicate" if ix.mesh.hybrid and windows else "dp"
+        if group.startswith("dp") and group != want:
+            why = (f"under shard {ix.mesh.shard} gradients are reduce-scattered: RS{s}:{ix.mesh.shard_group} "
+                   f"replaces AR{s}:dp" + (f", then AR{s}:dp.replicate" if ix.mesh.hybrid else "")
+                   if windows else f"the mesh has no group {group} (shard {ix.mesh.shard}"
+                   f"{'' if ix.mesh.shard_size is None else f', shard_size {ix.mesh.shard_size}'})")
+            raise _broken(r, i, ins, f"{why}; write AR{s}:{want}" if not windows or ix.mesh.hybrid else why)
+        if not group.startswith("dp"):
             tie = ix.ties.get(group)
             if tie is None:
                 known = ", ".join(sorted(ix.ties)) or "none"
@@ -229,11 +260,48 @@ def _indexers(ix: _Index) -> dict[Op, Callable[[int, int, Instruction], None]]:
             Op.BWD_I: compute(bwd, "backward", completes=False, also=inp),
             Op.BWD_W: compute(wgt, "weight-grad backward", completes=True),
             Op.SEND_ACT: poster(True, True), Op.RECV_ACT: poster(False, True), Op.SEND_GRAD: poster(True, False),
-            Op.RECV_GRAD: poster(False, False), Op.ALLREDUCE: allreduce}
+            Op.RECV_GRAD: poster(False, False), Op.ALLREDUCE: allreduce, **_shard_indexers(ix)}
+
+
+def _shard_indexers(ix: _Index) -> dict[Op, Callable[[int, int, Instruction], None]]:
+    """UNSHARD opens a stage's window, RESHARD closes it, REDUCE_SCATTER comes once per stage; all on the
+    mesh's shard group, and only on a mesh that shards parameters."""
+    mesh, unsharded = ix.mesh, ix.unsharded
+
+    def checked(r: int, i: int, ins: Instruction) -> None:
+        if not mesh.params_sharded:
+            raise _broken(r, i, ins, f"the mesh does not shard parameters (shard {mesh.shard}, dp {mesh.dp}); "
+                                     "only shard grads or full gather and scatter them")
+        if ins.group != mesh.shard_group:
+            raise _broken(r, i, ins, f"stage {ins.stage} is sharded over {mesh.shard_group}, not {ins.group}; "
+                                     f"write {ins.text().split(':')[0]}:{mesh.shard_group}")
+
+    def unshard(r: int, i: int, ins: Instruction) -> None:
+        checked(r, i, ins)
+        if ins.stage in unsharded:
+            raise _broken(r, i, ins, f"stage {ins.stage} is already unsharded (by instruction "
+                                     f"{unsharded[ins.stage]}); reshard it first, or drop this UNSHARD")
+        unsharded[ins.stage] = i
+
+    def reshard(r: int, i: int, ins: Instruction) -> None:
+        checked(r, i, ins)
+        if unsharded.pop(ins.stage, None) is None:
+            raise _broken(r, i, ins, f"stage {ins.stage} is not unsharded here; a RESHARD closes the window "
+                                     f"an UN{ins.stage}:{ins.group} opened")
+
+    def scatter(r: int, i: int, ins: Instruction) -> None:
+        checked(r, i, ins)
+        done = ix.scattered[r]
+        if ins.stage in done:
+            raise _broken(r, i, ins, f"second reduce-scatter of stage {ins.stage} (the first is instruction "
+                                     f"{done[ins.stage]})")
+        done[ins.stage] = i
+
+    return {Op.UNSHARD: unshard, Op.RESHARD: reshard, Op.REDUCE_SCATTER: scatter}
 
 
 def _build_index(program: Program, placement: Sequence[int], num_microbatches: int, edges: Sequence[Edge],
-                 ties: Sequence[Tie], dp: int) -> _Index:
+                 ties: Sequence[Tie], mesh: Mesh) -> _Index:
     """One pass over the program: the index, and every per-instruction check (stage placed on this
     rank, batches adjacent, OPT last, nothing twice, posts on real edges, known groups)."""
     P = program.num_ranks
@@ -246,7 +314,7 @@ def _build_index(program: Program, placement: Sequence[int], num_microbatches: i
     for src, dst in edge_set:
         producers[dst].append(src)
         consumers[src].append(dst)
-    ix = _Index(program=program, placement=placement, num_microbatches=num_microbatches, dp=dp,
+    ix = _Index(program=program, placement=placement, num_microbatches=num_microbatches, dp=mesh.dp, mesh=mesh,
                 ties={f"tie.{t.name}": t for t in ties}, producers=producers, consumers=consumers,
                 edge_keys={src * S + dst for src, dst in edge_set}, num_stages=S)
     try:
@@ -261,6 +329,8 @@ def _index_ranks(ix: _Index, indexers: dict[Op, Callable[[int, int, Instruction]
     for r, instrs in enumerate(ix.program.ranks):
         ix.allreduces.append([])
         ix.collectives.append([])
+        ix.scattered.append({})
+        ix.unsharded.clear()
         last_batch, closed = None, set()
         n = len(instrs)
         for i, ins in enumerate(instrs):
@@ -275,6 +345,11 @@ def _index_ranks(ix: _Index, indexers: dict[Op, Callable[[int, int, Instruction]
             if op is Op.OPTIM_STEP:
                 if i != n - 1:
                     raise _broken(r, i, ins, "OPT must be the last instruction of the step")
+                if ix.unsharded:
+                    s = min(ix.unsharded)
+                    raise _broken(r, i, ins, f"stage {s} is still unsharded at the step's end (since instruction "
+                                             f"{ix.unsharded[s]}); add RE{s}:{ix.mesh.shard_group} after its "
+                                             "last compute")
                 ix.collectives[r].append("pp")
                 continue
             s = ins.stage
@@ -420,11 +495,12 @@ def _prove_matching(ix: _Index) -> Violation | None:
 def _after_backwards(ix: _Index, r: int, i: int, group: str, s: int) -> Violation | None:
     """An all-reduce comes after the last backward of every stage whose grads it reduces."""
     M = ix.num_microbatches
-    stages = (s,) if group == "dp" else tuple(ts for ts in ix.ties[group].stages if ix.placement[ts] == r)
+    dp_group = group.startswith("dp")
+    stages = (s,) if dp_group else tuple(ts for ts in ix.ties[group].stages if ix.placement[ts] == r)
     for ts in stages:
         if ix.num_backwards.get(ts, 0) == M and ix.last_backward[ts] < i:
             continue
-        if group != "dp":
+        if not dp_group:
             return ix.violation((r, i), f"comes before the last backward of stage {ts}, which holds "
                                         f"a copy of {group[4:]!r}")
         done = sum(1 for x in ix.program.ranks[r][:i] if x.stage == ts and (x.op is Op.BWD or x.op is Op.BWD_W))
@@ -436,23 +512,50 @@ def _after_backwards(ix: _Index, r: int, i: int, group: str, s: int) -> Violatio
 def _rank_reductions(ix: _Index, r: int) -> Violation | None:
     """Rank r's all-reduces: each after its backwards and once; every stage over dp, every spanning tie."""
     reduced: set[tuple[str, int]] = set()
-    for i, group, s in ix.allreduces[r]:
-        late = _after_backwards(ix, r, i, group, s)
+    scattered = ix.scattered[r]
+    sharded = ix.mesh.params_sharded
+    for s, i in scattered.items():
+        late = _after_backwards(ix, r, i, "dp", s)
         if late is not None:
             return late
-        key = (group, s if group == "dp" else -1)
+    for i, group, s in ix.allreduces[r]:
+        late = _after_backwards(ix, r, i, group, s) or (_after_scatter(ix, r, i, group, s) if sharded else None)
+        if late is not None:
+            return late
+        key = (group, s if group.startswith("dp") else -1)
         if key in reduced:
-            return ix.violation((r, i), f"second all-reduce of {'stage %d' % s if group == 'dp' else group}")
+            return ix.violation((r, i), f"second all-reduce of {group if key[1] < 0 else 'stage %d' % s}")
         reduced.add(key)
     for s in (st for st in range(ix.num_stages) if ix.placement[st] == r):
-        if ix.dp > 1 and ("dp", s) not in reduced:
-            return (0, r, END), (f"rank {r}: stage {s} is never all-reduced over dp (dp={ix.dp}); "
-                                 f"add AR{s}:dp after its last backward")
+        if ix.dp < 2:
+            continue
+        group = ix.mesh.shard_group
+        if sharded and s not in scattered:
+            return (0, r, END), (f"rank {r}: stage {s} is never reduce-scattered over {group} (shard "
+                                 f"{ix.mesh.shard}); add RS{s}:{group} after its last backward")
+        want = "dp.replicate" if sharded and ix.mesh.hybrid else None if sharded else "dp"
+        if want is not None and (want, s) not in reduced:
+            return (0, r, END), (f"rank {r}: stage {s} is never all-reduced over {want} (dp={ix.dp}); "
+                                 f"add AR{s}:{want} after its "
+                                 + (f"RS{s}:{group}" if sharded else "last backward"))
     for name, tie in ix.ties.items():
         ranks_of_tie = tie.ranks(ix.placement)
         if r in ranks_of_tie and len(ranks_of_tie) > 1 and (name, -1) not in reduced:
             return (0, r, END), (f"rank {r}: tied weight {tie.name!r} is never all-reduced over its tie group; "
                                  "the copies would drift")
+    return None
+
+
+def _after_scatter(ix: _Index, r: int, i: int, group: str, s: int) -> Violation | None:
+    """Under sharding, an all-reduce (HSDP's replicate one, a tie's) runs on gradient shards: after the
+    ``RS`` of every stage of its rank whose grads it reduces."""
+    stages = (s,) if group.startswith("dp") else tuple(ts for ts in ix.ties[group].stages if ix.placement[ts] == r)
+    for ts in stages:
+        at = ix.scattered[r].get(ts)
+        if at is None or at > i:
+            return ix.violation((r, i), f"runs on the gradient shards, so after RS{ts}:{ix.mesh.shard_group}; "
+                                        f"stage {ts}'s gradients are not reduce-scattered yet, and the members "
+                                        "would reduce tensors of different sizes")
     return None
 
 
@@ -514,10 +617,12 @@ def verify_program(
     dp: int = 1,
     ties: Sequence[Tie] = (),
     stages: Sequence[Stage] = (),
+    mesh: Mesh | None = None,
 ) -> Proof:
     """Run all four proofs; raise :class:`VerifyError` at the first broken obligation (see the module docstring)."""
     _check_signatures(stages, edges)
-    ix = _build_index(program, placement, num_microbatches, edges, ties, dp)
+    mesh = mesh or Mesh(pp=program.num_ranks, dp=dp)
+    ix = _build_index(program, placement, num_microbatches, edges, ties, mesh)
     found = [v for v in (ix.broken, *(prove(ix) for prove in PROOFS)) if v is not None]
     if found:
         raise VerifyError(min(found)[1])
@@ -537,4 +642,5 @@ def verify(plan: Plan) -> Proof:
         dp=plan.mesh.dp,
         ties=plan.ties,
         stages=plan.stages,
+        mesh=plan.mesh,
     )
