@@ -89,7 +89,8 @@ def request_of(values: Mapping[str, Any], origins: Mapping[str, Any], *, policy,
             peak_flops=values["peak_flops"],
             search_path=search_path(base_dir),
             init=values["init"],
-            targets=tuple(InputTensor(name=t.name, dtype=t.dtype, shape=tuple(t.shape)) for t in values["targets"] or ()),
+            targets=tuple(InputTensor(name=t.name, dtype=t.dtype, shape=tuple(t.shape))
+                          for t in values["targets"] or ()),
         )
     order = values["order"]
     return CompileRequest(

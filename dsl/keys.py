@@ -173,7 +173,8 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                 "model input. The model is traced with it; its batch is split into microbatches.",
         constraints=f"dtypes: {', '.join(sk.DTYPES)}. Required with `model`.",
         example="input tokens: int64[16, 128]"),
-    Key(name="targets", kind=k.Maybe(sk.Tensors("y: float32[32, 4]", one=True)), default=None, default_doc="derived from the model and the loss",
+    Key(name="targets", kind=k.Maybe(sk.Tensors("y: float32[32, 4]", one=True)), default=None,
+        default_doc="derived from the model and the loss",
         flag="--targets", group="Model",
         meaning="The targets of one dp replica's whole batch, as the loss takes them: name, dtype and shape "
                 "(written like `input`). Synthetic targets then have this shape and dtype, and a data "

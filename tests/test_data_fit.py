@@ -1,13 +1,26 @@
-"""Synthetic data derived from the traced model and the loss; the loss checked on the meta device."""
+"""Synthetic data derived from the traced model and the loss; the loss checked on the meta device.
+
+Then through the compiler and the runtime: a mismatch refused by ``pipec
+compile`` at the key, a float model's default data fitting its loss, and a
+data function's contract (what it returns, what it raises).
+"""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
+from pipec.compiler.config import TrainingConfig
+from pipec.compiler.driver import compile_spec
 from pipec.compiler.frontend.data import describe_data
+from pipec.compiler.frontend.stages import build_reference
 from pipec.compiler.frontend.trace import FrontendError, InputSpec
+from pipec.dsl import load_spec
+from pipec.errors import PipecError
+from pipec.runtime.training import make_data, make_loss
 from test_partition import traced_model as _traced
 
 
@@ -82,3 +95,119 @@ def test_the_derived_targets_fit_the_real_loss():
     out = torch.randn(4, 3)
     y = torch.randint(0, target["high"], tuple(target["shape"]))
     assert torch.nn.functional.cross_entropy(out, y).ndim == 0
+
+
+# ----------------------------------------------------------------------------- through the compiler and the runtime
+
+REGRESSOR = '''
+import torch
+from torch import nn
+
+
+class Regressor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def build():
+    return Regressor()
+'''
+
+DATA_FNS = '''
+import torch
+
+
+def good(step, dp_rank, dp_size):
+    return (torch.randn(32, 16),), torch.zeros(32, 4)
+
+
+def wrong_dtype(step, dp_rank, dp_size):
+    return {"x": torch.zeros(32, 16, dtype=torch.float64)}, torch.zeros(32, 4)
+
+
+def not_a_pair(step, dp_rank, dp_size):
+    return torch.zeros(32, 16)
+
+
+def wrong_targets(step, dp_rank, dp_size):
+    return torch.zeros(32, 16), torch.zeros(32, 16)
+
+
+def raising(step, dp_rank, dp_size):
+    raise KeyError("shard 7")
+'''
+
+
+@pytest.fixture
+def regressor(tmp_path):
+    """A float model (float32[32, 16] -> [32, 4]) and data functions beside its schedule file (no PYTHONPATH)."""
+    (tmp_path / "regmodel.py").write_text(REGRESSOR)
+    (tmp_path / "regdata.py").write_text(DATA_FNS)
+    pipe = tmp_path / "reg.pipe"
+    pipe.write_text('model "regmodel:build"\ninput x: float32[32, 16]\nloss mse\npp 2\ncosts unit\n')
+    return pipe
+
+
+def test_a_loss_the_targets_do_not_fit_is_refused_by_pipec_compile_at_the_key(cli, regressor):
+    regressor.write_text(regressor.read_text() + "targets y: float32[32, 16]\n")
+    out = cli("compile", str(regressor), "-o", "p.json")
+    assert out.returncode == 2, out.stderr
+    assert "reg.pipe:6:9: error: loss mse cannot take the model's output float32[8, 4] with the declared targets " \
+           "float32[8, 16] (one microbatch): mse needs the target's shape [8, 16] to equal the output's [8, 4]" \
+           in out.stderr
+    assert "make `targets` match what the loss takes" in out.stderr and "Traceback" not in out.stderr
+    out = cli("compile", str(regressor), "--loss", "cross_entropy", "--targets", "y: int64[32, 4]", "-o", "p.json")
+    assert out.returncode == 2 and "<command line>:1:" in out.stderr and "error: loss cross_entropy cannot take" \
+        in out.stderr, out.stderr
+
+
+def _plan(pipe, **flags):
+    return compile_spec(load_spec(str(pipe), flags)).plan
+
+
+def test_a_float_model_with_mse_and_default_data_compiles_and_its_batch_fits(regressor):
+    plan = _plan(regressor)
+    assert plan.model["data"]["target"] == {"name": "target", "dtype": "float32", "shape": [32, 4],
+                                            "fill": "regression"}
+    config = TrainingConfig.from_spec(plan.spec)
+    x, y = make_data(config, plan)(0, 0, 1)
+    model = build_reference(plan, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no broadcasting warning, nor any other
+        (out,) = model(x["x"])  # the reference returns the last stage's outputs
+        loss = make_loss(config.loss, plan.model["search_path"])(out, y)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("fn, match", [
+    ("wrong_dtype", r"returned float64\[32, 16\] for input 'x', which the plan expects as float32\[32, 16\]"),
+    ("not_a_pair", r"returned float32\[32, 16\], not a pair \(inputs, targets\)"),
+    ("wrong_targets", r"returned targets float32\[32, 16\], which the plan expects as float32\[32, 4\]"),
+    ("raising", r"the data function 'regdata:raising' raised KeyError: 'shard 7'"),
+])
+def test_a_data_function_that_breaks_its_contract_is_named(regressor, fn, match):
+    flags = {"data": f"regdata:{fn}"} | ({"targets": "y: float32[32, 4]"} if fn == "wrong_targets" else {})
+    plan = _plan(regressor, **flags)
+    data = make_data(TrainingConfig.from_spec(plan.spec), plan)
+    with pytest.raises(PipecError, match=match) as err:
+        data(3, 0, 1)
+    assert err.value.exit_code == 2 and err.value.key == "data"
+    if fn != "raising":
+        assert "a data function's contract" in "\n".join(err.value.hints)
+    else:
+        assert "fn(step=3, dp_rank=0, dp_size=1)" in str(err.value) and err.value.__cause__ is None
+
+
+def test_a_good_data_function_passes_and_a_missing_one_is_refused_at_compile(regressor):
+    plan = _plan(regressor, data="regdata:good")
+    assert "target" not in plan.model["data"]  # a data function's targets are unknown without `targets`
+    x, y = make_data(TrainingConfig.from_spec(plan.spec), plan)(0, 0, 1)
+    assert list(x) == ["x"] and y.shape == (32, 4)
+    with pytest.raises(PipecError, match=r"data 'regdata:nope': module 'regdata' has no callable 'nope'") as err:
+        _plan(regressor, data="regdata:nope")
+    assert err.value.located and "<command line>:1:" in str(err.value)

@@ -257,7 +257,8 @@ def data_of(traced: Traced, *, data: str | TokenData, loss: str, num_microbatche
     common = dict(loss=loss, num_microbatches=num_microbatches, search_path=search_path)
     if isinstance(data, TokenData):
         tokens = _token_input(traced, num_microbatches, data)
-        desc = describe_data(traced, targets=(InputSpec("target", "int64", tokens.shape),), declared_by="data", **common)
+        implied = InputSpec("target", "int64", tokens.shape)  # each row's next tokens
+        desc = describe_data(traced, targets=(implied,), declared_by="data", **common)
         high = desc["inputs"][0].get("high") if desc["inputs"][0]["fill"] == "tokens" else None
         map_tokens(data.path, dtype=data.dtype, seq=tokens.shape[1], batch=tokens.shape[0], dp_size=dp, vocab=high)
         return desc
@@ -295,8 +296,8 @@ def map_tokens(path: str, *, dtype: str, seq: int, batch: int, dp_size: int, voc
         with open(path, "rb"):
             pass
     except OSError as e:
-        raise DataError(f"data tokens: cannot read {path!r}: {e.strerror or e}", key="data",
-                        hints=("a path is relative to the schedule file",)) from None
+        raise DataError(f"data tokens: cannot read {path!r}: {e.strerror or e}", key="data", hints=(
+            "a path in a schedule file is relative to its folder; a flag's, to the current folder",)) from None
     item = np.dtype(dtype).itemsize
     if size % item:
         raise DataError(f"data tokens: {path!r} is {size:,} bytes, not a whole number of {dtype} tokens "
