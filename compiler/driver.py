@@ -19,7 +19,7 @@ import pipec
 from pipec.compiler.config import TrainingConfig
 from pipec.compiler.ir import Program
 from pipec.compiler.lower import lower
-from pipec.compiler.memory import check_memory, state_bytes
+from pipec.compiler.memory import breakdown, check_memory
 from pipec.compiler.plan import DEFAULT_LINKS, Link, Mesh, Plan, Stage, check_limits, check_shard
 from pipec.compiler.request import CompileRequest, ModelSpec
 from pipec.compiler.simulate import BUFFERED, chain_edges, plan_costs, timeline_of
@@ -174,7 +174,10 @@ def prove_and_predict(plan: Plan) -> Plan:
     """Verify a plan (all four proofs, both comm models) and attach its predicted timeline."""
     with gc_paused():
         proof = verify(plan)
-    return replace(plan, prediction=timeline_of(proof.executions[BUFFERED], plan_costs(plan), state_bytes(plan)))
+    rows = breakdown(plan)
+    state = None if rows is None else [m.state for m in rows]
+    static = None if rows is None else [m.state + m.unsharded for m in rows]
+    return replace(plan, prediction=timeline_of(proof.executions[BUFFERED], plan_costs(plan), static, state))
 
 
 def _placed(stages: Sequence[Stage], placement: Sequence[int]) -> tuple[Stage, ...]:

@@ -1,59 +1,205 @@
 """The memory model: what each pp rank holds, and the ``device_memory`` refusal.
 
-A rank holds, for every parameter copy of its stages, :data:`BYTES_PER_PARAM`
-bytes of parameter, gradient and optimizer state (a tied weight counts on
-every stage holding a copy): :func:`state_bytes`. The simulator adds each
-rank's saved activations at its peak (per stage, bytes per microbatch times
-the microbatches it holds at that moment) and reports the sum as the
-predicted Timeline's ``peak_memory_bytes``; :func:`check_memory` refuses a
-plan whose peak on some rank exceeds ``device_memory``. The prediction is
-before any sharding (ZeRO/FSDP would divide the state across dp).
+Per rank and stage, the state the runtime holds (:func:`breakdown`):
+
+- **parameters, gradients, optimizer state**, as the runtime holds them: the
+  parameters are float32 whatever ``dtype`` says (``dtype bfloat16`` runs the
+  stages under autocast, or under FSDP2's mixed-precision policy, over float32
+  masters), their gradients float32, and the optimizer's state float32:
+  AdamW and Adam 8 bytes per parameter (two moments), SGD 4 with momentum and
+  0 without (:func:`bytes_per_param`). Float32 AdamW is so 4 + 4 + 8 = 16
+  bytes per parameter: the source note's mixed-precision Adam count (2 + 2 +
+  12) comes to the same 16. A tied weight counts on every stage holding a copy.
+- divided as the mesh's ``shard`` divides them among a shard group of ``n``
+  ranks: ``optimizer`` the optimizer state, ``grads`` and ``full`` all three.
+  A shard is padded as FSDP2 pads it (dim 0 of each parameter rounded up to a
+  multiple of ``n``, as DTensor's ``Shard(0)`` chunks it; ZeRO-1 is modelled
+  with the same layout);
+- **unsharded**: under ``grads`` and ``full``, the parameters gathered by an
+  ``UNSHARD`` until its ``RESHARD`` and the stage's unsharded gradients from
+  its first backward to its ``REDUCE_SCATTER`` (FSDP2 accumulates them
+  unsharded while gradient sync is off), both in the compute dtype (2 bytes
+  under ``dtype bfloat16``, FSDP2's ``param_dtype``), at the program point
+  where the most are held at once (:func:`unsharded_bytes`).
+
+:func:`state_bytes` is the first item per rank (plan.json's per-rank
+``state_bytes``); the simulator adds the second and each rank's saved
+activations at its peak (per stage, bytes per microbatch times the
+microbatches it holds at that moment) into the predicted Timeline's
+``peak_memory_bytes``, an upper bound (each part at its own peak);
+:func:`check_memory` refuses a plan whose peak on some rank exceeds
+``device_memory``.
 
 No torch (nor networkx) here: the driver runs it on every compile.
 """
 
 from __future__ import annotations
 
-from pipec.compiler.plan import Plan
+from dataclasses import dataclass
+from typing import Mapping
+
+from pipec.compiler.ir import Op
+from pipec.compiler.plan import Mesh, Plan, Stage
 from pipec.errors import PipecError
 
-__all__ = ["BYTES_PER_PARAM", "MemoryBudgetError", "state_bytes", "check_memory"]
+__all__ = ["BYTES_PER_PARAM", "COMPUTE_BYTES", "MemoryBudgetError", "RankMemory", "bytes_per_param", "padded_params", "stage_state", "breakdown",
+           "state_bytes", "unsharded_bytes", "check_memory"]
 
 BYTES_PER_PARAM = 16
-"""Mixed-precision Adam: 2 (bf16 weight) + 2 (bf16 grad) + 4 (fp32 master) + 8 (fp32 moments)."""
+"""Float32 AdamW, unsharded: 4 (weight) + 4 (grad) + 8 (two moments); the note's mixed-precision count
+(2 + 2 + 12) is the same 16."""
+
+_OPTIMIZER_STATE = {"adamw": 8, "adam": 8}
+"""Optimizer state bytes per parameter (float32); SGD: 4 with momentum, else 0."""
+
+COMPUTE_BYTES = {"bfloat16": 2, "float16": 2}
+"""Bytes per element of a gathered parameter or an unsharded gradient under FSDP2's mixed precision."""
 
 
 class MemoryBudgetError(PipecError):
     """A rank's predicted peak memory exceeds ``device_memory``."""
 
 
-def state_bytes(plan: Plan) -> list[int] | None:
-    """Per pp rank: params, grads and optimizer state of every parameter copy it holds; None if unknown."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankMemory:
+    """What one pp rank holds (bytes): the state at rest, split, and the transient peak."""
+
+    rank: int
+    params: int
+    grads: int
+    optimizer: int
+    unsharded: int = 0
+    """Parameters and gradients gathered or not yet scattered, at the most held at once."""
+    num_params: int = 0
+    """Parameter copies held (unsharded count)."""
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def bytes_per_param(spec: Mapping) -> tuple[int, int, int]:
+    """(param, grad, optimizer-state) bytes per parameter for the plan's optimizer (float32 throughout)."""
+    opt = spec.get("optimizer") or {}
+    name = opt.get("name", "adamw") if isinstance(opt, Mapping) else "adamw"
+    if name in _OPTIMIZER_STATE:
+        return 4, 4, _OPTIMIZER_STATE[name]
+    return 4, 4, 4 if float(opt.get("momentum", 0.0) or 0.0) > 0 else 0
+
+
+def padded_params(stage: Stage, num_shards: int) -> int:
+    """The stage's parameters as sharded over ``num_shards`` ranks hold them all together: each
+    parameter's dim 0 rounded up to a multiple of ``num_shards`` (without shapes: the count rounded up)."""
+    n = num_shards
+    if n <= 1:
+        return stage.num_params or 0
+    if not stage.param_shapes:
+        return -(-(stage.num_params or 0) // n) * n
+    total = 0
+    for shape in stage.param_shapes:
+        rows = shape[0] if shape else 1
+        rest = 1
+        for d in shape[1:]:
+            rest *= d
+        total += -(-rows // n) * n * rest
+    return total
+
+
+def stage_state(st: Stage, plan: Plan) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes one rank holds of a stage of ``plan``."""
+    return _stage_state(st, plan.mesh, bytes_per_param(plan.spec))
+
+
+def _stage_state(st: Stage, mesh: Mesh, per: tuple[int, int, int]) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes one rank holds of a stage, as the mesh shards them."""
+    n = mesh.num_shards
+    full = st.num_params or 0
+    shard = padded_params(st, n) // n
+    p, g, o = per
+    if mesh.shard == "optimizer":
+        return full * p, full * g, shard * o
+    if mesh.params_sharded:
+        return shard * p, shard * g, shard * o
+    return full * p, full * g, full * o
+
+
+def unsharded_bytes(plan: Plan) -> list[int]:
+    """Per pp rank: the most bytes of gathered parameters and unsharded gradients held at one point of
+    its program (0 unless the mesh shards parameters)."""
+    out = [0] * plan.mesh.pp
+    if not plan.mesh.params_sharded or not plan.stages:
+        return out
+    elem = COMPUTE_BYTES.get(str(plan.spec.get("dtype", "float32")), 4)
+    full = {st.stage: padded_params(st, plan.mesh.num_shards) * elem for st in plan.stages}
+    backward = (Op.BWD, Op.BWD_I, Op.BWD_W)
+    for r, instrs in enumerate(plan.program.ranks):
+        params: set[int] = set()
+        grads: set[int] = set()
+        held = peak = 0
+        for ins in instrs:
+            s = ins.stage
+            if ins.op is Op.UNSHARD and s not in params:
+                params.add(s)
+                held += full[s]
+            elif ins.op is Op.RESHARD and s in params:
+                params.discard(s)
+                held -= full[s]
+            elif ins.op in backward and s not in grads:
+                grads.add(s)
+                held += full[s]
+            elif ins.op is Op.REDUCE_SCATTER and s in grads:
+                grads.discard(s)
+                held -= full[s]
+            peak = max(peak, held)
+        out[r] = peak
+    return out
+
+
+def breakdown(plan: Plan) -> list[RankMemory] | None:
+    """Per pp rank: params, grads, optimizer state and the unsharded peak; None if the stages' parameter
+    counts are unknown (a schedule-only plan)."""
     if not plan.stages or any(st.num_params is None for st in plan.stages):
         return None
-    out = [0] * plan.mesh.pp
+    per = bytes_per_param(plan.spec)
+    sums = [[0, 0, 0, 0] for _ in range(plan.mesh.pp)]
     for st in plan.stages:
-        out[st.rank] += BYTES_PER_PARAM * st.num_params
-    return out
+        row = sums[st.rank]
+        for k, v in enumerate(_stage_state(st, plan.mesh, per)):
+            row[k] += v
+        row[3] += st.num_params or 0
+    transient = unsharded_bytes(plan)
+    return [RankMemory(rank=r, params=p, grads=g, optimizer=o, unsharded=transient[r], num_params=n)
+            for r, (p, g, o, n) in enumerate(sums)]
+
+
+def state_bytes(plan: Plan) -> list[int] | None:
+    """Per pp rank: params, grads and optimizer state at rest, as sharded; None if unknown."""
+    rows = breakdown(plan)
+    return None if rows is None else [m.state for m in rows]
 
 
 def check_memory(plan: Plan, device_memory: int) -> None:
     """Raise :class:`MemoryBudgetError` (key ``device_memory``) naming the first pp rank whose predicted
     peak exceeds ``device_memory`` bytes, with what makes it up and the fixes. A plan whose prediction has
     no memory (schedule-only) passes."""
-    state = state_bytes(plan)
+    rows = breakdown(plan)
     for rt in plan.prediction.per_rank if plan.prediction else ():
         if rt.peak_memory_bytes is None or rt.peak_memory_bytes <= device_memory:
             continue
-        assert state is not None, "a predicted peak needs the stages' parameter counts"
-        params = sum(st.num_params or 0 for st in plan.stages if st.rank == rt.rank)
+        assert rows is not None, "a predicted peak needs the stages' parameter counts"
+        m = rows[rt.rank]
+        mesh = plan.mesh
+        how = (f"({m.num_params:,} parameters x {sum(bytes_per_param(plan.spec))} bytes)" if not mesh.sharded else
+               f"({m.num_params:,} parameters, shard {mesh.shard} over {mesh.num_shards} ranks)")
+        fixes = "use more pp ranks, recompute, a schedule with fewer microbatches in flight, "
+        if not mesh.params_sharded:
+            fixes += "shard grads or full (with dp >= 2), "
         raise MemoryBudgetError(
             f"pp rank {rt.rank} needs {_gib(rt.peak_memory_bytes)} at its peak but device_memory is "
-            f"{_gib(device_memory)}: parameters, gradients and optimizer state {_gib(state[rt.rank])} "
-            f"({params:,} parameters x {BYTES_PER_PARAM} bytes) + activations "
-            f"{_gib(rt.peak_memory_bytes - state[rt.rank])} ({rt.peak_activations} stage-microbatches in flight "
-            "at the peak); use more pp ranks, recompute, a schedule with fewer microbatches in flight, or a "
-            "larger device_memory", key="device_memory")
+            f"{_gib(device_memory)}: parameters, gradients and optimizer state {_gib(m.state)} {how}"
+            + (f" + unsharded parameters and gradients {_gib(m.unsharded)}" if m.unsharded else "")
+            + f" + activations {_gib(rt.peak_memory_bytes - m.state - m.unsharded)} ({rt.peak_activations} "
+            f"stage-microbatches in flight at the peak); {fixes}or a larger device_memory", key="device_memory")
 
 
 def _gib(n: float) -> str:

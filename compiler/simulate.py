@@ -19,6 +19,7 @@ from pipec.compiler.engine import (
     execute,
     group_members,
 )
+from pipec.compiler.ir import Op
 from pipec.compiler.plan import UNIT_COST, Plan, chain_edges
 from pipec.compiler.timeline import Timeline
 
@@ -39,6 +40,7 @@ def plan_costs(plan: Plan) -> CostModel:
     unit = plan.unit_costs
     transfer: dict[tuple[int, int], float] = {}
     allreduce: dict[tuple[str, int], float] = {}
+    shard: dict[tuple[str, int], float] = {}
     if not unit:
         pp = plan.links["pp"]
         for e in plan.edges:
@@ -48,6 +50,7 @@ def plan_costs(plan: Plan) -> CostModel:
         for st in plan.stages:
             if d > 1 and st.param_bytes:
                 allreduce[("dp", st.stage)] = dp.latency_s + 2 * (d - 1) / d * st.param_bytes / dp.bandwidth_Bps
+        shard = _shard_costs(plan, allreduce)
         for tie in plan.ties:
             n = len(tie.ranks(plan.placement))
             cost = pp.latency_s + 2 * (n - 1) / n * (tie.num_bytes or 0) / pp.bandwidth_Bps if n > 1 else 0.0
@@ -59,13 +62,46 @@ def plan_costs(plan: Plan) -> CostModel:
         stages=tuple(st.cost for st in plan.stages) or (UNIT_COST,) * num_stages,
         transfer=transfer,
         allreduce=allreduce,
+        shard=shard,
         activation_bytes=act,
         time_unit="unit" if unit else "s",
     )
 
 
-def timeline_of(ex: Execution, costs: CostModel, static_bytes: Sequence[int] | None = None) -> Timeline:
-    """The Timeline of an execution; ``static_bytes`` adds params/grads/optimizer state per rank."""
+def _shard_costs(plan: Plan, allreduce: dict[tuple[str, int], float]) -> dict[tuple[str, int], float]:
+    """Sharding's collectives as rings on the dp link, ``(n - 1) / n x bytes / bandwidth + latency`` over
+    a shard group of n: an ``UNSHARD``'s all-gather and a ``REDUCE_SCATTER`` of the stage's padded
+    parameters (in the compute dtype, as FSDP2's mixed precision moves them), ``OPT``'s gather of the
+    updated parameters (``shard optimizer``, float32); HSDP's replicate all-reduce of the shards over the
+    dp / n groups goes into ``allreduce``."""
+    from pipec.compiler.memory import COMPUTE_BYTES, padded_params
+
+    mesh = plan.mesh
+    n = mesh.num_shards
+    out: dict[tuple[str, int], float] = {}
+    if not mesh.sharded or n < 2 and not mesh.hybrid:
+        return out
+    link = plan.links.get("dp", plan.links["pp"])
+    elem = COMPUTE_BYTES.get(str(plan.spec.get("dtype", "float32")), 4) if mesh.params_sharded else 4
+    for st in plan.stages:
+        padded = padded_params(st, n)
+        ring = link.latency_s + (n - 1) / n * padded * elem / link.bandwidth_Bps if n > 1 else 0.0
+        if mesh.shard == "optimizer":
+            out[("OPTIM_STEP", st.stage)] = ring
+            continue
+        out[(Op.UNSHARD.value, st.stage)] = out[(Op.REDUCE_SCATTER.value, st.stage)] = ring
+        k = mesh.dp // n
+        if mesh.hybrid:
+            allreduce[("dp.replicate", st.stage)] = link.latency_s + 2 * (k - 1) / k * padded // n * elem \
+                / link.bandwidth_Bps
+        allreduce.pop(("dp", st.stage), None)
+    return out
+
+
+def timeline_of(ex: Execution, costs: CostModel, static_bytes: Sequence[int] | None = None,
+                state_bytes: Sequence[int] | None = None) -> Timeline:
+    """The Timeline of an execution; ``static_bytes`` adds params/grads/optimizer state (and the
+    unsharded peak) per rank to the peak activations; ``state_bytes``: the state at rest per rank."""
     num_ranks = len(ex.compute)
     mem = None
     if costs.activation_bytes and static_bytes is not None:
@@ -76,6 +112,7 @@ def timeline_of(ex: Execution, costs: CostModel, static_bytes: Sequence[int] | N
         events=ex.events,
         peak_activations=dict(enumerate(ex.peak_activations)),
         peak_memory_bytes=mem,
+        state_bytes=None if state_bytes is None else dict(enumerate(state_bytes)),
         time_unit=costs.time_unit,
     )
 

@@ -27,8 +27,14 @@ torch         pipec
 ``sRECV_Fm``  ``RECV_ACT`` s.m from stage s-1 (``RAs.m<s-1@peer``)
 ``sSEND_Bm``  ``SEND_GRAD`` s.m to stage s-1 (``SGs.m>s-1@peer``)
 ``sRECV_Bm``  ``RECV_GRAD`` s.m from stage s+1 (``RGs.m<s+1@peer``)
-``sREDUCE_GRAD``  ``ALLREDUCE`` over dp (``ARs:dp``); dropped when dp = 1
-``UNSHARD``/``RESHARD``  dropped (FSDP only)
+``sREDUCE_GRAD``  ``ALLREDUCE`` over dp (``ARs:dp``); dropped when dp = 1;
+              on a mesh that shards parameters (``shard grads|full``)
+              ``REDUCE_SCATTER`` (``RSs:dp``; HSDP: ``RSs:dp.shard``
+              then ``ARs:dp.replicate``)
+``sUNSHARD``  ``UNSHARD`` (``UNs:dp``) on a mesh that shards
+              parameters; else dropped (torch inserts it always and
+              ignores it for a stage that is not an FSDP module)
+``sRESHARD``  ``RESHARD`` (``REs:dp``), likewise
 ``OVERLAP_F_B``  refused
 ============  =====================================================
 
@@ -46,8 +52,12 @@ lost; import yields unbatched posts, which is how torch will run them, so
 runtime also scales gradients by 1/M in ``REDUCE_GRAD``, so the
 ``compute_comms`` export writes a ``REDUCE_GRAD`` for every stage: where the
 Program's ``AR<s>:dp`` is, or at dp = 1 right after the stage's last backward (and its send)
-(where torch's own lowering puts it). Skip edges (comms between non-adjacent
-stages) and tie-group all-reduces have no torch equivalent and are refused.
+(where torch's own lowering puts it); ``RS<s>`` is written as the stage's
+``REDUCE_GRAD`` (FSDP2's post-backward reduce-scatters), HSDP's
+``AR<s>:dp.replicate`` goes with it (FSDP2 reduces a 2-D mesh's replicate
+dimension in the same post-backward), and ``UN<s>`` / ``RE<s>`` are
+``sUNSHARD`` / ``sRESHARD``. Skip edges (comms between non-adjacent stages)
+and tie-group all-reduces have no torch equivalent and are refused.
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pipec.compiler.ir import COMM_OPS as _COMM_OPS, COMPUTE_OPS, Instruction, Op, Program
+from pipec.compiler.plan import Mesh
 from pipec.schedules.order import ComputeOrder, Kind
 from pipec.schedules.torch_csv import (
     TorchAction,
@@ -89,6 +100,7 @@ _TYPE_OF_OP = {
     Op.FWD: "F", Op.BWD: "B", Op.BWD_I: "I", Op.BWD_W: "W",
     Op.SEND_ACT: "SEND_F", Op.RECV_ACT: "RECV_F", Op.SEND_GRAD: "SEND_B", Op.RECV_GRAD: "RECV_B",
 }
+_SHARD_OP = {"UNSHARD": Op.UNSHARD, "RESHARD": Op.RESHARD}
 # Per comm type: the pipec op, the other stage's offset, and whether it is a send.
 _COMM = {
     "SEND_F": (Op.SEND_ACT, +1, True),
@@ -127,12 +139,16 @@ class TorchSchedule:
         """The compute actions of every row, in order (either form)."""
         return compute_order(self.rows, self.placement, self.num_microbatches)
 
-    def to_program(self, *, dp: int = 1) -> Program:
-        """The Program of a ``compute_comms`` file.
+    def to_program(self, *, dp: int = 1, mesh: Mesh | None = None) -> Program:
+        """The Program of a ``compute_comms`` file, for ``mesh`` (default: ``dp`` replicas, unsharded).
 
-        ``REDUCE_GRAD`` becomes ``AR<s>:dp`` when ``dp > 1`` and is dropped at
-        ``dp == 1``; UNSHARD/RESHARD are dropped; each rank ends with ``OPT``.
-        A ``compute_only`` file has no comms: lower :meth:`to_order` instead.
+        On a mesh that shards parameters, ``UNSHARD``, ``RESHARD`` and
+        ``REDUCE_GRAD`` become ``UN<s>``, ``RE<s>`` and ``RS<s>`` over its
+        shard group (HSDP: ``RS<s>:dp.shard`` then ``AR<s>:dp.replicate``).
+        Otherwise ``REDUCE_GRAD`` becomes ``AR<s>:dp`` when ``dp > 1`` and is
+        dropped at ``dp == 1``, and UNSHARD/RESHARD are dropped. Each rank ends
+        with ``OPT``. A ``compute_only`` file has no comms: lower
+        :meth:`to_order` instead.
         """
         if self.kind != "compute_comms":
             raise TorchCsvError(
@@ -142,16 +158,24 @@ class TorchSchedule:
             )
         if dp < 1:
             raise TorchCsvError(f"dp must be >= 1 (the number of pipeline replicas), got {dp}")
+        mesh = mesh or Mesh(pp=self.num_ranks, dp=dp)
+        sharded, group = mesh.params_sharded, mesh.shard_group
         ranks = []
         for row in self.rows:
             out: list[Instruction] = []
             for a in row:
-                if a is None or a.type in ("UNSHARD", "RESHARD"):
+                if a is None or a.type in _SHARD_OP and not sharded:
                     continue
                 if a.type in _KIND_OF:
                     out.append(Instruction(_OP_OF_KIND[_KIND_OF[a.type]], a.stage, a.microbatch))
+                elif a.type in _SHARD_OP:
+                    out.append(Instruction(_SHARD_OP[a.type], a.stage, group=group))
                 elif a.type == "REDUCE_GRAD":
-                    if dp > 1:
+                    if sharded:
+                        out.append(Instruction(Op.REDUCE_SCATTER, a.stage, group=group))
+                        if mesh.hybrid:
+                            out.append(Instruction(Op.ALLREDUCE, a.stage, group="dp.replicate"))
+                    elif mesh.dp > 1:
                         out.append(Instruction(Op.ALLREDUCE, a.stage, group="dp"))
                 else:
                     op, offset, is_send = _COMM[a.type]
@@ -292,7 +316,7 @@ def _check_exportable(program: Program) -> None:
     for rank, instrs in enumerate(program.ranks):
         for index, ins in enumerate(instrs):
             where = f"rank {rank}, instruction {index} ({ins.text()})"
-            if ins.op is Op.ALLREDUCE and ins.group != "dp":
+            if ins.op is Op.ALLREDUCE and ins.group.startswith("tie."):
                 raise TorchCsvError(
                     f"{where}: torch's schedule has no tie-group all-reduce (torch keeps one "
                     "untied copy per stage); untie the weight or keep this plan in pipec"
@@ -321,7 +345,7 @@ def _reduce_grad_slots(instrs: tuple[Instruction, ...]) -> dict[int, list[int]]:
     After the stage's last B or W, and after that B's own SEND_GRAD when it
     follows among the posts right after it: index -> stages to reduce there.
     """
-    has_ar = {i.stage for i in instrs if i.op is Op.ALLREDUCE}
+    has_ar = {i.stage for i in instrs if i.op is Op.ALLREDUCE or i.op is Op.REDUCE_SCATTER}
     last: dict[int, int] = {}
     for index, ins in enumerate(instrs):
         if ins.op is Op.BWD or ins.op is Op.BWD_W:
@@ -350,8 +374,12 @@ def _comms_rows(program: Program) -> list[list[str]]:
         slots = _reduce_grad_slots(instrs)
         row = []
         for index, ins in enumerate(instrs):
-            if ins.op is Op.ALLREDUCE:
+            if ins.op is Op.ALLREDUCE and ins.group == "dp.replicate":
+                pass  # part of the stage's REDUCE_GRAD (FSDP2 on a 2-D mesh)
+            elif ins.op is Op.ALLREDUCE or ins.op is Op.REDUCE_SCATTER:
                 row.append(f"{ins.stage}REDUCE_GRAD")
+            elif ins.op is Op.UNSHARD or ins.op is Op.RESHARD:
+                row.append(f"{ins.stage}{ins.op.value}")
             elif ins.op is not Op.OPTIM_STEP:
                 row.append(f"{ins.stage}{_TYPE_OF_OP[ins.op]}{ins.microbatch}")
             row.extend(f"{s}REDUCE_GRAD" for s in slots.get(index, ()))

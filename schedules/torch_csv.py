@@ -44,7 +44,10 @@ __all__ = [
 COMPUTE_TYPES = ("F", "B", "I", "W")
 COMM_TYPES = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 OTHER_TYPES = ("REDUCE_GRAD", "UNSHARD", "RESHARD")
-"""torch's ``_ComputationType`` values pipec reads; OVERLAP_F_B is refused."""
+"""torch's ``_ComputationType`` values pipec reads besides compute and comms; OVERLAP_F_B is refused.
+In the compute+comms form (``pipec.compiler.torch_csv``) they are sharded data parallelism's
+instructions: ``UNSHARD`` / ``RESHARD`` are ``UN<s>`` / ``RE<s>`` and ``REDUCE_GRAD`` is ``RS<s>`` on a
+mesh that shards parameters (else ``AR<s>:dp``); the compute-only form skips them."""
 
 _CELL_RE = re.compile(r"(\d+)(REDUCE_GRAD|UNSHARD|RESHARD|SEND_F|RECV_F|SEND_B|RECV_B|[FBIW])(\d*)")
 _KIND_OF = {"F": Kind.F, "B": Kind.B, "I": Kind.I, "W": Kind.W}
@@ -97,10 +100,9 @@ def parse_cell(cell: str) -> TorchAction | None:
             "RECV_F, SEND_B, RECV_B (e.g. '2F0', '0SEND_F1'), or <stage>REDUCE_GRAD / UNSHARD / RESHARD",
             reason="unknown")
     stage, typ, mb = int(m[1]), m[2], m[3]
-    if typ in OTHER_TYPES:
-        if mb and typ == "REDUCE_GRAD":
-            raise CellError(f"REDUCE_GRAD takes no microbatch; write '{stage}REDUCE_GRAD'", reason="microbatch",
-                            type=typ)
+    if typ in OTHER_TYPES:  # once per stage (REDUCE_GRAD) or per window (UNSHARD, RESHARD): no microbatch
+        if mb:
+            raise CellError(f"{typ} takes no microbatch; write '{stage}{typ}'", reason="microbatch", type=typ)
         return TorchAction(stage, typ, None)
     if not mb:
         raise CellError(f"{typ} needs a microbatch number, e.g. '{stage}{typ}0'", reason="microbatch", type=typ)

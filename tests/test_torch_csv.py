@@ -12,6 +12,7 @@ import csv
 import io
 import subprocess
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -119,6 +120,29 @@ def test_compute_comms_text_becomes_a_program():
     assert t.to_program(dp=2).text() == (
         "0: F0.0 SA0.0>1@1 RG0.0<1@1 B0.0 AR0:dp OPT\n1: RA1.0<0@0 F1.0 B1.0 SG1.0>0@0 AR1:dp OPT"
     )
+
+
+def test_shard_cells_map_to_sharding_instructions_both_ways():
+    """On a mesh that shards parameters, UNSHARD / RESHARD / REDUCE_GRAD are UN / RE / RS (HSDP: RS then
+    the replicate all-reduce, which goes back into REDUCE_GRAD); a pipec plan exports and imports back."""
+    t = parse_torch_csv(COMMS)
+    mesh = Mesh(pp=2, dp=2, shard="full")
+    assert t.to_program(mesh=mesh).text() == (
+        "0: UN0:dp F0.0 SA0.0>1@1 RG0.0<1@1 B0.0 RS0:dp RE0:dp OPT\n"
+        "1: UN1:dp RA1.0<0@0 F1.0 B1.0 SG1.0>0@0 RS1:dp RE1:dp OPT")
+    hsdp = Mesh(pp=2, dp=4, shard="grads", shard_size=2)
+    assert t.to_program(mesh=hsdp).ranks[0][5:7] == (
+        Instruction(Op.REDUCE_SCATTER, 0, group="dp.shard"), Instruction(Op.ALLREDUCE, 0, group="dp.replicate"))
+    from pipec.compiler.driver import compile_plan
+
+    for sched, v, m in (("interleaved_1f1b", 2, hsdp), ("zb_h1", 1, mesh)):
+        plan = compile_plan(schedule=sched, num_ranks=2, num_microbatches=4, num_chunks=v, dp=m.dp, shard=m.shard,
+                            shard_size=m.shard_size).plan
+        text = format_torch_csv(plan.program, form="compute_comms")
+        assert "UNSHARD" in text and "RESHARD" in text and "REDUCE_GRAD" in text and "dp" not in text
+        back = parse_torch_csv(text).to_program(mesh=m)
+        assert back == unbatched(plan.program)
+        verify(replace(plan, program=back, prediction=None))
 
 
 def test_peers_come_from_where_stages_are_computed():

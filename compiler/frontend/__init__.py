@@ -169,6 +169,7 @@ def build_stage_graph(req: ModelRequest, *, placement: Sequence[int] | None = No
         Stage(
             stage=p.stage, rank=int(ranks[p.stage]), nodes=p.nodes, params=p.params, inputs=p.inputs, outputs=p.outputs,
             cost=c.cost, activation_bytes=c.activation_bytes, param_bytes=p.param_bytes, num_params=p.num_params,
+            param_shapes=tuple(tuple(traced.param_of[name].shape) for name in p.params),
         )
         for p, c in zip(split.parts, stage_costs)
     )

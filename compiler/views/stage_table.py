@@ -1,9 +1,11 @@
 """``pipec show``'s cost and memory table: one row per stage, totals per rank.
 
 Costs come from the plan's stages (seconds, or units for a plan whose costs
-are units); memory is parameters, grads and optimizer state (16
-bytes per parameter copy) plus saved activations per microbatch, with the
-predicted peak per rank from the simulator.
+are units); memory is parameters, grads and optimizer state as the rank holds
+them (:mod:`pipec.compiler.memory`: 16 bytes per parameter copy for float32
+AdamW, divided as the mesh's ``shard`` says) plus saved activations per
+microbatch, with the predicted peak per rank from the simulator and, per
+rank, its breakdown: params / grads / optimizer / unsharded / activations.
 """
 
 from __future__ import annotations
@@ -26,12 +28,15 @@ def stage_table(plan: Plan) -> Table | None:
     """The per-stage cost and memory table of a model plan (None for a schedule-only plan)."""
     if plan.model is None or not plan.stages:
         return None
-    from pipec.compiler.memory import BYTES_PER_PARAM
+    from pipec.compiler.memory import breakdown, bytes_per_param, stage_state
 
     scale, tname = (1.0, "units") if plan.unit_costs else (1e3, "ms")
     mib = 2.0**20
-    t = Table(title=f"stages: cost per microbatch ({tname}; B = I + W), memory (MiB; state = {BYTES_PER_PARAM} B "
-                    "per parameter copy, act = saved activations per microbatch)")
+    mesh = plan.mesh
+    how = f"{sum(bytes_per_param(plan.spec))} B per parameter copy" + (
+        f", shard {mesh.shard} over {mesh.num_shards} ranks" if mesh.sharded else "")
+    t = Table(title=f"stages: cost per microbatch ({tname}; B = I + W), memory (MiB; state = {how}, "
+                    "act = saved activations per microbatch)")
     for col in ("stage", "rank", "params", "state", "act", "F", "B", "I", "W"):
         t.add_column(col, justify="right")
     peak = {r.rank: r for r in plan.prediction.per_rank} if plan.prediction else {}
@@ -39,13 +44,22 @@ def stage_table(plan: Plan) -> Table | None:
         for st in (s for s in plan.stages if s.rank == rank):
             params = st.num_params or 0
             c = st.cost
-            t.add_row(str(st.stage), str(rank), _count(params), f"{BYTES_PER_PARAM * params / mib:.1f}",
+            t.add_row(str(st.stage), str(rank), _count(params), f"{sum(stage_state(st, plan)) / mib:.1f}",
                       f"{(st.activation_bytes or 0) / mib:.1f}",
                       *(f"{x * scale:.3g}" for x in (c.fwd, c.bwd, c.bwd_i, c.bwd_w)))
         p = peak.get(rank)
         if p is not None and p.peak_memory_bytes is not None:
             t.add_row("peak", str(rank), "", f"{p.peak_memory_bytes / mib:.1f}", f"x{p.peak_activations}",
                       "", "", "", "", style="bold", end_section=True)
+    rows = breakdown(plan) or ()
+    for m in rows:
+        p = peak.get(m.rank)
+        act = "" if p is None or p.peak_memory_bytes is None else (
+            f" + activations {(p.peak_memory_bytes - m.state - m.unsharded) / mib:.1f} = peak "
+            f"{p.peak_memory_bytes / mib:.1f}")
+        t.caption = (t.caption + "\n" if t.caption else "") + (
+            f"rank {m.rank} (MiB): params {m.params / mib:.1f} + grads {m.grads / mib:.1f} + optimizer "
+            f"{m.optimizer / mib:.1f} + unsharded {m.unsharded / mib:.1f}{act}")
     for tie in plan.ties:
         t.caption = (t.caption + "; " if t.caption else "") + (
             f"tied weight {tie.name}: a copy on stages {', '.join(map(str, tie.stages))}, kept equal by an all-reduce")
