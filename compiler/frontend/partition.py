@@ -534,7 +534,9 @@ def split_graph(traced: Traced, stage_of: Mapping[str, int], num_stages: int) ->
                 if _tensor_meta(o) is None:
                     raise FrontendError(f"stage {s} would receive {o.name!r}, which is not a tensor; cut elsewhere",
                                         key="partition")
-                inputs.append(_sig(o))
+                sig = _sig(o)
+                # a model input keeps its own name (fx renames a placeholder that shadows a builtin: input -> input_1)
+                inputs.append(Signature(str(o.target), sig.shape, sig.dtype) if o.op == "placeholder" else sig)
             elif node.op in ("call_module", "get_attr"):
                 _hold(traced, qualname_map.get(f"submod_{s}.{node.target}", str(node.target)), canon_by_id, local)
         out_node = next(n for n in sub.graph.nodes if n.op == "output")

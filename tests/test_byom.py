@@ -1,0 +1,215 @@
+"""Bring your own model: models no one on pipec wrote, with default settings, compiled and checked under torchrun.
+
+- Hugging Face models built from small configs (random weights, no download; tests/byom_models.py): GPT-2
+  wrapped to return logits, a Llama-style decoder (RMSNorm, rotary embeddings), a BERT-style encoder
+  classifier with an attention mask; a nanoGPT-style model with a raw ``nn.Parameter`` on its root (init
+  auto resolves it to exact); a float regressor with ``loss mse``; a float classifier with cross_entropy
+  over class logits. No ``init`` and no ``data`` key: what pipec does by default must fit them. All are
+  compiled in this process (transformers imported once), then run in one torchrun job on 2 ranks with
+  ``--check`` (tests/runtime_worker.py: loss and every gradient against the unpartitioned reference, and two
+  steps of losses against single-process training). Each model's compile time, loss difference and
+  largest gradient difference are printed (``pytest -s``) for the closing note.
+- A user's model file beside its schedule file, no PYTHONPATH: compiled from another folder with
+  ``pipec compile``, run from a third with ``pipec run --check``.
+- A model plan with ``costs unit`` says units everywhere: compile's summary, ``pipec show``'s tables,
+  its Perfetto trace, ``--emulate`` and report.json's ``predicted``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import textwrap
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from conftest import PYTHON, run_cli, run_in_session
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+TOKENS = "int64[8, 16]"
+STEPS = 2
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Case:
+    """One model as a user would bring it: the keys of its schedule file."""
+
+    name: str
+    keys: dict = field(default_factory=dict)
+    hf: bool = False
+    """Needs transformers."""
+    init: str = "module"
+    """What init auto must resolve to."""
+
+
+CASES = (
+    Case(name="gpt2", hf=True, keys={"model": "byom_models:gpt2", "input": f"input_ids: {TOKENS}",
+                                     "schedule": "zb_h1"}),
+    Case(name="llama", hf=True, keys={"model": "byom_models:llama", "input": f"input_ids: {TOKENS}",
+                                      "schedule": "interleaved_1f1b"}),
+    Case(name="bert", hf=True, keys={"model": "byom_models:bert_classifier", "schedule": "gpipe",
+                                     "input": f"input_ids: {TOKENS}, attention_mask: {TOKENS}"}),
+    Case(name="nanogpt", init="exact", keys={"model": "byom_models:nanogpt", "input": f"input_ids: {TOKENS}",
+                                             "schedule": "zbv"}),
+    Case(name="regressor", keys={"model": "byom_models:regressor", "input": "input: float32[32, 16]",
+                                 "loss": "mse"}),
+    Case(name="classifier", keys={"model": "byom_models:classifier", "input": "input: float32[32, 16]"}),
+)
+
+
+@pytest.fixture(scope="module")
+def byom_plans(tmp_path_factory):
+    """Every case compiled here, in one process: name -> (plan path, compile seconds)."""
+    from pipec.compiler.driver import compile_spec
+    from pipec.compiler.plan import write_plan
+    from pipec.dsl import load_spec
+
+    folder = tmp_path_factory.mktemp("byom")
+    out = {}
+    for case in CASES:
+        if case.hf and not HAS_TRANSFORMERS:
+            continue
+        start = time.perf_counter()
+        plan = compile_spec(load_spec(None, {"pp": 2, "microbatches": 4, **case.keys})).plan
+        seconds = time.perf_counter() - start
+        assert plan.spec["init"] == case.init, case.name  # init auto, resolved at compile time
+        # the first stage reads the model's inputs by their own names (fx renames a placeholder `input`)
+        assert {sig.name for sig in plan.stages[0].inputs} == {i["name"] for i in plan.model["inputs"]}, case.name
+        path = folder / f"{case.name}.json"
+        write_plan(plan, str(path))
+        out[case.name] = (str(path), seconds)
+    return out
+
+
+@pytest.mark.parametrize("factory", ["gpt2", "llama", "bert_classifier"])
+def test_init_module_starts_a_hugging_face_model_from_its_own_scheme(factory):
+    """Each parameter's mean and spread under init module (what init auto picks) are the factory's own: GPT-2's
+    std-0.02 embeddings (not nn.Embedding's N(0, 1)) and its residual projections scaled by 1/sqrt(2 x layers)
+    from the enclosing blocks' _init_weights, zero biases, unit norms."""
+    if not HAS_TRANSFORMERS:
+        pytest.skip("transformers is not installed")
+    import torch
+
+    import byom_models
+    from pipec.compiler.frontend.weights import initial_values
+
+    target = f"byom_models:{factory}"
+    names = [n for n, _ in getattr(byom_models, factory)().named_parameters()]
+    module, _ = initial_values(target, {}, names, seed=0, init="module")
+    exact, _ = initial_values(target, {}, names, seed=0, init="exact")
+    for name in names:
+        m, e = module[name].double(), exact[name].double()
+        assert not torch.equal(m, e) or m.std() == 0, name  # drawn by pipec (per module), not copied
+        assert abs(m.std() - e.std()) <= 0.25 * e.std() + 1e-6 and abs(m.mean() - e.mean()) <= 0.25 * e.std() + 1e-6, (
+            name, float(m.std()), float(e.std()))
+
+
+@pytest.mark.timeout(600)
+def test_models_no_one_here_wrote_train_exactly_with_default_settings(byom_plans, tmp_path):
+    if not HAS_TRANSFORMERS:
+        pytest.skip("transformers is not installed (pip install 'transformers>=5,<6'): the Hugging Face cases")
+    names = list(byom_plans)
+    result = tmp_path / "result.json"
+    run = run_in_session([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "runtime_worker.py", str(result), str(STEPS), *(byom_plans[n][0] for n in names)],
+                         timeout=540)
+    records = json.loads(result.read_text()) if result.exists() else []
+    rows = [f"{'model':<11} {'compile':>8} {'loss diff':>10} {'max grad diff':>14}  check"]
+    for name, rec in zip(names, records):
+        check = rec["check"] or {}
+        rows.append(f"{name:<11} {byom_plans[name][1]:>7.1f}s {check.get('loss_diff', float('nan')):>10.2e} "
+                    f"{check.get('max_grad_diff', float('nan')):>14.2e}  {'pass' if check.get('passed') else 'FAIL'}")
+    print("\n" + "\n".join(rows))
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert len(records) == len(names)
+    for name, rec in zip(names, records):
+        assert rec["rc"] == 0 and rec["check"]["passed"], (name, rec["check"])
+        assert rec["check"]["max_grad_diff"] < 1e-4, name
+        # STEPS steps pipelined equal STEPS steps of single-process training on the same data
+        assert rec["losses"] == pytest.approx(rec["reference_losses"], rel=1e-4, abs=1e-5), name
+
+
+MODEL_FILE = '''
+"""A user's own model, in a file beside the schedule file."""
+import torch
+from torch import nn
+
+
+class Tagger(nn.Module):
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.mix = nn.Sequential(nn.Linear(dim, dim), nn.Tanh(), nn.Linear(dim, dim), nn.Tanh())
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.mix(self.embed(tokens)))
+
+
+def build(vocab: int = 40, dim: int = 16) -> nn.Module:
+    return Tagger(vocab, dim)
+'''
+
+SCHEDULE_FILE = '''
+# my own model, found beside this file
+model "mymodel:build" (dim=24)
+input tokens: int64[8, 8]
+pp 2
+microbatches 4
+'''
+
+
+@pytest.mark.timeout(300)
+def test_a_model_file_beside_its_schedule_file_needs_no_pythonpath(tmp_path):
+    project, elsewhere, later = tmp_path / "project", tmp_path / "elsewhere", tmp_path / "later"
+    for folder in (project, elsewhere, later):
+        folder.mkdir()
+    (project / "mymodel.py").write_text(textwrap.dedent(MODEL_FILE).lstrip())
+    (project / "my.pipe").write_text(textwrap.dedent(SCHEDULE_FILE).lstrip())
+    env = {"PYTHONPATH": ""}
+    out = run_cli("compile", "../project/my.pipe", "-o", str(later / "plan.json"), cwd=elsewhere, env=env)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads((later / "plan.json").read_text())
+    assert plan["model"]["search_path"][0] == str(project)  # the schedule file's folder, recorded absolute
+    run = run_in_session([PYTHON, "-m", "pipec", "run", str(later / "plan.json"), "--nproc", "2", "--steps", "1",
+                          "--check", "--timeout", "60"], timeout=240, cwd=later, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "--check passed" in run.stderr + run.stdout
+
+
+@pytest.mark.timeout(300)
+def test_a_model_plan_with_unit_costs_says_units_everywhere(tmp_path):
+    from pipec.compiler.driver import compile_plan
+    from pipec.compiler.plan import read_plan
+
+    gpt = ["--model", "pipec.examples.gpt:build", "--model-arg", "layers=2", "--model-arg", "dim=16",
+           "--model-arg", "vocab=32", "--model-arg", "seq=8", "--input", "tokens: int64[8, 8]"]
+    out = run_cli("compile", *gpt, "--costs", "unit", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "4",
+                  "-o", "plan.json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    # 1f1b at P=2, M=4 in units: (M + P - 1) x (F + B) = 15, communication free, as for the schedule alone
+    assert "predicted step 15 units, bubble 20.0%" in out.stdout, out.stdout
+    plan = read_plan(str(tmp_path / "plan.json"))
+    alone = compile_plan(num_ranks=2, num_microbatches=4, schedule="1f1b").plan.prediction
+    assert plan.unit_costs and plan.prediction.time_unit == "unit"
+    assert plan.prediction.step_time == alone.step_time == 15
+    compute = sorted((e.rank, e.op, e.start, e.end) for e in plan.prediction.events if e.op[0] in "FB")
+    assert compute == sorted((e.rank, e.op, e.start, e.end) for e in alone.events if e.op[0] in "FB")
+
+    show = run_cli("show", "plan.json", "--trace", "trace.json", cwd=tmp_path, env={"COLUMNS": "160"})
+    assert show.returncode == 0, show.stderr
+    assert "step 15 units" in show.stdout and "cost per microbatch (units;" in show.stdout
+    assert " ms " not in show.stdout and " s " not in show.stdout.replace("units", "")
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert trace["otherData"]["time_unit"] == {"predicted": "unit"}
+
+    # --emulate sleeps --unit-time seconds per unit (not a second per unit); report.json's predicted is in units
+    run = run_in_session([PYTHON, "-m", "pipec", "run", str(tmp_path / "plan.json"), "--nproc", "2", "--steps", "2",
+                          "--emulate", "--unit-time", "0.01", "--report", str(tmp_path / "report.json"),
+                          "--timeout", "60"], timeout=240, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["predicted"]["time_unit"] == "unit" and report["predicted"]["step_time"] == 15
+    assert report["measured"]["time_unit"] == "s" and report["measured"]["step_time"] < 5 * 15 * 0.01
