@@ -199,8 +199,9 @@ KEYS: dict[str, Key] = {key.name: key for key in (
         example="trace export"),
     Key(name="init", kind=k.Choice(INITS), default=TRAINING.init, default_doc=TRAINING.init,
         flag="--init", group="Model",
-        meaning="Initial weights: `module` (each module's reset_parameters(), else the enclosing Hugging "
-                "Face model's _init_weights, under a generator seeded from (seed, module name); independent "
+        meaning="Initial weights: `module` (each module's reset_parameters(), then the nearest _init_weights "
+                "(a Hugging Face model's) applied to it and its enclosing modules, as the model's own "
+                "initialisation does, under a generator seeded from (seed, module name); independent "
                 "of the partition), `exact` (the factory's own initialisation, the whole model on each "
                 "rank's CPU; needed for a factory that loads pretrained weights), or `auto`: `module` when "
                 "every module that owns parameters has such an init path, else `exact` up to 1e9 "
