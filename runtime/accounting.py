@@ -15,7 +15,7 @@ from pipec.compiler.plan import Mesh, Plan
 from pipec.compiler.timeline import Timeline
 from pipec.runtime.executor import RankStep
 
-__all__ = ["measured_timeline", "median_step", "stragglers", "build_report", "STRAGGLER_FACTOR"]
+__all__ = ["measured_timeline", "median_step", "stragglers", "state_bytes_report", "build_report", "STRAGGLER_FACTOR"]
 
 STRAGGLER_FACTOR = 1.25
 """A rank whose compute exceeds the median rank's compute by this factor is a straggler."""
@@ -63,6 +63,22 @@ def stragglers(timeline: Timeline, mesh: Mesh) -> list[dict[str, Any]]:
     return out
 
 
+def state_bytes_report(plan: Plan, ranks: Sequence[RankStep]) -> list[dict[str, Any]]:
+    """report.json's ``state_bytes``: per global rank, the parameters, grads and optimizer state it held after
+    its last optimizer step (measured, and their sum) beside the plan's prediction for its pp rank."""
+    predicted = {r.rank: r.state_bytes for r in plan.prediction.per_rank} if plan.prediction is not None else {}
+    out = []
+    for s in sorted(ranks, key=lambda s: s.global_rank):
+        if s.state_bytes is None:
+            continue
+        entry: dict[str, Any] = {"rank": s.global_rank, "measured": sum(s.state_bytes.values())}
+        pred = predicted.get(plan.mesh.coords(s.global_rank)[0])
+        if pred is not None:
+            entry["predicted"] = pred
+        out.append({**entry, **{k: s.state_bytes[k] for k in ("params", "grads", "optimizer")}})
+    return out
+
+
 def build_report(
     plan: Plan,
     plan_path: str,
@@ -92,7 +108,8 @@ def build_report(
     measured = measured_timeline(per_step[med])
     report: dict[str, Any] = {
         "plan": plan_path,
-        "mesh": {"pp": plan.mesh.pp, "dp": plan.mesh.dp},
+        "mesh": {"pp": plan.mesh.pp, "dp": plan.mesh.dp,
+                 **({"shard": plan.mesh.shard, "shard_size": plan.mesh.num_shards} if plan.mesh.sharded else {})},
         "steps": steps,
         "median_step": first_step + med,
         "measured": measured.to_json(),
@@ -109,6 +126,9 @@ def build_report(
     mems = [r.peak_memory_bytes for r in measured.per_rank if r.peak_memory_bytes is not None]
     if mems:
         report["peak_memory_bytes"] = max(mems)
+    held = state_bytes_report(plan, per_step[-1])
+    if held:
+        report["state_bytes"] = held
     report["stragglers"] = stragglers(measured, plan.mesh)
     if check is not None:
         report["check"] = dict(check)

@@ -10,7 +10,14 @@ partition). State keys (DCP joins nested keys with dots):
   canonical name: every copy saves it, DCP keeps one, and every copy loads it)
   and the model's persistent buffers;
 - ``optim.state.<canonical>.<name>``, ``optim.param_groups.<canonical>.<key>``:
-  optimizer state, flattened per parameter by DCP's state-dict helpers;
+  optimizer state, flattened per parameter as DCP's state-dict helpers do;
+
+Sharded state (``shard``, runtime/sharding.py) is saved as DTensor shards:
+each rank writes only its own (nothing is gathered to one rank), and DCP
+reshards on load, so a checkpoint loads under another dp, shard mode or
+shard_size too. Every tensor is loaded in place, into the parameters and
+optimizer state themselves (hyperparameters come from the plan, not from the
+checkpoint's ``param_groups``);
 - ``step``: steps done (the data position: data is a function of the step);
 - ``rng.rank<r>``: each global rank's torch RNG state, restored only under the
   same layout (another layout draws its random numbers in another order
@@ -34,7 +41,7 @@ Saving is asynchronous by default (``dcp.async_save`` on a gloo group of its
 own): the step is blocked only while the state is copied to host memory;
 writing, hashing and the commit run in a background thread.
 
-Why one module of ~640 lines: save, commit, validation, retention and resume
+Why one module of ~680 lines: save, commit, validation, retention and resume
 all read and write the same folder layout and manifest, and a change to one
 is a change to all.
 """
@@ -59,10 +66,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from pipec.compiler.config import TrainingConfig
 from pipec.errors import PipecError
+from pipec.runtime.sharding import OptimizerShards, init_optimizer_state, local, optimizer_state
 
 __all__ = [
     "for_run",
@@ -84,7 +91,6 @@ MANIFEST = "pipec.json"
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^step_\d+\.tmp")
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class CheckpointError(PipecError):
@@ -245,7 +251,8 @@ class Checkpointer:
     def __init__(self, plan, config: TrainingConfig, modules: Mapping[int, nn.Module],
                  optimizer: torch.optim.Optimizer, *, rank: int, world_size: int, total_steps: int,
                  save_dir: str | None, every: int, keep: int | None, resume: str | None, attempt: int = 0,
-                 run_id: str = "", asynchronous: bool = True, timeout: float = 300.0, log=None) -> None:
+                 run_id: str = "", asynchronous: bool = True, timeout: float = 300.0, log=None,
+                 shard_mesh=None) -> None:
         if every < 0:
             raise CheckpointError(f"checkpoint_every must be at least 0, got {every}")
         if every and not save_dir:
@@ -257,6 +264,8 @@ class Checkpointer:
         self.config = config
         self.modules = dict(modules)
         self.optimizer = optimizer
+        self.shard_mesh = shard_mesh
+        """ZeRO-1's shard group (its optimizer state is saved as DTensor shards over it)."""
         self.rank, self.world_size = rank, world_size
         self.total_steps = total_steps
         self.save_dir = Path(save_dir) if save_dir and every else None
@@ -269,7 +278,6 @@ class Checkpointer:
         self.log = log
         self.timeout = timeout
         self._group = None
-        self.container = nn.ModuleDict({f"stage{s}": m for s, m in sorted(self.modules.items())})
         model = plan.model or {}
         self.target, self.kwargs = str(model.get("target")), dict(model.get("kwargs") or {})
         self.aliases, self.buffers = model_layout(self.target, self.kwargs)
@@ -299,34 +307,46 @@ class Checkpointer:
         local = fqn.partition(".")[2]
         return local if local in self.buffers else None
 
-    def _split(self, key: str) -> tuple[str, str, str]:
-        """A flattened optimizer key ``state.<fqn>.<name>`` -> (kind, fqn, name)."""
-        kind, _, rest = key.partition(".")
-        fqn, _, name = rest.rpartition(".")
-        return kind, fqn, name
+    def _params(self) -> tuple[dict[str, nn.Parameter], list[tuple[nn.Parameter, str]]]:
+        """Canonical name -> this rank's first copy of the parameter, and every further copy (a tied weight
+        held by several of this rank's stages) with its canonical name."""
+        first: dict[str, nn.Parameter] = {}
+        more: list[tuple[nn.Parameter, str]] = []
+        for s, m in sorted(self.modules.items()):
+            for local_name, p in m.named_parameters():
+                canon = self.canonical[f"stage{s}.{local_name}"]
+                if canon in first:
+                    more.append((p, canon))
+                else:
+                    first[canon] = p
+        return first, more
 
     def _layout_matches(self, manifest: Manifest) -> bool:
-        return (manifest.mesh == {"pp": self.plan.mesh.pp, "dp": self.plan.mesh.dp}
+        return ({k: manifest.mesh.get(k) for k in ("pp", "dp")} == {"pp": self.plan.mesh.pp, "dp": self.plan.mesh.dp}
                 and list(manifest.placement) == list(self.plan.placement) and manifest.num_stages == self.plan.num_stages)
 
-    def _state(self, *, rng: bool) -> tuple[dict[str, Any], dict, dict]:
-        """The canonical state dict of this rank, plus the local model and optimizer state dicts it came from."""
-        msd, osd = get_state_dict(self.container, self.optimizer, options=_OPTIONS)
+    def _state(self, *, rng: bool) -> tuple[dict[str, Any], list[tuple[torch.Tensor, str]]]:
+        """The canonical state dict of this rank (its tensors are the live parameters and optimizer state,
+        DTensor shards where sharded), and the model tensors it leaves out: further tied copies by canonical name."""
         model: dict[str, Any] = {}
-        for fqn, value in msd.items():
-            canon = self._canon(fqn)
-            if canon is not None:
-                model.setdefault(canon, value)  # tied copies on one rank: the first (they are equal)
-        optim: dict[str, Any] = {}
-        for key, value in osd.items():
-            kind, fqn, name = self._split(key)
-            optim.setdefault(f"{kind}.{self.canonical[fqn]}.{name}", value)
+        copies: list[tuple[torch.Tensor, str]] = []
+        for s, m in sorted(self.modules.items()):
+            for fqn, value in m.state_dict().items():  # FSDP2 stages give their shards
+                canon = self._canon(f"stage{s}.{fqn}")
+                if canon is None:
+                    continue
+                if canon in model:
+                    copies.append((value, canon))  # tied copies on one rank: the first (they are equal)
+                else:
+                    model[canon] = value
+        first, _ = self._params()
+        optim = optimizer_state(self.optimizer, first, self.shard_mesh)
         state: dict[str, Any] = {"model": model, "optim": optim, "step": 0}
         if rng:
             state["rng"] = {f"rank{self.rank}": torch.get_rng_state()}
             if torch.cuda.is_available():
                 state["rng"][f"cuda{self.rank}"] = torch.cuda.get_rng_state()
-        return state, msd, osd
+        return state, copies
 
     # ------------------------------------------------------------------ save
 
@@ -352,7 +372,7 @@ class Checkpointer:
         t = time.perf_counter()
         self.wait()  # one save in flight at a time
         tmp = self.save_dir / f"step_{steps_done:08d}.tmp-a{self.attempt}"
-        state, _, _ = self._state(rng=True)
+        state, _ = self._state(rng=True)
         state["step"] = steps_done
         if self.asynchronous:
             upload = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
@@ -397,7 +417,7 @@ class Checkpointer:
         if bad:
             raise CheckpointError(f"checkpoint {tmp}: cannot read back {'; '.join(bad)}")
         manifest = Manifest(
-            step=steps_done, total_steps=self.total_steps, mesh={"pp": self.plan.mesh.pp, "dp": self.plan.mesh.dp},
+            step=steps_done, total_steps=self.total_steps, mesh=_mesh(self.plan.mesh),
             placement=list(self.plan.placement), num_stages=self.plan.num_stages,
             model={"target": self.target, "kwargs": self.kwargs, "params": self._params_fingerprint()},
             optimizer=self.config.optimizer.name,
@@ -517,22 +537,20 @@ class Checkpointer:
 
     def _load(self, path: Path, manifest: Manifest) -> int:
         rng = self._layout_matches(manifest)
-        state, msd, osd = self._state(rng=rng)
-        dcp.load(state, checkpoint_id=path, process_group=self.group)
-        # every local key, tied copies included, takes the value of its canonical key
-        for fqn in msd:
-            canon = self._canon(fqn)
-            if canon is not None:
-                msd[fqn] = state["model"][canon]
-        used: set[str] = set()
-        for key in osd:
-            kind, fqn, name = self._split(key)
-            canon = f"{kind}.{self.canonical[fqn]}.{name}"
-            value = state["optim"][canon]
-            # the optimizer keeps the tensors it is given: a second tied copy needs its own
-            osd[key] = value.clone() if canon in used and isinstance(value, torch.Tensor) else value
-            used.add(canon)
-        set_state_dict(self.container, self.optimizer, model_state_dict=msd, optim_state_dict=osd, options=_OPTIONS)
+        first, more = self._params()
+        init_optimizer_state(self.optimizer, [p for s in sorted(self.modules) for p in self.modules[s].parameters()])
+        state, copies = self._state(rng=rng)
+        # hyperparameters are the plan's: only the optimizer's tensors (and its step counts) are loaded
+        state["optim"] = {k: v for k, v in state["optim"].items() if k.startswith("state.")}
+        dcp.load(state, checkpoint_id=path, process_group=self.group)  # in place, resharded as needed
+        with torch.no_grad():  # every further tied copy takes its canonical value, and its optimizer state
+            for value, canon in copies:
+                local(value).copy_(local(state["model"][canon]))
+            for p, canon in more:
+                src = _opt_state(self.optimizer, first[canon])
+                for key, t in _opt_state(self.optimizer, p).items():
+                    if isinstance(t, torch.Tensor):
+                        local(t).copy_(local(src[key]))
         step = int(state["step"])
         if rng:
             torch.set_rng_state(state["rng"][f"rank{self.rank}"])
@@ -541,8 +559,11 @@ class Checkpointer:
         else:
             self._seed_rng(step)
         if self.rank == 0:
-            note = "" if rng else (f" (written under pp {manifest.mesh['pp']} x dp {manifest.mesh['dp']}, "
-                                   f"{manifest.num_stages} stages: resharded; RNG streams start afresh)")
+            resharded = not rng or _mesh(self.plan.mesh) != manifest.mesh
+            shard = f" shard {manifest.mesh['shard']}" if "shard" in manifest.mesh else ""
+            note = "" if not resharded else (
+                f" (written under pp {manifest.mesh['pp']} x dp {manifest.mesh['dp']}{shard}, {manifest.num_stages} "
+                f"stages: resharded{'' if rng else '; RNG streams start afresh'})")
             _say(f"pipec: resumed from {path} at step {step}{note}")
             lr_sched = self.config.lr_schedule.name
             if manifest.total_steps != self.total_steps and lr_sched != "constant":
@@ -578,11 +599,12 @@ class Checkpointer:
         return out
 
 
-def for_run(plan, config: TrainingConfig, options, env, modules, optimizer, total_steps: int):
+def for_run(plan, config: TrainingConfig, options, env, modules, optimizer, total_steps: int, *, shard_mesh=None):
     """The trainer's checkpointer (None under ``--emulate``: no state) and this attempt's goodput log.
 
     ``options`` are the run's :class:`~pipec.runtime.launch.RunOptions`. Every rank calls this at
-    the same point (a save or a load creates the checkpointer's process group).
+    the same point (a save or a load creates the checkpointer's process group). ``shard_mesh``: the
+    DeviceMesh of this rank's shard group (ZeRO-1 saves its optimizer state as DTensor shards over it).
     """
     from pipec.runtime.goodput import AttemptLog
 
@@ -598,8 +620,23 @@ def for_run(plan, config: TrainingConfig, options, env, modules, optimizer, tota
     ckpt = Checkpointer(plan, config, modules, optimizer, rank=env.rank, world_size=env.world_size,
                         total_steps=total_steps, save_dir=save_dir, every=every, keep=options.keep_checkpoints,
                         resume=options.resume, attempt=env.attempt, run_id=run_id, timeout=options.timeout, log=log,
-                        asynchronous=not options.sync_checkpoints)
+                        asynchronous=not options.sync_checkpoints, shard_mesh=shard_mesh)
     return ckpt, log
+
+
+def _mesh(mesh) -> dict[str, Any]:
+    """A manifest's ``mesh``: pp and dp, and how the state is sharded when it is."""
+    out: dict[str, Any] = {"pp": mesh.pp, "dp": mesh.dp}
+    if mesh.sharded:
+        out |= {"shard": mesh.shard, "shard_size": mesh.num_shards}
+    return out
+
+
+def _opt_state(optimizer, p: nn.Parameter) -> dict[str, Any]:
+    """The optimizer state of parameter ``p`` (ZeRO-1: of the rows of it this rank steps)."""
+    if isinstance(optimizer, OptimizerShards):
+        return optimizer.state[optimizer.shard_of[id(p)]]
+    return optimizer.state[p]
 
 
 def _publish(tmp: Path, name: str) -> Path:

@@ -13,10 +13,24 @@ wire, or directly to a local producer stage). Every compute instruction and
 every wait is timed (a monotonic clock; CUDA events on GPU), which is what the
 bubble accounting reads.
 
+Sharded data parallelism (runtime/sharding.py) adds three handlers:
+``UNSHARD`` posts a stage's all-gather, and the stage's next compute waits for
+it (as a receive is waited for); ``RESHARD`` frees the gathered parameters;
+``REDUCE_SCATTER`` reduces the step's gradients to this rank's shards. An
+``ALLREDUCE`` over ``dp.replicate`` and the tie all-reduces then work on the
+gradient shards.
+
 ``emulate`` (seconds per cost unit) puts other entries in the tables: every
 compute op sleeps for its predicted cost and every message is a one-element
 placeholder, so a schedule-only plan runs and the accounting can be checked
-against the prediction; comm, collectives and the optimizer step run as usual.
+against the prediction; comm, collectives and the optimizer step run as usual
+(an ``UNSHARD`` or ``REDUCE_SCATTER`` is a one-element all-reduce over its group).
+
+Why one module of ~650 lines: every handler reads and writes the same
+per-step state (buffers received, outputs and grads kept for their users,
+posted all-gathers, pending reductions, the timed spans and waits), and the
+tables that choose them are built together in one constructor; split apart,
+that state would travel through every call.
 """
 
 from __future__ import annotations
@@ -28,12 +42,13 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
-from pipec.compiler.ir import Instruction, Op, message_edge
+from pipec.compiler.ir import DP_GROUPS, SHARD_OPS, Instruction, Op, message_edge
 from pipec.compiler.plan import UNIT_COST, Plan, Signature
 from pipec.compiler.timeline import Event
 from pipec.errors import EXIT_RUN, PipecError, RunFailed
 from pipec.runtime.clock import CudaClock, HostClock
 from pipec.runtime.deferred import WeightGradStash, defer_weight_grads
+from pipec.runtime.sharding import local_grad
 from pipec.runtime.transport import P2P, Transport
 
 __all__ = ["RunError", "PlanMismatch", "RankStep", "Executor"]
@@ -74,6 +89,8 @@ class RankStep:
     loss: float | None = None
     events: list[Event] = field(default_factory=list)
     peak_memory_bytes: int | None = None
+    state_bytes: dict[str, int] | None = None
+    """Bytes of parameters, grads and optimizer state held after the optimizer step (runtime/sharding.py)."""
 
 
 class Message(NamedTuple):
@@ -101,6 +118,15 @@ class Reduction(NamedTuple):
     """A tie group: the local copies' grads are summed and every copy gets the total (dp: averaged, in place)."""
 
 
+class ShardJob(NamedTuple):
+    """One ``UNSHARD``, ``RESHARD`` or ``REDUCE_SCATTER``, resolved when the executor is built."""
+
+    ins: Instruction
+    stage: int
+    group: tuple[int, ...]
+    """Global ranks of the shard group (what ``emulate``'s placeholder all-reduce goes over)."""
+
+
 class Sleep(NamedTuple):
     """An emulated compute instruction: the receives it uses, then its predicted cost."""
 
@@ -126,6 +152,7 @@ class Executor:
         autocast_dtype: torch.dtype | None = None,
         optimizer_step: Callable[[], None] | None = None,
         fail_hook: Callable[[int, Instruction], None] | None = None,
+        sharding=None,
     ) -> None:
         self.plan = plan
         self.mesh = plan.mesh
@@ -139,6 +166,8 @@ class Executor:
         self.device = torch.device(device)
         self.autocast_dtype = autocast_dtype
         self.optimizer_step = optimizer_step
+        self.sharding = sharding
+        """The stages' FSDP2 driver (runtime/sharding.py ``ParamShards``) when the plan shards parameters."""
         self.instructions = plan.program.ranks[pp_rank]
         self.M = plan.num_microbatches
         self.edge_tensors: dict[tuple[int, int], tuple[Signature, ...]] = {}
@@ -164,17 +193,23 @@ class Executor:
             payload = {Op.SEND_ACT: self.activations_out, Op.SEND_GRAD: self.input_grads_out,
                        Op.RECV_ACT: self.buffers, Op.RECV_GRAD: self.buffers}
             prepare = {}
+            shard = {} if sharding is None else {
+                Op.UNSHARD: self.unshard, Op.RESHARD: self.reshard, Op.REDUCE_SCATTER: self.reduce_scatter}
         else:
             compute = dict.fromkeys(compute, self.emulated)
             payload = dict.fromkeys(_COMM, self.placeholders)
             prepare = dict.fromkeys(compute, self.sleep)
+            shard = {Op.UNSHARD: self.unshard_placeholder, Op.RESHARD: self.reshard,
+                     Op.REDUCE_SCATTER: self.reduce_scatter_placeholder}
         self.handlers: dict[Op, Callable[[Any], None]] = {
-            **compute, **dict.fromkeys(_COMM, self.post), Op.ALLREDUCE: self.allreduce, Op.OPTIM_STEP: self.optim_step}
+            **compute, **dict.fromkeys(_COMM, self.post), Op.ALLREDUCE: self.allreduce, Op.OPTIM_STEP: self.optim_step,
+            **shard}
         """One handler per opcode; each takes what :attr:`prepare` made of its instruction."""
         self.payload = payload
         """What each comm op moves: real tensors checked against the plan's signatures, or placeholders."""
         self.prepare: dict[Op, Callable[[Sequence[Instruction]], Any]] = {
-            **prepare, **dict.fromkeys(_COMM, self.messages), Op.ALLREDUCE: self.reduction}
+            **prepare, **dict.fromkeys(_COMM, self.messages), Op.ALLREDUCE: self.reduction,
+            **dict.fromkeys(SHARD_OPS, self.shard_job)}
         """Opcodes whose handler takes a value resolved once (the rest take the instruction itself)."""
         self.local_ties = [self.tied_params(t.name) for t in plan.ties
                            if emulate is None and plan.tie_ranks(t.name) == (pp_rank,) and len(t.stages) > 1]
@@ -195,6 +230,9 @@ class Executor:
                 while j < n and instrs[j].batch == ins.batch:
                     j += 1
             handler = self.handlers.get(ins.op)
+            if handler is None and ins.op in SHARD_OPS:
+                raise RunError(f"{self.where(i, ins)}: the plan shards parameters (shard {self.mesh.shard}), but this "
+                               "executor has no FSDP2 driver; run it under torchrun (pipec run)")
             if handler is None:
                 raise RunError(f"{self.where(i, ins)}: no handler for opcode {ins.op}")
             prepare = self.prepare.get(ins.op)
@@ -222,13 +260,17 @@ class Executor:
 
     def reduction(self, instrs: Sequence[Instruction]) -> Reduction:
         (ins,) = instrs
-        if ins.group == "dp":
-            group = tuple(self.mesh.replicas(self.pp_rank))
+        if ins.group in DP_GROUPS:  # dp; dp.replicate under HSDP (on the gradient shards)
+            group = self.mesh.group_ranks(ins.group, self.global_rank)
             params = () if self.emulate is not None else tuple(self.modules[ins.stage].parameters())
             return Reduction(ins, group, params, tie=False)
         name = ins.group[4:]
         group = tuple(self.mesh.global_rank(p, self.dp_rank) for p in self.plan.tie_ranks(name))
         return Reduction(ins, group, () if self.emulate is not None else tuple(self.tied_params(name)), tie=True)
+
+    def shard_job(self, instrs: Sequence[Instruction]) -> ShardJob:
+        (ins,) = instrs
+        return ShardJob(ins, ins.stage, self.mesh.group_ranks(ins.group, self.global_rank))
 
     def sleep(self, instrs: Sequence[Instruction]) -> Sleep:
         (ins,) = instrs
@@ -287,6 +329,8 @@ class Executor:
         self.sends: list[tuple[list, list[torch.Tensor]]] = []
         self.reductions: list[tuple] = []
         self.stashes: dict[tuple[int, int], WeightGradStash] = {}
+        self.unshards: dict[int, Any] = {}
+        """Stage -> its posted all-gather (``UNSHARD``), waited for by the stage's next compute."""
         self.losses: list[torch.Tensor] = []
         self.step = RankStep(self.global_rank)
         self.transport.barrier()
@@ -364,6 +408,12 @@ class Executor:
         self.wait(works)
         return tensors
 
+    def gathered(self, s: int) -> None:
+        """Wait for stage ``s``'s posted all-gather, if any (its parameters are usable after)."""
+        work = self.unshards.pop(s, None)
+        if work is not None:
+            self.wait([work])
+
     # ------------------------------------------------------------------ compute
 
     def record(self, ins: Instruction, start, compute: bool = True) -> None:
@@ -387,6 +437,8 @@ class Executor:
         """``emulate``: any compute op waits for the receives it uses, then sleeps for its predicted cost."""
         for key in job.receives:
             self.received(key)
+        if self.unshards:
+            self.gathered(job.ins.stage)
         start = self.now()
         time.sleep(job.seconds)
         self.record(job.ins, start)
@@ -394,6 +446,8 @@ class Executor:
     def forward(self, ins: Instruction) -> None:
         s, m = ins.stage, ins.microbatch
         remote = {p: self.received(("A", p, s, m)) for p in self.remote_producers.get(s, ())}
+        if self.unshards:
+            self.gathered(s)
         start = self.now()
         stage = self.plan.stages[s]
         values: dict[str, torch.Tensor] = {}
@@ -451,6 +505,8 @@ class Executor:
     def backward(self, ins: Instruction) -> None:
         s, m = ins.stage, ins.microbatch
         remote = {c: self.received(("G", s, c, m)) for c in self.remote_consumers.get(s, ())}
+        if self.unshards:
+            self.gathered(s)
         start = self.now()
         grad_inputs, loss, named, replay = self.saved.pop((s, m))
         if replay is not None:  # recompute: run the forward again, now building the graph
@@ -485,6 +541,8 @@ class Executor:
         self.record(ins, start)
 
     def backward_weight(self, ins: Instruction) -> None:
+        if self.unshards:
+            self.gathered(ins.stage)
         start = self.now()
         self.stashes.pop((ins.stage, ins.microbatch)).run()
         self.record(ins, start)
@@ -496,7 +554,7 @@ class Executor:
         params = job.params
         if job.tie:
             self.finish_reductions()  # the dp average of each copy must be in before the copies are summed
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        grads = [local_grad(p) for p in params]  # a sharded parameter's: its shard
         if not grads:
             flat = torch.zeros(1, device=self.device)
         elif job.tie:  # sum the local copies, reduce once, and give every copy the total
@@ -521,21 +579,58 @@ class Executor:
             self.wait([work])
             offset = 0
             for p in params:
-                n = p.numel()
-                g = flat.view_as(p) if shared else flat[offset:offset + n].view_as(p)
+                g = local_grad(p)
+                n = g.numel()
+                g.copy_(flat.view_as(g) if shared else flat[offset:offset + n].view_as(g))
                 offset += n
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
         self.reductions.clear()
 
     def sum_local_ties(self) -> None:
         """A tie group held entirely by this rank needs no collective: its copies' grads are summed here."""
         for params in self.local_ties:
-            total = sum(p.grad if p.grad is not None else torch.zeros_like(p) for p in params)
-            for p in params:
-                p.grad = total.clone()
+            grads = [local_grad(p) for p in params]
+            total = sum(grads)
+            for g in grads:
+                g.copy_(total)
+
+    # ------------------------------------------------------------------ sharded data parallelism
+
+    def unshard(self, job: ShardJob) -> None:
+        """Post the stage's all-gather; its next compute waits for it."""
+        start = self.now()
+        work = self.sharding.unshard(job.stage)
+        if work is not None:
+            self.unshards[job.stage] = work
+        self.record(job.ins, start, compute=False)
+
+    def reshard(self, job: ShardJob) -> None:
+        """Free the stage's gathered parameters (``emulate``: nothing to free)."""
+        start = self.now()
+        if self.sharding is not None:
+            self.sharding.reshard(job.stage)
+        self.record(job.ins, start, compute=False)
+
+    def reduce_scatter(self, job: ShardJob) -> None:
+        """Reduce the step's gradients of the stage to this rank's shards (a blocking collective: comm wait)."""
+        if self.unshards:
+            self.gathered(job.stage)
+        start = self.now()
+        self.sharding.reduce_scatter(job.stage)
+        end = self.now()
+        self.waits.append((start, end))
+        self.spans.append((job.ins, start, end, False))
+
+    def unshard_placeholder(self, job: ShardJob) -> None:
+        """``emulate``: a one-element all-reduce over the shard group stands for the all-gather."""
+        start = self.now()
+        self.unshards[job.stage] = self.transport.all_reduce(torch.zeros(1, device=self.device), job.group)
+        self.record(job.ins, start, compute=False)
+
+    def reduce_scatter_placeholder(self, job: ShardJob) -> None:
+        """``emulate``: a one-element all-reduce over the shard group stands for the reduce-scatter."""
+        start = self.now()
+        self.wait([self.transport.all_reduce(torch.zeros(1, device=self.device), job.group)])
+        self.record(job.ins, start, compute=False)
 
     def optim_step(self, ins: Instruction) -> None:
         start = self.now()
@@ -543,8 +638,8 @@ class Executor:
         self.sends.clear()
         self.finish_reductions()
         self.sum_local_ties()
-        if self.recvs:  # the verifier proves this cannot happen
-            raise RunError(f"receives posted but never used: {list(self.recvs)[:3]}")
+        if self.recvs or self.unshards:  # the verifier proves this cannot happen
+            raise RunError(f"receives or all-gathers posted but never used: {(list(self.recvs) + list(self.unshards))[:3]}")
         stepped = self.now()
         if self.optimizer_step is not None:
             self.optimizer_step()

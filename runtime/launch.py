@@ -195,7 +195,13 @@ def init_process_group(env: Env, timeout: float):
 
 
 def plan_transport(plan, env: Env, timeout: float, backend: str, device):
-    """The (pp, dp) mesh and every group a rank of this plan uses, each with an explicit timeout."""
+    """The DeviceMesh of this plan and every group a rank of it uses, each with an explicit timeout.
+
+    The mesh's dims are ``pp`` and ``dp``, or under HSDP (``shard_size`` < dp)
+    ``pp``, ``dp_replicate`` and ``dp_shard`` (shard groups are consecutive dp
+    ranks); dims of size 1 are left out. The transport's ``shard_mesh`` is the
+    1-D mesh of this rank's shard group (FSDP2 and ZeRO-1 work over it).
+    """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -207,20 +213,35 @@ def plan_transport(plan, env: Env, timeout: float, backend: str, device):
     mesh = plan.mesh
     P, D = mesh.pp, mesh.dp
     pp_rank, dp_rank = mesh.coords(env.rank)
-    pp_ranks = tuple(mesh.global_rank(p, dp_rank) for p in range(P))
-    dp_ranks = tuple(mesh.replicas(pp_rank))
-    if P > 1 and D > 1:
-        device_mesh = init_device_mesh(device.type, (P, D), mesh_dim_names=("pp", "dp"),
-                                       backend_override={"pp": (backend, opts), "dp": (backend, opts)})
-        groups: dict[tuple[int, ...], Any] = {pp_ranks: device_mesh["pp"].get_group(),
-                                              dp_ranks: device_mesh["dp"].get_group()}
-    elif P > 1 or D > 1:
+    hybrid = mesh.hybrid
+    S = mesh.num_shards if hybrid else D
+    # dims of size 1 are left out, but for HSDP's shard dim (shard_size 1: FSDP2 over a mesh of one rank)
+    dims = [(name, size) for name, size in (("pp", P), *((("dp_replicate", D // S), ("dp_shard", S)) if hybrid
+                                                         else (("dp", D),))) if size > 1 or name == "dp_shard"]
+    # each dim's group, by the dp-group name the plan's instructions use
+    ranks_of = {"pp": tuple(mesh.global_rank(p, dp_rank) for p in range(P)), "dp": tuple(mesh.replicas(pp_rank))}
+    if hybrid:
+        ranks_of |= {f"dp_{g}": tuple(mesh.group_ranks(f"dp.{g}", env.rank)) for g in ("shard", "replicate")}
+    groups: dict[tuple[int, ...], Any] = {}
+    device_mesh = None
+    if len(dims) == 1:
         # one axis spans the world: a 1-D mesh reuses the world group (every idle gloo group costs a
         # polling thread), whose timeout init_process_group set
-        name, ranks = ("pp", pp_ranks) if P > 1 else ("dp", dp_ranks)
-        groups = {ranks: init_device_mesh(device.type, (P * D,), mesh_dim_names=(name,)).get_group()}
-    else:
-        groups = {}  # one rank: every collective is local
+        device_mesh = init_device_mesh(device.type, (P * D,), mesh_dim_names=(dims[0][0],))
+    elif dims:
+        names = tuple(name for name, _ in dims)
+        device_mesh = init_device_mesh(device.type, tuple(size for _, size in dims), mesh_dim_names=names,
+                                       backend_override=dict.fromkeys(names, (backend, opts)))
+    for name, size in dims:
+        if size > 1:
+            groups[ranks_of[name]] = device_mesh[name].get_group()
+    if hybrid and P > 1:  # the whole dp group too (ZeRO-1 all-reduces gradients over it): one per pp rank
+        mine, _ = dist.new_subgroups_by_enumeration([list(mesh.replicas(p)) for p in range(P)], timeout=td,
+                                                    backend=backend)
+        groups[ranks_of["dp"]] = mine
+    elif hybrid:
+        groups[ranks_of["dp"]] = dist.group.WORLD
+    shard_mesh = device_mesh["dp_shard" if hybrid else "dp"] if mesh.sharded else None
     # tie groups: one per dp replica; every rank creates every group, in the same order
     for tie in plan.ties:
         members = plan.tie_ranks(tie.name)
@@ -231,7 +252,7 @@ def plan_transport(plan, env: Env, timeout: float, backend: str, device):
             g = dist.new_group(ranks, timeout=td, backend=backend)
             if env.rank in ranks:
                 groups[tuple(ranks)] = g
-    return TorchTransport(groups)
+    return TorchTransport(groups, shard_mesh=shard_mesh)
 
 
 def _peak_flops(options: RunOptions, config) -> float | None:

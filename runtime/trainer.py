@@ -22,6 +22,7 @@ from pipec.compiler.config import TrainingConfig
 from pipec.compiler.plan import Plan
 from pipec.runtime.executor import Executor, RankStep
 from pipec.runtime.launch import RunOptions
+from pipec.runtime.sharding import ParamShards, ShardLayout, full, local, shard_stages, state_bytes
 from pipec.runtime.training import (
     TrainingError,
     autocast_dtype,
@@ -58,14 +59,20 @@ class Trainer:
         self.own = [s for s, r in enumerate(plan.placement) if r == self.pp_rank]
         self.modules = None
         self.optimizer = None
+        self.layout = ShardLayout.of(plan.mesh, env.rank)
+        self.sharding: ParamShards | None = None
+        self.state_bytes: dict[str, int] | None = None
+        """What this rank held after its last optimizer step (params, grads, optimizer state), in bytes."""
         self.check_pending = options.check
         self.check_result: dict[str, Any] | None = None
         if not options.emulate:
             from pipec.compiler.frontend.stages import build_stages
 
             self.modules = build_stages(plan, self.own, seed=config.seed, init=config.init, device=device)
-            params = [p for s in self.own for p in self.modules[s].parameters()]
-            self.optimizer = make_optimizer(params, config)
+            # sharded data parallelism (runtime/sharding.py): FSDP2 on the stages, or ZeRO-1's optimizer shards
+            self.sharding, self.optimizer = shard_stages(self.layout, self.modules,
+                                                         lambda params: make_optimizer(params, config), transport,
+                                                         dtype=config.dtype)
             self.loss_fn = make_loss(config.loss, (plan.model or {}).get("search_path") or ())
             self.data = make_data(config, plan)
         emulate = None
@@ -74,8 +81,9 @@ class Trainer:
         self.executor = Executor(
             plan, pp_rank=self.pp_rank, dp_rank=self.dp_rank, transport=transport, modules=self.modules,
             loss_fn=None if options.emulate else self.loss_fn, emulate=emulate, device=device,
-            autocast_dtype=autocast_dtype(config.dtype), optimizer_step=self.optimizer_step,
-            fail_hook=self.fail_hook if options.fail_at else None,
+            autocast_dtype=None if self.mixed_precision else autocast_dtype(config.dtype),
+            optimizer_step=self.optimizer_step, fail_hook=self.fail_hook if options.fail_at else None,
+            sharding=self.sharding,
         )
         self.inputs = replica_inputs(plan)
         self.input_names = [i["name"] for i in self.inputs]
@@ -83,8 +91,13 @@ class Trainer:
         from pipec.runtime.checkpoint import for_run
 
         self.checkpointer, self.attempt_log = for_run(plan, config, options, env, self.modules, self.optimizer,
-                                                      self.steps)
+                                                      self.steps, shard_mesh=transport.shard_mesh)
         self.first_step = 0
+
+    @property
+    def mixed_precision(self) -> bool:
+        """FSDP2's mixed-precision policy runs the low-precision compute (not autocast)."""
+        return self.sharding is not None and self.sharding.policy is not None
 
     # ------------------------------------------------------------------ hooks the executor calls
 
@@ -106,26 +119,32 @@ class Trainer:
         if self.config.grad_clip is not None:
             self.clip_grads(self.config.grad_clip)
         self.optimizer.step()
+        self.state_bytes = state_bytes((p for s in self.own for p in self.modules[s].parameters()), self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
 
     def clip_grads(self, max_norm: float) -> None:
-        """Global norm over one replica's pp ranks (after the dp all-reduce), each tied weight counted once."""
+        """Global norm over one replica's pp ranks (after the dp all-reduce), each tied weight counted once;
+        with sharded gradients, over the shard group's shards too."""
         skip = {(s, pname) for tie in self.plan.ties for s, pname in list(zip(tie.stages, tie.params))[1:]}
         sq = torch.zeros((), dtype=torch.float64)
-        params = []
+        grads = []
         for s in self.own:
             for name, p in self.modules[s].named_parameters():
-                params.append(p)
-                if p.grad is not None and (s, name) not in skip:  # a tied weight counts once: its first copy
-                    sq += p.grad.detach().double().pow(2).sum()
+                if p.grad is None:
+                    continue
+                g = local(p.grad)  # a sharded gradient's shard
+                grads.append(g)
+                if (s, name) not in skip:  # a tied weight counts once: its first copy
+                    sq += g.detach().double().pow(2).sum()
+        if self.sharding is not None:
+            self.transport.all_reduce(sq, self.layout.ranks).wait()
         group = tuple(self.plan.mesh.global_rank(p, self.dp_rank) for p in range(self.plan.mesh.pp))
         self.transport.all_reduce(sq, group).wait()
         norm = math.sqrt(float(sq))
         if norm > max_norm:
             scale = max_norm / (norm + 1e-6)
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+            for g in grads:
+                g.mul_(scale)
 
     # ------------------------------------------------------------------ --check
 
@@ -151,7 +170,7 @@ class Trainer:
         for s in self.own:
             for name, p in self.modules[s].canonical_params().items():
                 g_ref = ref_grads.get(name)
-                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                g = full(p.grad) if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype)  # shards gathered
                 if g_ref is None:
                     g_ref = torch.zeros_like(p)
                 diff = (g.detach().cpu().double() - g_ref.double()).abs().max().item() if g.numel() else 0.0
@@ -160,7 +179,14 @@ class Trainer:
                 worst[1] = max(worst[1].item(), diff - allowed)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         return {"reference_loss": loss.item(), "max_grad_diff": float(worst[0]), "grad_excess": float(worst[1]),
-                "atol": atol, "rtol": rtol}
+                "atol": atol, "rtol": rtol, "policy": self.precision_policy()}
+
+    def precision_policy(self) -> str:
+        """What ran the compute dtype: float32, autocast, or FSDP2's mixed-precision policy (its numerics differ
+        from the reference's autocast, within the dtype's tolerance)."""
+        if self.mixed_precision:
+            return self.sharding.policy_text
+        return "float32" if autocast_dtype(self.config.dtype) is None else f"autocast {self.config.dtype}"
 
     # ------------------------------------------------------------------ the loop
 
@@ -197,6 +223,7 @@ class Trainer:
                 mb_inputs = mb_targets = None
             result = self.executor.run_step(mb_inputs, mb_targets)
             result.peak_memory_bytes = self.peak_memory()
+            result.state_bytes = self.state_bytes
             gathered = [None] * self.env.world_size if rank0 else None
             dist.gather_object(result, gathered, dst=0)
             if rank0:
@@ -252,7 +279,8 @@ class Trainer:
             verdict = "passed" if res["passed"] else "FAILED"
             print(f"pipec: --check {verdict}: loss {res['loss']:.6f} vs reference {res['reference_loss']:.6f} "
                   f"(diff {res['loss_diff']:.2e}); max gradient diff {res['max_grad_diff']:.2e} "
-                  f"(tolerance {atol:g} + {rtol:g} x max|reference| per tensor)", file=sys.stderr, flush=True)
+                  f"(tolerance {atol:g} + {rtol:g} x max|reference| per tensor; {res['policy']})", file=sys.stderr,
+                  flush=True)
         return res["passed"]
 
     def tokens_per_step(self) -> int | None:
@@ -302,7 +330,24 @@ class Trainer:
             return None
         r = self.check_result
         return {"passed": r.get("passed", False), "loss_diff": r.get("loss_diff"), "max_grad_diff": r["max_grad_diff"],
-                "tolerance": {"atol": r["atol"], "rtol": r["rtol"]}}
+                "tolerance": {"atol": r["atol"], "rtol": r["rtol"]}, "policy": r["policy"]}
+
+    def state_table(self, held):
+        """report.json's ``state_bytes`` as a table: what each rank held after its last step, beside the plan's."""
+        from rich.table import Table
+
+        mesh = self.plan.mesh
+        shard = f"shard {mesh.shard}, {mesh.num_shards} shards" if mesh.sharded else "not sharded"
+        t = Table(title=f"state held per rank after the last step ({shard})")
+        for name in ("rank", "pp, dp", "params", "grads", "optimizer", "measured", "predicted", "diff"):
+            t.add_column(name, justify="left" if name in ("rank", "pp, dp") else "right")
+        for r in held:
+            pp, dp = mesh.coords(r["rank"])
+            pred = r.get("predicted")
+            diff = f"{(r['measured'] - pred) / pred:+.1%}" if pred else "-"
+            t.add_row(str(r["rank"]), f"{pp}, {dp}", _mib(r["params"]), _mib(r["grads"]), _mib(r["optimizer"]),
+                      _mib(r["measured"]), _mib(pred) if pred is not None else "-", diff)
+        return t
 
     def summary(self, report) -> None:
         from rich.console import Console
@@ -328,6 +373,8 @@ class Trainer:
         t.add_row("all", "", "", "", "", f"{report['bubble_fraction']['measured']:.1%}", f"{pb:.1%}" if pb is not None else "-")
         console = Console()
         console.print(t)
+        if report.get("state_bytes"):
+            console.print(self.state_table(report["state_bytes"]))
         extra = [f"step {meas['step_time']:.3f} s"]
         if "tokens_per_s" in report:
             extra.append(f"{report['tokens_per_s']:,.0f} tokens/s")
@@ -336,6 +383,10 @@ class Trainer:
         if report.get("stragglers"):
             extra.append("stragglers: " + ", ".join(f"rank {s['rank']} ({s['ratio']:.2f}x)" for s in report["stragglers"]))
         console.print("  ".join(extra))
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
 
 
 def _cat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -57,12 +57,14 @@ class _Done:
 class TorchTransport:
     """torch.distributed: ``groups`` maps a tuple of global ranks to its process group."""
 
-    def __init__(self, groups: dict[tuple[int, ...], object]) -> None:
+    def __init__(self, groups: dict[tuple[int, ...], object], *, shard_mesh=None) -> None:
         import torch.distributed as dist
 
         self.dist = dist
         self.rank = dist.get_rank()
         self.groups = groups
+        self.shard_mesh = shard_mesh
+        """The 1-D DeviceMesh of this rank's shard group when the plan shards (FSDP2 and ZeRO-1 work over it)."""
         self.world = dist.group.WORLD
         # gloo has no coalescing: batch_isend_irecv would post the ops one by one anyway, after per-op checks
         # that cost more than the post itself; so post straight to the world group (its ranks are global ranks)
@@ -179,6 +181,8 @@ class _FakeCollective:
 
 
 class FakeTransport:
+    shard_mesh = None  # no DeviceMesh in-process: sharded plans run here only under emulate
+
     def __init__(self, world: FakeWorld, rank: int) -> None:
         self.world = world
         self.rank = rank

@@ -8,7 +8,7 @@ train the unpartitioned reference for the same steps on the same data and
 record both loss curves; and check that every tied weight's copies are
 identical on every rank. Rank 0 writes one JSON record per plan to OUT.json.
 
-Also the data functions of the tests of errors on some ranks only.
+Also the data functions of the tests of errors on some ranks only, and of resharded checkpoints.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pipec.compiler.frontend.stages import build_reference
 from pipec.compiler.verify import verify
 from pipec.compiler.config import TrainingConfig
 from pipec.runtime.launch import Env, RunOptions, init_process_group, plan_transport, run_parser
+from pipec.runtime.sharding import local
 from pipec.runtime.trainer import Trainer
 from pipec.runtime.training import make_data, make_loss, make_optimizer, replica_inputs, split_microbatches
 
@@ -38,6 +39,14 @@ def uneven_batches(step: int, dp_rank: int, dp_size: int):
 def short_batches(step: int, dp_rank: int, dp_size: int):
     """A data function whose batch (6 rows) does not split into 4 microbatches on any rank."""
     return _tokens(6)
+
+
+def same_batches(step: int, dp_rank: int, dp_size: int):
+    """Every replica gets the same batch (8 rows of 8 tokens, vocab 32, from the step): training is then the
+    same under any dp, so a checkpoint resharded to another dp continues as the run that wrote it."""
+    g = torch.Generator().manual_seed(step)
+    x = (torch.randint(0, 32, (8, 1), generator=g) + torch.arange(8)) % 32
+    return x, (x + 1) % 32
 
 
 def _tokens(rows: int):
@@ -71,18 +80,21 @@ def reference_losses(plan, steps: int) -> list[float]:
 
 
 def tied_copies_equal(plan, trainer) -> bool:
-    """Every tied weight's copies (on whichever ranks hold them) are bit-identical after training."""
+    """Every tied weight's copies (on whichever ranks hold them) are bit-identical after training; sharded,
+    the copies of each dp rank's shard are."""
     mine = {}
+    shard = trainer.dp_rank if trainer.sharding is not None else 0
     for tie in plan.ties:
         for s, pname in zip(tie.stages, tie.params):
             if s in trainer.own:
-                mine[(tie.name, s)] = dict(trainer.modules[s].named_parameters())[pname].detach().clone()
+                p = dict(trainer.modules[s].named_parameters())[pname]
+                mine[(tie.name, shard, s)] = local(p).detach().clone()
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    by_tie: dict[str, list[torch.Tensor]] = {}
+    by_tie: dict[tuple[str, int], list[torch.Tensor]] = {}
     for part in everyone:
-        for (name, _s), t in part.items():
-            by_tie.setdefault(name, []).append(t)
+        for (name, shard, _s), t in part.items():
+            by_tie.setdefault((name, shard), []).append(t)
     return all(all(torch.equal(ts[0], t) for t in ts[1:]) for ts in by_tie.values())
 
 
@@ -110,7 +122,7 @@ def main() -> None:
             records.append({
                 "plan": path, "rc": rc, "check": rep.get("check"), "losses": [s["loss"] for s in rep["steps"]],
                 "reference_losses": reference_losses(plan, steps), "ties": len(plan.ties), "ties_equal": ties_ok,
-                "bubble": rep["bubble_fraction"],
+                "bubble": rep["bubble_fraction"], "state_bytes": rep.get("state_bytes"),
             })
         dist.barrier()
     if env.rank == 0:
