@@ -10,6 +10,15 @@ and the table adds measured bytes and the error against the prediction (goal: wi
     .venv/bin/python bench/memory.py                       # predictions and the 13B lines
     .venv/bin/python bench/memory.py --write plans/        # also write each plan, to run with pipec run
     .venv/bin/python bench/memory.py full:2=run/report.json
+    .venv/bin/python bench/memory.py --run run/           # the measured half: compile, run and compare
+
+``--run DIR`` compiles every plan with ``costs profile`` (so the predicted step
+time is in seconds), runs each under ``pipec run`` (gloo on CPU, ``--steps``,
+default 3), and prints the table above with every rank's measured bytes, then
+each mode's median step time against ``shard none``, the prediction beside it.
+The prediction's links are the defaults (an accelerator's), not gloo's on
+localhost, and the ranks share this machine's cores, so the measured times are
+the ranks' contention as much as the collectives'.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 
 MODES = ("none", "optimizer", "grads", "full")
@@ -25,13 +35,13 @@ SMALL = dict(layers=4, dim=256, heads=4, vocab=1000, seq=64)
 GPT_13B = dict(layers=40, dim=5120, heads=40, vocab=50304, seq=2048)
 
 
-def compile_one(cfg: dict, *, pp: int, dp: int, shard: str, batch: int, microbatches: int):
+def compile_one(cfg: dict, *, pp: int, dp: int, shard: str, batch: int, microbatches: int, costs: str = "unit"):
     from pipec.compiler.driver import compile_request
     from pipec.compiler.request import CompileRequest, InputTensor, ModelSpec, PartitionRequest
 
     model = ModelSpec(target="pipec.examples.gpt:build", kwargs=cfg,
                       inputs=(InputTensor(name="tokens", dtype="int64", shape=(batch, cfg["seq"])),),
-                      partition=PartitionRequest(method="auto"), costs="unit", trace="auto")
+                      partition=PartitionRequest(method="auto"), costs=costs, trace="auto")
     return compile_request(CompileRequest(schedule="1f1b", pp=pp, dp=dp, shard=shard,
                                           num_microbatches=microbatches, model=model)).plan
 
@@ -69,6 +79,42 @@ def table(reports: dict[tuple[str, int], str], write: str | None) -> None:
                           f"{m.optimizer / mib:8.2f} {m.state / mib:8.2f} {m.unsharded / mib:8.2f}{extra}")
 
 
+def run_all(folder: str, steps: int) -> tuple[dict[tuple[str, int], str], dict[tuple[str, int], float]]:
+    """Compile (``costs profile``) and run every (mode, dp) plan; their reports, and each predicted step time."""
+    from pipec.compiler.plan import write_plan
+
+    os.makedirs(folder, exist_ok=True)
+    reports, predicted = {}, {}
+    for dp in DPS:
+        for mode in MODES:
+            plan = compile_one(SMALL, pp=2, dp=dp, shard=mode, batch=8, microbatches=4, costs="profile")
+            path = os.path.join(folder, f"gpt_{mode}_dp{dp}.json")
+            write_plan(plan, path)
+            report = os.path.join(folder, f"report_{mode}_dp{dp}.json")
+            cmd = [sys.executable, "-m", "pipec", "run", path, "--nproc", str(2 * dp), "--steps", str(steps),
+                   "--report", report, "--quiet", "--timeout", "300"]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            if done.returncode != 0:
+                raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+            reports[(mode, dp)] = report
+            predicted[(mode, dp)] = plan.prediction.step_time
+    return reports, predicted
+
+
+def step_times(reports: dict[tuple[str, int], str], predicted: dict[tuple[str, int], float]) -> None:
+    """Each mode's median step time, measured and predicted, and each against shard none at the same dp."""
+    print("\nstep time (median step), each mode against shard none at its dp")
+    print(f"{'mode':>9} {'dp':>3} {'measured':>9} {'x none':>7} {'predicted':>10} {'x none':>7}")
+    for dp in DPS:
+        for mode in MODES:
+            with open(reports[(mode, dp)], encoding="utf-8") as f:
+                t = json.load(f)["measured"]["step_time"]
+            with open(reports[("none", dp)], encoding="utf-8") as f:
+                base = json.load(f)["measured"]["step_time"]
+            p, pb = predicted[(mode, dp)], predicted[("none", dp)]
+            print(f"{mode:>9} {dp:>3} {t:8.3f}s {t / base:6.2f}x {p:9.4f}s {p / pb:6.2f}x")
+
+
 def thirteen_b() -> None:
     """The note's worked example: 16 bytes x 12.85B parameters, then sharded over N_d = 8."""
     from pipec.compiler.memory import state_bytes
@@ -84,6 +130,8 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("reports", nargs="*", help="MODE:DP=report.json, a run's report for that plan")
     ap.add_argument("--write", help="write each plan to this folder (to run it with pipec run)")
+    ap.add_argument("--run", metavar="DIR", help="compile, run and measure every plan here (the measured half)")
+    ap.add_argument("--steps", type=int, default=3, help="steps of each run with --run (default 3)")
     args = ap.parse_args(argv)
     reports = {}
     for item in args.reports:
@@ -92,7 +140,12 @@ def main(argv: list[str]) -> int:
         if mode not in MODES or not dp.isdigit() or not path:
             ap.error(f"expected MODE:DP=report.json with MODE one of {', '.join(MODES)}, got {item!r}")
         reports[(mode, int(dp))] = path
+    predicted = None
+    if args.run:
+        reports, predicted = run_all(args.run, args.steps)
     table(reports, args.write)
+    if predicted is not None:
+        step_times(reports, predicted)
     thirteen_b()
     return 0
 
