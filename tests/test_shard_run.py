@@ -3,11 +3,13 @@
 - One 4-rank job runs every shard mode (optimizer, grads, full) at pp 2 x dp 2
   under 1f1b, interleaved_1f1b and zb_h1, HSDP's shard_size 1 beside the
   default 2 at dp 2, shard_size 2 at dp 4, grad clipping over the shard group,
-  and bfloat16 under FSDP2's mixed-precision policy: each passes --check (loss
-  and every gradient, the shards gathered, against one unpartitioned step),
-  trains K steps with the losses of single-process training, keeps tied copies
-  identical, and reports the state each rank holds: sharded below unsharded,
-  within 5% of the plan's prediction.
+  zbv and gpipe with recompute, and bfloat16 under FSDP2's mixed-precision
+  policy: each passes --check (loss and every gradient, the shards gathered,
+  against one unpartitioned step), trains K steps with the losses of
+  single-process training, keeps tied copies identical, and reports the state
+  each rank holds: sharded below unsharded, within 5% of the plan's prediction.
+- In-process: --emulate runs the shard instructions as placeholders; a plan
+  that shards parameters needs the FSDP2 driver.
 - Checkpoints: a dp 2 ``shard full`` run stopped and resumed ends bit-identical
   to the uninterrupted one; its checkpoint loads under dp 1 unsharded and under
   dp 2 ``shard optimizer``, and the dp 1 run's checkpoint back under dp 2 full,
@@ -64,6 +66,9 @@ def plans_4_ranks() -> dict[str, dict]:
                               "grad_clip": 1.0}
     out["optimizer-dp4-size2"] = {"schedule": "1f1b", "virtual": 1, "pp": 1, "dp": 4, "shard": "optimizer",
                                   "shard_size": 2}
+    out["full-zbv"] = {"schedule": "zbv", "virtual": 2, "pp": 2, "dp": 2, "shard": "full"}  # V placement, W split
+    out["grads-gpipe-recompute"] = {"schedule": "gpipe", "virtual": 1, "pp": 2, "dp": 2, "shard": "grads",
+                                    "recompute": "all"}
     out["grads-bf16"] = {"schedule": "1f1b", "virtual": 1, "pp": 2, "dp": 2, "shard": "grads", "dtype": "bfloat16"}
     return out
 
