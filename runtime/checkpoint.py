@@ -563,7 +563,7 @@ class Checkpointer:
             shard = f" shard {manifest.mesh['shard']}" if "shard" in manifest.mesh else ""
             note = "" if not resharded else (
                 f" (written under pp {manifest.mesh['pp']} x dp {manifest.mesh['dp']}{shard}, {manifest.num_stages} "
-                f"stages: resharded{'' if rng else '; RNG streams start afresh'})")
+                f"stage{'s' if manifest.num_stages != 1 else ''}: resharded{'' if rng else '; RNG streams start afresh'})")
             _say(f"pipec: resumed from {path} at step {step}{note}")
             lr_sched = self.config.lr_schedule.name
             if manifest.total_steps != self.total_steps and lr_sched != "constant":
