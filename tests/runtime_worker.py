@@ -32,12 +32,12 @@ from pipec.runtime.training import make_data, make_loss, make_optimizer, replica
 
 
 def uneven_batches(step: int, dp_rank: int, dp_size: int):
-    """A data function whose batch on dp rank 1 (6 rows) does not split into 4 microbatches; dp rank 0's does."""
+    """A data function whose batch on dp rank 1 has 6 rows where the plan expects 8; dp rank 0's is right."""
     return _tokens(6 if dp_rank == 1 else 8)
 
 
 def short_batches(step: int, dp_rank: int, dp_size: int):
-    """A data function whose batch (6 rows) does not split into 4 microbatches on any rank."""
+    """A data function whose batch has 6 rows where the plan expects 8, on every rank."""
     return _tokens(6)
 
 
