@@ -97,3 +97,15 @@ def test_a_located_error_prints_once_in_compiler_style(cli, tmp_path):
     lines = out.stderr.splitlines()
     assert lines[0] == "f.pipe:4:1: error: unknown key 'microbatchs'", out.stderr  # no "pipec: error:" before it
     assert lines[1:3] == ["    microbatchs 8", "    ^~~~~~~~~~~"] and "did you mean 'microbatches'?" in lines[3]
+
+
+def test_show_draws_a_sharded_model_plan(cli, tmp_path):
+    out = cli("compile", "--model", "pipec.examples.gpt:build", "--model-arg", "layers=2", "--model-arg", "dim=16",
+              "--input", "tokens: int64[4, 16]", "--ranks", "2", "--dp", "2", "--shard", "full", "--costs", "unit",
+              "-o", "p.json")
+    assert out.returncode == 0, out.stderr
+    shown = cli("show", "p.json", "--trace", "t.json")
+    assert shown.returncode == 0, shown.stderr
+    assert "unsharded" in shown.stdout and "Traceback" not in shown.stderr
+    text = cli("show", "p.json", "--text")
+    assert "UN0:dp" in text.stdout and "RS1:dp" in text.stdout

@@ -70,6 +70,9 @@ KINDS: dict[str, KindStyle] = {
     "W": KindStyle("W", "weight grad", "#c084fc"),
     "AR": KindStyle("AR", "all-reduce", "#f87171"),
     "OPT": KindStyle("OPT", "optimizer", "#2dd4bf"),
+    "UN": KindStyle("UN", "unshard (all-gather)", "#fb923c"),
+    "RS": KindStyle("RS", "reduce-scatter", "#e879f9"),
+    "RE": KindStyle("RE", "reshard", "#a3a3a3"),
     "comm": KindStyle("~", "comm wait", "#94a3b8"),
     "other": KindStyle("?", "other", "#d4d4d8"),
 }
@@ -88,7 +91,8 @@ class OpInfo:
 
 
 _KIND_OF_OP = {Op.FWD: "F", Op.BWD: "B", Op.BWD_I: "I", Op.BWD_W: "W", Op.ALLREDUCE: "AR", Op.OPTIM_STEP: "OPT",
-               **{op: "comm" for op in COMM_OPS}}
+               Op.UNSHARD: "UN", Op.REDUCE_SCATTER: "RS", Op.RESHARD: "RE", **{op: "comm" for op in COMM_OPS}}
+assert set(_KIND_OF_OP) == set(Op), "every op is drawn as some kind"
 
 
 def classify(op: str) -> OpInfo:
