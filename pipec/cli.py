@@ -174,25 +174,32 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_import(args: argparse.Namespace) -> int:
     from pipec.compiler.driver import compile_plan, prove_and_predict
-    from pipec.compiler.plan import Mesh, Plan, Stage, write_plan
+    from pipec.compiler.plan import Mesh, Plan, Stage, check_shard, write_plan
     from pipec.compiler.torch_csv import read_torch_csv
 
     sched = read_torch_csv(args.file)
-    spec = {"pp": sched.num_ranks, "dp": args.dp, "microbatches": sched.num_microbatches, "order": args.file}
+    mesh = Mesh(pp=sched.num_ranks, dp=args.dp, shard=args.shard, shard_size=args.shard_size)
+    try:
+        check_shard(mesh)
+    except PipecError as e:  # say it as the flag the user gave
+        raise UsageError(f"--{e.key.replace('_', '-')}: {e}" + "".join(f"; {h}" for h in e.hints)) from None
+    spec = {"pp": sched.num_ranks, "dp": args.dp, "microbatches": sched.num_microbatches, "order": args.file,
+            "shard": args.shard, "shard_size": args.shard_size}
     if sched.kind == "compute_comms":
         plan = Plan(
-            mesh=Mesh(pp=sched.num_ranks, dp=args.dp),
+            mesh=mesh,
             num_stages=sched.num_stages,
             num_microbatches=sched.num_microbatches,
             placement=sched.placement,
-            program=sched.to_program(dp=args.dp),
+            program=sched.to_program(mesh=mesh),
             stages=tuple(Stage(stage=s, rank=r) for s, r in enumerate(sched.placement)),  # edges: the chain
             spec=spec,
         )
         plan = prove_and_predict(plan)
     else:
         plan = compile_plan(num_ranks=sched.num_ranks, num_microbatches=sched.num_microbatches,
-                            order=sched.to_order(), dp=args.dp, spec=spec).plan
+                            order=sched.to_order(), dp=args.dp, shard=args.shard, shard_size=args.shard_size,
+                            spec=spec).plan
     write_plan(plan, args.output)
     print(f"wrote {args.output}: {sched.kind.replace('_', '-')} torch schedule, {sched.num_ranks} ranks, "
           f"{sched.num_stages} stages, {sched.num_microbatches} microbatches; verified, predicted bubble "
@@ -306,6 +313,9 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("file")
     i.add_argument("-o", "--output", default="plan.json")
     i.add_argument("--dp", type=int, default=1, help="data-parallel replicas (REDUCE_GRAD becomes AR:dp)")
+    i.add_argument("--shard", default="none", choices=("none", "optimizer", "grads", "full"),
+                   help="the replicas' sharding: with grads or full, UNSHARD/RESHARD/REDUCE_GRAD become UN/RE/RS")
+    i.add_argument("--shard-size", type=int, help="replicas that shard among themselves (default dp)")
     i.set_defaults(func=cmd_import)
 
     e = sub.add_parser("export", help="export a plan as a torch.distributed.pipelining schedule CSV")

@@ -109,3 +109,17 @@ def test_show_draws_a_sharded_model_plan(cli, tmp_path):
     assert "unsharded" in shown.stdout and "Traceback" not in shown.stderr
     text = cli("show", "p.json", "--text")
     assert "UN0:dp" in text.stdout and "RS1:dp" in text.stdout
+
+
+def test_import_a_sharded_torch_schedule(cli, tmp_path):
+    assert cli("compile", "--schedule", "1f1b", "--ranks", "2", "--dp", "2", "--shard", "full", "--microbatches", "4",
+               "-o", "p.json").returncode == 0
+    assert cli("export", "p.json", "--torch-csv", "s.csv", "--form", "compute_comms").returncode == 0
+    assert "0UNSHARD" in (tmp_path / "s.csv").read_text()
+    assert cli("import", "s.csv", "--dp", "2", "--shard", "full", "-o", "back.json").returncode == 0
+    def unbatched(path):  # torch's CSV has no batches: each post is its own cell
+        return [[i._replace(batch=None) for i in r] for r in read_plan(path).program.ranks]
+
+    assert unbatched(tmp_path / "back.json") == unbatched(tmp_path / "p.json")
+    bad = cli("import", "s.csv", "--dp", "3", "--shard", "full", "--shard-size", "2", "-o", "x.json")
+    assert bad.returncode == 2 and "--shard-size: shard_size 2 does not divide dp 3" in bad.stderr
