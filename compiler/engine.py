@@ -93,6 +93,11 @@ class CostModel:
     (``shard optimizer``). Missing: free."""
     activation_bytes: tuple[int, ...] = ()
     """Per stage: bytes saved per microbatch in flight (empty when unknown)."""
+    overhead: Mapping[str, float] = field(default_factory=dict)
+    """Per opcode name (``"FWD"``, ``"SEND_ACT"``, ...): the host's own seconds per instruction (the
+    executor's dispatch and bookkeeping), on top of the work. Missing: free. How the loop charges it: a
+    compute starts that long after its inputs are in; a post, a shard instruction or a collective's
+    arrival happens that long after the rank's clock (the host is busy, neither computing nor waiting)."""
     time_unit: str = "s"
 
 
@@ -188,6 +193,7 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
     for s, c in enumerate(stage_costs):
         optim[placement[s]] += c.optim + costs.shard.get(("OPTIM_STEP", s), 0.0)
     transfer = costs.transfer
+    host = {op: costs.overhead.get(op.value, 0.0) for op in Op}
     fwd_done, bwd_done = keys.fwd_done, keys.bwd_done
     deps_cache: dict[tuple[Op, int, int], tuple[int, ...]] = {}
     out = []
@@ -216,29 +222,31 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
                     if un is not None:
                         deps.append(un)
                 c = stage_costs[s]
+                h = host[op]
                 if op is Op.FWD:
-                    dec.append((_COMPUTE, deps, c.fwd, fwd_done + s * M + m, 1, act_bytes[s]))
+                    dec.append((_COMPUTE, deps, c.fwd, fwd_done + s * M + m, 1, act_bytes[s], h))
                 elif op is Op.BWD:
-                    dec.append((_COMPUTE, deps, c.bwd, bwd_done + s * M + m, -1, -act_bytes[s]))
+                    dec.append((_COMPUTE, deps, c.bwd, bwd_done + s * M + m, -1, -act_bytes[s], h))
                 elif op is Op.BWD_I:
-                    dec.append((_COMPUTE, deps, c.bwd_i, bwd_done + s * M + m, 0, 0))
+                    dec.append((_COMPUTE, deps, c.bwd_i, bwd_done + s * M + m, 0, 0, h))
                 else:
-                    dec.append((_COMPUTE, deps, c.bwd_w, -1, -1, -act_bytes[s]))
+                    dec.append((_COMPUTE, deps, c.bwd_w, -1, -1, -act_bytes[s], h))
             elif op in COMM_OPS:
                 is_act, src, dst = message_edge(ins)
                 key = keys.act(src, dst, ins.microbatch) if is_act else keys.gradk(src, dst, ins.microbatch)
-                dec.append((_SEND if op in SEND_OPS else _RECV, key, transfer.get((src, dst), 0.0), ins.batch))
+                dec.append((_SEND if op in SEND_OPS else _RECV, key, transfer.get((src, dst), 0.0), ins.batch,
+                            host[op]))
             elif op in SHARD_OPS:
                 key = ("S", r, pc)
                 if op is Op.UNSHARD:
                     unsharded[ins.stage] = key
                 last_shard = key
-                dec.append((_SHARD, ins.group, costs.shard.get((op.value, ins.stage), 0.0), key))
+                dec.append((_SHARD, ins.group, costs.shard.get((op.value, ins.stage), 0.0), key, host[op]))
             elif op is Op.ALLREDUCE:
-                dec.append((_AR, ins.group, costs.allreduce.get((ins.group, ins.stage), 0.0)))
+                dec.append((_AR, ins.group, costs.allreduce.get((ins.group, ins.stage), 0.0), 0.0, None, host[op]))
             else:
                 # the grad-norm collective (free), then this rank's own optimizer step (after its shard ops)
-                dec.append((_OPT, OPTIM_GROUP, 0.0, optim[r], last_shard))
+                dec.append((_OPT, OPTIM_GROUP, 0.0, optim[r], last_shard, host[op]))
         out.append(tuple(dec))
     return Decoded(tuple(out), keys)
 
@@ -269,15 +277,16 @@ class _Buffered:
         self.lane[r] = start + dur
         self.eng.resolve(key, start + dur)
 
-    def post(self, r: int, dec: tuple, pc: int, clock: float) -> int:
-        """Post instruction ``pc`` of rank r; returns the next pc."""
+    def post(self, r: int, dec: tuple, pc: int, clock: float) -> tuple[int, float]:
+        """Post instruction ``pc`` of rank r after its host overhead; returns the next pc and the clock."""
         d = dec[pc]
+        clock += d[4]
         key, is_send = d[1], d[0] == _SEND
         other = self.posted.pop((key, not is_send), None)
         self.outstanding[r] += 1
         if other is None:
             self.posted[(key, is_send)] = (r, clock)
-            return pc + 1
+            return pc + 1, clock
         q, t_other = other
         done_t = (clock if clock > t_other else t_other) + d[2]
         resolve = self.eng.resolve
@@ -288,7 +297,7 @@ class _Buffered:
                 self.comm_done[x] = done_t
             if self.outstanding[x] == 0:
                 resolve(("D", x), self.comm_done[x])
-        return pc + 1
+        return pc + 1, clock
 
     def ready(self, r: int, clock: float, is_opt: bool) -> float | None:
         """When rank r reaches a collective; None: it first waits (``OPT`` for its posts) and is blocked."""
@@ -355,22 +364,26 @@ class _InOrder:
         self.coll_heads: dict[tuple, list] = {}
         """Collective key -> [members still to reach it at a queue head, latest ready, [(rank, unit)]]."""
 
-    def post(self, r: int, dec: tuple, pc: int, clock: float) -> int:
-        """Queue instruction ``pc`` of rank r, with the rest of its batch, as one unit; returns the next pc."""
+    def post(self, r: int, dec: tuple, pc: int, clock: float) -> tuple[int, float]:
+        """Queue instruction ``pc`` of rank r, with the rest of its batch, as one unit, after the batch's host
+        overhead (the executor posts a batch at once); returns the next pc and the clock."""
         d = dec[pc]
         batch = d[3]
         n = len(dec)
         ops = []
         while True:
-            ops.append(("S" if d[0] == _SEND else "R", d[1], clock, d[2], None))
+            clock += d[4]
+            ops.append(["S" if d[0] == _SEND else "R", d[1], 0.0, d[2], None])
             pc += 1
             if batch is None or pc >= n:
                 break
             d = dec[pc]
             if (d[0] != _SEND and d[0] != _RECV) or d[3] != batch:
                 break
-        self.enqueue(r, ops, clock)
-        return pc
+        for op in ops:
+            op[2] = clock
+        self.enqueue(r, [tuple(op) for op in ops], clock)
+        return pc, clock
 
     def ready(self, r: int, clock: float, is_opt: bool) -> float:
         return clock
@@ -554,6 +567,7 @@ class _Engine:
                     if t > start:
                         start = t
                 self.wait[r] += start - clock
+                start += d[6]  # the host's own time, once the inputs are in
                 end = start + d[2]
                 if d[3] >= 0:
                     self.resolve(d[3], end)
@@ -571,8 +585,9 @@ class _Engine:
                 clock = end
                 pc += 1
             elif code == _SEND or code == _RECV:
-                pc = post(r, dec, pc, clock)
-            elif code == _SHARD:  # posted; the host goes on
+                pc, clock = post(r, dec, pc, clock)
+            elif code == _SHARD:  # posted after the host's own time; the host goes on
+                clock += d[4]
                 comm.shard(r, d[3], d[2], clock)
                 if self.record_events:
                     self.events.append(Event(r, self.program.ranks[r][pc].text(), clock, clock))
@@ -593,6 +608,7 @@ class _Engine:
                     if arrive is None:  # blocked before it can arrive
                         self.pc[r], self.clock[r] = pc, clock
                         return
+                    arrive += d[5]  # the host's own time before it arrives
                     group = d[1]
                     ckey = self.collective_key(r, group)
                     self.arrived[r] = True
@@ -601,6 +617,7 @@ class _Engine:
                         # the host goes on at once
                         self.arrived[r] = False
                         self.blocked_on[r] = None
+                        clock += d[5]
                         if self.record_events:
                             self.events.append(Event(r, self.program.ranks[r][pc].text(), clock, clock))
                         pc += 1
@@ -613,6 +630,7 @@ class _Engine:
                     return
                 self.arrived[r] = False
                 self.blocked_on[r] = None
+                clock += d[5]  # the host's own time is not a wait
                 end = t if t > clock else clock
                 self.wait[r] += end - clock
                 if is_opt:  # the optimizer step itself is compute

@@ -32,6 +32,8 @@ __all__ = [
     "Edge",
     "Tie",
     "Link",
+    "Measured",
+    "Overhead",
     "SHARD_MODES",
     "Mesh",
     "check_shard",
@@ -39,6 +41,7 @@ __all__ = [
     "chain_edges",
     "check_limits",
     "read_plan",
+    "read_links",
     "load_plan",
     "write_plan",
     "plan_to_json",
@@ -131,9 +134,39 @@ class Tie:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Measured:
+    """Where a measured cost comes from (plan.json: ``"measured": {"at": ..., "backend": ..., "ranks": N}``)."""
+
+    at: str
+    """When: an ISO 8601 UTC timestamp."""
+    backend: str
+    """On what: the torch.distributed backend (``gloo``, ``nccl``)."""
+    num_ranks: int = 2
+    """How many processes the probe ran."""
+    host: str = ""
+    """The machine the probe ran on (the first rank's host name)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"at": self.at, "backend": self.backend, "ranks": self.num_ranks} | ({"host": self.host} if self.host else {})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Link:
     latency_s: float
     bandwidth_Bps: float
+    measured: Measured | None = None
+    """Set when a probe measured this link (``costs profile``, ``pipec.runtime.linkprobe``); None: given or
+    the default."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Overhead:
+    """The executor's own host time per instruction, by opcode name (plan.json ``overhead``): what the
+    simulator charges on top of each instruction's work (:class:`~pipec.compiler.engine.CostModel`)."""
+
+    seconds: Mapping[str, float]
+    """Opcode name (``"FWD"``, ``"SEND_ACT"``, ...) -> seconds per instruction; a missing opcode is free."""
+    measured: Measured | None = None
 
 
 DEFAULT_LINKS: Mapping[str, Link] = {
@@ -266,6 +299,10 @@ class Plan:
     edges: tuple[Edge, ...] = ()
     ties: tuple[Tie, ...] = ()
     links: Mapping[str, Link] = field(default_factory=lambda: dict(DEFAULT_LINKS))
+    """Per axis: ``pp`` (point to point), ``dp`` (dp all-reduce, sharding's collectives), optionally ``tie``
+    (the tie all-reduces; absent: ``pp``) and ``shard`` (all-gather / reduce-scatter; absent: ``dp``)."""
+    overhead: Overhead | None = None
+    """The executor's host time per instruction kind (None: free, as in plans before it was measured)."""
     spec: Mapping[str, Any] = field(default_factory=dict)
     model: Mapping[str, Any] | None = None
     prediction: Timeline | None = None
@@ -315,6 +352,13 @@ def _mesh_json(mesh: Mesh) -> dict[str, Any]:
     return out
 
 
+def _link_json(link: Link) -> dict[str, Any]:
+    out: dict[str, Any] = {"latency_s": link.latency_s, "bandwidth_Bps": link.bandwidth_Bps}
+    if link.measured is not None:
+        out["measured"] = link.measured.to_json()
+    return out
+
+
 def _sig_json(s: Signature) -> dict[str, Any]:
     return {"name": s.name, "shape": list(s.shape), "dtype": s.dtype}
 
@@ -359,7 +403,10 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
         | ({} if t.num_bytes is None else {"num_bytes": t.num_bytes})
         for t in plan.ties
     ]
-    out["links"] = {k: {"latency_s": v.latency_s, "bandwidth_Bps": v.bandwidth_Bps} for k, v in plan.links.items()}
+    out["links"] = {k: _link_json(v) for k, v in plan.links.items()}
+    if plan.overhead is not None:
+        out["overhead"] = {"seconds": dict(plan.overhead.seconds)} | (
+            {} if plan.overhead.measured is None else {"measured": plan.overhead.measured.to_json()})
     out["ranks"] = [
         {"rank": r, "instructions": [_instr_json(i) for i in instrs]} for r, instrs in enumerate(plan.program.ranks)
     ]
@@ -568,12 +615,8 @@ def load_plan(obj: Any, where: str = "plan") -> Plan:
         )
             for t in rd.items("ties", required=False)
         )
-        links_rd = rd.sub("links", required=False)
-        links = dict(DEFAULT_LINKS)
-        if links_rd is not None:
-            for axis in links_rd.obj:
-                lk = links_rd.sub(axis)
-                links[axis] = Link(latency_s=lk.num("latency_s", lo=0), bandwidth_Bps=lk.num("bandwidth_Bps", lo=1e-30))
+        links = read_links(rd)
+        overhead = _read_overhead(rd)
         program = _read_instructions(rd, mesh.pp, num_stages, num_mb)
         pred = rd.dict("prediction", required=False)
         return Plan(
@@ -586,6 +629,7 @@ def load_plan(obj: Any, where: str = "plan") -> Plan:
             edges=edges,
             ties=ties,
             links=links,
+            overhead=overhead,
             spec=rd.dict("spec", required=False) or {},
             model=rd.dict("model", required=False),
             prediction=None if pred is None else Timeline.from_json(pred, f"{where}.prediction"),
@@ -595,6 +639,39 @@ def load_plan(obj: Any, where: str = "plan") -> Plan:
         if isinstance(e, PlanError):
             raise
         raise PlanError(str(e)) from None
+
+
+def _read_measured(rd: Reader) -> Measured | None:
+    m = rd.sub("measured", required=False)
+    if m is None:
+        return None
+    return Measured(at=m.str("at"), backend=m.str("backend"), num_ranks=m.int("ranks", lo=1, required=False) or 2,
+                    host=m.str("host", required=False) or "")
+
+
+def read_links(rd: Reader) -> dict[str, Link]:
+    """The ``links`` of a plan (or of a probe's links file): every axis given, over the defaults."""
+    links_rd = rd.sub("links", required=False)
+    links = dict(DEFAULT_LINKS)
+    if links_rd is not None:
+        for axis in links_rd.obj:
+            lk = links_rd.sub(axis)
+            links[axis] = Link(latency_s=lk.num("latency_s", lo=0), bandwidth_Bps=lk.num("bandwidth_Bps", lo=1e-30),
+                               measured=_read_measured(lk))
+    return links
+
+
+def _read_overhead(rd: Reader) -> Overhead | None:
+    """A plan's ``overhead`` (absent in plans from before it was measured)."""
+    o = rd.sub("overhead", required=False)
+    if o is None:
+        return None
+    secs = o.sub("seconds")
+    names = {op.value for op in Op}
+    for name in secs.obj:
+        if name not in names:
+            raise secs.error(name, "expected an opcode name (" + ", ".join(sorted(names)) + ")", name)
+    return Overhead(seconds={name: secs.num(name, lo=0) for name in secs.obj}, measured=_read_measured(o))
 
 
 def read_plan(path: str) -> Plan:

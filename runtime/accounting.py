@@ -90,8 +90,14 @@ def build_report(
     first_step: int = 0,
     check: Mapping[str, Any] | None = None,
     goodput: Mapping[str, Any] | None = None,
+    predicted: Timeline | None = None,
+    emulation: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """report.json; fields that do not apply are absent, never faked."""
+    """report.json; fields that do not apply are absent, never faked.
+
+    ``predicted``: the plan's program re-simulated under what the run measured (``--emulate``: the link
+    latency and the executor's overhead); report.json's ``predicted`` is then that, and the plan's own
+    prediction is kept beside it as ``planned``. None: ``predicted`` is the plan's own."""
     steps = []
     for i, ranks in enumerate(per_step):
         step_time = max(s.step_time for s in ranks)
@@ -114,11 +120,20 @@ def build_report(
         "median_step": first_step + med,
         "measured": measured.to_json(),
     }
-    if plan.prediction is not None:
-        report["predicted"] = plan.prediction.to_json()
+    planned = plan.prediction
+    if predicted is None:
+        predicted, planned = plan.prediction, None
+    if predicted is not None:
+        report["predicted"] = predicted.to_json()
+    if planned is not None:
+        report["planned"] = planned.to_json()
+    if emulation is not None:
+        report["emulation"] = dict(emulation)
     report["bubble_fraction"] = {"measured": measured.bubble_fraction}
-    if plan.prediction is not None:
-        report["bubble_fraction"]["predicted"] = plan.prediction.bubble_fraction
+    if predicted is not None:
+        report["bubble_fraction"]["predicted"] = predicted.bubble_fraction
+    if planned is not None:
+        report["bubble_fraction"]["planned"] = planned.bubble_fraction
     if tokens_per_step:
         report["tokens_per_s"] = tokens_per_step / measured.step_time
     if flops_per_step and peak_flops:

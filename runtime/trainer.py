@@ -65,6 +65,8 @@ class Trainer:
         """What this rank held after its last optimizer step (params, grads, optimizer state), in bytes."""
         self.check_pending = options.check
         self.check_result: dict[str, Any] | None = None
+        self.emulation = None
+        """``--emulate``: what was measured at start-up (runtime/linkprobe.py ``Emulation``)."""
         if not options.emulate:
             from pipec.compiler.frontend.stages import build_stages
 
@@ -212,6 +214,7 @@ class Trainer:
         start = self.first_step = self.restore()
         if start >= self.steps:
             return 0
+        self.emulation = self.measure_emulation() if self.options.emulate else None
         for step in range(start, self.steps):
             self.step = step
             if self.optimizer is not None:
@@ -244,6 +247,27 @@ class Trainer:
         if rank0:
             self.write_outputs(per_step, tokens_per_step)
         return exit_code
+
+    def measure_emulation(self):
+        """``--emulate``: the link latency, the executor's host overhead and the sleep's excess, measured on every
+        rank before the first step (runtime/linkprobe.py), for the re-simulation report.json predicts with."""
+        from pipec.runtime.linkprobe import measure_emulation
+
+        zero = Executor(self.plan, pp_rank=self.pp_rank, dp_rank=self.dp_rank, transport=self.transport,
+                        emulate=0.0, device=self.device)
+        return measure_emulation(zero, dist.get_backend())
+
+    def resimulated(self):
+        """The plan's program simulated under what ``--emulate`` measured (None when it measured nothing)."""
+        if self.emulation is None:
+            return None
+        from pipec.compiler.simulate import BUFFERED, IN_ORDER, emulated_costs, simulate_costs
+
+        e = self.emulation
+        costs = emulated_costs(self.plan, seconds_per_unit=self.options.unit_time if self.plan.unit_costs else 1.0,
+                               latency_s=e.latency_s, collective_s=e.collective_s, overhead=e.overhead,
+                               oversleep_s=e.oversleep_s)
+        return simulate_costs(self.plan, costs, IN_ORDER if e.backend == "nccl" else BUFFERED)
 
     def restore(self) -> int:
         """The step to start at: 0, or that of the checkpoint resumed from (``--resume``, or after a restart)."""
@@ -312,6 +336,8 @@ class Trainer:
         report = build_report(self.plan, self.options.plan, per_step, tokens_per_step=tokens_per_step,
                               flops_per_step=flops, peak_flops=self.peak_flops,
                               check=self._check_json(), first_step=self.first_step,
+                              predicted=self.resimulated(),
+                              emulation=None if self.emulation is None else self.emulation.to_json(),
                               goodput=self.attempt_log.summary(
                                   **({"checkpoints": self.checkpointer.stats()} if self.checkpointer else {})))
         if self.options.report:
