@@ -43,18 +43,21 @@ class Compiled:
     from the driver, located ones (``str()`` renders them) from :func:`compile_spec`."""
 
 
-def compile_request(req: CompileRequest) -> Compiled:
-    """Compile a request into a verified, predicted plan (see the module docstring)."""
+def compile_request(req: CompileRequest, *, graph=None) -> Compiled:
+    """Compile a request into a verified, predicted plan (see the module docstring). ``graph``: the
+    model's :class:`~pipec.compiler.graph.StageGraph` when the caller already built it for this request
+    (``pipec tune`` cuts one trace many times); None: the front end builds it."""
     with gc_paused():  # hundreds of thousands of acyclic objects: collections would only rescan them
-        return _compile(req)
+        return _compile(req, graph)
 
 
-def _compile(req: CompileRequest) -> Compiled:
+def _compile(req: CompileRequest, graph=None) -> Compiled:
     check_limits(pp=req.pp, num_stages=req.num_stages, num_microbatches=req.num_microbatches)  # refuse what is too big
     mesh = Mesh(pp=req.pp, dp=req.dp, shard=req.shard, shard_size=req.shard_size)
     check_shard(mesh)                                            # a sharding that can work
     order, diagnostics = schedule_order(req)                     # the schedule's rules, then its order
-    graph = model_graph(req) if req.model else None              # trace, partition, costs (model plans)
+    if graph is None and req.model:
+        graph = model_graph(req)                                 # trace, partition, costs (model plans)
     if graph is not None and len(graph.stages) != order.num_stages:
         raise PipecError(f"the model was partitioned into {len(graph.stages)} stages but the schedule runs "
                          f"{order.num_stages}", key="partition")
@@ -189,7 +192,14 @@ def _placed(stages: Sequence[Stage], placement: Sequence[int]) -> tuple[Stage, .
 
 def model_graph(req: CompileRequest):
     """Run the model front end (trace, partition, costs) for a request that names a model."""
-    from pipec.compiler.frontend import Balanced, InputSpec, Markers, ModelRequest, SplitBefore, build_stage_graph
+    from pipec.compiler.frontend import build_stage_graph
+
+    return build_stage_graph(model_request(req))
+
+
+def model_request(req: CompileRequest):
+    """The front end's :class:`~pipec.compiler.frontend.ModelRequest` for a request that names a model."""
+    from pipec.compiler.frontend import Balanced, InputSpec, Markers, ModelRequest, SplitBefore
 
     m: ModelSpec = req.model
     training = req.training or TrainingConfig()
@@ -197,7 +207,7 @@ def model_graph(req: CompileRequest):
     partition = {"split": lambda: SplitBefore(tuple(part.split_before)), "balanced": lambda: Balanced(part.by),
                  "markers": lambda: Markers(), "auto": lambda: None}[part.method]()
     world = req.pp * req.dp
-    return build_stage_graph(ModelRequest(
+    return ModelRequest(
         target=m.target,
         search_path=m.search_path,
         kwargs=dict(m.kwargs),
@@ -216,7 +226,7 @@ def model_graph(req: CompileRequest):
         targets=tuple(InputSpec(t.name, t.dtype, tuple(t.shape)) for t in m.targets),
         data=training.data,
         dp=req.dp,
-    ))
+    )
 
 
 def _model_entry(graph, req: CompileRequest) -> dict[str, Any]:

@@ -10,6 +10,7 @@ bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 from pipec.errors import PipecError
@@ -266,6 +267,78 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    """Search layouts, schedules, microbatches, partitions and recompute; write the best plan."""
+    import json
+
+    from pipec.compiler.plan import write_plan
+    from pipec.compiler.tune import TuneRequest, tune
+    from pipec.compiler.tune_report import frontier_table, pipe_lines, result_json, table, why
+    from pipec.dsl import load_spec
+    from rich.console import Console
+    from rich.progress import Progress
+
+    overrides = {k: v for k, v in (("device_memory", args.device_memory), ("peak_flops", args.peak_flops)) if v}
+    spec = load_spec(args.file, overrides)
+    keep = frozenset(k.strip() for k in (args.keep or "").split(",") if k.strip())
+    err = Console(stderr=True)
+    with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
+        task = bar.add_task("searching", total=1)
+        progress = lambda done, total: bar.update(task, completed=done, total=total)  # noqa: E731
+        try:
+            result = tune(TuneRequest(base=spec.request, num_devices=args.devices, global_batch=args.global_batch,
+                                      keep=keep, num_top=args.top, progress=progress))
+        except PipecError as e:
+            raise spec.locate(e) from None
+        notes: list[str] = []
+        if args.measure:
+            from pipec.compiler.tune_measure import measure
+
+            bar.update(task, description=f"measuring the top {args.measure}", completed=0, total=args.measure)
+            result, notes = measure(result, args.measure, workdir=args.measure_dir, steps=args.measure_steps,
+                                    progress=progress)
+    write_plan(result.best.plan, args.output)
+    pipe = _tuned_pipe(args.file, pipe_lines(result.best.candidate, result.best.plan.spec))
+    if args.pipe:
+        with open(args.pipe, "w", encoding="utf-8") as f:
+            f.write(pipe)
+    if args.json:
+        print(json.dumps(result_json(result, plan_path=args.output, pipe=args.pipe, notes=notes), indent=2))
+        return 0
+    out = Console() if sys.stdout.isatty() else Console(width=150)
+    out.print(f"searched {result.num_candidates} candidates on {result.num_devices} devices (global batch "
+              f"{result.global_batch}) in {result.seconds:.1f} s: {result.num_compiled} compiled, "
+              f"{result.num_pruned} pruned by bounds, {result.num_over_budget} over budget; "
+              f"{result.num_traces} traces, {result.num_cuts} cuts", highlight=False)
+    out.print(table(result.top, "top candidates (predicted)", measured=bool(args.measure)))
+    out.print(frontier_table(result))
+    for note in notes:
+        _warn(note)
+    out.print("why this one:", highlight=False)
+    for line in why(result):
+        out.print(f"  - {line}", highlight=False)
+    out.print("as schedule-file lines:", highlight=False)
+    for line in pipe_lines(result.best.candidate, result.best.plan.spec):
+        out.print(f"  {line}", highlight=False)
+    print(f"wrote {args.output}" + (f" and {args.pipe}" if args.pipe else "") + ": verified")
+    return 0
+
+
+def _tuned_pipe(path: str, lines: list[str]) -> str:
+    """A complete schedule file: the file's statements but the ones tune set, then tune's lines."""
+    from pipec.compiler.tune import TUNED_KEYS
+    from pipec.dsl import format_file
+    from pipec.dsl.fmt import statement_text
+    from pipec.dsl.parse import parse_source
+
+    with open(path, encoding="utf-8") as f:
+        parsed = parse_source(f.read(), filename=path)
+    drop = {*TUNED_KEYS, "input", "targets", "stages", "placement", "policy", "order"}
+    kept = [statement_text(st) for st in parsed.file.statements if st.key.name not in drop]
+    text = "\n".join([f"# written by pipec tune from {os.path.basename(path)}", *kept, *lines]) + "\n"
+    return format_file(text, filename=path)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from pipec.demo import run_demo
 
@@ -340,6 +413,23 @@ def _parser() -> argparse.ArgumentParser:
                  "--master-port"):
         r.add_argument(flag, help="passed to torchrun (multi-node rendezvous)")
     r.set_defaults(func=cmd_run)
+
+    t = sub.add_parser("tune", help="search layout, schedule, microbatches, partition and recompute; write the best")
+    t.add_argument("file", help="a schedule file naming a model: its layout and schedule are the starting point")
+    t.add_argument("--devices", type=int, required=True, help="devices to lay the model out on (pp x dp)")
+    t.add_argument("--global-batch", type=int, help="sequences per step over all replicas (default: input x dp)")
+    t.add_argument("--keep", metavar="KEY,...", help="keys pinned to the file's value (pp,dp,shard,shard_size,"
+                   "schedule,virtual,microbatches,partition,recompute)")
+    t.add_argument("--device-memory", metavar="SIZE", help="bytes per device (default: the file's device_memory)")
+    t.add_argument("--peak-flops", metavar="RATE", help="FLOP/s per device (default: the file's peak_flops)")
+    t.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    t.add_argument("--measure", type=int, default=0, metavar="K", help="run the top K here and re-rank by measured step")
+    t.add_argument("--measure-steps", type=int, default=4, help="steps of each --measure run (default 4)")
+    t.add_argument("--measure-dir", default="pipec-tune", help="folder for --measure's plans and reports")
+    t.add_argument("--json", action="store_true", help="print the result as JSON (fields: docs/reference.md)")
+    t.add_argument("--pipe", metavar="FILE", help="also write the winner as a complete schedule file")
+    t.add_argument("-o", "--output", default="plan.json", help="where to write the best plan (default plan.json)")
+    t.set_defaults(func=cmd_tune)
 
     d = sub.add_parser("demo", help="the main job: compile, show and compare schedules")
     d.add_argument("--ranks", type=int, default=4)

@@ -23,7 +23,7 @@ Every :class:`FrontendError` names the key it is about (``key=``, and
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -40,8 +40,9 @@ from pipec.compiler.frontend.trace import (
 )
 from pipec.compiler.frontend.weights import EXACT_MAX_PARAMS, INIT_MODES, resolve_init
 
-__all__ = ["ModelRequest", "InputSpec", "SplitBefore", "Balanced", "Markers", "FrontendError", "INIT_MODES",
-           "EXACT_MAX_PARAMS", "microbatch_inputs", "build_stage_graph", "resolve_init"]
+__all__ = ["ModelRequest", "TracedModel", "InputSpec", "SplitBefore", "Balanced", "Markers", "FrontendError", "INIT_MODES",
+           "EXACT_MAX_PARAMS", "microbatch_inputs", "build_stage_graph", "trace_request", "cut_stage_graph", "with_data",
+           "with_recompute_stages", "resolve_init"]
 
 _AUTOCAST = ("bfloat16", "float16")
 
@@ -122,10 +123,31 @@ def _recompute_set(req: ModelRequest) -> frozenset[int]:
     return frozenset(req.recompute)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TracedModel:
+    """A model traced at one microbatch shape: the front end's passes before the partition
+    (:func:`trace_request`), cut into stages as often as asked (:func:`cut_stage_graph`)."""
+
+    src: ModelSource
+    init: str
+    traced: Traced
+    inputs: tuple[InputSpec, ...]
+    """One microbatch's inputs."""
+    autocast: str | None
+    cuts: Any
+    """Where cuts can go (:func:`~.partition.analyse_cuts`)."""
+
+
 def build_stage_graph(req: ModelRequest, *, placement: Sequence[int] | None = None) -> StageGraph:
     """Trace, partition and cost the model of ``req``; stages get ranks from ``placement`` if given."""
+    return cut_stage_graph(trace_request(req), req, placement=placement)
+
+
+def trace_request(req: ModelRequest) -> TracedModel:
+    """The passes that depend only on the model and one microbatch's shape (steps 1-6 below): a
+    :class:`TracedModel` that :func:`cut_stage_graph` cuts into any number of stages (``pipec tune``
+    traces once per microbatch shape and cuts many times)."""
     inputs = microbatch_inputs(req)
-    recompute = _recompute_set(req)
     if req.dtype not in ("float32", *_AUTOCAST):
         raise FrontendError(f"dtype must be float32, bfloat16 or float16, got {req.dtype!r}", key="dtype")
     autocast = req.dtype if req.dtype in _AUTOCAST else None
@@ -144,10 +166,30 @@ def build_stage_graph(req: ModelRequest, *, placement: Sequence[int] | None = No
     # 4. shapes, dtypes, FLOPs and saved bytes on every node
     propagate(traced, example, fake_mode=fake_mode, autocast=autocast)
     # 5. the data the run trains on, described; the loss checked against its targets on meta
-    data = data_of(traced, data=req.data, loss=req.loss, num_microbatches=req.num_microbatches, dp=req.dp,
-                   targets=req.targets, search_path=src.search_path)
-    # 6. where cuts can go, and the partition
-    cuts = analyse_cuts(traced)
+    tm = TracedModel(src=src, init=init, traced=traced, inputs=inputs, autocast=autocast, cuts=None)
+    _data(tm, req)
+    # 6. where cuts can go
+    return replace(tm, cuts=analyse_cuts(traced))
+
+
+def _data(tm: TracedModel, req: ModelRequest) -> Mapping[str, Any]:
+    """The data a run of ``req`` trains on, described (one replica's batch: microbatches x dp matter)."""
+    return data_of(tm.traced, data=req.data, loss=req.loss, num_microbatches=req.num_microbatches, dp=req.dp,
+                   targets=req.targets, search_path=tm.src.search_path)
+
+
+def with_data(graph: StageGraph, tm: TracedModel, req: ModelRequest) -> StageGraph:
+    """``graph`` (cut from ``tm``) for ``req``, another microbatch count or dp at the same microbatch
+    shape: the model record's ``data`` described again (the stages do not change)."""
+    return replace(graph, model={**graph.model, "data": dict(_data(tm, req))})
+
+
+def cut_stage_graph(tm: TracedModel, req: ModelRequest, *, placement: Sequence[int] | None = None) -> StageGraph:
+    """Partition, split and cost a traced model into ``req.num_stages`` stages (steps 7-9); ``req`` is
+    the one ``tm`` was traced for, or one differing only in stages, partition, recompute and costs."""
+    traced, src, cuts = tm.traced, tm.src, tm.cuts
+    recompute = _recompute_set(req)
+    # 7. the partition
     weights = None
     if isinstance(req.partition, Balanced) or (req.partition is None and not cuts.marker_cuts):
         by = req.partition.by if isinstance(req.partition, Balanced) else "flops"
@@ -155,12 +197,13 @@ def build_stage_graph(req: ModelRequest, *, placement: Sequence[int] | None = No
                                       search_path=src.search_path) if by == "time" else None
         weights = costs_pass.node_weights(traced, cuts, by, times=times)
     stage_of = assign_stages(traced, cuts, req.partition, req.num_stages, weights)
-    # 7. split with torch.fx split_module: stage inputs/outputs, skip edges, tie groups
+    # 8. split with torch.fx split_module: stage inputs/outputs, skip edges, tie groups
     split = split_graph(traced, stage_of, req.num_stages)
-    # 8. costs and saved activations per stage
+    # 9. costs and saved activations per stage
     stage_costs = costs_pass.stage_costs(
         split, req.costs, recompute=recompute, peak_flops=req.peak_flops, threads=req.threads_per_rank,
-        reps=req.profile_reps, autocast=autocast, target=src.target, kwargs=req.kwargs, search_path=src.search_path,
+        reps=req.profile_reps, autocast=tm.autocast, target=src.target, kwargs=req.kwargs,
+        search_path=src.search_path,
     )
     ranks = list(placement) if placement is not None else [-1] * req.num_stages
     if len(ranks) != req.num_stages:
@@ -175,13 +218,23 @@ def build_stage_graph(req: ModelRequest, *, placement: Sequence[int] | None = No
     )
     notes = (f"trace: auto fell back to torch.export: {traced.fallback}",) if traced.fallback else ()
     return StageGraph(
-        model=_model_record(src, req, traced, inputs, traced_on="fake" if fake_mode else "meta", init=init, notes=notes,
-                            data=data),
+        model=_model_record(src, req, traced, tm.inputs, traced_on="fake" if tm.autocast else "meta", init=tm.init,
+                            notes=notes, data=_data(tm, req)),
         stages=stages, edges=split.edges, ties=split.ties,
         graph=make_graph(stages, split.edges, split.ties), recompute=recompute,
         full_activation_bytes=tuple(c.full_activation_bytes for c in stage_costs),
         flops=tuple(c.flops for c in stage_costs), notes=notes,
     )
+
+
+def with_recompute_stages(graph: StageGraph, recompute: frozenset[int]) -> StageGraph:
+    """``graph`` (cut without recompute) as :func:`cut_stage_graph` would cut it with ``recompute``: each
+    recomputed stage's backward gains its forward and it saves only its inputs (the cost pass's rule)."""
+    assert not graph.recompute, "derive recompute from a graph cut without it"
+    stages = tuple(replace(st, cost=costs_pass.with_recompute(st.cost),
+                           activation_bytes=sum(x.num_bytes for x in st.inputs)) if st.stage in recompute else st
+                   for st in graph.stages)
+    return replace(graph, stages=stages, recompute=frozenset(recompute), graph=make_graph(stages, graph.edges, graph.ties))
 
 
 def _model_record(src: ModelSource, req: ModelRequest, traced: Traced, inputs: Sequence[InputSpec], *, traced_on: str,

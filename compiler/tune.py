@@ -1,0 +1,541 @@
+"""``pipec tune``: the layout, schedule, microbatches, partition and recompute, chosen by simulation.
+
+The search walks the source note's decision tree as a space (:func:`candidates`): every layout
+``pp x dp`` of the devices (and, with ``dp >= 2``, every shard mode and shard size), every named
+schedule with its chunks per rank, every microbatch count that divides one replica's share of the
+fixed global batch, the partition balanced by FLOPs (also by time and memory under ``costs
+profile``), and recompute of none or the first k stages. The policy presets equal the named
+schedules, so they are no extra candidates.
+
+The model is traced once per microbatch shape and each distinct cut (stages, microbatch shape,
+balance) is costed once; recompute is derived from the cut without it (:class:`_Graphs`). Each
+candidate is bounded before it is compiled (:func:`_bounds`): its state at rest alone over the
+memory budget refuses it; its busiest rank's compute is a lower bound on its step and its state
+plus one microbatch's activations a lower bound on its peak, and a candidate whose bounds are
+already beaten in both by a compiled one, with the top table full, is skipped (it can reach
+neither the table nor the time-memory frontier). The rest are compiled by the driver exactly as
+``pipec compile`` would (:func:`~pipec.compiler.driver.compile_request`, so every plan is a
+verified plan), the ones over budget refused.
+
+torch-free at import: the front end is loaded only when a model is traced, as the driver does.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Sequence
+
+from pipec.compiler.config import TrainingConfig
+from pipec.compiler.memory import MemoryBudgetError, bytes_per_param
+from pipec.compiler.plan import SHARD_MODES, Mesh, Plan
+from pipec.compiler.request import CompileRequest, InputTensor, PartitionRequest
+from pipec.errors import PipecError
+from pipec.schedules import SCHEDULES, ScheduleError, check_rules, loop_placement, v_placement
+
+__all__ = ["TUNED_KEYS", "INTERLEAVED_CHUNKS", "TuneError", "TuneRequest", "Candidate", "Scored", "TuneResult",
+           "candidates", "tune", "candidate_request", "divisors"]
+
+TUNED_KEYS = ("pp", "dp", "shard", "shard_size", "schedule", "virtual", "microbatches", "partition", "recompute")
+"""The keys the search sets; ``--keep`` pins any of them to the file's value."""
+
+INTERLEAVED_CHUNKS = (2, 4)
+"""Chunks per rank tried for ``interleaved_1f1b`` and ``looped_bfs`` (zbv takes 2, the rest 1)."""
+
+_CHUNKS = {"gpipe": (1,), "1f1b": (1,), "zb_h1": (1,), "zbv": (2,), "interleaved_1f1b": INTERLEAVED_CHUNKS,
+           "looped_bfs": INTERLEAVED_CHUNKS}
+
+
+class TuneError(PipecError):
+    """The search cannot run as asked, or nothing in its space fits."""
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TuneRequest:
+    """What to search: the file's request (its layout and schedule the starting candidate) on
+    ``num_devices`` devices."""
+
+    base: CompileRequest
+    num_devices: int
+    global_batch: int | None = None
+    """Sequences per optimizer step over all replicas; None: the file's ``input`` batch x its ``dp``."""
+    keep: frozenset[str] = frozenset()
+    """Keys of :data:`TUNED_KEYS` pinned to the file's value."""
+    device_memory: int | None = None
+    """Bytes per device; None: the file's ``device_memory`` (None there too: no budget)."""
+    peak_flops: float | None = None
+    """FLOP/s per device; None: the file's ``peak_flops``."""
+    num_top: int = 10
+    """Candidates in the table (and kept exactly: pruning never drops one of them)."""
+    progress: Callable[[int, int], None] | None = field(default=None, compare=False)
+    """Called with (candidates done, candidates in all) while searching."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Candidate:
+    """One point of the space."""
+
+    pp: int
+    dp: int
+    shard: str = "none"
+    shard_size: int | None = None
+    schedule: str
+    num_chunks: int
+    num_microbatches: int
+    partition_by: str | None
+    """``balanced(by=...)``; None: the file's own partition (``--keep partition``)."""
+    recompute: frozenset[int] = frozenset()
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.num_chunks
+
+    @property
+    def layout(self) -> str:
+        shard = "" if self.shard == "none" else f" {self.shard}" + (
+            f"/{self.shard_size}" if self.shard_size else "")
+        return f"{self.pp}x{self.dp}{shard}"
+
+    @property
+    def recompute_text(self) -> str:
+        k = len(self.recompute)
+        if not k:
+            return "none"
+        if k == self.num_stages:
+            return "all"
+        return f"stages {', '.join(map(str, sorted(self.recompute)))}" if self.recompute != frozenset(range(k)) \
+            else ("stage 0" if k == 1 else f"stages 0..{k - 1}")
+
+    def sort_key(self) -> tuple:
+        """A total order of the space (ties in predicted time and memory are broken by it)."""
+        return (self.pp, self.dp, SHARD_MODES.index(self.shard), self.shard_size or 0, list(SCHEDULES).index(
+            self.schedule), self.num_chunks, self.num_microbatches, self.partition_by or "", len(self.recompute),
+            tuple(sorted(self.recompute)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Scored:
+    """A compiled candidate and its prediction."""
+
+    candidate: Candidate
+    plan: Plan = field(repr=False, compare=False)
+    step_time: float
+    peak_memory: int | None
+    """The most any rank holds at its peak (bytes)."""
+    bubble: float
+    tokens_per_s: float | None
+    mfu: float | None
+    measured_step: float | None = None
+    """``--measure``: the median step under ``pipec run``."""
+
+    def rank_key(self) -> tuple:
+        """Fastest first (to 9 significant digits: float noise is no difference), then smallest, then the
+        space's order."""
+        return (float(f"{self.step_time:.9g}"), self.peak_memory or 0, self.candidate.sort_key())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TuneResult:
+    best: Scored
+    top: tuple[Scored, ...]
+    """The fastest fitting candidates, fastest first."""
+    frontier: tuple[Scored, ...]
+    """The time-memory Pareto set of the fitting candidates, fastest first."""
+    start: Candidate | None
+    """The file's own layout and schedule as a candidate (None when it is outside the space)."""
+    start_scored: Scored | None
+    global_batch: int
+    num_devices: int
+    device_memory: int | None
+    peak_flops: float | None
+    num_candidates: int
+    num_compiled: int
+    num_over_budget: int
+    """Refused: over ``device_memory`` (by the bound before compiling, or by the compile)."""
+    num_pruned: int
+    """Skipped by the bounds: they could reach neither the table nor the frontier."""
+    num_unbuildable: int
+    """Cuts the model does not have (more stages than places to cut) or that the front end refused."""
+    num_traces: int
+    num_cuts: int
+    seconds: float
+
+
+# ----------------------------------------------------------------------------- the space
+
+
+def _global_batch(treq: TuneRequest) -> int:
+    base = treq.base
+    if base.model is None or not base.model.inputs:
+        raise TuneError("pipec tune needs a model and its input (keys model and input): it searches by "
+                        "simulating the model's stages", key="model")
+    b = base.model.inputs[0].shape[0]
+    batch = treq.global_batch if treq.global_batch is not None else b * base.dp
+    if batch < 1:
+        raise TuneError(f"the global batch must be at least 1, got {batch}")
+    return batch
+
+
+def _shard_options(dp: int) -> list[tuple[str, int | None]]:
+    if dp < 2:
+        return [("none", None)]
+    sizes = [None, *(n for n in divisors(dp) if 2 <= n < dp)]
+    return [("none", None), *((mode, n) for mode in SHARD_MODES[1:] for n in sizes)]
+
+
+def candidates(treq: TuneRequest) -> list[Candidate]:
+    """Every candidate of the space (see the module docstring), in :meth:`Candidate.sort_key` order;
+    the kept keys at the file's values. A schedule's rules are applied here (counts it refuses are
+    not candidates)."""
+    base, keep, N = treq.base, treq.keep, treq.num_devices
+    bad = sorted(keep - set(TUNED_KEYS))
+    if bad:
+        raise TuneError(f"--keep names {', '.join(bad)}, which tune does not set; keys it sets: "
+                        f"{', '.join(TUNED_KEYS)}")
+    if "schedule" in keep and base.schedule not in SCHEDULES:
+        raise TuneError(f"--keep schedule needs a named schedule, the file has {base.schedule}",
+                        key="schedule", hints=(f"name one of {', '.join(SCHEDULES)}",))
+    batch = _global_batch(treq)
+    costs = base.model.costs
+    bys = (None,) if "partition" in keep else ("flops", "time", "memory") if costs == "profile" else ("flops",)
+    out = []
+    for pp in divisors(N):
+        dp = N // pp
+        if ("pp" in keep and pp != base.pp) or ("dp" in keep and dp != base.dp) or batch % dp:
+            continue
+        for shard, size in _shard_options(dp):
+            if ("shard" in keep and shard != base.shard) or ("shard_size" in keep and size != base.shard_size):
+                continue
+            for name in SCHEDULES:
+                if "schedule" in keep and name != base.schedule:
+                    continue
+                for v in _CHUNKS[name]:
+                    if "virtual" in keep and v != base.num_chunks:
+                        continue
+                    for M in divisors(batch // dp):
+                        if ("microbatches" in keep and M != base.num_microbatches) or not _legal(name, pp, M, v):
+                            continue
+                        recompute = base.model.recompute if "recompute" in keep else frozenset()
+                        out += [Candidate(pp=pp, dp=dp, shard=shard, shard_size=size, schedule=name, num_chunks=v,
+                                          num_microbatches=M, partition_by=by, recompute=frozenset(recompute))
+                                for by in bys]
+    return sorted(out, key=Candidate.sort_key)
+
+
+def _legal(name: str, pp: int, M: int, v: int) -> bool:
+    try:
+        check_rules(name, num_ranks=pp, num_microbatches=M, num_chunks=v)
+    except ScheduleError:
+        return False
+    return True
+
+
+def _start(treq: TuneRequest) -> Candidate | None:
+    """The file's own settings as a candidate (its partition as a balance when it is one)."""
+    b = treq.base
+    if b.schedule not in SCHEDULES or b.pp * b.dp != treq.num_devices:
+        return None
+    part = b.model.partition
+    by = None if "partition" in treq.keep else (part.by if part.method == "balanced" else "flops")
+    return Candidate(pp=b.pp, dp=b.dp, shard=b.shard, shard_size=b.shard_size, schedule=b.schedule,
+                     num_chunks=b.num_chunks, num_microbatches=b.num_microbatches, partition_by=by,
+                     recompute=frozenset(b.model.recompute))
+
+
+def candidate_request(treq: TuneRequest, c: Candidate, *, global_batch: int | None = None) -> CompileRequest:
+    """The compile request of a candidate: the file's request with the candidate's keys (and its
+    ``spec`` saying so), the global batch split over its replicas."""
+    base = treq.base
+    batch = (global_batch or _global_batch(treq)) // c.dp
+    m = base.model
+    inputs = tuple(replace(t, shape=(batch, *t.shape[1:])) for t in m.inputs)
+    targets = tuple(replace(t, shape=(batch, *t.shape[1:])) for t in m.targets)
+    partition = m.partition if c.partition_by is None else PartitionRequest(method="balanced", by=c.partition_by)
+    peak = treq.peak_flops if treq.peak_flops is not None else m.peak_flops
+    model = replace(m, inputs=inputs, targets=targets, partition=partition, recompute=c.recompute, peak_flops=peak)
+    training = replace(base.training or TrainingConfig(), recompute=tuple(sorted(c.recompute)))
+    budget = _budget(treq)
+    placement = "v" if SCHEDULES[c.schedule].placement == "v" else "loop"
+    spec = {**base.spec, "schedule": c.schedule, "pp": c.pp, "dp": c.dp, "shard": c.shard,
+            "shard_size": c.shard_size, "virtual": c.num_chunks, "stages": c.num_stages, "placement": placement,
+            "microbatches": c.num_microbatches, "policy": None, "order": None,
+            "input": [_tensor_json(t) for t in inputs], "partition": _partition_json(partition),
+            "device_memory": budget, "peak_flops": peak}
+    if targets:
+        spec["targets"] = [_tensor_json(t) for t in targets]
+    return replace(base, schedule=c.schedule, policy=None, order=None, pp=c.pp, dp=c.dp, shard=c.shard,
+                   shard_size=c.shard_size, num_chunks=c.num_chunks, placement=None,
+                   num_microbatches=c.num_microbatches, model=model, device_memory=budget, training=training,
+                   spec=spec)
+
+
+def _tensor_json(t: InputTensor) -> dict[str, Any]:
+    return {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)}
+
+
+def _partition_json(p: PartitionRequest) -> dict[str, Any]:
+    out: dict[str, Any] = {"method": p.method}
+    if p.by is not None:
+        out["by"] = p.by
+    if p.split_before:
+        out["split_before"] = list(p.split_before)
+    return out
+
+
+def _budget(treq: TuneRequest) -> int | None:
+    return treq.device_memory if treq.device_memory is not None else treq.base.device_memory
+
+
+# ----------------------------------------------------------------------------- traces and cuts
+
+
+class _Graphs:
+    """The front end, cached: one trace per microbatch shape, one cut per (stages, microbatch shape,
+    balance), recompute and the data record derived per candidate."""
+
+    def __init__(self, treq: TuneRequest, batch: int):
+        self.treq, self.batch = treq, batch
+        self.traces: dict[int, Any] = {}
+        self.cuts: dict[tuple[int, int, str | None], Any] = {}
+        self.data: dict[tuple[int, int, int], Any] = {}
+
+    def graph(self, c: Candidate):
+        """The candidate's StageGraph, or None when the model cannot be cut that way."""
+        from pipec.compiler.driver import model_request
+        from pipec.compiler.frontend import (FrontendError, cut_stage_graph, trace_request, with_data,
+                                             with_recompute_stages)
+
+        mb = self.batch // c.dp // c.num_microbatches
+        key, data_key = (c.num_stages, mb, c.partition_by), (mb, c.num_microbatches, c.dp)
+        mreq = None
+        if key not in self.cuts or data_key not in self.data:
+            mreq = replace(model_request(candidate_request(self.treq, c, global_batch=self.batch)), recompute=False)
+        if mb not in self.traces:
+            self.traces[mb] = trace_request(mreq)
+        if key not in self.cuts:
+            try:
+                self.cuts[key] = cut_stage_graph(self.traces[mb], mreq)
+            except FrontendError as err:
+                if err.key not in ("partition", "stages"):
+                    raise
+                self.cuts[key] = None
+        cut = self.cuts[key]
+        if cut is None:
+            return None
+        if data_key not in self.data:
+            self.data[data_key] = with_data(cut, self.traces[mb], mreq).model["data"]
+        cut = replace(cut, model={**cut.model, "data": self.data[data_key]})
+        return with_recompute_stages(cut, c.recompute) if c.recompute else cut
+
+
+# ----------------------------------------------------------------------------- bounds and the search
+
+
+def _placement(c: Candidate) -> tuple[int, ...]:
+    f = v_placement if SCHEDULES[c.schedule].placement == "v" else loop_placement
+    return f(c.pp, c.num_stages)
+
+
+def _bounds(c: Candidate, graph, spec) -> tuple[float, int, int]:
+    """(step, peak memory, state) lower bounds of a candidate, before compiling it.
+
+    Step: per rank, its compute (M x the forward and backward of its stages); on a chain of stages
+    also the forwards of one microbatch through the stages before its first (it cannot start
+    earlier) and, unless the backward is split (a last ``W`` may trail), their backwards (its last
+    backward feeds them); the most over the ranks. Peak memory: per rank, its state at rest
+    (unpadded shards) plus the largest saved activations of one microbatch of its stages. State:
+    the first part alone, which recompute does not lower."""
+    placement = _placement(c)
+    mesh = Mesh(pp=c.pp, dp=c.dp, shard=c.shard, shard_size=c.shard_size)
+    p, g, o = bytes_per_param(spec)
+    n = mesh.num_shards
+    per = (p + g + o / n) if mesh.shard == "optimizer" else (p + g + o) / (n if mesh.params_sharded else 1)
+    chain = all(e.dst_stage == e.src_stage + 1 for e in graph.edges)
+    split = SCHEDULES[c.schedule].split_backward
+    compute, state, act = [0.0] * c.pp, [0.0] * c.pp, [0] * c.pp
+    first = [c.num_stages] * c.pp
+    for st in graph.stages:
+        r = placement[st.stage]
+        compute[r] += c.num_microbatches * (st.cost.fwd + st.cost.bwd)
+        state[r] += (st.num_params or 0) * per
+        act[r] = max(act[r], st.activation_bytes or 0)
+        first[r] = min(first[r], st.stage)
+    head = [0.0]
+    tail = [0.0]
+    for st in graph.stages:
+        head.append(head[-1] + st.cost.fwd)
+        tail.append(tail[-1] + st.cost.bwd)
+    step = max(compute[r] + (head[first[r]] + (0.0 if split else tail[first[r]]) if chain else 0.0)
+               for r in range(c.pp))
+    return step, int(max(s + a for s, a in zip(state, act))), int(max(state))
+
+
+def _score(c: Candidate, plan: Plan, tokens: int, peak_flops: float | None, num_devices: int) -> Scored:
+    pred = plan.prediction
+    peaks = [r.peak_memory_bytes for r in pred.per_rank if r.peak_memory_bytes is not None]
+    flops = (plan.model or {}).get("flops_per_step")
+    mfu = flops * c.dp / (pred.step_time * num_devices * peak_flops) if flops and peak_flops else None
+    return Scored(candidate=c, plan=plan, step_time=pred.step_time, peak_memory=max(peaks) if peaks else None,
+                  bubble=pred.bubble_fraction, tokens_per_s=tokens / pred.step_time if pred.step_time else None,
+                  mfu=mfu)
+
+
+def _dominated(lb_time: float, lb_mem: int, frontier: Sequence[Scored]) -> bool:
+    """Whether a compiled candidate is at least as good in both as these bounds."""
+    return any(s.step_time <= lb_time and (s.peak_memory or 0) <= lb_mem for s in frontier)
+
+
+def _pareto(scored: Iterable[Scored]) -> tuple[Scored, ...]:
+    out: list[Scored] = []
+    for s in sorted(scored, key=Scored.rank_key):
+        if not out or (s.peak_memory or 0) < (out[-1].peak_memory or 0):
+            out.append(s)
+    return tuple(out)
+
+
+def tune(treq: TuneRequest) -> TuneResult:
+    """Search the space; the best fitting candidate and the table (see the module docstring)."""
+    t0 = time.perf_counter()
+    batch = _global_batch(treq)
+    space = candidates(treq)
+    if not space:
+        raise TuneError(f"no candidate: {treq.num_devices} devices, global batch {batch} and the kept keys "
+                        f"({', '.join(sorted(treq.keep)) or 'none'}) leave no layout whose replicas split the "
+                        "batch; keep fewer keys or choose another --global-batch")
+    search = _Search(treq, batch)
+    for i, c in enumerate(space):
+        search.add(c)
+        if treq.progress:
+            treq.progress(i + 1, 2 * len(space))
+    search.run(lambda j: treq.progress and treq.progress(len(space) + min(j, len(space)), 2 * len(space)))
+    if not search.fits:
+        raise TuneError(_no_fit(treq, batch, search.refused, search.graphs), key="device_memory")
+    ranked = sorted(search.fits, key=Scored.rank_key)
+    start = _start(treq)
+    start_scored = next((s for s in search.fits if _same_base(s.candidate, start)), None)
+    return TuneResult(best=ranked[0], top=tuple(ranked[:treq.num_top]), frontier=_pareto(search.fits), start=start,
+                      start_scored=start_scored, global_batch=batch, num_devices=treq.num_devices,
+                      device_memory=search.budget, peak_flops=search.peak_flops, num_candidates=len(space),
+                      num_compiled=search.num_compiled, num_over_budget=len(search.refused),
+                      num_pruned=search.num_pruned, num_unbuildable=search.num_unbuildable,
+                      num_traces=len(search.graphs.traces),
+                      num_cuts=sum(1 for g in search.graphs.cuts.values() if g is not None),
+                      seconds=time.perf_counter() - t0)
+
+
+def _same_base(a: Candidate, b: Candidate | None) -> bool:
+    """The same candidate but for recompute (the search adds the least recompute that fits)."""
+    return b is not None and replace(a, recompute=frozenset()) == replace(b, recompute=frozenset())
+
+
+class _Search:
+    """Branch and bound over the candidates (see the module docstring): bounded candidates are
+    compiled in the order of their step bound; one over budget is tried again with one more stage
+    recomputed (stages 0..k-1 first: the early stages hold the most microbatches), until it fits,
+    everything recomputes, or its state alone is over budget."""
+
+    def __init__(self, treq: TuneRequest, batch: int):
+        self.treq, self.batch = treq, batch
+        self.graphs = _Graphs(treq, batch)
+        self.budget = _budget(treq)
+        self.peak_flops = treq.peak_flops if treq.peak_flops is not None else treq.base.model.peak_flops
+        self.tokens = batch * _numel(treq.base.model.inputs[0].shape[1:])
+        self.queue: list[tuple[float, tuple, int, Candidate, Any, int]] = []
+        self.fits: list[Scored] = []
+        self.refused: list[tuple[int, Candidate]] = []
+        self.num_compiled = self.num_pruned = self.num_unbuildable = 0
+        self._times: list[float] = []
+        self._frontier: tuple[Scored, ...] = ()
+
+    def add(self, c: Candidate) -> None:
+        """Bound a candidate and queue it (or refuse it by its state bound)."""
+        graph = self.graphs.graph(c)
+        if graph is None:
+            self.num_unbuildable += 1
+            return
+        step, mem, state = _bounds(c, graph, self.treq.base.spec)
+        if self.budget is not None and state > self.budget:
+            self.refused.append((mem, c))
+            return
+        if self.budget is not None and mem > self.budget:
+            self._escalate(c, mem)
+            return
+        heapq.heappush(self.queue, (step, c.sort_key(), mem, c, graph, state))
+
+    def _escalate(self, c: Candidate, mem: int) -> None:
+        k = len(c.recompute)
+        if "recompute" in self.treq.keep or k >= c.num_stages:
+            self.refused.append((mem, c))
+            return
+        self.add(replace(c, recompute=frozenset(range(k + 1))))
+
+    def run(self, progress: Callable[[int], Any]) -> None:
+        from pipec.compiler.driver import compile_request
+
+        K = self.treq.num_top
+        done = 0
+        while self.queue:
+            step, _, mem, c, graph, state = heapq.heappop(self.queue)
+            done += 1
+            progress(done)
+            if len(self._times) >= K and self._times[K - 1] <= step and _dominated(step, state, self._frontier):
+                self.num_pruned += 1      # no recompute it may still need lowers its state: the bound holds
+                continue
+            self.num_compiled += 1
+            try:
+                plan = compile_request(candidate_request(self.treq, c, global_batch=self.batch), graph=graph).plan
+            except MemoryBudgetError:
+                self._escalate(c, mem)
+                continue
+            s = _score(c, plan, self.tokens, self.peak_flops, self.treq.num_devices)
+            self.fits.append(s)
+            bisect.insort(self._times, s.step_time)
+            self._frontier = _pareto([*self._frontier, s])
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _no_fit(treq: TuneRequest, batch: int, refused: list[tuple[int, Candidate]], graphs: _Graphs) -> str:
+    """Why nothing fits, and what would, computed: the least any candidate needs, and the devices,
+    recompute and sharding that would bring the state under the budget."""
+    from pipec.compiler.graph import human_bytes
+
+    budget = _budget(treq)
+    if not refused:
+        return "no candidate could be cut into its stages: the model has too few places to cut for these layouts"
+    least_mem, least = min(refused, key=lambda x: (x[0], x[1].sort_key()))
+    total = sum(st.num_params or 0 for st in graphs.graph(least).stages)
+    parts = [f"no candidate fits device_memory {human_bytes(budget)} on {treq.num_devices} devices (global batch "
+             f"{batch}): the least any needs is {human_bytes(least_mem)} or more ({least.layout}, {least.schedule}, "
+             f"recompute {least.recompute_text})"]
+    if total:
+        per = sum(bytes_per_param(treq.base.spec))
+        state = total * per
+        need = -(-state // budget)
+        parts.append(f"the model's parameters, gradients and optimizer state are {human_bytes(state)} "
+                     f"({total:,} parameters x {per} bytes): split over pp stages or sharded with shard full they "
+                     f"need at least {need} devices of {human_bytes(budget)} before any activation")
+        if need <= treq.num_devices:
+            parts.append("the state alone would fit these devices: the activations do not; recompute all stages, "
+                         "fewer sequences per microbatch (a smaller --global-batch) or more devices would help")
+        else:
+            parts.append(f"use --devices {_pow2_at_least(need)} or more, or a device with more memory")
+    return "; ".join(parts)
+
+
+def _pow2_at_least(n: int) -> int:
+    k = 1
+    while k < n:
+        k *= 2
+    return k

@@ -1,0 +1,73 @@
+"""``pipec tune --measure K``: run the top candidates under ``pipec run`` here and re-rank them.
+
+Each of the K fastest predicted candidates is written as a plan and run for a few steps on this
+machine (a subprocess, ``python -m pipec run PLAN --nproc W --steps N --report R``, so the
+compiler never imports the runtime); its measured median step (report.json ``measured``) goes
+beside the prediction. A candidate needing more ranks than this machine can start
+(:func:`max_ranks`) is skipped with a note.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from typing import Callable
+
+from pipec.compiler.plan import write_plan
+from pipec.compiler.tune import Scored, TuneResult
+
+__all__ = ["max_ranks", "measure"]
+
+
+def max_ranks() -> int:
+    """The most ranks a run here may start: 4 per core, 16 at most."""
+    return min(16, 4 * (os.cpu_count() or 1))
+
+
+def measure(result: TuneResult, k: int, *, workdir: str, steps: int = 4, timeout: float = 600,
+            progress: Callable[[int, int], None] | None = None) -> tuple[TuneResult, list[str]]:
+    """The result with the top ``k`` measured (``measured_step``) and re-ranked: measured ones by
+    their measured step first, then the rest as predicted; the notes say what was skipped or failed."""
+    os.makedirs(workdir, exist_ok=True)
+    notes: list[str] = []
+    limit = max_ranks()
+    out: list[Scored] = []
+    for i, s in enumerate(result.top[:k]):
+        if progress:
+            progress(i, k)
+        world = s.candidate.pp * s.candidate.dp
+        if world > limit:
+            notes.append(f"{s.candidate.layout} {s.candidate.schedule}: not measured: it needs {world} ranks and "
+                         f"this machine starts at most {limit}")
+            out.append(s)
+            continue
+        plan_path = os.path.join(workdir, f"candidate{i}.json")
+        report_path = os.path.join(workdir, f"candidate{i}.report.json")
+        write_plan(s.plan, plan_path)
+        cmd = [sys.executable, "-m", "pipec", "run", plan_path, "--nproc", str(world), "--steps", str(steps),
+               "--report", report_path]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            notes.append(f"{s.candidate.layout} {s.candidate.schedule}: not measured: the run took over {timeout:.0f} s")
+            out.append(s)
+            continue
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            notes.append(f"{s.candidate.layout} {s.candidate.schedule}: the run failed ({last})")
+            out.append(s)
+            continue
+        with open(report_path, encoding="utf-8") as f:
+            report = json.load(f)
+        out.append(replace(s, measured_step=float(report["measured"]["step_time"])))
+    if progress:
+        progress(k, k)
+    measured = sorted((s for s in out if s.measured_step is not None),
+                      key=lambda s: (s.measured_step, s.rank_key()))
+    rest = [s for s in out if s.measured_step is None]
+    top = (*measured, *rest, *result.top[k:])
+    best = measured[0] if measured else result.best
+    return replace(result, best=best, top=top), notes

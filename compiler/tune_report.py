@@ -1,0 +1,155 @@
+"""What ``pipec tune`` prints and writes: the table, the frontier, why the winner wins, its
+schedule-file lines, and the JSON for tools (``docs/reference.md``, *pipec tune --json*).
+
+torch-free; rich only when the table is drawn.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from pipec.compiler.graph import human_bytes
+from pipec.compiler.memory import bytes_per_param
+from pipec.compiler.tune import Candidate, Scored, TuneResult
+
+__all__ = ["TUNE_FORMAT", "candidate_json", "result_json", "pipe_lines", "why", "table", "frontier_table"]
+
+TUNE_FORMAT = "pipec.tune/1"
+
+
+def _seconds(t: float) -> str:
+    return f"{t * 1e3:.2f} ms" if t < 1 else f"{t:.3f} s"
+
+
+def candidate_json(s: Scored) -> dict[str, Any]:
+    """One candidate: its keys as the schedule file writes them, and its prediction."""
+    c = s.candidate
+    out: dict[str, Any] = {
+        "pp": c.pp, "dp": c.dp, "shard": c.shard, "shard_size": c.shard_size, "schedule": c.schedule,
+        "virtual": c.num_chunks, "microbatches": c.num_microbatches,
+        "partition": {"method": "balanced", "by": c.partition_by} if c.partition_by else None,
+        "recompute": sorted(c.recompute), "step_time": s.step_time, "tokens_per_s": s.tokens_per_s, "mfu": s.mfu,
+        "bubble": s.bubble, "peak_memory_bytes": s.peak_memory,
+    }
+    if s.measured_step is not None:
+        out["measured_step_time"] = s.measured_step
+    return out
+
+
+def result_json(r: TuneResult, *, plan_path: str | None = None, pipe: str | None = None,
+                notes: Sequence[str] = ()) -> dict[str, Any]:
+    """``pipec tune --json``: every field is documented in docs/reference.md."""
+    return {
+        "format": TUNE_FORMAT,
+        "devices": r.num_devices,
+        "global_batch": r.global_batch,
+        "device_memory": r.device_memory,
+        "peak_flops": r.peak_flops,
+        "search": {"candidates": r.num_candidates, "compiled": r.num_compiled, "pruned": r.num_pruned,
+                   "over_budget": r.num_over_budget, "unbuildable": r.num_unbuildable, "traces": r.num_traces,
+                   "cuts": r.num_cuts, "seconds": r.seconds},
+        "best": candidate_json(r.best),
+        "top": [candidate_json(s) for s in r.top],
+        "frontier": [candidate_json(s) for s in r.frontier],
+        "start": candidate_json(r.start_scored) if r.start_scored else None,
+        "why": why(r),
+        "pipe": pipe_lines(r.best.candidate, r.best.plan.spec),
+        "plan": plan_path,
+        "notes": list(notes),
+    }
+
+
+def pipe_lines(c: Candidate, spec) -> list[str]:
+    """The schedule-file lines of the keys tune set (the rest of the file stays as written)."""
+    shard = "" if c.shard == "none" else f"  shard {c.shard}" + (f"  shard_size {c.shard_size}" if c.shard_size else "")
+    rec = "none" if not c.recompute else "stages " + ", ".join(map(str, sorted(c.recompute)))
+    lines = [f"pp {c.pp}  dp {c.dp}{shard}",
+             f"schedule {c.schedule}  virtual {c.num_chunks}  microbatches {c.num_microbatches}"]
+    if c.partition_by:
+        lines.append(f"partition balanced(by={c.partition_by})")
+    lines.append(f"recompute {rec}")
+    for key in ("input", "targets"):
+        tensors = spec.get(key) or ()
+        if tensors:
+            lines.append(f"{key} " + ", ".join(f"{t['name']}: {t['dtype']}[{', '.join(map(str, t['shape']))}]"
+                                               for t in tensors))
+    return lines
+
+
+def _state_bytes(plan) -> tuple[int, int]:
+    """(parameters, bytes of params + grads + optimizer state) of the whole model, unsharded."""
+    num = sum(st.num_params or 0 for st in plan.stages)
+    return num, num * sum(bytes_per_param(plan.spec))
+
+
+def _best(r: TuneResult, pred: Callable[[Candidate], bool]) -> Scored | None:
+    return next((s for s in sorted(r.top + r.frontier, key=Scored.rank_key) if pred(s.candidate)), None)
+
+
+def why(r: TuneResult) -> list[str]:
+    """Why the winner wins, in the source note's terms: does the state fit one device, what forced
+    sharding, pipeline stages and recompute, what data parallelism buys."""
+    b = r.best
+    c = b.candidate
+    num, state = _state_bytes(b.plan)
+    out = []
+    budget = r.device_memory
+    if budget is not None:
+        fits_one = state <= budget
+        out.append(f"the {human_bytes(state)} of parameters, gradients and optimizer state ({num:,} parameters) "
+                   + (f"fits one {human_bytes(budget)} device unsharded" if fits_one else
+                      f"does not fit one {human_bytes(budget)} device unsharded: it must be split over pipeline "
+                      "stages or sharded across replicas"))
+    for axis, pred, what in (
+            ("pipeline stages", lambda x: x.pp == 1, f"pp {c.pp}"),
+            ("sharding", lambda x: x.shard == "none", f"shard {c.shard}"),
+            ("recompute", lambda x: not x.recompute, f"recompute {c.recompute_text}")):
+        if pred(c):
+            continue
+        alt = _best(r, pred)
+        if alt is None:
+            out.append(f"{what}: no candidate without {axis} is in the table or on the frontier (none fits "
+                       f"{human_bytes(budget)} or all are slower)" if budget else
+                       f"{what}: every candidate without {axis} is slower than the table")
+        else:
+            out.append(f"{what}: {alt.step_time / b.step_time:.2f}x faster than the best without {axis} "
+                       f"({alt.candidate.layout}, {alt.candidate.schedule}, {_seconds(alt.step_time)})")
+    if c.recompute:
+        out.append(f"recompute {c.recompute_text}: the least recompute that brings this layout under "
+                   f"{human_bytes(budget)}")
+    if c.dp > 1:
+        out.append(f"dp {c.dp}: once the model fits, replicas scale the throughput (the cheapest axis)")
+    out.append(f"{c.schedule} with {c.num_microbatches} microbatches"
+               + (f" x {c.num_chunks} chunks" if c.num_chunks > 1 else "") + f": predicted bubble {b.bubble:.1%}")
+    if r.start_scored is not None and r.start_scored.candidate != c:
+        s = r.start_scored
+        out.append(f"the file's own layout ({s.candidate.layout}, {s.candidate.schedule}, M {s.candidate.num_microbatches}) "
+                   f"predicts {_seconds(s.step_time)}: the winner is {s.step_time / b.step_time:.2f}x faster")
+    return out
+
+
+def _row(s: Scored) -> list[str]:
+    c = s.candidate
+    return [c.layout, c.schedule, str(c.num_chunks), str(c.num_microbatches), c.partition_by or "file",
+            c.recompute_text, _seconds(s.step_time), f"{s.tokens_per_s:,.0f}" if s.tokens_per_s else "-",
+            f"{s.mfu:.1%}" if s.mfu is not None else "-", f"{s.bubble:.1%}",
+            human_bytes(s.peak_memory) if s.peak_memory is not None else "-"]
+
+
+_HEAD = ["layout", "schedule", "v", "M", "partition", "recompute", "step", "tokens/s", "MFU", "bubble", "peak/rank"]
+
+
+def table(rows: Sequence[Scored], title: str, measured: bool = False):
+    """A rich table of candidates (``measured``: a measured-step column beside the predicted)."""
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for h in _HEAD + (["measured"] if measured else []):
+        t.add_column(h, justify="right" if h not in ("layout", "schedule", "partition", "recompute") else "left")
+    for s in rows:
+        t.add_row(*_row(s), *([_seconds(s.measured_step) if s.measured_step else "skipped"] if measured else []))
+    return t
+
+
+def frontier_table(r: TuneResult):
+    return table(r.frontier, "time-memory frontier (no candidate is both faster and smaller)")

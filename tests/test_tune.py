@@ -1,0 +1,129 @@
+"""pipec tune: the search against brute force over the same space, the budget, determinism, --keep,
+the no-fit error, the written plan and schedule file, --json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from pipec.cli import main
+from pipec.compiler.driver import compile_request, model_request
+from pipec.compiler.frontend import build_stage_graph
+from pipec.compiler.memory import MemoryBudgetError
+from pipec.compiler.plan import read_plan
+from pipec.compiler.tune import TuneError, TuneRequest, _bounds, _pareto, _score, candidate_request, candidates, tune
+from pipec.compiler.verify import verify
+from pipec.dsl import load_spec
+
+SMALL = '''model "pipec.examples.gpt:build" (layers=4, dim=32, heads=2, vocab=64, seq=8)
+input tokens: int64[4, 8]
+schedule 1f1b
+pp 2  dp 1  microbatches 2
+costs flops  peak_flops 1TFLOP/s
+'''
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tune") / "small.pipe"
+    path.write_text(SMALL)
+    return str(path)
+
+
+def _request(path, **kw) -> TuneRequest:
+    return TuneRequest(base=load_spec(path, {}).request, num_devices=kw.pop("num_devices", 2), **kw)
+
+
+def _brute(treq: TuneRequest):
+    """Every candidate compiled on its own (the front end run afresh per distinct request), with the
+    least recompute of stages 0..k-1 that fits: the same space, no bounds, no shared cuts."""
+    memo = {}
+    out = []
+    for c in candidates(treq):
+        for k in range(c.num_stages + 1):
+            cand = replace(c, recompute=frozenset(range(k)))
+            req = candidate_request(treq, cand)
+            mreq = model_request(req)
+            key = repr(mreq)
+            if key not in memo:
+                memo[key] = build_stage_graph(mreq)
+            try:
+                plan = compile_request(req, graph=memo[key]).plan
+            except MemoryBudgetError:
+                continue
+            step, mem, _ = _bounds(cand, memo[key], req.spec)
+            assert step <= plan.prediction.step_time * (1 + 1e-9), cand          # the bounds hold
+            assert mem <= max(r.peak_memory_bytes for r in plan.prediction.per_rank), cand
+            out.append(_score(cand, plan, 1, None, treq.num_devices))
+            break
+    return out
+
+
+@pytest.fixture(scope="module")
+def budget(small):
+    """A budget some candidates exceed (so refusal and recompute are exercised)."""
+    peaks = sorted(s.peak_memory for s in _brute(_request(small)))
+    return peaks[len(peaks) // 3]
+
+
+def test_search_matches_brute_force_and_keeps_the_budget(small, budget):
+    treq = _request(small, device_memory=budget, num_top=4)
+    got = tune(treq)
+    want = sorted(_brute(treq), key=lambda s: s.rank_key())
+    assert [(s.candidate, s.step_time) for s in got.top] == [(s.candidate, s.step_time) for s in want[:4]]
+    assert [s.candidate for s in got.frontier] == [s.candidate for s in _pareto(want)]
+    assert all(s.peak_memory <= budget for s in (*got.top, *got.frontier))
+    assert got.num_over_budget > 0 and any(s.candidate.recompute for s in want)
+    assert got.num_traces <= len({s.candidate.num_microbatches * s.candidate.dp for s in want})
+
+
+def test_search_is_deterministic(small, budget):
+    a, b = (tune(_request(small, device_memory=budget)) for _ in range(2))
+    assert [s.candidate for s in a.top] == [s.candidate for s in b.top]
+    assert a.best.plan.program == b.best.plan.program
+
+
+def test_keep_pins_keys(small):
+    got = tune(_request(small, num_devices=4, keep=frozenset({"pp", "schedule"})))
+    assert {(s.candidate.pp, s.candidate.schedule) for s in got.top} == {(2, "1f1b")}
+    assert {s.candidate.dp for s in got.top} == {2}
+    with pytest.raises(TuneError, match="--keep names colour"):
+        tune(_request(small, keep=frozenset({"colour"})))
+
+
+def test_no_fit_says_what_would_fit(small, capsys):
+    with pytest.raises(TuneError, match=r"use --devices \d+ or more") as err:
+        tune(_request(small, device_memory=20_000))
+    assert err.value.exit_code == 2
+    assert main(["tune", small, "--devices", "2", "--device-memory", "20000", "-o", "x.json"]) == 2
+    assert "no candidate fits device_memory" in capsys.readouterr().err
+
+
+def test_cli_writes_a_verified_plan_and_a_schedule_file(small, tmp_path, capsys):
+    plan_path, pipe_path = str(tmp_path / "plan.json"), str(tmp_path / "tuned.pipe")
+    assert main(["tune", small, "--devices", "4", "-o", plan_path, "--pipe", pipe_path]) == 0
+    out = capsys.readouterr().out
+    assert "why this one:" in out and "time-memory frontier" in out and f"wrote {plan_path}" in out
+    plan = read_plan(plan_path)
+    verify(plan)
+    assert plan.mesh.pp * plan.mesh.dp == 4
+    assert main(["show", plan_path]) == 0
+    again = compile_request(load_spec(pipe_path, {}).request).plan   # the written file compiles to the winner
+    assert again.prediction.step_time == pytest.approx(plan.prediction.step_time)
+    assert again.program == plan.program
+
+
+def test_json_fields(small, tmp_path, capsys):
+    plan_path = str(tmp_path / "plan.json")
+    assert main(["tune", small, "--devices", "2", "--json", "-o", plan_path]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["format"] == "pipec.tune/1" and doc["devices"] == 2 and doc["global_batch"] == 4
+    assert set(doc["search"]) == {"candidates", "compiled", "pruned", "over_budget", "unbuildable", "traces", "cuts",
+                                  "seconds"}
+    fields = {"pp", "dp", "shard", "shard_size", "schedule", "virtual", "microbatches", "partition", "recompute",
+              "step_time", "tokens_per_s", "mfu", "bubble", "peak_memory_bytes"}
+    assert set(doc["best"]) == fields and all(set(c) >= fields for c in doc["top"] + doc["frontier"])
+    assert doc["best"] == doc["top"][0] and doc["plan"] == plan_path and doc["pipe"] and doc["why"]
+    assert doc["best"]["step_time"] == pytest.approx(read_plan(plan_path).prediction.step_time)
