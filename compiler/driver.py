@@ -82,6 +82,11 @@ def _compile(req: CompileRequest, graph=None) -> Compiled:
         model=_model_entry(graph, req) if graph else None,
         pipec_version=pipec.__version__,
     )
+    if graph is not None and req.model.costs == "profile" and req.origin("links").kind == "default":
+        from pipec.compiler.frontend.links import measure_links  # a job of two local ranks (torch)
+
+        plan, notes = measure_links(plan)                        # links and host overhead, measured here
+        diagnostics += [Diagnostic("note", note, key="links") for note in notes]
     costs = plan_costs(plan)                                     # unit, or the front end's costs
     program = lower(order, edges=plan.edges, costs=costs, mesh=mesh, ties=plan.ties)  # comm and collectives
     check_limits(pp=req.pp, num_stages=plan.num_stages, num_microbatches=req.num_microbatches,

@@ -42,6 +42,7 @@ __all__ = [
     "check_limits",
     "read_plan",
     "read_links",
+    "read_overhead",
     "load_plan",
     "write_plan",
     "plan_to_json",
@@ -616,7 +617,7 @@ def load_plan(obj: Any, where: str = "plan") -> Plan:
             for t in rd.items("ties", required=False)
         )
         links = read_links(rd)
-        overhead = _read_overhead(rd)
+        overhead = read_overhead(rd)
         program = _read_instructions(rd, mesh.pp, num_stages, num_mb)
         pred = rd.dict("prediction", required=False)
         return Plan(
@@ -661,7 +662,7 @@ def read_links(rd: Reader) -> dict[str, Link]:
     return links
 
 
-def _read_overhead(rd: Reader) -> Overhead | None:
+def read_overhead(rd: Reader) -> Overhead | None:
     """A plan's ``overhead`` (absent in plans from before it was measured)."""
     o = rd.sub("overhead", required=False)
     if o is None:

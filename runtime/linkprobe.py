@@ -41,8 +41,10 @@ import torch.distributed as dist
 
 __all__ = ["Emulation", "measure_emulation", "host_overhead", "probe", "main"]
 
-PAUSE_S = 0.002
-"""The sleep before each send in the emulation's hop measurement (an emulated compute sleeps before it sends)."""
+PAUSE_S = (0.001, 0.02)
+"""The bounds of the sleep before each send in the emulation's hop measurement: an emulated compute sleeps
+before it sends, and how long a hop and a sleep take depends on how long the rank slept (the shortest
+emulated compute of the plan, within these bounds)."""
 ROUNDS = 5
 """Rounds of each start-up measurement."""
 
@@ -148,12 +150,14 @@ def _medians(values: Sequence[Mapping[str, float]]) -> dict[str, float]:
     return {k: statistics.median(v[k] for v in values if k in v) for k in keys}
 
 
-def measure_emulation(zero_compute_executor, backend: str) -> Emulation:
-    """Every rank: the placeholder hop, the one-element all-reduce, the oversleep and the executor's host
-    overhead (a few zero-compute steps of the plan itself); the medians over every rank, on every rank."""
-    hop, oversleep = _ring_hop(ROUNDS, PAUSE_S)
+def measure_emulation(zero_compute_executor, backend: str, sleep_s: float) -> Emulation:
+    """Every rank: the placeholder hop and the one-element all-reduce after a sleep of ``sleep_s`` (the plan's
+    shortest emulated compute, within :data:`PAUSE_S`), the oversleep and the executor's host overhead (two
+    zero-compute steps of the plan itself); the medians over every rank, on every rank."""
+    pause = min(max(sleep_s, PAUSE_S[0]), PAUSE_S[1])
+    hop, oversleep = _ring_hop(ROUNDS, pause)
     one = torch.zeros(1)
-    coll = _timed(ROUNDS, lambda: dist.all_reduce(one), PAUSE_S) if dist.get_world_size() > 1 else 0.0
+    coll = _timed(ROUNDS, lambda: dist.all_reduce(one), pause) if dist.get_world_size() > 1 else 0.0
     overhead = host_overhead(zero_compute_executor)
     mine = {"latency_s": hop, "collective_s": coll, "oversleep_s": oversleep}
     got: list[Any] = [None] * dist.get_world_size()
@@ -256,12 +260,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sizes", default="65536,1048576", help="message sizes in bytes, comma-separated (a plan's edges)")
     p.add_argument("--sharded", action="store_true", help="measure the all-gather too (a sharded plan)")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl when CUDA is here, else gloo")
     p.add_argument("-o", "--output", required=True, help="the links file to write (JSON: links, overhead)")
     args = p.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    if cuda:
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
     try:
         if dist.get_world_size() < 2:
             print("pipec.runtime.linkprobe: needs 2 or more ranks (torchrun --nproc-per-node 2 ...)", file=sys.stderr)
