@@ -233,7 +233,10 @@ KEYS: dict[str, Key] = {key.name: key for key in (
         meaning="Latency and bandwidth per mesh axis: a message costs latency + bytes / bandwidth; "
                 "an all-reduce over n replicas 2(n-1)/n x bytes / bandwidth.",
         constraints="Axes pp and dp; an axis or setting left out keeps its default. --links replaces "
-                    "the whole key.",
+                    "the whole key. Not given, a model plan with costs profile measures its links (and the "
+                    "executor's host time per instruction) with a short job of two local ranks, marked measured "
+                    "in plan.json; on a cluster, measure them there with `torchrun ... -m pipec.runtime.linkprobe "
+                    "-o links.json` and give its numbers here.",
         example="links pp(latency=5us, bandwidth=50GB/s), dp(latency=20us, bandwidth=12.5GB/s)"),
     # ------------------------------------------------------------------ training
     Key(name="steps", kind=k.Int(1, 10**9), default=TRAINING.steps, default_doc=str(TRAINING.steps), flag="--steps",
