@@ -103,6 +103,9 @@ def text_of(renderable, width: int) -> list[str]:
         ("AR0:dp", OpInfo("AR", 0)),
         ("AR2:tie.wte", OpInfo("AR", 2)),
         ("OPT", OpInfo("OPT")),
+        ("~OPT", OpInfo("comm")),
+        ("~AR0:dp", OpInfo("comm", 0)),
+        ("~F0.3x", OpInfo("other")),
         ("barrier", OpInfo("other")),
         ("F0.3x", OpInfo("other")),
     ],
@@ -146,11 +149,12 @@ def test_terminal_blocks_sit_where_the_events_are_and_idle_is_dotted():
     tl = one_f_one_b(8, 16)  # step 69 units
     width = 7 + 138  # 2 columns per unit
     rows = [line[7:] for line in text_of(render_terminal(tl, width=width), width) if line.startswith("rank ")]
-    # rank 7 waits 7 units for its first forward: 14 dots, then F0 (2 columns, labelled
-    # "0 ") and B0 (4 columns, labelled with kind and microbatch)
-    assert rows[7].startswith("·" * 14 + "0 " + "B0  " + "1 " + "B1  ")
+    # rank 7 waits 7 units for its first forward: 14 dots, then F0 (2 columns: kind and microbatch
+    # just fit) and B0 (4 columns, with a gap); F10 in 2 columns keeps its kind, not its number
+    assert rows[7].startswith("·" * 14 + "F0" + "B0  " + "F1" + "B1  ")
+    assert "F B10 " in rows[7]
     # rank 0 starts at once and ends with B15 at 65..69 units: no idle tail
-    assert rows[0].startswith("0 1 ")
+    assert rows[0].startswith("F0F1")
     assert rows[0].endswith("B15 ")
     # microbatch labels are on the blocks wide enough for them
     for m in range(16):
@@ -192,6 +196,51 @@ def test_terminal_zero_length_posts_are_not_drawn():
     )
     row = next(line for line in text_of(render_terminal(tl, width=27), 27) if line.startswith("rank 0"))
     assert "~" not in row and row.rstrip().endswith("·" * 10)
+
+
+def _collectives() -> Timeline:
+    """Two ranks: rank 0 reaches OPT at 2, rank 1 at 6; both end at 8 (rank 0 waits 4 units for rank 1)."""
+    return Timeline.build(
+        step_time=8,
+        busy={0: (3, 4), 1: (7, 0)},
+        events=[Event(0, "F0.0", 0, 2), Event(0, "OPT", 2, 8), Event(1, "F1.0", 0, 6), Event(1, "OPT", 6, 8)],
+        time_unit="unit",
+    )
+
+
+def test_a_predicted_collective_is_waiting_until_its_last_member_arrives():
+    all_lanes, span = lanes(_collectives())
+    assert span == 8
+    assert [(e.op, e.start, e.end) for e in all_lanes[0].events] == [("F0.0", 0, 2), ("~OPT", 2, 6), ("OPT", 6, 8)]
+    assert [(e.op, e.start, e.end) for e in all_lanes[1].events] == [("F1.0", 0, 6), ("OPT", 6, 8)]
+    rows = [line[7:] for line in text_of(render_terminal(_collectives(), width=7 + 16), 23) if line.startswith("rank ")]
+    assert rows[0] == "F0  " + "~" * 8 + "OPT "
+    assert rows[1].endswith("OPT ")
+
+
+def test_a_measured_wait_is_drawn_as_waiting_and_a_dp_all_reduce_stays_whole():
+    meas = Timeline.build(
+        step_time=0.01,
+        busy={0: (0.004, 0.005), 1: (0.009, 0.0)},
+        events=[Event(0, "F0.0", 0, 0.004), Event(0, "AR0:dp", 0.004, 0.0041), Event(0, "~OPT", 0.0041, 0.009),
+                Event(0, "OPT", 0.009, 0.01), Event(1, "F0.0", 0, 0.009), Event(1, "AR0:dp", 0.009, 0.0091),
+                Event(1, "OPT", 0.0091, 0.01)],
+    )
+    all_lanes, _ = lanes(meas)
+    assert [e.op for e in all_lanes[0].events] == ["F0.0", "AR0:dp", "~OPT", "OPT"]  # nothing split twice
+    row = next(line for line in text_of(render_terminal(meas, width=7 + 20), 27) if line.startswith("rank 0"))
+    assert row[7:].rstrip() == "F0      " + "~" * 10 + "O"  # OPT in 2 columns: its first letter
+    cats = {e["name"]: e["cat"] for e in trace_events(meas)["traceEvents"] if e.get("ph") == "X"}
+    assert cats["~OPT"] == "comm" and cats["OPT"] == "OPT"
+
+
+def test_nothing_is_cut_off_at_the_right_edge():
+    tl = Timeline.build(step_time=4, busy={0: (5, 0)},
+                        events=[Event(0, "F0.0", 0, 4), Event(0, "OPT", 4, 6)], time_unit="unit")
+    all_lanes, span = lanes(tl)
+    assert span == 6
+    row = next(line for line in text_of(render_terminal(tl, width=7 + 12), 19) if line.startswith("rank 0"))
+    assert row[7:].rstrip().endswith("OPT")
 
 
 def test_terminal_measured_rows_follow_their_pp_rank_and_line_up():

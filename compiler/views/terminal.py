@@ -29,7 +29,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from pipec.compiler.ir import COMM_OPS, IRError, Op, parse_instruction
+from pipec.compiler.ir import COMM_OPS, DP_GROUPS, IRError, Op, parse_instruction
 from pipec.compiler.plan import Mesh
 from pipec.compiler.timeline import Event, Timeline
 from pipec.errors import PipecError
@@ -95,14 +95,21 @@ _KIND_OF_OP = {Op.FWD: "F", Op.BWD: "B", Op.BWD_I: "I", Op.BWD_W: "W", Op.ALLRED
 assert set(_KIND_OF_OP) == set(Op), "every op is drawn as some kind"
 
 
+WAIT_PREFIX = "~"
+"""An event whose op is ``~`` + an instruction's text is that instruction's wait (for its posts, the reductions it
+needs, or a peer of its collective), drawn as comm wait: the executor records these (runtime/executor.py's
+``WAIT_PREFIX``), and :func:`lanes` splits them out of a prediction's collectives."""
+
+
 def classify(op: str) -> OpInfo:
-    """Kind, stage and microbatch of an op text (``F0.3``, ``RG0.3<1@1``, ``AR1:dp``, ``OPT``), read by
-    the IR's own parser; text that is no instruction is ``other``."""
+    """Kind, stage and microbatch of an op text (``F0.3``, ``RG0.3<1@1``, ``AR1:dp``, ``OPT``, a wait ``~OPT``),
+    read by the IR's own parser; text that is no instruction is ``other``."""
+    wait = op.startswith(WAIT_PREFIX)
     try:
-        ins = parse_instruction(op)
+        ins = parse_instruction(op[1:] if wait else op)
     except IRError:
         return OpInfo("other")
-    return OpInfo(_KIND_OF_OP[ins.op], ins.stage, ins.microbatch)
+    return OpInfo("comm" if wait else _KIND_OF_OP[ins.op], ins.stage, ins.microbatch)
 
 
 # ----------------------------------------------------------------------------- lanes
@@ -157,9 +164,54 @@ def _chunks(events: Sequence[Event]) -> dict[int, int]:
 
 
 def _span(timeline: Timeline) -> float:
-    if timeline.step_time > 0:
-        return timeline.step_time
-    return max((e.end for e in timeline.events), default=0.0) or 1.0
+    """The step, or the last event's end if one ends later (nothing is cut off at the right edge)."""
+    return max(timeline.step_time, max((e.end for e in timeline.events), default=0.0)) or 1.0
+
+
+_COLLECTIVE_KINDS = ("AR", "OPT")
+
+
+def _collective_waits(by_rank: dict[int, list[Event]]) -> dict[int, list[Event]]:
+    """A prediction's collectives split into the wait and the work: a collective's event runs from the rank's
+    arrival, and until the last member of its group arrives the rank only waits (``~`` + its text).
+
+    Members are matched by group and call count, as the simulator matches them: ``OPT`` (the grad-norm
+    collective) over every pp rank, a tie all-reduce over the ranks holding the tie; a dp all-reduce has no
+    peer in a prediction (its lanes are one replica), so it stays whole. A timeline that carries waits already
+    (a run's: the executor records them) is left as it is.
+    """
+    if any(ev.op.startswith(WAIT_PREFIX) for evs in by_rank.values() for ev in evs):
+        return by_rank  # a run's trace: the executor recorded its waits itself
+    calls: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for rank, evs in by_rank.items():
+        seen: dict[str, int] = {}
+        for i, ev in enumerate(evs):
+            if ev.op.startswith(WAIT_PREFIX) or classify(ev.op).kind not in _COLLECTIVE_KINDS:
+                continue
+            group = "pp" if ev.op == "OPT" else ev.op.partition(":")[2]
+            if group in DP_GROUPS:
+                continue
+            k = seen.get(group, 0)
+            seen[group] = k + 1
+            calls.setdefault((group, k), []).append((rank, i))
+    cuts: dict[tuple[int, int], float] = {}
+    for members in calls.values():
+        last = max(by_rank[r][i].start for r, i in members)
+        for r, i in members:
+            if by_rank[r][i].start < last:
+                cuts[(r, i)] = min(last, by_rank[r][i].end)
+    if not cuts:
+        return by_rank
+    out: dict[int, list[Event]] = {}
+    for rank, evs in by_rank.items():
+        row = out[rank] = []
+        for i, ev in enumerate(evs):
+            cut = cuts.get((rank, i))
+            if cut is None:
+                row.append(ev)
+            else:
+                row += [Event(rank, WAIT_PREFIX + ev.op, ev.start, cut), Event(rank, ev.op, cut, ev.end)]
+    return out
 
 
 def lanes(timeline: Timeline, *, measured: Timeline | None = None, dp: int | None = None) -> tuple[list[Lane], float]:
@@ -168,7 +220,7 @@ def lanes(timeline: Timeline, *, measured: Timeline | None = None, dp: int | Non
     Without ``measured``: one lane per rank. With it: per pp rank, its
     predicted lane, then one lane per dp replica (global rank ``p x dp + d``).
     """
-    pred = _by_rank(timeline)
+    pred = _collective_waits(_by_rank(timeline))
     span = _span(timeline)
     if measured is None:
         return [Lane(f"rank {r}", "predicted", r, tuple(evs), 1.0, _chunks(evs)) for r, evs in pred.items()], span
@@ -248,19 +300,14 @@ IDLE = "·"
 
 
 def _block(info: OpInfo, width: int) -> str:
-    """A block's text: ``B3 `` (kind, microbatch and a gap) when wide enough, else
-    the microbatch alone, else the kind letter; colour tells the kind apart."""
+    """A block's text, its kind always first: ``B3 `` (kind, microbatch and a gap) when wide enough, ``B3``
+    when it just fits, else the kind's letter (``B``; ``OPT`` shortens to ``O``) alone; a wait is ``~~~``."""
     style = KINDS[info.kind]
     if info.kind == "comm":
         return style.letter * width
-    if info.microbatch is None:
+    text = style.letter if info.microbatch is None else f"{style.letter}{info.microbatch}"
+    if len(text) > width:
         text = style.letter if len(style.letter) <= width else style.letter[0]
-    elif len(style.letter) + len(str(info.microbatch)) < width:
-        text = f"{style.letter}{info.microbatch}"
-    elif len(str(info.microbatch)) <= width:
-        text = str(info.microbatch)
-    else:
-        text = style.letter
     return text.ljust(width)[:width]
 
 
