@@ -41,7 +41,9 @@ import torch.distributed as dist
 
 __all__ = ["Emulation", "measure_emulation", "host_overhead", "probe", "main"]
 
-PAUSE_S = (0.001, 0.02)
+LAPS = 3
+"""Laps of the token round the ranks in the hop measurement."""
+PAUSE_S = (0.001, 0.005)
 """The bounds of the sleep before each send in the emulation's hop measurement: an emulated compute sleeps
 before it sends, and how long a hop and a sleep take depends on how long the rank slept (the shortest
 emulated compute of the plan, within these bounds)."""
@@ -72,27 +74,38 @@ def _now_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def _ring_hop(rounds: int, pause: float) -> tuple[float, float]:
-    """(seconds per hop beyond the pause, oversleep): every rank sends one element to the next after a pause
-    and receives from the previous, ``rounds`` times in a chain."""
+def _token_hop(laps: int, pause: float) -> tuple[float, float]:
+    """(seconds per hop beyond the pause, oversleep): one element passed round the ranks ``laps`` times, each
+    rank sleeping ``pause`` before it sends it on, as an emulated compute sleeps before its send (one rank
+    busy at a time, as on a pipeline's critical path). The hop is the same on every rank, the oversleep
+    this rank's."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world < 2:
         return 0.0, _oversleep(pause)
-    out, into = torch.zeros(1), torch.empty(1)
+    buf = torch.zeros(1)
     nxt, prev = (rank + 1) % world, (rank - 1) % world
     slept = []
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(rounds):
-        recv = dist.irecv(into, prev)
+
+    def pass_on():
         a = time.perf_counter()
         time.sleep(pause)
         slept.append(time.perf_counter() - a)
-        send = dist.isend(out, nxt)
-        recv.wait()
-        send.wait()
+        dist.send(buf, nxt)
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(laps):
+        if rank == 0:
+            pass_on()
+            dist.recv(buf, prev)
+        else:
+            dist.recv(buf, prev)
+            pass_on()
     total = time.perf_counter() - t0
-    return max(0.0, total / rounds - statistics.median(slept)), max(0.0, statistics.median(slept) - pause)
+    # rank 0's time round the laps, less every rank's sleeps, over the hops
+    got = torch.tensor([sum(slept), total if rank == 0 else 0.0], dtype=torch.float64)
+    dist.all_reduce(got)
+    return max(0.0, float(got[1] - got[0]) / (laps * world)), max(0.0, statistics.median(slept) - pause)
 
 
 def _oversleep(pause: float) -> float:
@@ -155,7 +168,7 @@ def measure_emulation(zero_compute_executor, backend: str, sleep_s: float) -> Em
     shortest emulated compute, within :data:`PAUSE_S`), the oversleep and the executor's host overhead (two
     zero-compute steps of the plan itself); the medians over every rank, on every rank."""
     pause = min(max(sleep_s, PAUSE_S[0]), PAUSE_S[1])
-    hop, oversleep = _ring_hop(ROUNDS, pause)
+    hop, oversleep = _token_hop(LAPS, pause)
     one = torch.zeros(1)
     coll = _timed(ROUNDS, lambda: dist.all_reduce(one), pause) if dist.get_world_size() > 1 else 0.0
     overhead = host_overhead(zero_compute_executor)
