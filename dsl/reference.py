@@ -306,11 +306,51 @@ def _keys() -> str:
     return "\n".join(parts)
 
 
+_TUNE = """\
+## pipec tune --json
+
+`pipec tune FILE.pipe --devices N [--global-batch B] [--keep KEY,...] [--device-memory SIZE]
+[--peak-flops RATE] [--measure K] [--json] [--pipe OUT.pipe] -o plan.json` searches the layout
+(pp x dp, shard mode and shard_size), the schedule and its chunks per rank (`virtual`), the
+microbatch count, the partition's balance and the least recompute (stages 0..k-1) that fits
+`device_memory`, by compiling and simulating candidates; the file's own keys are the starting
+point, `--keep` pins any of `pp`, `dp`, `shard`, `shard_size`, `schedule`, `virtual`,
+`microbatches`, `partition`, `recompute`. The global batch (default: the file's `input` batch x
+its `dp`) stays fixed: each replica's batch is B / dp. Hops are priced with the file's `pp` and
+`dp` links. It writes the best plan (an ordinary verified plan) and, with `--pipe`, the winner as
+a complete schedule file. `--json` prints one object:
+
+| field | meaning |
+| --- | --- |
+| `format` | `pipec.tune/1` |
+| `devices`, `global_batch` | what was searched for: devices and sequences per step over all replicas |
+| `device_memory`, `peak_flops` | the budget in bytes and the FLOP/s per device (null: not given) |
+| `search` | `candidates` (the space), `compiled`, `pruned` (skipped by the bounds: they could reach neither the table nor the frontier), `over_budget` (refused; recompute tried first), `unbuildable` (more stages than the model can be cut into), `traces` (one per microbatch shape), `cuts` (one per stages x shape x balance), `seconds` |
+| `best` | the winner (a candidate, below); measured-best under `--measure` |
+| `top` | the fastest candidates that fit, fastest first (`--top` rows; measured ones first under `--measure`) |
+| `frontier` | the time-memory Pareto set of the candidates that fit, fastest first |
+| `start` | the file's own layout and schedule as a candidate (null when it is outside the space or did not fit) |
+| `why` | lines saying why the winner wins: whether the state fits one device, what forced pipeline stages, sharding and recompute |
+| `pipe` | the winner's schedule-file lines |
+| `plan` | the plan file written (`-o`) |
+| `notes` | candidates `--measure` skipped (more ranks than this machine starts) or whose run failed |
+
+A candidate: `pp`, `dp`, `shard`, `shard_size`, `schedule`, `virtual`, `microbatches`, `partition`
+(`{"method": "balanced", "by": ...}`, null: the file's own), `recompute` (stage list), and its
+prediction: `step_time` (s), `tokens_per_s`, `mfu` (model FLOPs, recompute excluded, over peak;
+null without `peak_flops`), `bubble` (fraction), `peak_memory_bytes` (the most one rank holds);
+`measured_step_time` (s, median step under `pipec run`) when `--measure` ran it.
+
+A model that fits no candidate exits with status 2 and says what would: the least any candidate
+needs, the state's size and the devices it needs at least.
+"""
+
+
 def reference() -> str:
     """The whole reference page (Markdown)."""
     policy = _POLICY.format(presets=", ".join(f"`{p}`" for p in PRESETS), max_actions=MAX_ACTIONS)
     errors = _ERRORS.format(samples=_samples(), max_actions=MAX_ACTIONS, max_depth=MAX_DEPTH)
-    text = "\n".join([_INTRO, _FLAGS, _schedules(), policy, _units(), _keys(), errors])
+    text = "\n".join([_INTRO, _FLAGS, _schedules(), policy, _units(), _keys(), _TUNE, errors])
     while "\n\n\n" in text:
         text = text.replace("\n\n\n", "\n\n")
     return text.rstrip("\n") + "\n"
