@@ -51,7 +51,11 @@ from pipec.runtime.deferred import WeightGradStash, defer_weight_grads
 from pipec.runtime.sharding import local_grad
 from pipec.runtime.transport import P2P, Transport
 
-__all__ = ["RunError", "PlanMismatch", "RankStep", "Executor"]
+__all__ = ["RunError", "PlanMismatch", "RankStep", "Executor", "WAIT_PREFIX"]
+
+WAIT_PREFIX = "~"
+"""A measured event whose op is ``~`` + an instruction's text is time that instruction spent waiting (for its own
+posts, the reductions it needs, or a peer), before its own work; the views draw it as waiting."""
 
 
 class RunError(RunFailed):
@@ -104,6 +108,10 @@ class Message(NamedTuple):
     """What travels: the edge's tensors (grads: its floating-point ones)."""
     key: tuple
     """Sends: the (stage, microbatch) whose outputs or input grads go out; receives: the buffer's key."""
+    dtypes: tuple[torch.dtype, ...]
+    """Each signature's torch dtype (a receive allocates its buffers with these, with no lookup)."""
+    scratch: tuple[torch.Tensor, ...]
+    """``emulate``: the one-element placeholders this post moves, made once per plan (else empty)."""
 
 
 class Reduction(NamedTuple):
@@ -249,13 +257,15 @@ class Executor:
             s, m = ins.stage, ins.microbatch
             peer = self.mesh.global_rank(ins.peer, self.dp_rank)
             if ins.op is Op.SEND_ACT:
-                out.append(Message(ins, True, peer, self.edge_tensors[(s, ins.to_stage)], (s, m)))
+                send, sigs, key = True, self.edge_tensors[(s, ins.to_stage)], (s, m)
             elif ins.op is Op.SEND_GRAD:
-                out.append(Message(ins, True, peer, self.grad_sigs((ins.to_stage, s)), (s, m)))
+                send, sigs, key = True, self.grad_sigs((ins.to_stage, s)), (s, m)
             else:
                 is_act, src, dst = message_edge(ins)
                 sigs = self.edge_tensors[(src, dst)] if is_act else self.grad_sigs((src, dst))
-                out.append(Message(ins, False, peer, sigs, ("A" if is_act else "G", src, dst, m)))
+                send, key = False, ("A" if is_act else "G", src, dst, m)
+            scratch = () if self.emulate is None else tuple(torch.zeros(1, device=self.device) for _ in sigs)
+            out.append(Message(ins, send, peer, sigs, key, tuple(torch_dtype(g.dtype) for g in sigs), scratch))
         return tuple(out)
 
     def reduction(self, instrs: Sequence[Instruction]) -> Reduction:
@@ -337,6 +347,7 @@ class Executor:
         self.clock.start()
         self.spans: list[tuple[Instruction, object, object, bool]] = []  # (instruction, start, end, is compute)
         self.waits: list[tuple[object, object]] = []
+        self.wait_spans: list[tuple[Instruction, object, object]] = []
         self.optimizer_spans: list[tuple[object, object]] = []
         index = 0
         try:
@@ -378,11 +389,13 @@ class Executor:
         return self.checked(msg, self.take_input_grads(*msg.key, msg.sigs))
 
     def buffers(self, msg: Message) -> list[torch.Tensor]:
-        return [torch.empty(sig.shape, dtype=torch_dtype(sig.dtype), device=self.device) for sig in msg.sigs]
+        device = self.device
+        return [torch.empty(sig.shape, dtype=dtype, device=device) for sig, dtype in zip(msg.sigs, msg.dtypes)]
 
-    def placeholders(self, msg: Message) -> list[torch.Tensor]:
-        """``emulate``: one element per tensor, sent or received."""
-        return [torch.zeros(1, device=self.device) for _ in msg.sigs]
+    @staticmethod
+    def placeholders(msg: Message) -> list[torch.Tensor]:
+        """``emulate``: one element per tensor, sent or received (made once, when the executor is built)."""
+        return list(msg.scratch)
 
     @staticmethod
     def checked(msg: Message, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -419,15 +432,27 @@ class Executor:
     def record(self, ins: Instruction, start, compute: bool = True) -> None:
         self.spans.append((ins, start, self.now(), compute))  # its text is made after the step, off the clock
 
+    def waited(self, ins: Instruction, start):
+        """Close the wait that opened instruction ``ins`` (for its posts, reductions or peers): it becomes its own
+        event, ``~`` and the instruction's text, so a view draws it as waiting; returns when the work starts."""
+        end = self.now()
+        self.wait_spans.append((ins, start, end))
+        return end
+
     def finish_accounting(self, end) -> None:
         """Turn the step's timestamp tokens into seconds: events, compute time, comm wait, step time."""
         at = self.clock.resolve
         step = self.step
+        rank = self.global_rank
         for ins, t0, t1, compute in self.spans:
             a, b = at(t0), at(t1)
-            step.events.append(Event(self.global_rank, ins.text(), a, b))
+            step.events.append(Event(rank, ins.text(), a, b))
             if compute:
                 step.compute += b - a
+        for ins, t0, t1 in self.wait_spans:  # already counted in comm wait (each is made of waits)
+            a, b = at(t0), at(t1)
+            if b > a:
+                step.events.append(Event(rank, WAIT_PREFIX + ins.text(), a, b))
         # the optimizer step inside OPT is compute; the rest of OPT (send drains, reductions) is comm wait
         step.compute += sum(at(b) - at(a) for a, b in self.optimizer_spans)
         step.comm_wait = sum(at(b) - at(a) for a, b in self.waits)
@@ -440,7 +465,8 @@ class Executor:
         if self.unshards:
             self.gathered(job.ins.stage)
         start = self.now()
-        time.sleep(job.seconds)
+        if job.seconds > 0:  # zero compute (emulate=0: the host overhead alone) does not even yield
+            time.sleep(job.seconds)
         self.record(job.ins, start)
 
     def forward(self, ins: Instruction) -> None:
@@ -550,10 +576,12 @@ class Executor:
     # ------------------------------------------------------------------ collectives
 
     def allreduce(self, job: Reduction) -> None:
+        """Post the all-reduce (one flat buffer, asynchronous) and go on; ``OPT`` waits for it."""
         start = self.now()
         params = job.params
-        if job.tie:
-            self.finish_reductions()  # the dp average of each copy must be in before the copies are summed
+        if job.tie and self.reductions:  # the dp average of each copy must be in before the copies are summed
+            self.finish_reductions()
+            start = self.waited(job.ins, start)
         grads = [local_grad(p) for p in params]  # a sharded parameter's: its shard
         if not grads:
             flat = torch.zeros(1, device=self.device)
@@ -634,9 +662,12 @@ class Executor:
 
     def optim_step(self, ins: Instruction) -> None:
         start = self.now()
-        self.wait([w for works, _ in self.sends for w in works])
-        self.sends.clear()
-        self.finish_reductions()
+        if self.sends:
+            self.wait([w for works, _ in self.sends for w in works])
+            self.sends.clear()
+        if self.reductions:
+            self.finish_reductions()
+        start = self.waited(ins, start)
         self.sum_local_ties()
         if self.recvs or self.unshards:  # the verifier proves this cannot happen
             raise RunError(f"receives or all-gathers posted but never used: {(list(self.recvs) + list(self.unshards))[:3]}")

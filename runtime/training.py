@@ -23,6 +23,7 @@ from pipec.runtime import data as data_mod
 __all__ = [
     "TrainingError",
     "make_optimizer",
+    "fastest_kernel",
     "make_loss",
     "autocast_dtype",
     "replica_inputs",
@@ -42,10 +43,23 @@ _OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torc
 def make_optimizer(params: Iterable[torch.nn.Parameter], config: TrainingConfig) -> torch.optim.Optimizer:
     """The config's optimizer over ``params``, at its peak lr (the trainer sets each step's lr)."""
     opt = config.optimizer
+    params = list(params)
     try:
-        return _OPTIMIZERS[opt.name](list(params), lr=config.lr, **opt.kwargs)
+        return _OPTIMIZERS[opt.name](params, lr=config.lr, **{**fastest_kernel(params, opt.kwargs), **opt.kwargs})
     except (TypeError, ValueError) as e:
         raise TrainingError(f"optimizer {opt.name}: {e}") from None
+
+
+def fastest_kernel(params: Sequence[torch.nn.Parameter], kwargs: Mapping[str, Any]) -> dict[str, bool]:
+    """torch's fastest optimizer step for the parameters' device, unless the config chose one: ``fused`` (one
+    kernel over every parameter: CPU and CUDA floating-point plain tensors), else ``foreach`` (one multi-tensor
+    op per step of the update, what FSDP2's DTensor parameters take); torch's default is a loop per parameter
+    on CPU."""
+    if "fused" in kwargs or "foreach" in kwargs or not params:
+        return {}
+    plain = all(type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda") and p.is_floating_point()
+                for p in params)
+    return {"fused": True} if plain else {"foreach": True}
 
 
 def make_loss(name: str, search_path: Sequence[str] = ()) -> Callable[[Any, torch.Tensor], torch.Tensor]:
