@@ -13,7 +13,7 @@ Prints figures, asserts nothing (issue 5, "Benchmarks"). Three tables:
    (``bench/torch_pipelining_worker.py --model shared`` under torchrun) with
    the same stage boundaries (block splits spaced evenly, the embeddings on
    the first stage, the norm and head on the last), mean cross-entropy and a
-   fused AdamW step (pipec's default kernel) every iteration. Runs alternate
+   foreach AdamW step (pipec's default kernel) every iteration. Runs alternate
    (pipec, torch, then torch, pipec, ...). A run's first step is a warm-up and
    is left out; the table gives the median over every other step of every
    run, the ratio pipec / torch, and each runtime's host microseconds per
@@ -195,7 +195,7 @@ def run_torch(cfg: Config, steps: int, work: Path, res: Result) -> None:
     kwargs, batch, mbs = CASES[cfg.case]
     sh(torchrun(cfg.ranks, str(WORKER), "--schedule", cfg.schedule, "--chunks", str(cfg.virtual),
                 "--splits", ",".join(map(str, cfg.splits)), "--microbatches", str(mbs), "--model", "shared",
-                "--model-args", ",".join(f"{k}={v}" for k, v in kwargs.items()), "--fused",
+                "--model-args", ",".join(f"{k}={v}" for k, v in kwargs.items()), "--foreach",
                 "--batch", str(batch), "--steps", str(steps), "--out", str(out)), env=quiet_env())
     r = json.loads(out.read_text())
     rows = r["steps"][1:]

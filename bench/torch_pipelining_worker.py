@@ -10,8 +10,8 @@ stages at the block boundaries pipec's plan uses (``--splits``, block indices:
 a stage starts before each), wraps each of this rank's stages in a manual
 ``PipelineStage`` (loop placement: stage s on rank s mod P) and runs torch's
 ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B with mean
-cross-entropy, then an AdamW step (``--fused``: the fused kernel, pipec's
-default), every iteration. gloo on CPU; NCCL and ``cuda:LOCAL_RANK`` when
+cross-entropy, then an AdamW step (``--foreach``: the multi-tensor kernel,
+pipec's default), every iteration. gloo on CPU; NCCL and ``cuda:LOCAL_RANK`` when
 torch sees CUDA (as ``pipec run``).
 
 Each step is timed as pipec's executor times one: a barrier, then the clock
@@ -139,7 +139,7 @@ def main() -> None:
     p.add_argument("--model-args", default="layers=8,dim=256,heads=4,vocab=1000,seq=128")
     p.add_argument("--model", choices=["example", "shared"], default="example",
                    help="example: pipec.examples.gpt (tied head, copied); shared: bench/shared_gpt.py (untied)")
-    p.add_argument("--fused", action="store_true", help="AdamW(fused=True), as pipec's optimizer now is")
+    p.add_argument("--foreach", action="store_true", help="AdamW(foreach=True), pipec's default kernel")
     p.add_argument("--out")
     args = p.parse_args()
     cfg = {k: int(v) for k, v in (kv.split("=") for kv in args.model_args.split(","))}
@@ -165,7 +165,7 @@ def main() -> None:
     del gpt
     cls = SCHEDULES[args.schedule]
     sched = cls(stages if args.chunks > 1 else stages[0], n_microbatches=args.microbatches, loss_fn=loss_fn)
-    opt = torch.optim.AdamW(params, lr=args.lr, **({"fused": True} if args.fused else {}))
+    opt = torch.optim.AdamW(params, lr=args.lr, **({"foreach": True} if args.foreach else {}))
     clock = ActionClock()
     clock.install(stages, sched)
     has_first = any(st.is_first for st in stages)

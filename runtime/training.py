@@ -51,15 +51,13 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], config: TrainingConfig)
 
 
 def fastest_kernel(params: Sequence[torch.nn.Parameter], kwargs: Mapping[str, Any]) -> dict[str, bool]:
-    """torch's fastest optimizer step for the parameters' device, unless the config chose one: ``fused`` (one
-    kernel over every parameter: CPU and CUDA floating-point plain tensors), else ``foreach`` (one multi-tensor
-    op per step of the update, what FSDP2's DTensor parameters take); torch's default is a loop per parameter
-    on CPU."""
+    """torch's multi-tensor optimizer step (``foreach``: one op per step of the update over every parameter)
+    unless the config chose a kernel; torch's own default on CPU is a Python loop per parameter. One kernel
+    whatever the parameters are (plain tensors, or FSDP2's DTensors, which ``fused`` does not take on every
+    device), so a run resharded from a checkpoint into another shard mode continues as the reference does."""
     if "fused" in kwargs or "foreach" in kwargs or not params:
         return {}
-    plain = all(type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda") and p.is_floating_point()
-                for p in params)
-    return {"fused": True} if plain else {"foreach": True}
+    return {"foreach": True}
 
 
 def make_loss(name: str, search_path: Sequence[str] = ()) -> Callable[[Any, torch.Tensor], torch.Tensor]:
