@@ -205,11 +205,13 @@ def test_a_model_plan_with_unit_costs_says_units_everywhere(tmp_path):
     trace = json.loads((tmp_path / "trace.json").read_text())
     assert trace["otherData"]["time_unit"] == {"predicted": "unit"}
 
-    # --emulate sleeps --unit-time seconds per unit (not a second per unit); report.json's predicted is in units
+    # --emulate sleeps --unit-time seconds per unit (not a second per unit); report.json keeps the plan's own
+    # prediction in units as planned, and its predicted is the re-simulation under what was measured, in seconds
     run = run_in_session([PYTHON, "-m", "pipec", "run", str(tmp_path / "plan.json"), "--nproc", "2", "--steps", "2",
                           "--emulate", "--unit-time", "0.01", "--report", str(tmp_path / "report.json"),
                           "--timeout", "60"], timeout=240, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["predicted"]["time_unit"] == "unit" and report["predicted"]["step_time"] == 15
+    assert report["planned"]["time_unit"] == "unit" and report["planned"]["step_time"] == 15
+    assert report["predicted"]["time_unit"] == "s" and report["predicted"]["step_time"] >= 15 * 0.01
     assert report["measured"]["time_unit"] == "s" and report["measured"]["step_time"] < 5 * 15 * 0.01
