@@ -8,14 +8,17 @@ profile``), and recompute of none or the first k stages. The policy presets equa
 schedules, so they are no extra candidates.
 
 The model is traced once per microbatch shape and each distinct cut (stages, microbatch shape,
-balance) is costed once; recompute is derived from the cut without it (:class:`_Graphs`). Each
-candidate is bounded before it is compiled (:func:`_bounds`): its state at rest alone over the
-memory budget refuses it; its busiest rank's compute is a lower bound on its step and its state
-plus one microbatch's activations a lower bound on its peak, and a candidate whose bounds are
-already beaten in both by a compiled one, with the top table full, is skipped (it can reach
-neither the table nor the time-memory frontier). The rest are compiled by the driver exactly as
-``pipec compile`` would (:func:`~pipec.compiler.driver.compile_request`, so every plan is a
-verified plan), the ones over budget refused.
+balance) is costed once; recompute and the data record are derived from the cut (:class:`_Graphs`).
+Recompute is the least that fits: a candidate over the budget is tried again with stages 0..k-1
+recomputed for growing k (more recompute only adds time), so the space has one point per layout,
+schedule, chunks, microbatches and balance. The search is best-first branch and bound
+(:class:`_Search`): a candidate's state at rest over the budget refuses it uncompiled; its busiest
+rank's compute (plus the pipeline's fill and drain on a chain) is a lower bound on its step, and
+once the top table is full and the next bound cannot beat its last row, the rest are pruned. The
+table and the winner are so exactly what compiling every candidate would give; the time-memory
+frontier is the Pareto set of the candidates compiled, exact for steps below the table's last row
+(slower, smaller ones may be missing). Candidates are compiled by the driver exactly as ``pipec
+compile`` would (:func:`~pipec.compiler.driver.compile_request`: every plan is a verified plan).
 
 torch-free at import: the front end is loaded only when a model is traced, as the driver does.
 """
@@ -342,6 +345,14 @@ def _placement(c: Candidate) -> tuple[int, ...]:
     return f(c.pp, c.num_stages)
 
 
+def _per_param(c: Candidate, spec) -> float:
+    """State bytes per parameter one rank holds at least (shards unpadded)."""
+    mesh = Mesh(pp=c.pp, dp=c.dp, shard=c.shard, shard_size=c.shard_size)
+    p, g, o = bytes_per_param(spec)
+    n = mesh.num_shards
+    return (p + g + o / n) if mesh.shard == "optimizer" else (p + g + o) / (n if mesh.params_sharded else 1)
+
+
 def _bounds(c: Candidate, graph, spec) -> tuple[float, int, int]:
     """(step, peak memory, state) lower bounds of a candidate, before compiling it.
 
@@ -352,10 +363,7 @@ def _bounds(c: Candidate, graph, spec) -> tuple[float, int, int]:
     (unpadded shards) plus the largest saved activations of one microbatch of its stages. State:
     the first part alone, which recompute does not lower."""
     placement = _placement(c)
-    mesh = Mesh(pp=c.pp, dp=c.dp, shard=c.shard, shard_size=c.shard_size)
-    p, g, o = bytes_per_param(spec)
-    n = mesh.num_shards
-    per = (p + g + o / n) if mesh.shard == "optimizer" else (p + g + o) / (n if mesh.params_sharded else 1)
+    per = _per_param(c, spec)
     chain = all(e.dst_stage == e.src_stage + 1 for e in graph.edges)
     split = SCHEDULES[c.schedule].split_backward
     compute, state, act = [0.0] * c.pp, [0.0] * c.pp, [0] * c.pp
@@ -386,11 +394,6 @@ def _score(c: Candidate, plan: Plan, tokens: int, peak_flops: float | None, num_
                   mfu=mfu)
 
 
-def _dominated(lb_time: float, lb_mem: int, frontier: Sequence[Scored]) -> bool:
-    """Whether a compiled candidate is at least as good in both as these bounds."""
-    return any(s.step_time <= lb_time and (s.peak_memory or 0) <= lb_mem for s in frontier)
-
-
 def _pareto(scored: Iterable[Scored]) -> tuple[Scored, ...]:
     out: list[Scored] = []
     for s in sorted(scored, key=Scored.rank_key):
@@ -409,11 +412,9 @@ def tune(treq: TuneRequest) -> TuneResult:
                         f"({', '.join(sorted(treq.keep)) or 'none'}) leave no layout whose replicas split the "
                         "batch; keep fewer keys or choose another --global-batch")
     search = _Search(treq, batch)
-    for i, c in enumerate(space):
+    for c in space:
         search.add(c)
-        if treq.progress:
-            treq.progress(i + 1, 2 * len(space))
-    search.run(lambda j: treq.progress and treq.progress(len(space) + min(j, len(space)), 2 * len(space)))
+    search.run(lambda j: treq.progress and treq.progress(min(j, len(space)), len(space)))
     if not search.fits:
         raise TuneError(_no_fit(treq, batch, search.refused, search.graphs), key="device_memory")
     ranked = sorted(search.fits, key=Scored.rank_key)
@@ -435,10 +436,13 @@ def _same_base(a: Candidate, b: Candidate | None) -> bool:
 
 
 class _Search:
-    """Branch and bound over the candidates (see the module docstring): bounded candidates are
-    compiled in the order of their step bound; one over budget is tried again with one more stage
-    recomputed (stages 0..k-1 first: the early stages hold the most microbatches), until it fits,
-    everything recomputes, or its state alone is over budget."""
+    """Best-first branch and bound (see the module docstring). Every candidate is queued first by a
+    bound that needs no cut of its own (M x the whole model's compute at its microbatch shape / pp:
+    the average rank's); popped, it is cut and queued again by its own bounds; popped again, it is
+    compiled. One over budget is queued again with one more stage recomputed (stages 0..k-1: the
+    early stages hold the most microbatches) until it fits, everything recomputes, or its state alone
+    is over budget. Once the table is full and the head of the queue cannot beat its last row, the
+    rest is pruned: nothing behind it can."""
 
     def __init__(self, treq: TuneRequest, batch: int):
         self.treq, self.batch = treq, batch
@@ -451,10 +455,33 @@ class _Search:
         self.refused: list[tuple[int, Candidate]] = []
         self.num_compiled = self.num_pruned = self.num_unbuildable = 0
         self._times: list[float] = []
-        self._frontier: tuple[Scored, ...] = ()
+        self._whole: dict[int, Any] = {}
+        self.num_params: int | None = None
+
+    def _whole_model(self, c: Candidate):
+        """The model as one stage at the candidate's microbatch shape (its compute and parameters)."""
+        mb = self.batch // c.dp // c.num_microbatches
+        if mb not in self._whole:
+            one = replace(c, pp=1, dp=c.dp, num_chunks=1, shard="none", shard_size=None, recompute=frozenset())
+            self._whole[mb] = self.graphs.graph(one)
+        return self._whole[mb]
 
     def add(self, c: Candidate) -> None:
-        """Bound a candidate and queue it (or refuse it by its state bound)."""
+        """Queue a candidate by the bound that needs no cut, or refuse it by the average rank's state."""
+        whole = self._whole_model(c)
+        if whole is None:                       # the model as one stage: the front end refused a cut
+            self.num_unbuildable += 1
+            return
+        num_params = sum(st.num_params or 0 for st in whole.stages)
+        average = num_params * _per_param(c, self.treq.base.spec) / c.pp
+        if self.budget is not None and average > self.budget:
+            self.refused.append((int(average), c))
+            return
+        step = c.num_microbatches * sum(st.cost.fwd + st.cost.bwd for st in whole.stages) / c.pp
+        heapq.heappush(self.queue, (step, c.sort_key(), 0, c, None, 0))
+
+    def _bound(self, c: Candidate) -> None:
+        """Cut a candidate and queue it by its own bounds (or refuse it by its state)."""
         graph = self.graphs.graph(c)
         if graph is None:
             self.num_unbuildable += 1
@@ -462,31 +489,32 @@ class _Search:
         step, mem, state = _bounds(c, graph, self.treq.base.spec)
         if self.budget is not None and state > self.budget:
             self.refused.append((mem, c))
-            return
-        if self.budget is not None and mem > self.budget:
+        elif self.budget is not None and mem > self.budget:
             self._escalate(c, mem)
-            return
-        heapq.heappush(self.queue, (step, c.sort_key(), mem, c, graph, state))
+        else:
+            heapq.heappush(self.queue, (step, c.sort_key(), 1, c, graph, mem))
 
     def _escalate(self, c: Candidate, mem: int) -> None:
         k = len(c.recompute)
         if "recompute" in self.treq.keep or k >= c.num_stages:
             self.refused.append((mem, c))
             return
-        self.add(replace(c, recompute=frozenset(range(k + 1))))
+        self._bound(replace(c, recompute=frozenset(range(k + 1))))
 
     def run(self, progress: Callable[[int], Any]) -> None:
         from pipec.compiler.driver import compile_request
 
         K = self.treq.num_top
-        done = 0
         while self.queue:
-            step, _, mem, c, graph, state = heapq.heappop(self.queue)
-            done += 1
-            progress(done)
-            if len(self._times) >= K and self._times[K - 1] <= step and _dominated(step, state, self._frontier):
-                self.num_pruned += 1      # no recompute it may still need lowers its state: the bound holds
+            step, _, stage, c, graph, mem = heapq.heappop(self.queue)
+            if len(self._times) >= K and self._times[K - 1] <= step:
+                self.num_pruned += 1 + len(self.queue)  # the table is full: nothing queued can enter it
+                self.queue.clear()                # (each candidate is queued once at a time)
+                break
+            if stage == 0:
+                self._bound(c)
                 continue
+            progress(self.num_compiled + len(self.refused) + self.num_unbuildable)
             self.num_compiled += 1
             try:
                 plan = compile_request(candidate_request(self.treq, c, global_batch=self.batch), graph=graph).plan
@@ -496,7 +524,6 @@ class _Search:
             s = _score(c, plan, self.tokens, self.peak_flops, self.treq.num_devices)
             self.fits.append(s)
             bisect.insort(self._times, s.step_time)
-            self._frontier = _pareto([*self._frontier, s])
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -325,10 +325,10 @@ a complete schedule file. `--json` prints one object:
 | `format` | `pipec.tune/1` |
 | `devices`, `global_batch` | what was searched for: devices and sequences per step over all replicas |
 | `device_memory`, `peak_flops` | the budget in bytes and the FLOP/s per device (null: not given) |
-| `search` | `candidates` (the space), `compiled`, `pruned` (skipped by the bounds: they could reach neither the table nor the frontier), `over_budget` (refused; recompute tried first), `unbuildable` (more stages than the model can be cut into), `traces` (one per microbatch shape), `cuts` (one per stages x shape x balance), `seconds` |
+| `search` | `candidates` (the space), `compiled`, `pruned` (skipped by the bounds: they could not enter the table), `over_budget` (refused; recompute tried first), `unbuildable` (more stages than the model can be cut into), `traces` (one per microbatch shape), `cuts` (one per stages x shape x balance), `seconds` |
 | `best` | the winner (a candidate, below); measured-best under `--measure` |
 | `top` | the fastest candidates that fit, fastest first (`--top` rows; measured ones first under `--measure`) |
-| `frontier` | the time-memory Pareto set of the candidates that fit, fastest first |
+| `frontier` | the time-memory Pareto set of the candidates compiled, fastest first (exact for steps below the table's last row; slower, smaller candidates the bounds pruned may be missing) |
 | `start` | the file's own layout and schedule as a candidate (null when it is outside the space or did not fit) |
 | `why` | lines saying why the winner wins: whether the state fits one device, what forced pipeline stages, sharding and recompute |
 | `pipe` | the winner's schedule-file lines |

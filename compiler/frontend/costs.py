@@ -81,8 +81,8 @@ def _param_nodes(traced: Traced) -> set[Node]:
     return out
 
 
-def _node_flops(traced: Traced, nodes: Sequence[Node]) -> tuple[int, int, int]:
-    with_params = _param_nodes(traced)
+def _node_flops(traced: Traced, nodes: Sequence[Node], with_params: set[Node] | None = None) -> tuple[int, int, int]:
+    with_params = _param_nodes(traced) if with_params is None else with_params
     fwd = bwd_i = bwd_w = 0
     for n in nodes:
         f = int(n.meta.get("pipec_flops", 0))
@@ -100,9 +100,10 @@ def _stage_nodes(split: Split, s: int) -> list[Node]:
     return [by_name[name] for name in split.parts[s].nodes]
 
 
-def stage_flops(split: Split, s: int) -> tuple[int, int, int]:
-    """Forward, input-backward and weight-backward FLOPs of stage ``s`` per microbatch."""
-    return _node_flops(split.traced, _stage_nodes(split, s))
+def stage_flops(split: Split, s: int, with_params: set[Node] | None = None) -> tuple[int, int, int]:
+    """Forward, input-backward and weight-backward FLOPs of stage ``s`` per microbatch (``with_params``:
+    :func:`_param_nodes` of the split's trace, when the caller has it for every stage)."""
+    return _node_flops(split.traced, _stage_nodes(split, s), with_params)
 
 
 def stage_activation_bytes(split: Split, s: int) -> int:
@@ -304,7 +305,8 @@ def stage_costs(
     if source not in COST_SOURCES:
         raise FrontendError(f"costs must be one of {', '.join(COST_SOURCES)}, got {source!r}", key="costs")
     num = split.num_stages
-    flops = [stage_flops(split, s) for s in range(num)]
+    with_params = _param_nodes(split.traced)  # once for all stages: it walks the whole graph
+    flops = [stage_flops(split, s, with_params) for s in range(num)]
     if source == "unit":
         base = [UNIT_COST] * num
     elif source == "flops":
