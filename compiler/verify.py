@@ -153,10 +153,11 @@ class _Index:
 # ----------------------------------------------------------------------------- the index (and per-instruction checks)
 
 
-class _Broken(Exception):
+class _Broken(PipecError):
     """Stops the index build at an instruction that is wrong by itself (internal: never escapes)."""
 
     def __init__(self, violation: Violation) -> None:
+        super().__init__()
         self.violation = violation
 
 
