@@ -10,7 +10,7 @@ schedules, so they are no extra candidates.
 The model is traced once per microbatch shape and each distinct cut (stages, microbatch shape,
 balance) is costed once; recompute and the data record are derived from the cut (:class:`_Graphs`).
 Recompute is the least that fits: a candidate over the budget is tried again with stages 0..k-1
-recomputed for growing k (more recompute only adds time), so the space has one point per layout,
+recomputed, k found by bisection (more recompute only adds time and lowers the peak), so the space has one point per layout,
 schedule, chunks, microbatches and balance. The search is best-first branch and bound
 (:class:`_Search`): a candidate's state at rest over the budget refuses it uncompiled; its busiest
 rank's compute (plus the pipeline's fill and drain on a chain) is a lower bound on its step, and
@@ -162,7 +162,9 @@ class TuneResult:
     num_over_budget: int
     """Refused: over ``device_memory`` (by the bound before compiling, or by the compile)."""
     num_pruned: int
-    """Skipped by the bounds: they could reach neither the table nor the frontier."""
+    """Skipped by the bounds: they could not enter the table."""
+    refused: tuple[tuple[int, Candidate], ...] = ()
+    """The candidates over budget, each with a lower bound on (or the measure of) what it needs (bytes)."""
     num_unbuildable: int
     """Cuts the model does not have (more stages than places to cut) or that the front end refused."""
     num_traces: int
@@ -425,6 +427,7 @@ def tune(treq: TuneRequest) -> TuneResult:
                       device_memory=search.budget, peak_flops=search.peak_flops, num_candidates=len(space),
                       num_compiled=search.num_compiled, num_over_budget=len(search.refused),
                       num_pruned=search.num_pruned, num_unbuildable=search.num_unbuildable,
+                      refused=tuple(search.refused),
                       num_traces=len(search.graphs.traces),
                       num_cuts=sum(1 for g in search.graphs.cuts.values() if g is not None),
                       seconds=time.perf_counter() - t0)
@@ -439,9 +442,8 @@ class _Search:
     """Best-first branch and bound (see the module docstring). Every candidate is queued first by a
     bound that needs no cut of its own (M x the whole model's compute at its microbatch shape / pp:
     the average rank's); popped, it is cut and queued again by its own bounds; popped again, it is
-    compiled. One over budget is queued again with one more stage recomputed (stages 0..k-1: the
-    early stages hold the most microbatches) until it fits, everything recomputes, or its state alone
-    is over budget. Once the table is full and the head of the queue cannot beat its last row, the
+    compiled. One over budget gets the least recompute of stages 0..k-1 that fits (the early stages
+    hold the most microbatches), found by bisection, unless its state alone is over budget. Once the table is full and the head of the queue cannot beat its last row, the
     rest is pruned: nothing behind it can."""
 
     def __init__(self, treq: TuneRequest, batch: int):
@@ -502,8 +504,6 @@ class _Search:
         self._bound(replace(c, recompute=frozenset(range(k + 1))))
 
     def run(self, progress: Callable[[int], Any]) -> None:
-        from pipec.compiler.driver import compile_request
-
         K = self.treq.num_top
         while self.queue:
             step, _, stage, c, graph, mem = heapq.heappop(self.queue)
@@ -515,15 +515,48 @@ class _Search:
                 self._bound(c)
                 continue
             progress(self.num_compiled + len(self.refused) + self.num_unbuildable)
-            self.num_compiled += 1
-            try:
-                plan = compile_request(candidate_request(self.treq, c, global_batch=self.batch), graph=graph).plan
-            except MemoryBudgetError:
-                self._escalate(c, mem)
-                continue
+            plan = self._compile(c, graph)
+            if plan is None:
+                c, plan = self._least_recompute(c, mem)
+                if plan is None:
+                    continue
             s = _score(c, plan, self.tokens, self.peak_flops, self.treq.num_devices)
             self.fits.append(s)
             bisect.insort(self._times, s.step_time)
+
+    def _compile(self, c: Candidate, graph) -> Plan | None:
+        """The candidate's verified plan, or None when it is over budget."""
+        from pipec.compiler.driver import compile_request
+
+        self.num_compiled += 1
+        try:
+            return compile_request(candidate_request(self.treq, c, global_batch=self.batch), graph=graph).plan
+        except MemoryBudgetError:
+            return None
+
+    def _least_recompute(self, c: Candidate, mem: int) -> tuple[Candidate, Plan | None]:
+        """For a candidate over budget: the least k (stages 0..k-1 recomputed) that fits, by bisection
+        (the peak falls as k grows), or None when none does."""
+        k = len(c.recompute)
+        if "recompute" in self.treq.keep or k >= c.num_stages:
+            self.refused.append((mem, c))
+            return c, None
+        lo, hi = k + 1, c.num_stages
+        found: tuple[Candidate, Plan] | None = None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            cand = replace(c, recompute=frozenset(range(mid)))
+            graph = self.graphs.graph(cand)
+            _, bound, state = _bounds(cand, graph, self.treq.base.spec)
+            plan = None if bound > self.budget else self._compile(cand, graph)
+            if plan is None:
+                lo = mid + 1
+            else:
+                found, hi = (cand, plan), mid - 1
+        if found is None:
+            self.refused.append((mem, c))
+            return c, None
+        return found
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -107,15 +107,17 @@ def why(r: TuneResult) -> list[str]:
         if pred(c):
             continue
         alt = _best(r, pred)
-        if alt is None:
-            out.append(f"{what}: no candidate without {axis} is in the table or on the frontier (none fits "
-                       f"{human_bytes(budget)} or all are slower)" if budget else
-                       f"{what}: every candidate without {axis} is slower than the table")
+        over = [mem for mem, x in r.refused if pred(x)]
+        if alt is None and over:
+            out.append(f"{what}: {len(over)} candidates without {axis} are over {human_bytes(budget)}"
+                       + (" even with recompute" if axis != "recompute" else "") + "; the rest are slower than the table")
+        elif alt is None:
+            out.append(f"{what}: every candidate without {axis} is slower than the table")
         else:
             out.append(f"{what}: {alt.step_time / b.step_time:.2f}x faster than the best without {axis} "
                        f"({alt.candidate.layout}, {alt.candidate.schedule}, {_seconds(alt.step_time)})")
     if c.recompute:
-        out.append(f"recompute {c.recompute_text}: the least recompute that brings this layout under "
+        out.append(f"recompute {c.recompute_text} is the least recompute that brings this layout under "
                    f"{human_bytes(budget)}")
     if c.dp > 1:
         out.append(f"dp {c.dp}: once the model fits, replicas scale the throughput (the cheapest axis)")
