@@ -21,6 +21,8 @@ frontier is the Pareto set of the candidates compiled, exact for steps below the
 compile`` would (:func:`~pipec.compiler.driver.compile_request`: every plan is a verified plan).
 
 torch-free at import: the front end is loaded only when a model is traced, as the driver does.
+About 600 lines: the space, the front end's cache and the search share the candidate type and its
+bounds; the output (table, reasons, JSON) is in :mod:`.tune_report`, runs in :mod:`.tune_measure`.
 """
 
 from __future__ import annotations
