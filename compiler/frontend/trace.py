@@ -249,7 +249,7 @@ def _import(src: ModelSource, mod_name: str) -> ModuleType:
             f"model {src.target!r}: cannot find module {mod_name!r}; searched "
             + (f"{where}, then " if where else "") + "the installed packages (sys.path)",
             key="model",
-            hints=(f"put {mod_name.split('.')[0]}.py beside the schedule file, write the file form "
+            hints=(f"put {mod_name.replace('.', '/')}.py beside the schedule file, write the file form "
                    f"(model \"path/to/{mod_name.split('.')[-1]}.py:factory\"), or install its package",),
         ) from None
 
