@@ -20,7 +20,7 @@ from pipec.compiler.config import TrainingConfig
 from pipec.compiler.ir import Program
 from pipec.compiler.lower import lower
 from pipec.compiler.memory import breakdown, check_memory
-from pipec.compiler.plan import DEFAULT_LINKS, Link, Mesh, Plan, Stage, check_limits, check_shard
+from pipec.compiler.plan import DEFAULT_LINKS, Link, Mesh, Plan, Stage, check_limits, check_nodes, check_shard
 from pipec.compiler.request import CompileRequest, ModelSpec
 from pipec.compiler.simulate import BUFFERED, chain_edges, plan_costs, timeline_of
 from pipec.compiler.verify import verify
@@ -53,8 +53,10 @@ def compile_request(req: CompileRequest, *, graph=None) -> Compiled:
 
 def _compile(req: CompileRequest, graph=None) -> Compiled:
     check_limits(pp=req.pp, num_stages=req.num_stages, num_microbatches=req.num_microbatches)  # refuse what is too big
-    mesh = Mesh(pp=req.pp, dp=req.dp, shard=req.shard, shard_size=req.shard_size)
+    mesh = Mesh(pp=req.pp, dp=req.dp, shard=req.shard, shard_size=req.shard_size,
+                devices_per_node=req.devices_per_node)
     check_shard(mesh)                                            # a sharding that can work
+    check_nodes(mesh)                                            # whole nodes
     order, diagnostics = schedule_order(req)                     # the schedule's rules, then its order
     if graph is None and req.model:
         graph = model_graph(req)                                 # trace, partition, costs (model plans)

@@ -37,6 +37,8 @@ __all__ = [
     "SHARD_MODES",
     "Mesh",
     "check_shard",
+    "check_nodes",
+    "check_node_size",
     "Plan",
     "chain_edges",
     "check_limits",
@@ -193,6 +195,9 @@ class Mesh:
     """Replicas that shard a stage's state among themselves (key ``shard_size``); None: all of dp.
     Shard groups are consecutive dp ranks; with fewer than dp (HSDP) the state is replicated across
     the groups."""
+    devices_per_node: int | None = None
+    """Devices G per node (key ``devices_per_node``): nodes hold G consecutive global ranks, so
+    global rank g sits on node g // G. None: not said (the ``pp`` and ``dp`` links price every hop)."""
 
     @property
     def num_shards(self) -> int:
@@ -257,6 +262,16 @@ class Mesh:
         pp, dp = self.coords(global_rank)
         return f"global rank {global_rank} (pp {pp}, dp {dp})"
 
+    def node_of(self, global_rank: int) -> int:
+        """The node holding a global rank: nodes are ``devices_per_node`` consecutive global ranks (one
+        node when it is not set)."""
+        return 0 if self.devices_per_node is None else global_rank // self.devices_per_node
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes the world spans (1 when ``devices_per_node`` is not set or holds all of it)."""
+        return self.node_of(self.world_size - 1) + 1
+
 
 def check_shard(mesh: Mesh) -> None:
     """Refuse a sharding that cannot work (key ``shard`` or ``shard_size``), saying why and the fix."""
@@ -275,6 +290,26 @@ def check_shard(mesh: Mesh) -> None:
     if size is not None and not mesh.sharded:
         raise PipecError(f"shard_size {size} is set but shard is none: nothing is sharded", key="shard_size",
                          hints=("set shard optimizer, grads or full, or leave shard_size out",))
+
+
+def check_nodes(mesh: Mesh) -> None:
+    """Refuse a ``devices_per_node`` that does not cut the world into whole nodes."""
+    if mesh.devices_per_node is not None:
+        check_node_size(mesh.devices_per_node, mesh.world_size,
+                        f"the world size pp x dp = {mesh.pp} x {mesh.dp} = {mesh.world_size}")
+
+
+def check_node_size(devices_per_node: int, num_devices: int, what: str) -> None:
+    """``devices_per_node`` must be >= 1 and divide ``num_devices`` (``what`` names it) or be at least it."""
+    g, n = devices_per_node, num_devices
+    fix = (f"use a divisor of {n} ({', '.join(map(str, _divisors(n)))}), or {n} or more (one node holds "
+           "every rank)",)
+    if g < 1:
+        raise PipecError(f"devices_per_node must be at least 1, got {g}", key="devices_per_node", hints=fix)
+    if g < n and n % g:
+        raise PipecError(f"devices_per_node {g} must divide {what} or be at least it: nodes are whole groups "
+                         f"of {g} consecutive global ranks, and {n} ranks leave a node of {n % g}",
+                         key="devices_per_node", hints=fix)
 
 
 def _divisors(n: int) -> list[int]:
@@ -301,7 +336,9 @@ class Plan:
     ties: tuple[Tie, ...] = ()
     links: Mapping[str, Link] = field(default_factory=lambda: dict(DEFAULT_LINKS))
     """Per axis: ``pp`` (point to point), ``dp`` (dp all-reduce, sharding's collectives), optionally ``tie``
-    (the tie all-reduces; absent: ``pp``) and ``shard`` (all-gather / reduce-scatter; absent: ``dp``)."""
+    (the tie all-reduces; absent: ``pp``), ``shard`` (all-gather / reduce-scatter; absent: ``dp``), and
+    ``intra`` / ``inter`` (within a node / across nodes: with ``mesh.devices_per_node`` they price each
+    hop and collective by where its ranks sit, :func:`pipec.compiler.simulate.plan_costs`)."""
     overhead: Overhead | None = None
     """The executor's host time per instruction kind (None: free, as in plans before it was measured)."""
     spec: Mapping[str, Any] = field(default_factory=dict)
@@ -344,12 +381,15 @@ def _instr_json(ins: Instruction) -> dict[str, Any]:
 
 
 def _mesh_json(mesh: Mesh) -> dict[str, Any]:
-    """plan.json's ``mesh``: ``shard`` and ``shard_size`` only when set (absent: none, all of dp)."""
+    """plan.json's ``mesh``: ``shard``, ``shard_size`` and ``devices_per_node`` only when set (absent: none,
+    all of dp, not said)."""
     out: dict[str, Any] = {"pp": mesh.pp, "dp": mesh.dp}
     if mesh.shard != "none":
         out["shard"] = mesh.shard
     if mesh.shard_size is not None:
         out["shard_size"] = mesh.shard_size
+    if mesh.devices_per_node is not None:
+        out["devices_per_node"] = mesh.devices_per_node
     return out
 
 
@@ -560,9 +600,11 @@ def load_plan(obj: Any, where: str = "plan") -> Plan:
         mesh_rd = rd.sub("mesh")
         mesh = Mesh(pp=mesh_rd.int("pp", lo=1), dp=mesh_rd.int("dp", lo=1),
                     shard=mesh_rd.str("shard", required=False, choices=SHARD_MODES) or "none",
-                    shard_size=mesh_rd.int("shard_size", lo=1, required=False))
+                    shard_size=mesh_rd.int("shard_size", lo=1, required=False),
+                    devices_per_node=mesh_rd.int("devices_per_node", lo=1, required=False))
         try:
             check_shard(mesh)
+            check_nodes(mesh)
         except PipecError as e:
             raise PlanError(f"{where}.mesh.{e.key}: {e}") from None
         num_stages = rd.int("num_stages", lo=1)

@@ -146,6 +146,9 @@ class CompileRequest:
     """How the dp replicas share each stage's state (key ``shard``; :data:`~pipec.compiler.plan.SHARD_MODES`)."""
     shard_size: int | None = None
     """Replicas per shard group (key ``shard_size``); None: all of dp."""
+    devices_per_node: int | None = None
+    """Devices per node (key ``devices_per_node``): nodes hold that many consecutive global ranks, and with
+    ``intra`` / ``inter`` links each hop is priced by where its ranks sit; None: not said."""
     num_chunks: int = 1
     """Stages per pp rank (key ``virtual``)."""
     placement: tuple[int, ...] | None = None

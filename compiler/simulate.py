@@ -7,7 +7,8 @@ execution into the Timeline that views and report.json share.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from pipec.compiler.engine import (
@@ -21,12 +22,12 @@ from pipec.compiler.engine import (
     group_members,
 )
 from pipec.compiler.ir import Op
-from pipec.compiler.plan import UNIT_COST, Plan, chain_edges
+from pipec.compiler.plan import UNIT_COST, Link, Plan, chain_edges
 from pipec.compiler.timeline import Timeline
 
 __all__ = [
     "BUFFERED", "IN_ORDER", "MODELS", "CostModel", "Deadlock", "Execution",
-    "execute", "simulate", "plan_costs", "emulated_costs", "simulate_costs", "timeline_of", "chain_edges",
+    "execute", "simulate", "plan_costs", "Pricing", "NODE_SIDES", "link_sides", "emulated_costs", "simulate_costs", "timeline_of", "chain_edges",
     "group_members",
 ]
 
@@ -38,29 +39,12 @@ def plan_costs(plan: Plan) -> CostModel:
     ``costs unit``: F=1, B=2, I=W=1) has free communication and no host
     overhead, so the schedule table's formulas hold exactly and every time it
     predicts is in units. A plan in seconds is charged its ``overhead`` (the
-    executor's host time per instruction kind) when it has one.
+    executor's host time per instruction kind) when it has one. Each hop and
+    collective is priced on its axis's link, or by node (:class:`Pricing`).
     """
     num_stages = plan.num_stages
     unit = plan.unit_costs
-    transfer: dict[tuple[int, int], float] = {}
-    allreduce: dict[tuple[str, int], float] = {}
-    shard: dict[tuple[str, int], float] = {}
-    if not unit:
-        pp = plan.links["pp"]
-        for e in plan.edges:
-            transfer[(e.src_stage, e.dst_stage)] = pp.latency_s + e.num_bytes / pp.bandwidth_Bps
-        dp = plan.links.get("dp", pp)
-        d = plan.mesh.dp
-        for st in plan.stages:
-            if d > 1 and st.param_bytes:
-                allreduce[("dp", st.stage)] = dp.latency_s + 2 * (d - 1) / d * st.param_bytes / dp.bandwidth_Bps
-        shard = _shard_costs(plan, allreduce)
-        tl = plan.links.get("tie", pp)
-        for tie in plan.ties:
-            n = len(tie.ranks(plan.placement))
-            cost = tl.latency_s + 2 * (n - 1) / n * (tie.num_bytes or 0) / tl.bandwidth_Bps if n > 1 else 0.0
-            for s in tie.stages:
-                allreduce[(f"tie.{tie.name}", s)] = cost
+    transfer, allreduce, shard = ({}, {}, {}) if unit else _priced(plan, Pricing(plan))
     act = tuple(st.activation_bytes or 0 for st in plan.stages) if plan.stages and all(
         st.activation_bytes is not None for st in plan.stages) else ()
     return CostModel(
@@ -72,6 +56,117 @@ def plan_costs(plan: Plan) -> CostModel:
         overhead={} if unit or plan.overhead is None else dict(plan.overhead.seconds),
         time_unit="unit" if unit else "s",
     )
+
+
+def _priced(plan: Plan, price: Pricing) -> tuple[dict, dict, dict]:
+    """(transfer, allreduce, shard) seconds of a plan in seconds: each edge's message, each dp and tie
+    all-reduce, sharding's collectives."""
+    mesh, pp = plan.mesh, plan.links["pp"]
+    transfer = {(e.src_stage, e.dst_stage): price.hop(plan.placement[e.src_stage], plan.placement[e.dst_stage],
+                                                      e.num_bytes) for e in plan.edges}
+    allreduce: dict[tuple[str, int], float] = {}
+    dp = plan.links.get("dp", pp)
+    for st in plan.stages:
+        if mesh.dp > 1 and st.param_bytes:
+            allreduce[("dp", st.stage)] = price.ring("dp", dp, [tuple(mesh.replicas(st.rank))], st.param_bytes)
+    shard = _shard_costs(plan, allreduce, price)
+    tl = plan.links.get("tie", pp)
+    for tie in plan.ties:
+        ranks = tie.ranks(plan.placement)
+        groups = [tuple(mesh.global_rank(p, d) for p in ranks) for d in range(mesh.dp)]
+        cost = price.ring("tie", tl, groups, tie.num_bytes or 0) if len(ranks) > 1 else 0.0
+        for s in tie.stages:
+            allreduce[(f"tie.{tie.name}", s)] = cost
+    return transfer, allreduce, shard
+
+
+NODE_SIDES = ("intra", "inter")
+"""The ``links`` axes that price by node: within one node, across nodes."""
+
+
+@dataclass(slots=True)
+class Pricing:
+    """Which link prices each hop and collective of a plan, and what it costs.
+
+    Without ``mesh.devices_per_node``, or with neither ``intra`` nor ``inter`` among the plan's
+    links, every hop is on its axis's link (``pp``; ``dp``, ``tie``, ``shard``) as in a plan that
+    does not know its nodes. Otherwise, with nodes of G consecutive global ranks:
+
+    - a pp edge between pp ranks a and b crosses nodes when, for some replica d, global ranks
+      (a, d) and (b, d) sit on different nodes (the step waits for the slowest replica): it costs
+      ``inter``'s latency + bytes / bandwidth, else ``intra``'s;
+    - a collective over a group of n global ranks (a dp group, a tie group per replica, a shard
+      group) is a ring on ``intra`` when one node holds them all:
+      ``latency + f (n - 1) / n x bytes / bandwidth``, f = 2 for an all-reduce, 1 for an all-gather
+      or reduce-scatter; spanning k nodes, with at most m_hi and at least m_lo members on one
+      node, a hierarchical ring: ``intra.latency + f (m_hi - 1) / m_hi x bytes / intra.bandwidth``
+      (absent when m_hi = 1) ``+ inter.latency + f (k - 1) / k x (bytes / m_lo) / inter.bandwidth``
+      (each node's share crosses the nodes); of several groups (one per replica) the slowest.
+
+    A side not given falls back to the axis's own link (``intra`` or ``inter`` missing: ``pp`` for a
+    pp edge, ``dp`` for a dp group, ...). :attr:`sides` records, per priced item, which side it took.
+    """
+
+    plan: Plan
+    sides: dict[tuple[str, object], str] = field(default_factory=dict)
+    """(axis, item) -> ``"intra"`` | ``"inter"``: a pp edge is ``("pp", (a, b))`` (its pp ranks), a
+    collective ``(axis, first group)``; empty when not pricing by node."""
+
+    @property
+    def by_node(self) -> bool:
+        return self.plan.mesh.devices_per_node is not None and any(a in self.plan.links for a in NODE_SIDES)
+
+    def _link(self, side: str, axis_link: Link) -> Link:
+        return self.plan.links.get(side, axis_link)
+
+    def hop(self, a: int, b: int, num_bytes: int) -> float:
+        """Seconds of one message between pp ranks ``a`` and ``b``."""
+        link = self.plan.links["pp"]
+        if self.by_node:
+            mesh = self.plan.mesh
+            crosses = any(mesh.node_of(mesh.global_rank(a, d)) != mesh.node_of(mesh.global_rank(b, d))
+                          for d in range(mesh.dp))
+            side = self.sides[("pp", (a, b))] = "inter" if crosses else "intra"
+            link = self._link(side, link)
+        return link.latency_s + num_bytes / link.bandwidth_Bps
+
+    def ring(self, axis: str, axis_link: Link, groups: Sequence[tuple[int, ...]], num_bytes: float,
+             factor: float = 2.0) -> float:
+        """Seconds of one collective over each of ``groups`` (global ranks; the slowest counts)."""
+        if not self.by_node:
+            n = len(groups[0])
+            return axis_link.latency_s + factor * (n - 1) / n * num_bytes / axis_link.bandwidth_Bps
+        seconds, side = max(self._ring_by_node(axis_link, g, num_bytes, factor) for g in groups)
+        self.sides[(axis, groups[0])] = side
+        return seconds
+
+    def _ring_by_node(self, axis_link: Link, group: tuple[int, ...], num_bytes: float,
+                      factor: float) -> tuple[float, str]:
+        per_node = Counter(self.plan.mesh.node_of(g) for g in group)
+        intra, n, k = self._link("intra", axis_link), len(group), len(per_node)
+        if k == 1:
+            return intra.latency_s + factor * (n - 1) / n * num_bytes / intra.bandwidth_Bps, "intra"
+        inter, hi, lo = self._link("inter", axis_link), max(per_node.values()), min(per_node.values())
+        seconds = inter.latency_s + factor * (k - 1) / k * (num_bytes / lo) / inter.bandwidth_Bps
+        if hi > 1:
+            seconds += intra.latency_s + factor * (hi - 1) / hi * num_bytes / intra.bandwidth_Bps
+        return seconds, "inter"
+
+
+def link_sides(plan: Plan) -> dict[str, dict[str, int]]:
+    """Per axis (``pp`` edges between pp ranks; ``dp``, ``tie``, ``dp.shard``, ``dp.replicate`` groups),
+    how many of its hops or collectives were priced on ``intra`` and on ``inter``; empty when the plan is
+    not priced by node (no ``devices_per_node``, no ``intra`` / ``inter`` link, or unit costs)."""
+    if plan.unit_costs:
+        return {}
+    price = Pricing(plan)
+    if not price.by_node:
+        return {}
+    _priced(plan, price)
+    out: dict[str, dict[str, int]] = {}
+    for (axis, _), side in price.sides.items():
+        out.setdefault(axis, dict.fromkeys(NODE_SIDES, 0))[side] += 1
+    return out
 
 
 def emulated_costs(plan: Plan, *, seconds_per_unit: float, latency_s: float, collective_s: float,
@@ -104,12 +199,13 @@ def emulated_costs(plan: Plan, *, seconds_per_unit: float, latency_s: float, col
     )
 
 
-def _shard_costs(plan: Plan, allreduce: dict[tuple[str, int], float]) -> dict[tuple[str, int], float]:
-    """Sharding's collectives as rings on the dp link, ``(n - 1) / n x bytes / bandwidth + latency`` over
-    a shard group of n: an ``UNSHARD``'s all-gather and a ``REDUCE_SCATTER`` of the stage's padded
-    parameters (in the compute dtype, as FSDP2's mixed precision moves them), ``OPT``'s gather of the
-    updated parameters (``shard optimizer``, float32); HSDP's replicate all-reduce of the shards over the
-    dp / n groups goes into ``allreduce``."""
+def _shard_costs(plan: Plan, allreduce: dict[tuple[str, int], float],
+                 price: Pricing) -> dict[tuple[str, int], float]:
+    """Sharding's collectives as rings on the ``shard`` link (absent: ``dp``), ``latency + (n - 1) / n x
+    bytes / bandwidth`` over a shard group of n (by node: :class:`Pricing`): an ``UNSHARD``'s all-gather
+    and a ``REDUCE_SCATTER`` of the stage's padded parameters (in the compute dtype, as FSDP2's mixed
+    precision moves them), ``OPT``'s gather of the updated parameters (``shard optimizer``, float32);
+    HSDP's replicate all-reduce of the shards (bytes / n) over the dp / n groups goes into ``allreduce``."""
     from pipec.compiler.memory import COMPUTE_BYTES, padded_params
 
     mesh = plan.mesh
@@ -119,17 +215,21 @@ def _shard_costs(plan: Plan, allreduce: dict[tuple[str, int], float]) -> dict[tu
         return out
     link = plan.links.get("shard", plan.links.get("dp", plan.links["pp"]))
     elem = COMPUTE_BYTES.get(str(plan.spec.get("dtype", "float32")), 4) if mesh.params_sharded else 4
+
+    def groups(group: str, pp: int) -> list[tuple[int, ...]]:
+        return list(dict.fromkeys(mesh.group_ranks(group, g) for g in mesh.replicas(pp)))
+
     for st in plan.stages:
         padded = padded_params(st, n)
-        ring = link.latency_s + (n - 1) / n * padded * elem / link.bandwidth_Bps if n > 1 else 0.0
+        ring = price.ring(mesh.shard_group, link, groups(mesh.shard_group, st.rank), padded * elem,
+                          factor=1.0) if n > 1 else 0.0
         if mesh.shard == "optimizer":
             out[("OPTIM_STEP", st.stage)] = ring
             continue
         out[(Op.UNSHARD.value, st.stage)] = out[(Op.REDUCE_SCATTER.value, st.stage)] = ring
-        k = mesh.dp // n
         if mesh.hybrid:
-            allreduce[("dp.replicate", st.stage)] = link.latency_s + 2 * (k - 1) / k * padded // n * elem \
-                / link.bandwidth_Bps
+            allreduce[("dp.replicate", st.stage)] = price.ring(
+                "dp.replicate", link, groups("dp.replicate", st.rank), padded // n * elem)
         allreduce.pop(("dp", st.stage), None)
     return out
 

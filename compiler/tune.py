@@ -76,6 +76,9 @@ class TuneRequest:
     """Bytes per device; None: the file's ``device_memory`` (None there too: no budget)."""
     peak_flops: float | None = None
     """FLOP/s per device; None: the file's ``peak_flops``."""
+    devices_per_node: int | None = None
+    """Devices per node (``--devices-per-node``); None: the file's ``devices_per_node``. With the file's
+    ``intra`` / ``inter`` links each candidate's hops are priced by where its ranks sit."""
     num_top: int = 10
     """Candidates in the table (and kept exactly: pruning never drops one of them)."""
     progress: Callable[[int, int], None] | None = field(default=None, compare=False)
@@ -276,8 +279,11 @@ def candidate_request(treq: TuneRequest, c: Candidate, *, global_batch: int | No
             "device_memory": budget, "peak_flops": peak}
     if targets:
         spec["targets"] = [_tensor_json(t) for t in targets]
+    nodes = treq.devices_per_node if treq.devices_per_node is not None else base.devices_per_node
+    if nodes is not None:
+        spec["devices_per_node"] = nodes
     return replace(base, schedule=c.schedule, policy=None, order=None, pp=c.pp, dp=c.dp, shard=c.shard,
-                   shard_size=c.shard_size, num_chunks=c.num_chunks, placement=None,
+                   shard_size=c.shard_size, devices_per_node=nodes, num_chunks=c.num_chunks, placement=None,
                    num_microbatches=c.num_microbatches, model=model, device_memory=budget, training=training,
                    spec=spec)
 

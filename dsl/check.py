@@ -348,7 +348,7 @@ def _mesh_of_order(st: _State) -> None:
 def _model(st: _State) -> None:
     """The model's input, microbatches, costs, partition and recompute."""
     for key in ("dp", "shard", "shard_size", "model", "model_args", "input", "targets", "partition", "trace", "init", "peak_flops",
-                "device_memory", "links", "steps", "seed", "optimizer", "lr", "lr_schedule", "grad_clip", "dtype",
+                "device_memory", "links", "devices_per_node", "steps", "seed", "optimizer", "lr", "lr_schedule", "grad_clip", "dtype",
                 "recompute", "data", "loss", "checkpoint_dir", "checkpoint_every"):
         if key not in st.values:
             st.default(key, KEYS[key].default)

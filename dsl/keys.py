@@ -231,13 +231,32 @@ KEYS: dict[str, Key] = {key.name: key for key in (
         default_doc="pp(latency=10us, bandwidth=25GB/s), dp(latency=10us, bandwidth=25GB/s)",
         flag="--links", group="Costs and hardware",
         meaning="Latency and bandwidth per mesh axis: a message costs latency + bytes / bandwidth; "
-                "an all-reduce over n replicas 2(n-1)/n x bytes / bandwidth.",
-        constraints="Axes pp and dp; an axis or setting left out keeps its default. --links replaces "
+                "an all-reduce over n replicas 2(n-1)/n x bytes / bandwidth. `intra` (within a node) and "
+                "`inter` (across nodes) price each hop by where its ranks sit, with `devices_per_node`: a pp "
+                "edge whose two ranks share a node (in every replica) pays intra, else inter; a dp, tie or "
+                "shard group inside one node is a ring on intra; one spanning k nodes, m of its n members on "
+                "a node, a hierarchical ring: the ring over the m on intra, then over the k nodes on inter "
+                "with each node's 1/m share (all-reduce: 2(m-1)/m x bytes / intra + 2(k-1)/k x bytes / m / "
+                "inter, plus both latencies). inter's bandwidth is per device (its share of the node's "
+                "network).",
+        constraints="Axes pp, dp, intra and inter; an axis or setting left out keeps its default. intra and "
+                    "inter need devices_per_node to matter; one left out falls back to the axis's own link "
+                    "(pp for pp edges, dp for dp groups), so with neither given hops are priced as without "
+                    "nodes. --links replaces "
                     "the whole key. Not given, a model plan with costs profile measures its links (and the "
                     "executor's host time per instruction) with a short job of two local ranks, marked measured "
                     "in plan.json; on a cluster, measure them there with `torchrun ... -m pipec.runtime.linkprobe "
                     "-o links.json` and give its numbers here.",
         example="links pp(latency=5us, bandwidth=50GB/s), dp(latency=20us, bandwidth=12.5GB/s)"),
+    Key(name="devices_per_node", kind=k.Maybe(k.Int(1, 1 << 20, "devices per node")), default=None,
+        default_doc="none (not said: the pp and dp links price every hop)",
+        flag="--devices-per-node", group="Costs and hardware",
+        meaning="Devices G per node: nodes hold G consecutive global ranks (global rank = pp_rank x dp + "
+                "dp_rank, so a node holds whole dp groups when dp divides G). With `links intra(...)` and/or "
+                "`inter(...)` each pp edge and each dp, tie and shard collective is priced by the nodes its "
+                "ranks sit on (see `links`); `pipec show` says which link each axis used.",
+        constraints="At least 1; divides the world size pp x dp, or is at least it (one node).",
+        example="devices_per_node 8"),
     # ------------------------------------------------------------------ training
     Key(name="steps", kind=k.Int(1, 10**9), default=TRAINING.steps, default_doc=str(TRAINING.steps), flag="--steps",
         group="Training", meaning="Optimizer steps a run takes (`pipec run --steps` overrides the plan's).",

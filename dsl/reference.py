@@ -309,15 +309,19 @@ def _keys() -> str:
 _TUNE = """\
 ## pipec tune --json
 
-`pipec tune FILE.pipe --devices N [--global-batch B] [--keep KEY,...] [--device-memory SIZE]
-[--peak-flops RATE] [--measure K] [--json] [--pipe OUT.pipe] -o plan.json` searches the layout
+`pipec tune FILE.pipe --devices N [--devices-per-node G] [--global-batch B] [--keep KEY,...]
+[--device-memory SIZE] [--peak-flops RATE] [--measure K] [--json] [--pipe OUT.pipe] -o plan.json`
+searches the layout
 (pp x dp, shard mode and shard_size), the schedule and its chunks per rank (`virtual`), the
 microbatch count, the partition's balance and the least recompute (stages 0..k-1) that fits
 `device_memory`, by compiling and simulating candidates; the file's own keys are the starting
 point, `--keep` pins any of `pp`, `dp`, `shard`, `shard_size`, `schedule`, `virtual`,
 `microbatches`, `partition`, `recompute`. The global batch (default: the file's `input` batch x
 its `dp`) stays fixed: each replica's batch is B / dp. Hops are priced with the file's `pp` and
-`dp` links. It writes the best plan (an ordinary verified plan) and, with `--pipe`, the winner as
+`dp` links; with `--devices-per-node G` (or the file's `devices_per_node`) and the file's `intra` /
+`inter` links, each candidate's pp hops and dp, tie and shard collectives by the nodes their ranks
+sit on (see `links`), so a slow `inter` link steers the search to layouts that keep hops inside
+nodes. It writes the best plan (an ordinary verified plan) and, with `--pipe`, the winner as
 a complete schedule file. `--json` prints one object:
 
 | field | meaning |

@@ -45,7 +45,7 @@ from pipec.dsl.values import (
 __all__ = [
     "Kwargs", "Tensors", "PartitionKind", "PlacementKind", "RecomputeKind", "OptimizerKind",
     "LRScheduleKind", "LinksKind", "PolicyKind", "OrderKind", "OrderDraft", "DataKind", "DTYPES", "OPTIMIZERS",
-    "POLICY_NAMES", "POLICY_SETTINGS", "PARTITION_MEASURES", "DEFAULT_LINK",
+    "POLICY_NAMES", "POLICY_SETTINGS", "PARTITION_MEASURES", "DEFAULT_LINK", "LINK_AXES",
 ]
 
 
@@ -299,13 +299,17 @@ class LRScheduleKind(Kind):
 DEFAULT_LINK = Link(latency_s=1e-5, bandwidth_Bps=25e9)
 
 
+LINK_AXES = ("pp", "dp", "intra", "inter")
+"""Axes of the ``links`` key: the mesh's two, then the two sides of a node boundary."""
+
+
 @dataclass(frozen=True, slots=True)
 class LinksKind(Kind):
-    doc = "pp(latency=TIME, bandwidth=RATE), dp(...)"
+    doc = "pp(latency=TIME, bandwidth=RATE), dp(...), intra(...), inter(...)"
 
     def convert(self, node: ast.Node, ctx: Ctx) -> Links:
         items = node.items if isinstance(node, ast.Seq) else (node,)
-        axes = {"pp": DEFAULT_LINK, "dp": DEFAULT_LINK}
+        axes: dict[str, Link | None] = {"pp": DEFAULT_LINK, "dp": DEFAULT_LINK, "intra": None, "inter": None}
         seen: set[str] = set()
         for item in items:
             if not (isinstance(item, ast.Call) and isinstance(item.func, ast.Word)):
@@ -313,11 +317,13 @@ class LinksKind(Kind):
                                 f"{ast.describe(item)}")
             axis = item.func.name
             if axis not in axes:
-                raise ctx.error(item.func, f"unknown mesh axis '{axis}'", did_you_mean(axis, axes) or "axes: pp, dp")
+                raise ctx.error(item.func, f"unknown link axis '{axis}'",
+                                did_you_mean(axis, axes) or f"axes: {', '.join(LINK_AXES)}")
             if axis in seen:
                 raise ctx.error(item.func, f"links for {axis} are given twice")
             seen.add(axis)
-            latency, bandwidth = axes[axis].latency_s, axes[axis].bandwidth_Bps
+            start = axes[axis] or DEFAULT_LINK
+            latency, bandwidth = start.latency_s, start.bandwidth_Bps
             for kw in settings_of(item, ctx, axis):
                 if kw.name.name == "latency":
                     latency = DURATION.convert(kw.value, Ctx("latency", ctx.source))
@@ -326,7 +332,7 @@ class LinksKind(Kind):
                 else:
                     raise unknown_setting(kw, ctx, f"{axis} link", ["latency", "bandwidth"])
             axes[axis] = Link(latency_s=latency, bandwidth_Bps=bandwidth)
-        return Links(pp=axes["pp"], dp=axes["dp"])
+        return Links(**axes)
 
     def show(self, value: Any) -> str:
         return value.text()

@@ -112,15 +112,19 @@ def _rate_text(bps: float) -> str:
 @dataclass(frozen=True, slots=True)
 class Links:
     """Link costs per mesh axis (``pp``: activations and grads between stages;
-    ``dp``: the gradient all-reduce), each the compiler's :class:`~pipec.compiler.plan.Link`."""
+    ``dp``: the gradient all-reduce), each the compiler's :class:`~pipec.compiler.plan.Link`; and,
+    optionally, per side of a node boundary (``intra``: within a node, ``inter``: across nodes), which
+    with ``devices_per_node`` price each hop and collective by where its ranks sit."""
 
     pp: Link
     dp: Link
+    intra: Link | None = None
+    inter: Link | None = None
 
     def text(self) -> str:
         return ", ".join(
             f"{axis}(latency={_seconds_text(link.latency_s)}, bandwidth={_rate_text(link.bandwidth_Bps)})"
-            for axis, link in (("pp", self.pp), ("dp", self.dp))
+            for axis, link in self.as_dict().items()
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -128,7 +132,9 @@ class Links:
                 for axis, link in self.as_dict().items()}
 
     def as_dict(self) -> dict[str, Link]:
-        return {"pp": self.pp, "dp": self.dp}
+        """Every axis given, in order: pp, dp, then intra and inter when set."""
+        sides = {axis: link for axis, link in (("intra", self.intra), ("inter", self.inter)) if link is not None}
+        return {"pp": self.pp, "dp": self.dp, **sides}
 
 
 @dataclass(frozen=True, slots=True)

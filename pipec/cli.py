@@ -65,7 +65,23 @@ def cmd_compile(args: argparse.Namespace) -> int:
     print(f"wrote {args.output}: {what}{plan.num_stages} stages, {plan.program.num_instructions} instructions on "
           f"{plan.mesh.pp} pp x {plan.mesh.dp} dp ranks; verified; predicted step "
           f"{format_time(pred.step_time, pred.time_unit)}, bubble {pred.bubble_fraction:.1%}")
+    if (line := _links_line(plan)) is not None:
+        print(line)
     return 0
+
+
+def _links_line(plan) -> str | None:
+    """``links (4 devices per node, 2 nodes): pp hops 1 intra, 2 inter; dp groups 2 intra``: which link priced
+    each axis's hops and collectives; None when the plan is not priced by node."""
+    from pipec.compiler.simulate import NODE_SIDES, link_sides
+
+    sides = link_sides(plan)
+    if not sides:
+        return None
+    mesh = plan.mesh
+    parts = [f"{axis} {'hops' if axis == 'pp' else 'groups'} "
+             + ", ".join(f"{n} {side}" for side in NODE_SIDES if (n := counts[side])) for axis, counts in sides.items()]
+    return f"links ({mesh.devices_per_node} devices per node, {mesh.num_nodes} nodes): " + "; ".join(parts)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -151,6 +167,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     title = args.file
     show(plan.prediction, measured=measured, dp=dp, title=title)
+    if (line := _links_line(plan)) is not None:
+        print(line)
     from pipec.compiler.views.stage_table import stage_table
 
     table = stage_table(plan)
@@ -173,6 +191,14 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_flag(check, *args) -> None:
+    """Run a check of key values that came from flags, its complaint worded as the flag the user gave."""
+    try:
+        check(*args)
+    except PipecError as e:
+        raise UsageError(f"--{e.key.replace('_', '-')}: {e}" + "".join(f"; {h}" for h in e.hints)) from None
+
+
 def cmd_import(args: argparse.Namespace) -> int:
     from pipec.compiler.driver import compile_plan, prove_and_predict
     from pipec.compiler.plan import Mesh, Plan, Stage, check_shard, write_plan
@@ -180,10 +206,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     sched = read_torch_csv(args.file)
     mesh = Mesh(pp=sched.num_ranks, dp=args.dp, shard=args.shard, shard_size=args.shard_size)
-    try:
-        check_shard(mesh)
-    except PipecError as e:  # say it as the flag the user gave
-        raise UsageError(f"--{e.key.replace('_', '-')}: {e}" + "".join(f"; {h}" for h in e.hints)) from None
+    _check_flag(check_shard, mesh)
     spec = {"pp": sched.num_ranks, "dp": args.dp, "microbatches": sched.num_microbatches, "order": args.file,
             "shard": args.shard, "shard_size": args.shard_size}
     if sched.kind == "compute_comms":
@@ -271,7 +294,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     """Search layouts, schedules, microbatches, partitions and recompute; write the best plan."""
     import json
 
-    from pipec.compiler.plan import write_plan
+    from pipec.compiler.plan import check_node_size, write_plan
     from pipec.compiler.tune import TuneRequest, tune
     from pipec.compiler.tune_report import frontier_table, pipe_lines, result_json, table, why
     from pipec.dsl import load_spec
@@ -280,6 +303,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     overrides = {k: v for k, v in (("device_memory", args.device_memory), ("peak_flops", args.peak_flops)) if v}
     spec = load_spec(args.file, overrides)
+    if args.devices_per_node is not None:
+        _check_flag(check_node_size, args.devices_per_node, args.devices, f"--devices {args.devices}")
     keep = frozenset(k.strip() for k in (args.keep or "").split(",") if k.strip())
     err = Console(stderr=True)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
@@ -287,7 +312,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         progress = lambda done, total: bar.update(task, completed=done, total=total)  # noqa: E731
         try:
             result = tune(TuneRequest(base=spec.request, num_devices=args.devices, global_batch=args.global_batch,
-                                      keep=keep, num_top=args.top, progress=progress))
+                                      keep=keep, num_top=args.top, progress=progress,
+                                      devices_per_node=args.devices_per_node))
         except PipecError as e:
             raise spec.locate(e) from None
         notes: list[str] = []
@@ -298,7 +324,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
             result, notes = measure(result, args.measure, workdir=args.measure_dir, steps=args.measure_steps,
                                     progress=progress)
     write_plan(result.best.plan, args.output)
-    pipe = _tuned_pipe(args.file, pipe_lines(result.best.candidate, result.best.plan.spec))
+    lines = pipe_lines(result.best.candidate, result.best.plan.spec)
+    if args.devices_per_node is not None:  # the flag's, in place of the file's
+        lines.append(f"devices_per_node {args.devices_per_node}")
+    pipe = _tuned_pipe(args.file, lines)
     if args.pipe:
         with open(args.pipe, "w", encoding="utf-8") as f:
             f.write(pipe)
@@ -318,8 +347,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     for line in why(result):
         out.print(f"  - {line}", highlight=False)
     out.print("as schedule-file lines:", highlight=False)
-    for line in pipe_lines(result.best.candidate, result.best.plan.spec):
+    for line in lines:
         out.print(f"  {line}", highlight=False)
+    if (links := _links_line(result.best.plan)) is not None:
+        out.print(links, highlight=False)
     print(f"wrote {args.output}" + (f" and {args.pipe}" if args.pipe else "") + ": verified")
     return 0
 
@@ -334,6 +365,7 @@ def _tuned_pipe(path: str, lines: list[str]) -> str:
     with open(path, encoding="utf-8") as f:
         parsed = parse_source(f.read(), filename=path)
     drop = {*TUNED_KEYS, "input", "targets", "stages", "placement", "policy", "order"}
+    drop |= {line.split()[0] for line in lines}  # a line tune writes replaces the file's
     kept = [statement_text(st) for st in parsed.file.statements if st.key.name not in drop]
     text = "\n".join([f"# written by pipec tune from {os.path.basename(path)}", *kept, *lines]) + "\n"
     return format_file(text, filename=path)
@@ -421,6 +453,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--keep", metavar="KEY,...", help="keys pinned to the file's value (pp,dp,shard,shard_size,"
                    "schedule,virtual,microbatches,partition,recompute)")
     t.add_argument("--device-memory", metavar="SIZE", help="bytes per device (default: the file's device_memory)")
+    t.add_argument("--devices-per-node", type=int, metavar="G", help="devices per node: with the file's intra / "
+                   "inter links, hops are priced by node (default: the file's devices_per_node)")
     t.add_argument("--peak-flops", metavar="RATE", help="FLOP/s per device (default: the file's peak_flops)")
     t.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     t.add_argument("--measure", type=int, default=0, metavar="K", help="run the top K here and re-rank by measured step")
