@@ -1,8 +1,9 @@
 """The executor's clocks: when each instruction and each wait started and ended, in seconds from the step's start.
 
 On CPU the host's monotonic clock; on CUDA, events recorded on the current
-stream (GPU time), resolved after one synchronize at the step's end, so timing
-adds no synchronization inside the step.
+stream (GPU time), resolved once the step's last event has completed (the host
+waits for that one event, never for the whole device), so timing adds no
+synchronization inside the step.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class HostClock:
 
 
 class CudaClock:
-    """Timestamps as CUDA events on the current stream: GPU time, resolved after one synchronize.
+    """Timestamps as CUDA events on the current stream: GPU time, resolved after the last one completes.
 
     A compute instruction's span is what the GPU spent on it, and a wait's span
     (events recorded before and after ``work.wait()``, which makes the stream
@@ -43,12 +44,12 @@ class CudaClock:
         self.synced = False
 
     def mark(self):
-        ev = torch.cuda.Event(enable_timing=True)
+        ev = self.last = torch.cuda.Event(enable_timing=True)
         ev.record()
         return ev
 
     def resolve(self, token) -> float:
-        if not self.synced:
-            torch.cuda.synchronize(self.device)
+        if not self.synced:  # every mark is on the compute stream, which has waited for every comm work by then
+            self.last.synchronize()
             self.synced = True
         return self.t0.elapsed_time(token) / 1e3

@@ -108,10 +108,10 @@ class Message(NamedTuple):
     """What travels: the edge's tensors (grads: its floating-point ones)."""
     key: tuple
     """Sends: the (stage, microbatch) whose outputs or input grads go out; receives: the buffer's key."""
-    dtypes: tuple[torch.dtype, ...]
-    """Each signature's torch dtype (a receive allocates its buffers with these, with no lookup)."""
-    scratch: tuple[torch.Tensor, ...]
-    """``emulate``: the one-element placeholders this post moves, made once per plan (else empty)."""
+    buffers: tuple[torch.Tensor, ...]
+    """Made once per plan: a receive's buffers, one per signature (reused every step: each (edge, microbatch) has
+    its own, so no use of one step's value outlives it); ``emulate``: the one-element placeholders any post moves;
+    a real send's: none (it moves the producer's tensors)."""
 
 
 class Reduction(NamedTuple):
@@ -194,7 +194,7 @@ class Executor:
         self.clock = CudaClock(self.device) if self.device.type == "cuda" else HostClock()
         compute: dict[Op, Callable[[Any], None]] = {
             Op.FWD: self.forward, Op.BWD: self.backward, Op.BWD_I: self.backward, Op.BWD_W: self.backward_weight}
-        payload: dict[Op, Callable[[Message], list[torch.Tensor]]]
+        payload: dict[Op, Callable[[Message], Sequence[torch.Tensor]]]
         if emulate is None:
             missing = [s for s, r in enumerate(here) if r == pp_rank and s not in self.modules]
             assert not missing, f"no module for stages {missing}"
@@ -264,9 +264,16 @@ class Executor:
                 is_act, src, dst = message_edge(ins)
                 sigs = self.edge_tensors[(src, dst)] if is_act else self.grad_sigs((src, dst))
                 send, key = False, ("A" if is_act else "G", src, dst, m)
-            scratch = () if self.emulate is None else tuple(torch.zeros(1, device=self.device) for _ in sigs)
-            out.append(Message(ins, send, peer, sigs, key, tuple(torch_dtype(g.dtype) for g in sigs), scratch))
+            out.append(Message(ins, send, peer, sigs, key, self.message_buffers(send, sigs)))
         return tuple(out)
+
+    def message_buffers(self, send: bool, sigs: Sequence[Signature]) -> tuple[torch.Tensor, ...]:
+        """What a post moves that the executor owns, allocated here, once per plan (see :class:`Message`)."""
+        if self.emulate is not None:
+            return tuple(torch.zeros(1, device=self.device) for _ in sigs)
+        if send:
+            return ()
+        return tuple(torch.empty(sig.shape, dtype=torch_dtype(sig.dtype), device=self.device) for sig in sigs)
 
     def reduction(self, instrs: Sequence[Instruction]) -> Reduction:
         (ins,) = instrs
@@ -348,7 +355,8 @@ class Executor:
         self.spans: list[tuple[Instruction, object, object, bool]] = []  # (instruction, start, end, is compute)
         self.waits: list[tuple[object, object]] = []
         self.wait_spans: list[tuple[Instruction, object, object]] = []
-        self.optimizer_spans: list[tuple[object, object]] = []
+        self.opt: tuple[Instruction, object] | None = None
+        """Inside ``OPT``: the instruction and when its work (since its last wait) started."""
         index = 0
         try:
             for index, handler, arg in self.units:
@@ -388,14 +396,20 @@ class Executor:
     def input_grads_out(self, msg: Message) -> list[torch.Tensor]:
         return self.checked(msg, self.take_input_grads(*msg.key, msg.sigs))
 
-    def buffers(self, msg: Message) -> list[torch.Tensor]:
-        device = self.device
-        return [torch.empty(sig.shape, dtype=dtype, device=device) for sig, dtype in zip(msg.sigs, msg.dtypes)]
+    @staticmethod
+    def buffers(msg: Message) -> tuple[torch.Tensor, ...]:
+        """A receive's own buffers (made once per plan), taken back from last step's use: a float input was made a
+        leaf that requires grad and holds the grad its backward left (the next backward would add to it)."""
+        for t in msg.buffers:
+            if t.requires_grad:
+                t.requires_grad_(False)
+                t.grad = None
+        return msg.buffers
 
     @staticmethod
-    def placeholders(msg: Message) -> list[torch.Tensor]:
+    def placeholders(msg: Message) -> tuple[torch.Tensor, ...]:
         """``emulate``: one element per tensor, sent or received (made once, when the executor is built)."""
-        return list(msg.scratch)
+        return msg.buffers
 
     @staticmethod
     def checked(msg: Message, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -453,8 +467,6 @@ class Executor:
             a, b = at(t0), at(t1)
             if b > a:
                 step.events.append(Event(rank, WAIT_PREFIX + ins.text(), a, b))
-        # the optimizer step inside OPT is compute; the rest of OPT (send drains, reductions) is comm wait
-        step.compute += sum(at(b) - at(a) for a, b in self.optimizer_spans)
         step.comm_wait = sum(at(b) - at(a) for a, b in self.waits)
         step.step_time = at(end)
 
@@ -667,15 +679,30 @@ class Executor:
             self.sends.clear()
         if self.reductions:
             self.finish_reductions()
-        start = self.waited(ins, start)
+        self.opt = (ins, self.waited(ins, start))
         self.sum_local_ties()
         if self.recvs or self.unshards:  # the verifier proves this cannot happen
             raise RunError(f"receives or all-gathers posted but never used: {(list(self.recvs) + list(self.unshards))[:3]}")
-        stepped = self.now()
         if self.optimizer_step is not None:
             self.optimizer_step()
-        self.record(ins, start, compute=False)
-        self.optimizer_spans.append((stepped, self.now()))
+        ins, start = self.opt
+        self.opt = None
+        self.record(ins, start)
+
+    def wait_in_optimizer_step(self, works: Sequence) -> None:
+        """Wait, inside ``OPT``'s optimizer step, for a collective it posted (the grad norm's all-reduce over the
+        pp ranks, or a shard group's): the wait is comm wait and its own ``~OPT`` event, and OPT's work is the
+        spans around it, so the views draw a rank that only waits for a peer as waiting."""
+        assert self.opt is not None, "a wait inside the optimizer step outside OPT"
+        ins, start = self.opt
+        t = self.now()
+        self.spans.append((ins, start, t, True))
+        for w in works:
+            w.wait()
+        end = self.now()
+        self.waits.append((t, end))
+        self.wait_spans.append((ins, t, end))
+        self.opt = (ins, end)
 
 
 def _hooked(hook: Callable[[int, Instruction], None], index: int, ins: Instruction,

@@ -128,7 +128,7 @@ class Trainer:
         """Global norm over one replica's pp ranks (after the dp all-reduce), each tied weight counted once;
         with sharded gradients, over the shard group's shards too."""
         skip = {(s, pname) for tie in self.plan.ties for s, pname in list(zip(tie.stages, tie.params))[1:]}
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
         grads = []
         for s in self.own:
             for name, p in self.modules[s].named_parameters():
@@ -138,15 +138,16 @@ class Trainer:
                 grads.append(g)
                 if (s, name) not in skip:  # a tied weight counts once: its first copy
                     sq += g.detach().double().pow(2).sum()
+        # each collective's wait is the executor's (timed as waiting: a rank waits here for its slowest peer)
         if self.sharding is not None:
-            self.transport.all_reduce(sq, self.layout.ranks).wait()
+            self.executor.wait_in_optimizer_step([self.transport.all_reduce(sq, self.layout.ranks)])
         group = tuple(self.plan.mesh.global_rank(p, self.dp_rank) for p in range(self.plan.mesh.pp))
-        self.transport.all_reduce(sq, group).wait()
-        norm = math.sqrt(float(sq))
-        if norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
-            for g in grads:
-                g.mul_(scale)
+        self.executor.wait_in_optimizer_step([self.transport.all_reduce(sq, group)])
+        # the scale stays on the device (no host sync inside the step); 1 when the norm is within the bound
+        norm = sq.sqrt()
+        scale = torch.where(norm > max_norm, max_norm / (norm + 1e-6), torch.ones_like(norm))
+        if grads:
+            torch._foreach_mul_(grads, scale)
 
     # ------------------------------------------------------------------ --check
 

@@ -3,7 +3,8 @@
 The executor talks to a :class:`Transport` only: post a list of sends and
 receives (one ``batch_isend_irecv`` when there are several), all-reduce a
 tensor over a group, wait. :class:`TorchTransport` does it with
-torch.distributed (gloo on CPU, NCCL on CUDA); :class:`FakeWorld` runs every
+torch.distributed (gloo on CPU, NCCL on CUDA: posted on a communication stream
+of its own, :class:`CommStream`); :class:`FakeWorld` runs every
 rank as a thread of one process with first-in, first-out channels per pair of
 ranks, as gloo and NCCL match messages, so the executor's logic is tested
 fast without launching processes.
@@ -11,6 +12,7 @@ fast without launching processes.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -19,7 +21,8 @@ from typing import Protocol, Sequence
 import torch
 from pipec.errors import RunFailed
 
-__all__ = ["P2P", "Work", "Transport", "TorchTransport", "FakeWorld", "FakeTransport", "TransportTimeout"]
+__all__ = ["P2P", "Work", "Transport", "TorchTransport", "CommStream", "FakeWorld", "FakeTransport",
+           "TransportTimeout"]
 
 
 class TransportTimeout(RunFailed):
@@ -54,14 +57,39 @@ class _Done:
         return None
 
 
+class CommStream:
+    """CUDA: the stream communication is posted on, apart from the compute stream; CPU: nothing.
+
+    Each post first makes the comm stream wait for an event recorded on the compute stream (after the compute
+    that produced what goes out), then issues the NCCL call with the comm stream current; whoever consumes a
+    result calls its work's ``wait``, which makes the consumer's (compute) stream wait for it on the device
+    (the host does not block). No device-wide sync: compute goes on while messages move.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def posting(self) -> contextlib.AbstractContextManager:
+        """The context a post is issued in (on CPU a null context)."""
+        if self.stream is None:
+            return contextlib.nullcontext()
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        return torch.cuda.stream(self.stream)
+
+
 class TorchTransport:
     """torch.distributed: ``groups`` maps a tuple of global ranks to its process group."""
 
-    def __init__(self, groups: dict[tuple[int, ...], object], *, shard_mesh=None) -> None:
+    def __init__(self, groups: dict[tuple[int, ...], object], *, shard_mesh=None,
+                 device: torch.device | None = None) -> None:
         import torch.distributed as dist
 
         self.dist = dist
         self.rank = dist.get_rank()
+        if device is None:  # NCCL works on the rank's current CUDA device, gloo on the host
+            nccl = dist.get_backend() == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.comm = CommStream(device)
         self.groups = groups
         self.shard_mesh = shard_mesh
         """The 1-D DeviceMesh of this rank's shard group when the plan shards (FSDP2 and ZeRO-1 work over it)."""
@@ -75,11 +103,13 @@ class TorchTransport:
             world = self.world
             return [world.send([o.tensor], o.peer, 0) if o.send else world.recv([o.tensor], o.peer, 0) for o in ops]
         dist = self.dist
-        if len(ops) == 1:
-            op = ops[0]
-            fn = dist.isend if op.send else dist.irecv
-            return [fn(op.tensor, op.peer)]
-        return list(dist.batch_isend_irecv([dist.P2POp(dist.isend if o.send else dist.irecv, o.tensor, o.peer) for o in ops]))
+        with self.comm.posting():
+            if len(ops) == 1:
+                op = ops[0]
+                fn = dist.isend if op.send else dist.irecv
+                return [fn(op.tensor, op.peer)]
+            return list(dist.batch_isend_irecv([dist.P2POp(dist.isend if o.send else dist.irecv, o.tensor, o.peer)
+                                                for o in ops]))
 
     def all_reduce(self, tensor: torch.Tensor, group: tuple[int, ...], *, average: bool = False) -> Work:
         if len(group) == 1:
@@ -90,7 +120,8 @@ class TorchTransport:
             # gloo's AVG: sum then divide, exactly as the reference averages
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.groups[group], async_op=True)
             return _Scaled(work, tensor, 1.0 / len(group))
-        return dist.all_reduce(tensor, op=op, group=self.groups[group], async_op=True)
+        with self.comm.posting():
+            return dist.all_reduce(tensor, op=op, group=self.groups[group], async_op=True)
 
     def barrier(self) -> None:
         self.dist.barrier()

@@ -1,0 +1,280 @@
+"""The lean executor: buffers made once per plan, waits where they belong, no device-wide sync in a step.
+
+- Every receive's buffers are made once per plan: steps after the first post
+  into the same tensors, and every step's loss and gradients stay exact.
+- A collective the optimizer step waits for (the grad norm's all-reduce) is
+  timed as waiting, its own ``~OPT`` event, not as OPT's work.
+- CUDA (run here on fakes: there is no GPU in CI): the clock resolves a step
+  by waiting for its last event, never with a device-wide synchronize;
+  communication is posted on its own stream after it waits for the compute
+  stream, and on CPU that helper does nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from test_runtime import reference_step, tiny_gpt
+
+from pipec.compiler.config import TrainingConfig
+from pipec.compiler.driver import compile_plan
+from pipec.compiler.frontend.stages import build_stages
+from pipec.runtime import clock as clock_mod
+from pipec.runtime.clock import CudaClock
+from pipec.runtime.executor import WAIT_PREFIX, Executor
+from pipec.runtime.trainer import Trainer
+from pipec.runtime.training import make_data, make_loss, split_microbatches
+from pipec.runtime.transport import CommStream, FakeWorld
+
+
+class RecordingTransport:
+    """A fake transport that remembers every receive buffer posted, per step."""
+
+    def __init__(self, inner, steps: list[list[torch.Tensor]]) -> None:
+        self.inner, self.steps, self.rank, self.shard_mesh = inner, steps, inner.rank, None
+
+    def post(self, ops):
+        self.steps[-1].extend(op.tensor for op in ops if not op.send)
+        return self.inner.post(ops)
+
+    def all_reduce(self, tensor, group, *, average=False):
+        return self.inner.all_reduce(tensor, group, average=average)
+
+    def barrier(self):
+        self.steps.append([])
+        self.inner.barrier()
+
+
+def run_steps(plan, num_steps: int, *, emulate: float | None = None, executor_hook=None):
+    """Every rank on a thread over the fake transport, ``num_steps`` steps on the same executors; returns per rank
+    the receive buffers posted per step, the step results and, per step, the grads the optimizer step saw (then
+    cleared, as an optimizer's ``zero_grad`` does)."""
+    P, D = plan.mesh.pp, plan.mesh.dp
+    world = FakeWorld(P * D, timeout=60)
+    mods = {(p, d): {} if emulate is not None else
+            build_stages(plan, [s for s, r in enumerate(plan.placement) if r == p], seed=0)
+            for p in range(P) for d in range(D)}
+    if emulate is None:
+        config = TrainingConfig.from_spec(plan.spec)
+        data, loss_fn = make_data(config, plan), make_loss(config.loss)
+    out, errors = {}, []
+
+    def rank(p: int, d: int) -> None:
+        try:
+            posted: list[list[torch.Tensor]] = []
+            grads: list[dict] = []
+
+            def optimizer_step() -> None:
+                grads.append({n: q.grad.clone() for m in mods[(p, d)].values() for n, q in m.canonical_params().items()})
+                for m in mods[(p, d)].values():
+                    m.zero_grad(set_to_none=True)
+
+            ex = Executor(plan, pp_rank=p, dp_rank=d, emulate=emulate, modules=mods[(p, d)],
+                          transport=RecordingTransport(world.transport(plan.mesh.global_rank(p, d)), posted),
+                          loss_fn=None if emulate is not None else loss_fn,
+                          optimizer_step=optimizer_step if emulate is None else None)
+            if executor_hook is not None:
+                executor_hook(ex)
+            results = []
+            for step in range(num_steps):
+                if emulate is None:
+                    x, y = data(step, d, D)
+                    results.append(ex.run_step(split_microbatches(x, plan.num_microbatches, "x", ["tokens"]),
+                                               split_microbatches(y, plan.num_microbatches, "y")))
+                else:
+                    results.append(ex.run_step(None, None))
+            out[(p, d)] = SimpleNamespace(posted=posted, results=results, grads=grads)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(p, d)) for p in range(P) for d in range(D)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+# ----------------------------------------------------------------------------- buffers once per plan
+
+
+@pytest.mark.parametrize("schedule, virtual, pp, dp", [("1f1b", 1, 2, 1), ("zb_h1", 1, 2, 2), ("interleaved_1f1b", 2, 2, 1)])
+def test_receive_buffers_are_made_once_and_every_step_stays_exact(schedule, virtual, pp, dp):
+    """Steps after the first allocate no receive buffer (they post into the first step's tensors), and the second
+    step's loss and every gradient still equal one unpartitioned step on its batch (a reused leaf keeps no grad)."""
+    plan = tiny_gpt(schedule, virtual, pp, dp)
+    ranks = run_steps(plan, 3)
+    for r in ranks.values():
+        first, *later = r.posted
+        assert first and len({id(t) for t in first}) == len(first)  # one buffer per (edge, microbatch, tensor)
+        for step in later:
+            assert [id(t) for t in step] == [id(t) for t in first]
+    ref_loss, ref_grads = reference_step(plan, step=1)
+    losses = [r.results[1].loss for r in ranks.values() if r.results[1].loss is not None]
+    assert sum(losses) / dp == pytest.approx(ref_loss, rel=1e-5)
+    for r in ranks.values():
+        for name, g in r.grads[1].items():
+            ref = ref_grads[name]
+            assert (g - ref).abs().max().item() <= 1e-4 * (ref.abs().max().item() + 1e-12), (schedule, name)
+
+
+def test_emulated_posts_move_the_same_placeholders_every_step():
+    ranks = run_steps(compile_plan(num_ranks=2, num_microbatches=4, schedule="1f1b").plan, 2, emulate=0.0)
+    for r in ranks.values():
+        assert [id(t) for t in r.posted[0]] == [id(t) for t in r.posted[1]]
+
+
+# ----------------------------------------------------------------------------- waits
+
+
+class SlowWork:
+    """A collective whose peer arrives ``seconds`` late."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def wait(self) -> None:
+        time.sleep(self.seconds)
+
+
+def test_a_collective_inside_the_optimizer_step_is_timed_as_waiting():
+    plan = compile_plan(num_ranks=2, num_microbatches=4, schedule="1f1b").plan
+    late = 0.05
+
+    def hook(ex: Executor) -> None:
+        def optimizer_step() -> None:
+            ex.wait_in_optimizer_step([SlowWork(late)])
+
+        ex.optimizer_step = optimizer_step
+
+    for r in run_steps(plan, 1, emulate=0.0, executor_hook=hook).values():
+        step = r.results[0]
+        waits = [e for e in step.events if e.op == WAIT_PREFIX + "OPT"]
+        work = [e for e in step.events if e.op == "OPT"]
+        assert max(e.end - e.start for e in waits) >= late
+        assert sum(e.end - e.start for e in work) < late  # OPT's work is what surrounds the wait
+        for w in waits:
+            assert all(e.end <= w.start + 1e-9 or e.start >= w.end - 1e-9 for e in work)
+        assert step.comm_wait >= late and step.compute < late
+
+
+def test_grad_clipping_waits_for_its_norm_through_the_executor_and_scales_on_the_device():
+    """The trainer's clipping: its all-reduce is waited for by the executor (timed as waiting), and the scale is
+    the global norm's, without reading the norm on the host."""
+    torch.manual_seed(0)
+    plan = compile_plan(num_ranks=2, num_microbatches=4, schedule="1f1b").plan
+    module = torch.nn.Linear(4, 4)
+    for p in module.parameters():
+        p.grad = torch.randn_like(p) * 10
+    mine = sum(p.grad.double().pow(2).sum() for p in module.parameters())
+    waited = []
+
+    class Peer:  # the other pp rank holds grads of the same norm
+        def __init__(self, t):
+            self.t = t
+
+        def wait(self):
+            self.t.mul_(2)
+
+    trainer = SimpleNamespace(
+        plan=plan, own=[0], modules={0: module}, sharding=None, dp_rank=0, device=torch.device("cpu"),
+        transport=SimpleNamespace(all_reduce=lambda t, group: Peer(t)),
+        executor=SimpleNamespace(wait_in_optimizer_step=lambda works: [waited.append(w) or w.wait() for w in works]))
+    host_reads = []
+    real_float = torch.Tensor.__float__
+    torch.Tensor.__float__ = lambda t: host_reads.append(t) or real_float(t)
+    try:
+        Trainer.clip_grads(trainer, 1.0)
+    finally:
+        torch.Tensor.__float__ = real_float
+    assert len(waited) == 1 and not host_reads
+    clipped = sum(p.grad.double().pow(2).sum() for p in module.parameters())
+    assert (2 * clipped).sqrt().item() == pytest.approx(1.0, rel=1e-5)
+    assert clipped.item() == pytest.approx(mine.item() / (2 * mine.item()), rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- CUDA, on fakes
+
+
+class FakeEvent:
+    """A CUDA event on a host clock: what the clock needs of one."""
+
+    synced: list["FakeEvent"] = []
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t = None
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        FakeEvent.synced.append(self)
+
+    def elapsed_time(self, other: "FakeEvent") -> float:
+        return (other.t - self.t) * 1e3
+
+
+def test_a_step_on_the_cuda_clock_never_synchronizes_the_device(monkeypatch):
+    def device_wide(*_):
+        raise AssertionError("torch.cuda.synchronize inside a step")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
+    monkeypatch.setattr(clock_mod.torch.cuda, "Event", FakeEvent)
+    FakeEvent.synced = []
+    clocks = []
+
+    def hook(ex: Executor) -> None:
+        ex.clock = CudaClock(torch.device("cuda", 0))
+        clocks.append(ex.clock)
+
+    plan = compile_plan(num_ranks=2, num_microbatches=4, schedule="1f1b").plan
+    ranks = run_steps(plan, 2, emulate=0.0, executor_hook=hook)
+    assert len(FakeEvent.synced) == 2 * len(ranks)  # per step and rank: its last event, once
+    assert {id(e) for e in FakeEvent.synced} >= {id(c.last) for c in clocks}
+    for r in ranks.values():
+        for step in r.results:
+            assert step.step_time > 0 and step.events and all(e.end >= e.start >= 0 for e in step.events)
+
+
+def test_the_comm_stream_is_nothing_on_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: pytest.fail("a CUDA stream made on CPU"))
+    comm = CommStream(torch.device("cpu"))
+    assert comm.stream is None
+    with comm.posting():
+        pass
+
+
+def test_on_cuda_a_post_waits_for_the_compute_stream_then_goes_on_the_comm_stream(monkeypatch):
+    calls = []
+
+    class FakeStream:
+        def __init__(self, device=None):
+            self.device = device
+
+        def wait_stream(self, other):
+            calls.append(("comm waits for", other))
+
+    class Current:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            calls.append(("posting on", self.stream))
+
+        def __exit__(self, *exc):
+            calls.append(("back on", "compute"))
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "compute")
+    monkeypatch.setattr(torch.cuda, "stream", Current)
+    comm = CommStream(torch.device("cuda", 0))
+    with comm.posting():
+        calls.append(("post", None))
+    assert calls == [("comm waits for", "compute"), ("posting on", comm.stream), ("post", None), ("back on", "compute")]
