@@ -7,6 +7,10 @@ and ``ties``, the lowering ``ranks`` (here: ``program``), the simulator
 stages without signatures. :func:`read_plan` checks the whole schema and
 names the exact field of a malformed file; inputs beyond :data:`LIMITS` are
 refused, not attempted.
+
+About 700 lines: the format's value types (the :class:`Mesh` with its rank and
+node arithmetic among them), its writer and its schema-checking reader change
+together with every new field, so they stay in one module.
 """
 
 from __future__ import annotations

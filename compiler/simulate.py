@@ -1,7 +1,8 @@
 """Predicted Timelines: a plan's cost model, run through the event loop.
 
 The event loop itself (both comm models, deadlock reports) lives in
-:mod:`pipec.compiler.engine`; this module turns a plan into its costs and an
+:mod:`pipec.compiler.engine`; this module turns a plan into its costs (each
+hop and collective on its axis's link, or by node: :class:`Pricing`) and an
 execution into the Timeline that views and report.json share.
 """
 
@@ -27,8 +28,8 @@ from pipec.compiler.timeline import Timeline
 
 __all__ = [
     "BUFFERED", "IN_ORDER", "MODELS", "CostModel", "Deadlock", "Execution",
-    "execute", "simulate", "plan_costs", "Pricing", "NODE_SIDES", "link_sides", "emulated_costs", "simulate_costs", "timeline_of", "chain_edges",
-    "group_members",
+    "execute", "simulate", "plan_costs", "Pricing", "NODE_SIDES", "link_sides", "emulated_costs", "simulate_costs",
+    "timeline_of", "chain_edges", "group_members",
 ]
 
 
