@@ -112,6 +112,8 @@ class Message(NamedTuple):
     """Made once per plan: a receive's buffers, one per signature (reused every step: each (edge, microbatch) has
     its own, so no use of one step's value outlives it); ``emulate``: the one-element placeholders any post moves;
     a real send's: none (it moves the producer's tensors)."""
+    ops: tuple[P2P, ...]
+    """The posts of :attr:`buffers`, made with them (a real send's are made as it goes out)."""
 
 
 class Reduction(NamedTuple):
@@ -223,6 +225,8 @@ class Executor:
                            if emulate is None and plan.tie_ranks(t.name) == (pp_rank,) and len(t.stages) > 1]
         """Tie groups held entirely by this rank: their copies' grads are summed here, without a collective."""
         self.units = self.build_units(fail_hook)
+        self.texts = {id(ins): ins.text() for ins in self.instructions}
+        """Each instruction's text, made once (the events of every step carry it)."""
 
     # ------------------------------------------------------------------ preparing the program
 
@@ -264,7 +268,8 @@ class Executor:
                 is_act, src, dst = message_edge(ins)
                 sigs = self.edge_tensors[(src, dst)] if is_act else self.grad_sigs((src, dst))
                 send, key = False, ("A" if is_act else "G", src, dst, m)
-            out.append(Message(ins, send, peer, sigs, key, self.message_buffers(send, sigs)))
+            buffers = self.message_buffers(send, sigs)
+            out.append(Message(ins, send, peer, sigs, key, buffers, tuple(P2P(send, t, peer) for t in buffers)))
         return tuple(out)
 
     def message_buffers(self, send: bool, sigs: Sequence[Signature]) -> tuple[torch.Tensor, ...]:
@@ -380,9 +385,10 @@ class Executor:
             tensors = payload[msg.ins.op](msg)
             if msg.send:
                 keep.extend(tensors)
+                ops.extend(msg.ops or [P2P(True, t, msg.peer) for t in tensors])
             else:
                 pending.append((msg.key, tensors, len(ops)))
-            ops.extend(P2P(msg.send, t, msg.peer) for t in tensors)
+                ops.extend(msg.ops)
         works = self.transport.post(ops) if ops else []
         for key, tensors, first in pending:
             self.recvs[key] = (tensors, works[first:first + len(tensors)])
@@ -458,15 +464,16 @@ class Executor:
         at = self.clock.resolve
         step = self.step
         rank = self.global_rank
+        texts = self.texts
         for ins, t0, t1, compute in self.spans:
             a, b = at(t0), at(t1)
-            step.events.append(Event(rank, ins.text(), a, b))
+            step.events.append(Event(rank, texts[id(ins)], a, b))
             if compute:
                 step.compute += b - a
         for ins, t0, t1 in self.wait_spans:  # already counted in comm wait (each is made of waits)
             a, b = at(t0), at(t1)
             if b > a:
-                step.events.append(Event(rank, WAIT_PREFIX + ins.text(), a, b))
+                step.events.append(Event(rank, WAIT_PREFIX + texts[id(ins)], a, b))
         step.comm_wait = sum(at(b) - at(a) for a, b in self.waits)
         step.step_time = at(end)
 
