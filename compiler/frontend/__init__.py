@@ -77,6 +77,8 @@ class ModelRequest:
     """FLOP/s of one device, for ``costs flops``."""
     threads_per_rank: int = 1
     """Threads each rank runs with, for ``costs profile`` and ``balanced(by=time)``."""
+    local_ranks: int = 1
+    """Ranks the run starts on each machine: ``costs profile`` times the stages in as many processes at once."""
     profile_reps: int = 3
     init: str = "auto"
     """``auto`` | ``module`` | ``exact`` (key ``init``); the result's ``model["init"]`` is never ``auto``."""
@@ -200,10 +202,10 @@ def cut_stage_graph(tm: TracedModel, req: ModelRequest, *, placement: Sequence[i
     # 8. split with torch.fx split_module: stage inputs/outputs, skip edges, tie groups
     split = split_graph(traced, stage_of, req.num_stages)
     # 9. costs and saved activations per stage
+    profile = costs_pass.profiling(local_ranks=req.local_ranks, threads=req.threads_per_rank, reps=req.profile_reps)
     stage_costs = costs_pass.stage_costs(
-        split, req.costs, recompute=recompute, peak_flops=req.peak_flops, threads=req.threads_per_rank,
-        reps=req.profile_reps, autocast=tm.autocast, target=src.target, kwargs=req.kwargs,
-        search_path=src.search_path,
+        split, req.costs, recompute=recompute, peak_flops=req.peak_flops, profile=profile, autocast=tm.autocast,
+        target=src.target, kwargs=req.kwargs, search_path=src.search_path,
     )
     ranks = list(placement) if placement is not None else [-1] * req.num_stages
     if len(ranks) != req.num_stages:
@@ -217,9 +219,12 @@ def cut_stage_graph(tm: TracedModel, req: ModelRequest, *, placement: Sequence[i
         for p, c in zip(split.parts, stage_costs)
     )
     notes = (f"trace: auto fell back to torch.export: {traced.fallback}",) if traced.fallback else ()
+    model = _model_record(src, req, traced, tm.inputs, traced_on="fake" if tm.autocast else "meta", init=tm.init,
+                          notes=notes, data=_data(tm, req))
+    if stage_costs and stage_costs[0].profile:  # costs profile: how the stages were timed
+        model["profile"] = dict(stage_costs[0].profile)
     return StageGraph(
-        model=_model_record(src, req, traced, tm.inputs, traced_on="fake" if tm.autocast else "meta", init=tm.init,
-                            notes=notes, data=_data(tm, req)),
+        model=model,
         stages=stages, edges=split.edges, ties=split.ties,
         graph=make_graph(stages, split.edges, split.ties), recompute=recompute,
         full_activation_bytes=tuple(c.full_activation_bytes for c in stage_costs),

@@ -3,10 +3,13 @@
 Sources, most trusted first (DESIGN, *Cost model*):
 
 - ``profile``: each stage runs here on real tensors of the plan's microbatch
-  shape, with the thread count each rank will run with; forward, input
-  backward (``autograd.grad`` w.r.t. the stage inputs) and full backward are
-  timed, a few repetitions after a warm-up, and the median kept; weight
-  backward = full - input backward.
+  shape, the way the run will run it: in as many processes at once as the run
+  has ranks on this machine, each with the thread count each rank will run
+  with (:class:`Profiling`; on a machine with fewer cores than ranks a stage
+  costs what it costs while the others compute); forward, input backward
+  (``autograd.grad`` w.r.t. the stage inputs) and full backward are timed, a
+  few repetitions after a warm-up, and the median kept; weight backward =
+  full - input backward.
 - ``flops``: forward FLOPs from ``torch.utils.flop_counter`` at a device peak.
   Backward: a node that uses parameters (a linear layer) costs its forward
   FLOPs once for the input gradient and once for the weight gradient; any other
@@ -24,10 +27,14 @@ activations shrink to the stage's inputs.
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
 import statistics
+import sys
+import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -46,9 +53,14 @@ __all__ = [
     "stage_costs",
     "with_recompute",
     "time_nodes",
+    "Profiling",
+    "profiling",
+    "MAX_PROFILE_RANKS",
 ]
 
 COST_SOURCES = ("unit", "flops", "profile")
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +74,8 @@ class StageCost:
     """Saved for backward without recompute: what a recomputed stage holds during its backward."""
     flops: tuple[int, int, int]
     """Forward, input-backward and weight-backward FLOPs."""
+    profile: Mapping[str, Any] | None = None
+    """``costs profile``: how the stages were timed (:meth:`Profiling.record`, the same for every stage)."""
 
 
 def _param_nodes(traced: Traced) -> set[Node]:
@@ -241,12 +255,21 @@ def _random_inputs(sigs: Sequence[Any], sources: Sequence[int]) -> list[torch.Te
     return out
 
 
-def _profile_stage(mod: nn.Module, sigs: Sequence[Any], sources: Sequence[int], reps: int, autocast: str | None) -> Cost:
+_Sample = tuple[float, float, float, float]
+"""One timed repetition of a stage: forward, input backward, full backward, optimizer step (seconds)."""
+
+
+def _stage_runner(mod: nn.Module, sigs: Sequence[Any], sources: Sequence[int],
+                  autocast: str | None) -> Callable[[], _Sample]:
+    """One repetition of the stage as a rank runs it: forward, input backward (``autograd.grad`` w.r.t. the
+    stage inputs), full backward into ``.grad`` (accumulating, as over microbatches), one AdamW step (the
+    default optimizer, once per training step), each timed."""
     inputs = _random_inputs(sigs, sources)
     float_inputs = [x for x in inputs if x.requires_grad]
     params = [p for p in mod.parameters() if p.requires_grad]
-    fwd_t, bi_t, b_t = [], [], []
-    for rep in range(reps + 1):
+    opt = torch.optim.AdamW(params, lr=1e-9) if params else None
+
+    def once() -> _Sample:
         ctx = torch.autocast("cpu", dtype=to_dtype(autocast)) if autocast else torch.autocast("cpu", enabled=False)
         t0 = time.perf_counter()
         with ctx:
@@ -257,35 +280,175 @@ def _profile_stage(mod: nn.Module, sigs: Sequence[Any], sources: Sequence[int], 
         if float_inputs and outs:
             torch.autograd.grad(outs, float_inputs, grads, retain_graph=True)
         t3 = time.perf_counter()
-        if outs:  # as the runtime's BWD: into .grad, accumulating over microbatches (after the warm-up rep)
+        if outs:
             torch.autograd.backward(outs, grads, inputs=float_inputs + params)
         t4 = time.perf_counter()
-        if rep:
-            fwd_t.append(t1 - t0)
-            bi_t.append(t3 - t2)
-            b_t.append(t4 - t3)
-    fwd, bwd_i, bwd = (statistics.median(x) for x in (fwd_t, bi_t, b_t))
+        if opt is not None:
+            opt.step()
+        return t1 - t0, t3 - t2, t4 - t3, time.perf_counter() - t4
+
+    return once
+
+
+# ----------------------------------------------------------------------------- as many ranks as the run
+
+
+MAX_PROFILE_RANKS = 16
+"""The most processes ``costs profile`` times at once (a run here starts at most 16 ranks)."""
+
+CONCURRENT_MIN_TIME_S = 0.1
+"""The least time each process spends timing a stage when several time at once (:attr:`Profiling.min_time_s`)."""
+
+SYNC_TIMEOUT_S = 600.0
+"""How long a profiling process waits for the others to start before giving up."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Profiling:
+    """How ``costs profile`` times the stages: the way the run will run them (plan.json ``model["profile"]``).
+
+    Each stage is timed alone first (this process, ``threads`` intra-op threads, ``reps`` repetitions after a
+    warm-up, the median): that gives the stages' costs relative to each other with little noise. With more
+    than one rank here, ``num_ranks`` processes (the run's ranks on this machine, :data:`MAX_PROFILE_RANKS` at
+    most) then time the stages all at once, as the run's ranks compute at once, each with ``threads``
+    threads: the stages are dealt out round them (:meth:`share`), they start together, each keeps timing
+    until it has ``reps`` samples of each of its stages taking ``min_time_s`` in all (so the samples span the
+    scheduler's time slices: with more ranks than cores a short op either runs whole or waits a slice), and
+    one that is done keeps running its last stage untimed until every process is, so no sample is taken on
+    a machine emptier than the run's. The slowdown of each part (forward, input backward, backward,
+    optimizer step) is the time all the concurrent samples took over what the same samples took alone, and
+    every stage's cost is its cost alone times it: one factor per part, since which process the scheduler
+    favours over a short window is luck the run does not repeat."""
+
+    num_ranks: int = 1
+    """Processes timing the stages at once (this one and ``num_ranks - 1`` forked from it)."""
+    threads: int = 1
+    """Intra-op threads of each (``torch.set_num_threads``), as each rank runs."""
+    reps: int = 3
+    """Timed repetitions of each stage, after a warm-up (alone; and by the process timing it at once)."""
+    min_time_s: float = CONCURRENT_MIN_TIME_S
+    """The least time each process spends timing one stage at once with the others."""
+
+    def share(self, rank: int, num_stages: int) -> list[int]:
+        """The stages process ``rank`` times at once with the others: ``rank``, ``rank + num_ranks``, ...;
+        with fewer stages than processes, stage ``rank mod num_stages``."""
+        if num_stages >= self.num_ranks:
+            return list(range(rank, num_stages, self.num_ranks))
+        return [rank % num_stages]
+
+    def samples(self, once: Callable[[], _Sample], min_time_s: float = 0.0) -> list[_Sample]:
+        """``reps`` samples of ``once`` after a warm-up, and more until they took ``min_time_s``."""
+        once()
+        out, t0 = [], time.perf_counter()
+        while len(out) < self.reps or time.perf_counter() - t0 < min_time_s:
+            out.append(once())
+        return out
+
+    def record(self, slowdown: Sequence[float] | None) -> dict[str, Any]:
+        """plan.json's ``model["profile"]``: this, and the slowdown measured (forward, input backward,
+        backward, optimizer)."""
+        out: dict[str, Any] = {"concurrent_ranks": self.num_ranks, "threads_per_rank": self.threads,
+                               "reps": self.reps, "cpu_count": os.cpu_count()}
+        if slowdown is not None:
+            out["min_time_s"] = self.min_time_s
+            out["slowdown"] = dict(zip(_PARTS, (round(x, 4) for x in slowdown)))
+        return out
+
+
+_PARTS = ("fwd", "bwd_i", "bwd", "optim")
+
+
+def profiling(*, local_ranks: int, threads: int, reps: int) -> Profiling:
+    """How a run of ``local_ranks`` ranks on this machine is profiled (more than one process needs fork)."""
+    n = max(1, min(local_ranks, MAX_PROFILE_RANKS))
+    if "fork" not in mp.get_all_start_methods():
+        n = 1
+    return Profiling(num_ranks=n, threads=max(1, threads), reps=max(1, reps))
+
+
+def _median_sample(samples: Sequence[_Sample]) -> _Sample:
+    return tuple(statistics.median(x[k] for x in samples) for k in range(4))  # type: ignore[return-value]
+
+
+def _slowdown(alone: Mapping[int, _Sample], at_once: Sequence[Mapping[int, Sequence[_Sample]]]) -> tuple[float, ...]:
+    """Per part: what every concurrent sample took over what the same samples took alone (1 where alone is 0)."""
+    out = []
+    for k in range(4):
+        slow = sum(x[k] for one in at_once for samples in one.values() for x in samples)
+        base = sum(alone[s][k] * len(samples) for one in at_once for s, samples in one.items())
+        out.append(slow / base if base > 0 else 1.0)
+    return tuple(out)
+
+
+def _cost(sample: Sequence[float]) -> Cost:
+    fwd, bwd_i, bwd, optim = sample
     bwd_i = min(bwd_i, bwd)
-    return Cost(fwd=fwd, bwd=bwd, bwd_i=bwd_i, bwd_w=bwd - bwd_i, optim=_profile_optimizer(params, reps))
+    return Cost(fwd=fwd, bwd=bwd, bwd_i=bwd_i, bwd_w=bwd - bwd_i, optim=optim)
 
 
-def _profile_optimizer(params: Sequence[nn.Parameter], reps: int) -> float:
-    """Median time of one AdamW step (the default optimizer) over ``params``, once per training step."""
-    if not params:
-        return 0.0
-    with torch.no_grad():
-        for p in params:
-            p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-9)
-    times = []
-    for rep in range(reps + 1):
-        t0 = time.perf_counter()
-        opt.step()
-        if rep:
-            times.append(time.perf_counter() - t0)
-    for p in params:
-        p.grad = None
-    return statistics.median(times)
+class _Together:
+    """The profiling processes' start line and finish: every sample is taken while all of them run."""
+
+    def __init__(self, ctx: Any, num: int) -> None:
+        self.num = num
+        self.barrier = ctx.Barrier(num, timeout=SYNC_TIMEOUT_S) if num > 1 else None
+        self.done = ctx.Value("i", 0) if num > 1 else None
+
+    def start(self) -> None:
+        if self.barrier is not None:
+            self.barrier.wait()
+
+    def finish(self, load: Callable[[], Any]) -> None:
+        """This process is done: keep ``load`` running until every process is."""
+        if self.done is None:
+            return
+        with self.done.get_lock():
+            self.done.value += 1
+        while self.done.value < self.num and not self.barrier.broken:  # broken: one failed (it says why)
+            load()
+
+    def abort(self) -> None:
+        if self.barrier is not None:
+            self.barrier.abort()
+
+
+def _at_once(num: int, work: Callable[[int, _Together], _T]) -> list[_T]:
+    """``work(rank, together)`` in ``num`` processes at once (this one, rank 0, and ``num - 1`` forked), every
+    result by rank. A process that fails breaks the others' start; this one then raises its message."""
+    if num == 1:
+        return [work(0, _Together(None, 1))]
+    ctx = mp.get_context("fork")
+    together, queue = _Together(ctx, num), ctx.SimpleQueue()
+
+    def child(rank: int) -> None:
+        try:
+            queue.put((rank, work(rank, together), None))
+        except BaseException as err:  # noqa: BLE001 - reported to the parent, which raises it
+            together.abort()
+            queue.put((rank, None, f"{type(err).__name__}: {err}"))
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    procs = [ctx.Process(target=child, args=(rank,), daemon=True) for rank in range(1, num)]
+    for p in procs:
+        p.start()
+    try:
+        mine = work(0, together)
+    except threading.BrokenBarrierError:
+        mine = None
+    except BaseException:
+        together.abort()
+        for p in procs:
+            p.kill()
+        raise
+    got = sorted((queue.get() for _ in procs), key=lambda g: g[0])
+    for p in procs:
+        p.join()
+    failed = [err for _, _, err in got if err]
+    if mine is None or failed:
+        raise FrontendError(f"costs profile: a profiling process failed ({failed[0] if failed else 'no message'}); "
+                            "use costs flops, or profile with one rank (pp 1, dp 1)", key="costs")
+    return [mine, *(r for _, r, _ in got)]
 
 
 def stage_costs(
@@ -294,17 +457,18 @@ def stage_costs(
     *,
     recompute: frozenset[int] = frozenset(),
     peak_flops: float | None = None,
-    threads: int = 1,
-    reps: int = 3,
+    profile: Profiling = Profiling(),
     autocast: str | None = None,
     target: str = "",
     kwargs: Mapping[str, Any] | None = None,
     search_path: Sequence[str] = (),
 ) -> tuple[StageCost, ...]:
-    """Costs and activation bytes of every stage of ``split`` from ``source`` (``unit``/``flops``/``profile``)."""
+    """Costs and activation bytes of every stage of ``split`` from ``source`` (``unit``/``flops``/``profile``,
+    the last timed as ``profile`` says)."""
     if source not in COST_SOURCES:
         raise FrontendError(f"costs must be one of {', '.join(COST_SOURCES)}, got {source!r}", key="costs")
     num = split.num_stages
+    record = None
     with_params = _param_nodes(split.traced)  # once for all stages: it walks the whole graph
     flops = [stage_flops(split, s, with_params) for s in range(num)]
     if source == "unit":
@@ -317,8 +481,9 @@ def stage_costs(
             )
         base = [Cost(fwd=f / peak_flops, bwd=(i + w) / peak_flops, bwd_i=i / peak_flops, bwd_w=w / peak_flops) for f, i, w in flops]
     else:
-        base = _profile(split, threads=threads, reps=reps, autocast=autocast, target=target, kwargs=kwargs or {},
-                        search_path=search_path)
+        base, slowdown = _profile(split, profile, autocast=autocast, target=target, kwargs=kwargs or {},
+                                  search_path=search_path)
+        record = profile.record(slowdown)
     out = []
     for s in range(num):
         if source != "unit" and all(src < 0 for src in split.parts[s].sources):
@@ -328,24 +493,38 @@ def stage_costs(
             cost, act = with_recompute(base[s]), sum(x.num_bytes for x in split.parts[s].inputs)
         else:
             cost, act = base[s], full
-        out.append(StageCost(cost=cost, activation_bytes=act, full_activation_bytes=full, flops=flops[s]))
+        out.append(StageCost(cost=cost, activation_bytes=act, full_activation_bytes=full, flops=flops[s],
+                             profile=record))
     return tuple(out)
 
 
-def _profile(split: Split, *, threads: int, reps: int, autocast: str | None, target: str, kwargs: Mapping[str, Any],
-             search_path: Sequence[str]) -> list[Cost]:
+def _profile(split: Split, profile: Profiling, *, autocast: str | None, target: str, kwargs: Mapping[str, Any],
+             search_path: Sequence[str]) -> tuple[list[Cost], tuple[float, ...] | None]:
+    """Every stage's cost (its cost alone times the slowdown of the ranks computing at once), and that slowdown
+    (None with one rank)."""
     from pipec.compiler.frontend.stages import materialize  # costs -> stages -> partition; imported late to keep layers clear
 
     _, buffers = instantiate(target, kwargs, mode="skeleton", search_path=search_path)
     gen = torch.Generator().manual_seed(0)
     values = {c: (torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype) for c, p in split.traced.param_of.items()}
-    restore = _threads(threads)
+
+    def runners(stages: Sequence[int]) -> dict[int, Callable[[], _Sample]]:
+        return {s: _stage_runner(materialize(split, s, {c: values[c] for c in split.parts[s].params}, buffers, "cpu"),
+                                 split.parts[s].inputs, split.parts[s].sources, autocast) for s in stages}
+
+    def at_once(rank: int, together: _Together) -> dict[int, list[_Sample]]:
+        torch.set_num_threads(profile.threads)
+        mine = runners(profile.share(rank, split.num_stages))
+        together.start()  # every process built its stages: time them together
+        out = {s: profile.samples(once, profile.min_time_s) for s, once in mine.items()}
+        together.finish(mine[max(mine)])
+        return out
+
+    restore = _threads(profile.threads)
     try:
-        costs = []
-        for s in range(split.num_stages):
-            mod = materialize(split, s, {c: values[c] for c in split.parts[s].params}, buffers, "cpu")
-            costs.append(_profile_stage(mod, split.parts[s].inputs, split.parts[s].sources, reps, autocast))
-            del mod
+        alone = {s: _median_sample(profile.samples(runners([s])[s])) for s in range(split.num_stages)}  # one at a time
+        slowdown = _slowdown(alone, _at_once(profile.num_ranks, at_once)) if profile.num_ranks > 1 else None
     finally:
         restore()
-    return costs
+    factor = slowdown or (1.0,) * 4
+    return [_cost([x * f for x, f in zip(alone[s], factor)]) for s in range(split.num_stages)], slowdown

@@ -1,0 +1,90 @@
+"""costs profile timed the way the run runs: as many processes at once as the run has ranks here."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from pipec.compiler.frontend import InputSpec, ModelRequest, build_stage_graph
+from pipec.compiler.frontend import costs
+from pipec.compiler.frontend.trace import FrontendError
+
+X = InputSpec("x", "float32", (8, 16))
+
+
+def _mlp(local_ranks: int, stages: int = 2) -> ModelRequest:
+    return ModelRequest(target="pipec.examples.mlp:build", kwargs=dict(layers=4, dim=16), inputs=(X,),
+                        num_microbatches=2, num_stages=stages, costs="profile", threads_per_rank=1,
+                        profile_reps=2, local_ranks=local_ranks)
+
+
+@pytest.mark.parametrize("num_ranks,num_stages", [(4, 8), (4, 5), (4, 4), (4, 2), (3, 1), (2, 3)])
+def test_every_stage_is_timed_at_once_by_some_process(num_ranks, num_stages):
+    prof = costs.Profiling(num_ranks=num_ranks)
+    shares = [prof.share(r, num_stages) for r in range(num_ranks)]
+    assert all(shares), "every process times a stage (it is one of the run's ranks computing)"
+    assert sorted({s for share in shares for s in share}) == list(range(num_stages))
+    if num_stages >= num_ranks:  # each stage once: the concurrent phase costs no more CPU than timing alone
+        assert sorted(s for share in shares for s in share) == list(range(num_stages))
+
+
+def test_slowdown_is_the_concurrent_time_over_the_same_samples_alone():
+    alone = {0: (1.0, 0.0, 2.0, 0.5), 1: (3.0, 1.0, 6.0, 0.5)}
+    at_once = [{0: [(2.0, 0.0, 4.0, 1.0), (4.0, 0.0, 8.0, 1.0)]}, {1: [(6.0, 3.0, 6.0, 0.5)]}]
+    fwd, bwd_i, bwd, optim = costs._slowdown(alone, at_once)
+    assert fwd == pytest.approx((2 + 4 + 6) / (1 + 1 + 3))
+    assert bwd_i == pytest.approx(3 / 1)  # stage 0 has no input backward: only stage 1 counts
+    assert bwd == pytest.approx((4 + 8 + 6) / (2 + 2 + 6))
+    assert optim == pytest.approx(2.5 / 1.5)
+    assert costs._slowdown({0: (0.0,) * 4}, [{0: [(0.0,) * 4]}]) == (1.0,) * 4
+
+
+def test_a_profile_of_two_local_ranks_times_them_at_once_and_says_so():
+    before = torch.get_num_threads()
+    sg = build_stage_graph(_mlp(local_ranks=2))
+    assert torch.get_num_threads() == before
+    assert not mp.active_children(), "the forked profilers are joined"
+    rec = sg.model["profile"]
+    assert rec["concurrent_ranks"] == 2 and rec["threads_per_rank"] == 1 and rec["reps"] == 2
+    assert set(rec["slowdown"]) == {"fwd", "bwd_i", "bwd", "optim"} and all(v > 0 for v in rec["slowdown"].values())
+    for st in sg.stages:
+        c = st.cost
+        assert c.fwd > 0 and c.bwd > 0 and c.bwd_w >= 0
+        assert c.bwd == pytest.approx(c.bwd_i + c.bwd_w)
+    assert sg.stages[0].cost.bwd_i == 0
+
+
+def test_one_rank_is_profiled_alone_and_flops_costs_record_no_profile():
+    alone = build_stage_graph(_mlp(local_ranks=1))
+    assert alone.model["profile"]["concurrent_ranks"] == 1 and "slowdown" not in alone.model["profile"]
+    flops = build_stage_graph(ModelRequest(target="pipec.examples.mlp:build", kwargs=dict(layers=4, dim=16),
+                                           inputs=(X,), num_microbatches=2, num_stages=2, costs="flops",
+                                           peak_flops=1e12, local_ranks=4))
+    assert "profile" not in flops.model
+
+
+def test_the_profile_takes_at_most_the_runs_ranks_and_a_cap():
+    assert costs.profiling(local_ranks=64, threads=1, reps=3).num_ranks == costs.MAX_PROFILE_RANKS
+    assert costs.profiling(local_ranks=0, threads=0, reps=0) == costs.Profiling(num_ranks=1, threads=1, reps=1)
+
+
+def _failing(where: str):
+    def work(rank: int, together) -> int:
+        if rank == 1 and where == "before":
+            raise ValueError("boom before the start")
+        together.start()
+        if rank == 1:
+            raise ValueError("boom after the start")
+        together.finish(lambda: None)
+        return rank
+    return work
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_failing_profiler_is_an_error_naming_costs_not_a_hang(where):
+    with pytest.raises(FrontendError, match="boom") as err:
+        costs._at_once(3, _failing(where))
+    assert err.value.key == "costs"
+    assert not mp.active_children()
