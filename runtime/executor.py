@@ -26,7 +26,7 @@ placeholder, so a schedule-only plan runs and the accounting can be checked
 against the prediction; comm, collectives and the optimizer step run as usual
 (an ``UNSHARD`` or ``REDUCE_SCATTER`` is a one-element all-reduce over its group).
 
-Why one module of ~650 lines: every handler reads and writes the same
+Why one module of ~720 lines: every handler reads and writes the same
 per-step state (buffers received, outputs and grads kept for their users,
 posted all-gathers, pending reductions, the timed spans and waits), and the
 tables that choose them are built together in one constructor; split apart,
