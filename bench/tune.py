@@ -1,27 +1,32 @@
 """pipec tune, measured (prints, not a test).
 
 (a) Here, 4 ranks, the example GPT with costs profile: every feasible candidate of a small grid
-    (layouts x schedules x microbatches) compiled and run under ``pipec run``; predicted beside
-    measured per candidate, the prediction-only pick against the best measured (goal: within 5%),
-    the Spearman rank correlation of predicted and measured (goal >= 0.8), tune's own pick over its
-    whole space and its ``--measure 3`` pick.
+    (layouts x schedules x microbatches) compiled and run under ``pipec run`` (``--rounds`` times, in
+    alternating order, the mean of the rounds' median steps); predicted beside measured per candidate,
+    and beside what the stages timed alone predict (the profile before it timed the run's ranks at
+    once), the prediction-only pick against the best measured (goal: within 5%), the Spearman rank
+    correlation of predicted and measured (goal >= 0.8), tune's own pick over its whole space and its
+    ``--measure 3`` pick.
 (b) The note's 13B GPT on 64 devices of 80 GB (meta tracing, costs flops at 989 TFLOP/s): the whole
     search's time (goal <= 60 s) and why it picks what it picks.
 
-    python bench/tune.py [--part a|b|both] [--steps 4] [--out DIR]
+    python bench/tune.py [--part a|b|both] [--steps 4] [--rounds 2] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 from dataclasses import replace
 
 from pipec.compiler.driver import compile_request
-from pipec.compiler.tune import Candidate, TuneRequest, _score, candidate_request, candidates, tune
-from pipec.compiler.tune_measure import measure
+from pipec.compiler.plan import Cost, Plan
+from pipec.compiler.simulate import simulate
+from pipec.compiler.tune import Candidate, Scored, TuneRequest, _score, candidate_request, candidates, tune
+from pipec.compiler.tune_measure import measure, run_candidates
 from pipec.compiler.tune_report import pipe_lines, why
 from pipec.dsl import load_spec
 
@@ -82,50 +87,90 @@ def _in_grid(c: Candidate) -> bool:
             and c.num_microbatches in GRID_MICROBATCHES and c.num_chunks in (1, 2) and c.partition_by == "flops")
 
 
-def part_a(folder: str, steps: int) -> None:
+def _alone(plan: Plan) -> float:
+    """The step predicted from the stages timed alone (and the links and overhead as the probe timed them, its
+    two ranks alone): the profile before it timed the run's ranks at once, on the same program."""
+    sd = ((plan.model or {}).get("profile") or {}).get("slowdown")
+    if not sd:
+        return plan.prediction.step_time
+    f = (sd["fwd"] + sd["bwd"]) / 2
+
+    def cost(c: Cost) -> Cost:
+        bwd, bwd_i = c.bwd / sd["bwd"], c.bwd_i / sd["bwd_i"]
+        return Cost(fwd=c.fwd / sd["fwd"], bwd=bwd, bwd_i=bwd_i, bwd_w=bwd - bwd_i if bwd_i else bwd,
+                    optim=c.optim / sd["optim"])
+
+    links = {k: replace(v, latency_s=v.latency_s / f, bandwidth_Bps=v.bandwidth_Bps * f)
+             if v.measured and v.measured.backend == "gloo" else v for k, v in plan.links.items()}
+    overhead = plan.overhead and replace(plan.overhead, seconds={k: t / f for k, t in plan.overhead.seconds.items()})
+    stages = tuple(replace(st, cost=cost(st.cost)) for st in plan.stages)
+    return simulate(replace(plan, stages=stages, links=links, overhead=overhead)).step_time
+
+
+def _measured(scored: list[Scored], folder: str, steps: int, rounds: int) -> dict[Candidate, list[float]]:
+    """Every candidate's measured median step per round; rounds alternate the order (forwards, backwards, ...)
+    so a drift in the machine's load does not favour the candidates run first."""
+    out: dict[Candidate, list[float]] = {s.candidate: [] for s in scored}
+    for r in range(rounds):
+        order = scored if r % 2 == 0 else scored[::-1]
+        print(f"  round {r + 1}/{rounds} ({'forwards' if r % 2 == 0 else 'backwards'}), load average "
+              f"{os.getloadavg()[0]:.2f}", flush=True)
+        got, notes = run_candidates(order, workdir=os.path.join(folder, f"grid{r}"), steps=steps)
+        for n in notes:
+            print("  note:", n)
+        for s in got:
+            if s.measured_step is not None:
+                out[s.candidate].append(s.measured_step)
+    print(f"  done, load average {os.getloadavg()[0]:.2f}")
+    return out
+
+
+def part_a(folder: str, steps: int, rounds: int) -> None:
     path = _write(folder, "gpt_small.pipe", SMALL)
     treq = TuneRequest(base=load_spec(path, {}).request, num_devices=4)
     grid = [c for c in candidates(treq) if _in_grid(c)]
-    print(f"(a) {len(grid)} grid candidates on 4 ranks, global batch 16, costs profile, {steps} steps each")
+    print(f"(a) {len(grid)} grid candidates on 4 ranks, global batch 16, costs profile, {steps} steps each, "
+          f"{rounds} rounds; {os.cpu_count()} cores")
+    t0 = time.perf_counter()
     scored = []
     for c in grid:
         plan = compile_request(candidate_request(treq, c)).plan
         scored.append(_score(c, plan, 16 * 128, None, 4))
+    prof = scored[0].plan.model.get("profile", {})
+    print(f"  compiled in {time.perf_counter() - t0:.1f} s; profile: {prof}")
+    runs = _measured(scored, folder, steps, rounds)
+    rows = [(s, _alone(s.plan), statistics.fmean(runs[s.candidate])) for s in scored if runs[s.candidate]]
+    print(f"  {'layout':<7} {'schedule':<17} {'v':>2} {'M':>3} {'alone':>9} {'predicted':>10} "
+          f"{'measured':>9} {'pred/meas':>9}  rounds")
+    for s, alone, meas in sorted(rows, key=lambda r: r[0].rank_key()):
+        c = s.candidate
+        each = " ".join(f"{x * 1e3:.0f}" for x in runs[c])
+        print(f"  {c.layout:<7} {c.schedule:<17} {c.num_chunks:>2} {c.num_microbatches:>3} {alone * 1e3:>7.1f}ms "
+              f"{s.step_time * 1e3:>8.1f}ms {meas * 1e3:>7.1f}ms {s.step_time / meas:>9.2f}  {each}")
+    best = min(rows, key=lambda r: r[2])
+    for name, key in (("predicted", lambda r: r[0].rank_key()), ("alone", lambda r: (r[1], r[0].rank_key()))):
+        pick = min(rows, key=key)
+        rho = spearman([key(r)[0] for r in rows], [r[2] for r in rows])
+        err = statistics.fmean(abs((r[0].step_time if name == "predicted" else r[1]) / r[2] - 1) for r in rows)
+        print(f"  {name:>9}: pick {_name(pick[0].candidate)} measured {pick[2] * 1e3:.1f} ms, "
+              f"{pick[2] / best[2] - 1:.1%} over the best measured {_name(best[0].candidate)} {best[2] * 1e3:.1f} ms "
+              f"(goal <= 5%); Spearman {rho:.3f} (goal >= 0.8); mean |pred/meas - 1| {err:.0%}")
     t0 = time.perf_counter()
     full = tune(treq)
     search_s = time.perf_counter() - t0
-    measured, notes = measure(replace(full, top=tuple(scored), best=scored[0]), len(scored),
-                              workdir=os.path.join(folder, "grid"), steps=steps)
-    for n in notes:
-        print("  note:", n)
-    rows = [s for s in measured.top if s.measured_step is not None]
-    print(f"  {'layout':<8} {'schedule':<17} {'v':>2} {'M':>3} {'predicted':>10} {'measured':>10}")
-    for s in sorted(rows, key=lambda s: s.step_time):
-        c = s.candidate
-        print(f"  {c.layout:<8} {c.schedule:<17} {c.num_chunks:>2} {c.num_microbatches:>3} "
-              f"{s.step_time * 1e3:>8.2f}ms {s.measured_step * 1e3:>8.2f}ms")
-    pick = min(rows, key=lambda s: s.rank_key())
-    best = min(rows, key=lambda s: s.measured_step)
-    rho = spearman([s.step_time for s in rows], [s.measured_step for s in rows])
-    print(f"  prediction-only pick over the grid: {pick.candidate.layout} {pick.candidate.schedule} "
-          f"M {pick.candidate.num_microbatches}: measured {pick.measured_step * 1e3:.2f} ms; best measured "
-          f"{best.candidate.layout} {best.candidate.schedule} M {best.candidate.num_microbatches}: "
-          f"{best.measured_step * 1e3:.2f} ms; pick within {(pick.measured_step / best.measured_step - 1):.1%} "
-          "(goal <= 5%)")
-    print(f"  Spearman rank correlation, predicted vs measured: {rho:.3f} (goal >= 0.8)")
     print(f"  tune over its whole space ({full.num_candidates} candidates, {search_s:.1f} s): "
-          f"{full.best.candidate.layout} {full.best.candidate.schedule} v {full.best.candidate.num_chunks} "
-          f"M {full.best.candidate.num_microbatches}, predicted {full.best.step_time * 1e3:.2f} ms")
+          f"{_name(full.best.candidate)}, predicted {full.best.step_time * 1e3:.2f} ms")
     top3, notes3 = measure(full, 3, workdir=os.path.join(folder, "top3"), steps=steps)
     for s in top3.top[:3]:
-        c = s.candidate
         m = f"{s.measured_step * 1e3:.2f} ms" if s.measured_step else "not measured"
-        print(f"    --measure 3: {c.layout} {c.schedule} v {c.num_chunks} M {c.num_microbatches}: predicted "
-              f"{s.step_time * 1e3:.2f} ms, measured {m}")
+        print(f"    --measure 3: {_name(s.candidate)}: predicted {s.step_time * 1e3:.2f} ms, measured {m}")
     for n in notes3:
         print("  note:", n)
-    print(f"  --measure 3 pick: {top3.best.candidate.layout} {top3.best.candidate.schedule} "
-          f"M {top3.best.candidate.num_microbatches}")
+    print(f"  --measure 3 pick: {_name(top3.best.candidate)}")
+
+
+def _name(c: Candidate) -> str:
+    return f"{c.layout} {c.schedule} v {c.num_chunks} M {c.num_microbatches}"
 
 
 def part_b(folder: str) -> None:
@@ -153,6 +198,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=("a", "b", "both"), default="both")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2, help="runs of every grid candidate, in alternating order")
     ap.add_argument("--out", default=None, help="folder for the plans and reports (default: a temporary one)")
     args = ap.parse_args()
     folder = args.out or tempfile.mkdtemp(prefix="pipec-bench-tune-")
@@ -160,7 +206,7 @@ def main() -> int:
     if args.part in ("b", "both"):
         part_b(folder)
     if args.part in ("a", "both"):
-        part_a(folder, args.steps)
+        part_a(folder, args.steps, args.rounds)
     return 0
 
 

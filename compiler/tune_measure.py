@@ -14,12 +14,12 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Sequence
 
 from pipec.compiler.plan import write_plan
 from pipec.compiler.tune import Scored, TuneResult
 
-__all__ = ["max_ranks", "measure"]
+__all__ = ["max_ranks", "measure", "run_candidates"]
 
 
 def max_ranks() -> int:
@@ -27,15 +27,16 @@ def max_ranks() -> int:
     return min(16, 4 * (os.cpu_count() or 1))
 
 
-def measure(result: TuneResult, k: int, *, workdir: str, steps: int = 4, timeout: float = 600,
-            progress: Callable[[int, int], None] | None = None) -> tuple[TuneResult, list[str]]:
-    """The result with the top ``k`` measured (``measured_step``) and re-ranked: measured ones by
-    their measured step first, then the rest as predicted; the notes say what was skipped or failed."""
+def run_candidates(scored: Sequence[Scored], *, workdir: str, steps: int = 4, timeout: float = 600,
+                   progress: Callable[[int, int], None] | None = None) -> tuple[list[Scored], list[str]]:
+    """Each of ``scored`` run here in turn, with its ``measured_step`` where the run succeeded; the notes say
+    what was skipped or failed."""
     os.makedirs(workdir, exist_ok=True)
     notes: list[str] = []
     limit = max_ranks()
     out: list[Scored] = []
-    for i, s in enumerate(result.top[:k]):
+    k = len(scored)
+    for i, s in enumerate(scored):
         if progress:
             progress(i, k)
         world = s.candidate.pp * s.candidate.dp
@@ -65,6 +66,14 @@ def measure(result: TuneResult, k: int, *, workdir: str, steps: int = 4, timeout
         out.append(replace(s, measured_step=float(report["measured"]["step_time"])))
     if progress:
         progress(k, k)
+    return out, notes
+
+
+def measure(result: TuneResult, k: int, *, workdir: str, steps: int = 4, timeout: float = 600,
+            progress: Callable[[int, int], None] | None = None) -> tuple[TuneResult, list[str]]:
+    """The result with the top ``k`` measured (``measured_step``) and re-ranked: measured ones by
+    their measured step first, then the rest as predicted; the notes say what was skipped or failed."""
+    out, notes = run_candidates(result.top[:k], workdir=workdir, steps=steps, timeout=timeout, progress=progress)
     measured = sorted((s for s in out if s.measured_step is not None),
                       key=lambda s: (s.measured_step, s.rank_key()))
     rest = [s for s in out if s.measured_step is None]

@@ -88,3 +88,25 @@ def test_a_failing_profiler_is_an_error_naming_costs_not_a_hang(where):
         costs._at_once(3, _failing(where))
     assert err.value.key == "costs"
     assert not mp.active_children()
+
+
+def test_gloo_links_and_overhead_slow_down_as_the_profiled_ranks_did():
+    from types import SimpleNamespace
+
+    from pipec.compiler.frontend.links import _under_load
+    from pipec.compiler.plan import Link, Measured, Overhead
+
+    gloo, nccl = Measured(at="now", backend="gloo"), Measured(at="now", backend="nccl")
+    links = {"pp": Link(latency_s=1e-4, bandwidth_Bps=1e9, measured=gloo),
+             "dp": Link(latency_s=1e-3, bandwidth_Bps=2e9, measured=gloo),
+             "tie": Link(latency_s=1e-3, bandwidth_Bps=2e9, measured=nccl), "shard": Link(latency_s=1, bandwidth_Bps=1)}
+    overhead = Overhead(seconds={"FWD": 1e-5}, measured=gloo)
+    plan = SimpleNamespace(model={"profile": {"slowdown": {"fwd": 2.0, "bwd": 3.0, "bwd_i": 9.0, "optim": 9.0}}})
+    got, over, factor = _under_load(plan, links, overhead)
+    assert factor == 2.5  # the mean of the forward's and the backward's
+    assert got["pp"].latency_s == pytest.approx(2.5e-4) and got["pp"].bandwidth_Bps == pytest.approx(1e9 / 2.5)
+    assert got["dp"].bandwidth_Bps == pytest.approx(2e9 / 2.5)
+    assert got["tie"] == links["tie"] and got["shard"] == links["shard"]  # not gloo, or not measured
+    assert over.seconds["FWD"] == pytest.approx(2.5e-5)
+    for model in (None, {}, {"profile": {"concurrent_ranks": 1}}):
+        assert _under_load(SimpleNamespace(model=model), links, overhead) == (links, overhead, 1.0)

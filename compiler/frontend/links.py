@@ -88,7 +88,27 @@ def measure_links(plan: Plan) -> tuple[Plan, list[str]]:
         overhead: Overhead | None = read_overhead(rd)
     except SchemaError as e:
         return plan, [f"links not measured: the probe wrote an unreadable file ({e})"]
+    links, overhead, slow = _under_load(plan, links, overhead)
     pp = links["pp"]
     note = (f"links measured on {pp.measured.backend if pp.measured else '?'}: pp {pp.latency_s * 1e6:.0f} us + "
-            f"{pp.bandwidth_Bps / 1e9:.2f} GB/s; executor overhead measured per instruction kind")
+            f"{pp.bandwidth_Bps / 1e9:.2f} GB/s; executor overhead measured per instruction kind"
+            + (f"; both {slow:.2f}x slower, as the profile's ranks computing at once" if slow > 1 else ""))
     return replace(plan, links=links, overhead=overhead), [note]
+
+
+def _under_load(plan: Plan, links: dict, overhead: Overhead | None) -> tuple[dict, Overhead | None, float]:
+    """On gloo every byte a message or collective moves is copied (and a reduction summed) by the ranks' CPUs,
+    and the executor's overhead is CPU time too; the probe timed them with its two ranks alone, but the run's
+    ranks share this machine's cores while they compute, as ``costs profile`` measured (``model["profile"]
+    ["slowdown"]``: how much slower the stages ran with as many processes as the run's ranks here). So each
+    measured gloo link's latency and time per byte, and the overhead, are scaled by the same slowdown (the
+    mean of the forward's and the backward's); the factor is returned (1: nothing scaled)."""
+    slowdown = ((plan.model or {}).get("profile") or {}).get("slowdown") or {}
+    factor = (slowdown.get("fwd", 1.0) + slowdown.get("bwd", 1.0)) / 2
+    if factor <= 1:
+        return links, overhead, 1.0
+    scaled = {axis: replace(link, latency_s=link.latency_s * factor, bandwidth_Bps=link.bandwidth_Bps / factor)
+              if link.measured and link.measured.backend == "gloo" else link for axis, link in links.items()}
+    if overhead is not None and overhead.measured and overhead.measured.backend == "gloo":
+        overhead = replace(overhead, seconds={op: t * factor for op, t in overhead.seconds.items()})
+    return scaled, overhead, factor
