@@ -22,14 +22,14 @@ from pipec.compiler.lower import lower
 from pipec.compiler.memory import breakdown, check_memory
 from pipec.compiler.plan import DEFAULT_LINKS, Link, Mesh, Plan, Stage, check_limits, check_nodes, check_shard
 from pipec.compiler.request import CompileRequest, ModelSpec
-from pipec.compiler.simulate import BUFFERED, chain_edges, plan_costs, timeline_of
+from pipec.compiler.simulate import BUFFERED, chain_edges, execute, plan_costs, timeline_of
 from pipec.compiler.verify import verify
 from pipec.errors import Diagnostic, PipecError
 from pipec.schedules import check_rules, get_schedule, loop_placement, v_placement
 from pipec.schedules.order import ComputeOrder, ScheduleError, gc_paused, validate_order
 from pipec.schedules.policy import policy_order
 
-__all__ = ["Compiled", "compile_request", "compile_plan", "compile_spec", "schedule_order", "prove_and_predict"]
+__all__ = ["Compiled", "compile_request", "compile_plan", "compile_spec", "schedule_order", "prove_and_predict", "bare_plan"]
 
 BUBBLE_WARNING = 0.5
 """A predicted bubble above this fraction gets a warning."""
@@ -43,18 +43,19 @@ class Compiled:
     from the driver, located ones (``str()`` renders them) from :func:`compile_spec`."""
 
 
-def compile_request(req: CompileRequest, *, graph=None) -> Compiled:
+def compile_request(req: CompileRequest, *, graph=None, verify: bool = True) -> Compiled:
     """Compile a request into a verified, predicted plan (see the module docstring). ``graph``: the
     model's :class:`~pipec.compiler.graph.StageGraph` when the caller already built it for this request
-    (``pipec tune`` cuts one trace many times); None: the front end builds it."""
+    (``pipec tune`` cuts one trace many times); None: the front end builds it. ``verify=False``: the
+    plan is predicted but not proven (``pipec tune`` proves only the plans it keeps, with
+    :func:`~pipec.compiler.verify.verify`); the prediction is the same."""
     with gc_paused():  # hundreds of thousands of acyclic objects: collections would only rescan them
-        return _compile(req, graph)
+        return _compile(req, graph, verify)
 
 
-def _compile(req: CompileRequest, graph=None) -> Compiled:
+def _compile(req: CompileRequest, graph=None, verify: bool = True) -> Compiled:
     check_limits(pp=req.pp, num_stages=req.num_stages, num_microbatches=req.num_microbatches)  # refuse what is too big
-    mesh = Mesh(pp=req.pp, dp=req.dp, shard=req.shard, shard_size=req.shard_size,
-                devices_per_node=req.devices_per_node)
+    mesh = _mesh(req)
     check_shard(mesh)                                            # a sharding that can work
     check_nodes(mesh)                                            # whole nodes
     order, diagnostics = schedule_order(req)                     # the schedule's rules, then its order
@@ -63,27 +64,9 @@ def _compile(req: CompileRequest, graph=None) -> Compiled:
     if graph is not None and len(graph.stages) != order.num_stages:
         raise PipecError(f"the model was partitioned into {len(graph.stages)} stages but the schedule runs "
                          f"{order.num_stages}", key="partition")
-    training = req.training
     if graph is not None:
         diagnostics += [Diagnostic("note", note, key="trace") for note in graph.notes]
-        if training is not None and "init" in graph.model:       # the front end resolved `init auto`
-            training = replace(training, init=graph.model["init"])
-    spec = {**req.spec, **(training.to_json() if training is not None else {})}
-    plan = Plan(                                                 # everything but the program and prediction
-        mesh=mesh,
-        num_stages=order.num_stages,
-        num_microbatches=req.num_microbatches,
-        placement=order.placement,
-        program=Program(()),
-        stages=_placed(graph.stages, order.placement) if graph else tuple(
-            Stage(stage=s, rank=r) for s, r in enumerate(order.placement)),
-        edges=graph.edges if graph else chain_edges(order.num_stages),
-        ties=graph.ties if graph else (),
-        links=dict(req.links),
-        spec=spec,
-        model=_model_entry(graph, req) if graph else None,
-        pipec_version=pipec.__version__,
-    )
+    plan = bare_plan(req, graph, order.placement, mesh)          # everything but the program and prediction
     if graph is not None and req.model.costs == "profile" and req.origin("links").kind == "default":
         from pipec.compiler.frontend.links import measure_links  # a job of two local ranks (torch)
 
@@ -93,7 +76,7 @@ def _compile(req: CompileRequest, graph=None) -> Compiled:
     program = lower(order, edges=plan.edges, costs=costs, mesh=mesh, ties=plan.ties)  # comm and collectives
     check_limits(pp=req.pp, num_stages=plan.num_stages, num_microbatches=req.num_microbatches,
                  instructions=program.num_instructions)
-    plan = prove_and_predict(replace(plan, program=program))      # the four proofs, then the timeline
+    plan = prove_and_predict(replace(plan, program=program), prove=verify)  # the four proofs, then the timeline
     if plan.prediction.bubble_fraction > BUBBLE_WARNING:
         diagnostics.append(Diagnostic(
             "warning", f"the predicted bubble is {plan.prediction.bubble_fraction:.0%} of the step; more "
@@ -101,6 +84,35 @@ def _compile(req: CompileRequest, graph=None) -> Compiled:
     if req.device_memory is not None:                            # refuse what does not fit
         check_memory(plan, req.device_memory)
     return Compiled(plan, tuple(diagnostics))
+
+
+def _mesh(req: CompileRequest) -> Mesh:
+    return Mesh(pp=req.pp, dp=req.dp, shard=req.shard, shard_size=req.shard_size,
+                devices_per_node=req.devices_per_node)
+
+
+def bare_plan(req: CompileRequest, graph, placement: tuple[int, ...], mesh: Mesh | None = None) -> Plan:
+    """The request's plan but its program and prediction: mesh, stages placed, edges, ties, links and the
+    resolved spec (``pipec tune`` prices its bounds on it with :func:`~pipec.compiler.simulate.plan_costs`)."""
+    training = req.training
+    if graph is not None and training is not None and "init" in graph.model:  # the front end resolved `init auto`
+        training = replace(training, init=graph.model["init"])
+    spec = {**req.spec, **(training.to_json() if training is not None else {})}
+    return Plan(
+        mesh=mesh or _mesh(req),
+        num_stages=len(placement),
+        num_microbatches=req.num_microbatches,
+        placement=placement,
+        program=Program(()),
+        stages=_placed(graph.stages, placement) if graph else tuple(
+            Stage(stage=s, rank=r) for s, r in enumerate(placement)),
+        edges=graph.edges if graph else chain_edges(len(placement)),
+        ties=graph.ties if graph else (),
+        links=dict(req.links),
+        spec=spec,
+        model=_model_entry(graph, req) if graph else None,
+        pipec_version=pipec.__version__,
+    )
 
 
 def schedule_order(req: CompileRequest) -> tuple[ComputeOrder, list[Diagnostic]]:
@@ -180,14 +192,20 @@ def compile_spec(spec, *, trace: bool = True) -> Compiled:
     return replace(compiled, diagnostics=(*spec.warnings, *(spec.locate(d) for d in compiled.diagnostics)))
 
 
-def prove_and_predict(plan: Plan) -> Plan:
-    """Verify a plan (all four proofs, both comm models) and attach its predicted timeline."""
-    with gc_paused():
-        proof = verify(plan)
+def prove_and_predict(plan: Plan, *, prove: bool = True) -> Plan:
+    """Verify a plan (all four proofs, both comm models) and attach its predicted timeline; ``prove=False``:
+    only the timeline (the buffered execution the proof would have made)."""
+    costs = plan_costs(plan)
+    if prove:
+        with gc_paused():
+            ex = verify(plan).executions[BUFFERED]
+    else:
+        ex = execute(plan.program, placement=plan.placement, num_microbatches=plan.num_microbatches,
+                     edges=plan.edges, costs=costs, model=BUFFERED, ties=plan.ties)
     rows = breakdown(plan)
     state = None if rows is None else [m.state for m in rows]
     static = None if rows is None else [m.state + m.unsharded for m in rows]
-    return replace(plan, prediction=timeline_of(proof.executions[BUFFERED], plan_costs(plan), static, state))
+    return replace(plan, prediction=timeline_of(ex, costs, static, state))
 
 
 def _placed(stages: Sequence[Stage], placement: Sequence[int]) -> tuple[Stage, ...]:

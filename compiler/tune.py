@@ -34,11 +34,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 from pipec.compiler.config import TrainingConfig
-from pipec.compiler.memory import MemoryBudgetError, bytes_per_param
+from pipec.compiler.engine import CostModel, Deadlock
+from pipec.compiler.ir import Op
+from pipec.compiler.memory import MemoryBudgetError, breakdown, bytes_per_param
 from pipec.compiler.plan import SHARD_MODES, Mesh, Plan
 from pipec.compiler.request import CompileRequest, InputTensor, PartitionRequest
+from pipec.compiler.simulate import plan_costs
+from pipec.compiler.verify import VerifyError, verify
 from pipec.errors import PipecError
 from pipec.schedules import SCHEDULES, ScheduleError, check_rules, loop_placement, v_placement
+from pipec.schedules.order import ComputeOrder, Kind
 
 __all__ = ["TUNED_KEYS", "INTERLEAVED_CHUNKS", "TuneError", "TuneRequest", "Candidate", "Scored", "TuneResult",
            "candidates", "tune", "candidate_request", "divisors"]
@@ -172,6 +177,8 @@ class TuneResult:
     """The candidates over budget, each with a lower bound on (or the measure of) what it needs (bytes)."""
     num_unbuildable: int
     """Cuts the model does not have (more stages than places to cut) or that the front end refused."""
+    num_unproven: int = 0
+    """Plans the search compiled that failed their proof (dropped; a compiler bug if ever non-zero)."""
     num_traces: int
     num_cuts: int
     seconds: float
@@ -363,35 +370,148 @@ def _per_param(c: Candidate, spec) -> float:
     return (p + g + o / n) if mesh.shard == "optimizer" else (p + g + o) / (n if mesh.params_sharded else 1)
 
 
-def _bounds(c: Candidate, graph, spec) -> tuple[float, int, int]:
-    """(step, peak memory, state) lower bounds of a candidate, before compiling it.
+@dataclass(frozen=True, slots=True)
+class _Frame:
+    """What a candidate's bounds are computed on, before lowering: its plan but the program (stages
+    placed, state sharded), the priced costs and its compute order."""
 
-    Step: per rank, its compute (M x the forward and backward of its stages); on a chain of stages
-    also the forwards of one microbatch through the stages before its first (it cannot start
-    earlier) and, unless the backward is split (a last ``W`` may trail), their backwards (its last
-    backward feeds them); the most over the ranks. Peak memory: per rank, its state at rest
-    (unpadded shards) plus the largest saved activations of one microbatch of its stages. State:
-    the first part alone, which recompute does not lower."""
-    placement = _placement(c)
-    per = _per_param(c, spec)
-    chain = all(e.dst_stage == e.src_stage + 1 for e in graph.edges)
-    split = SCHEDULES[c.schedule].split_backward
-    compute, state, act = [0.0] * c.pp, [0.0] * c.pp, [0] * c.pp
-    first = [c.num_stages] * c.pp
-    for st in graph.stages:
-        r = placement[st.stage]
-        compute[r] += c.num_microbatches * (st.cost.fwd + st.cost.bwd)
-        state[r] += (st.num_params or 0) * per
-        act[r] = max(act[r], st.activation_bytes or 0)
-        first[r] = min(first[r], st.stage)
-    head = [0.0]
-    tail = [0.0]
-    for st in graph.stages:
-        head.append(head[-1] + st.cost.fwd)
-        tail.append(tail[-1] + st.cost.bwd)
-    step = max(compute[r] + (head[first[r]] + (0.0 if split else tail[first[r]]) if chain else 0.0)
-               for r in range(c.pp))
-    return step, int(max(s + a for s, a in zip(state, act))), int(max(state))
+    plan: Plan
+    costs: CostModel
+    order: ComputeOrder
+    priced: bool
+    """Whether the comm costs are the ones the compile will use (not under measured links)."""
+
+
+def _orders() -> Callable[[Candidate], ComputeOrder]:
+    """One compute order per (schedule, pp, microbatches, chunks): layouts, shards and cuts share it."""
+    cache: dict[tuple, ComputeOrder] = {}
+
+    def order(c: Candidate) -> ComputeOrder:
+        key = (c.schedule, c.pp, c.num_microbatches, c.num_chunks)
+        if key not in cache:
+            cache[key] = SCHEDULES[c.schedule].build(num_ranks=c.pp, num_microbatches=c.num_microbatches,
+                                                     num_chunks=c.num_chunks)
+        return cache[key]
+    return order
+
+
+def candidate_frame(treq: TuneRequest, c: Candidate, graph, order: ComputeOrder, *,
+                    global_batch: int | None = None) -> _Frame:
+    """The frame of a candidate cut as ``graph`` (see :class:`_Frame`)."""
+    from pipec.compiler.driver import bare_plan
+
+    req = candidate_request(treq, c, global_batch=global_batch)
+    plan = bare_plan(req, graph, order.placement)
+    measured = req.model.costs == "profile" and req.origin("links").kind == "default"
+    return _Frame(plan, plan_costs(plan), order, priced=not measured)
+
+
+def _peak_activations(order: ComputeOrder, act: Sequence[int]) -> list[int]:
+    """Per rank: the most activation bytes held at once, as the simulator counts them (a forward saves
+    its stage's bytes per microbatch, a ``B`` or ``W`` frees them) in the rank's compute order."""
+    out = []
+    for actions in order.ranks:
+        held = peak = 0
+        for a in actions:
+            if a.kind is Kind.F:
+                held += act[a.stage]
+                peak = max(peak, held)
+            elif a.kind is not Kind.I:
+                held -= act[a.stage]
+        out.append(peak)
+    return out
+
+
+def _memory(frame: _Frame, stages) -> tuple[int, int]:
+    """(peak, state) lower bounds of a plan with these stages (their activations): per rank its state
+    at rest (padded shards, exact) plus its activations at their peak in its order (exact); the
+    gathered parameters of ``shard grads`` / ``full`` are left out. (0, 0) when activations are unknown
+    (nothing is checked against the budget then)."""
+    if any(st.activation_bytes is None for st in stages):
+        return 0, 0
+    state = [m.state for m in breakdown(frame.plan) or ()] or [0] * frame.plan.mesh.pp
+    act = _peak_activations(frame.order, [st.activation_bytes for st in stages])
+    return max(s + a for s, a in zip(state, act)), max(state)
+
+
+def _bounds(c: Candidate, frame: _Frame) -> tuple[float, int, int]:
+    """(step, peak memory, state) lower bounds of a candidate before lowering it (:func:`_step_bound`,
+    :func:`_memory`)."""
+    return (_step_bound(c, frame), *_memory(frame, frame.plan.stages))
+
+
+def _step_bound(c: Candidate, frame: _Frame) -> float:
+    """A lower bound on the simulated step (the buffered model), from the compute order and the costs.
+
+    Per rank r (first stage f), what it must do before it reaches ``OPT``, each a lower bound:
+
+    - its computes (exact, from its order) after the forwards of one microbatch through the stages
+      before f and the messages between them (``head``), plus its collectives on the clock (every
+      ``AR<s>:dp``, HSDP's ``dp.replicate`` and its tie all-reduces block the rank for their length);
+    - its dp lane: the shard collectives (one ``UNSHARD`` and one ``REDUCE_SCATTER`` per stage at
+      least) run one after another and ``OPT`` waits for the last;
+    - on a chain whose rank ends on a backward (``B`` or ``I``) of stage f: that backward's grads
+      pass back through the stages before f (``tail``), after which stage 0's rank reduces stage 0
+      (clock or lane) and runs its tie all-reduces.
+
+    ``OPT`` waits for every pp rank, then each steps its optimizer: the step is at least the latest
+    arrival plus the largest optimizer step. Host overhead is left out (it only adds)."""
+    plan, costs, order = frame.plan, frame.costs, frame.order
+    placement, mesh, stages = plan.placement, plan.mesh, costs.stages
+    S, P = len(stages), c.pp
+    transfer = costs.transfer if frame.priced else {}
+    shard = costs.shard if frame.priced else {}
+    allreduce = costs.allreduce if frame.priced else {}
+    clock, lane, optim = [0.0] * P, [0.0] * P, [0.0] * P
+    for s, cost in enumerate(stages):
+        r = placement[s]
+        optim[r] += cost.optim + shard.get(("OPTIM_STEP", s), 0.0)
+        clock[r] += _stage_reductions(mesh, allreduce, s)
+        lane[r] += shard.get((Op.UNSHARD.value, s), 0.0) + shard.get((Op.REDUCE_SCATTER.value, s), 0.0)
+    ties = [0.0] * P
+    for tie in plan.ties:
+        ranks = tie.ranks(placement)
+        if len(ranks) > 1:
+            for r in ranks:
+                ties[r] += allreduce.get((f"tie.{tie.name}", min(s for s in tie.stages if placement[s] == r)), 0.0)
+    chain = {(e.src_stage, e.dst_stage) for e in plan.edges} == {(s, s + 1) for s in range(S - 1)}
+    hop = [transfer.get((s, s + 1), 0.0) if placement[s] != placement[s + 1] else 0.0 for s in range(S - 1)]
+    back = _backward_in_chain(order, stages)
+    head, tail = [0.0], [0.0]
+    for s in range(S - 1):
+        head.append(head[-1] + stages[s].fwd + hop[s])
+        tail.append(tail[-1] + back[s] + hop[s])
+    after0 = max(_stage_reductions(mesh, allreduce, 0) + ties[placement[0]],
+                 shard.get((Op.REDUCE_SCATTER.value, 0), 0.0))
+    arrival = 0.0
+    for r, actions in enumerate(order.ranks):
+        f = min((s for s in range(S) if placement[s] == r), default=0)
+        busy = sum(stages[a.stage].of(a.kind) for a in actions)
+        start = head[f] if chain else 0.0
+        arrival = max(arrival, start + busy + clock[r] + ties[r], lane[r])
+        last = actions[-1] if actions else None
+        if chain and last is not None and last.kind in (Kind.B, Kind.I) and last.stage == f and f > 0:
+            arrival = max(arrival, start + busy + tail[f] + after0)
+    return arrival + max(optim, default=0.0)
+
+
+def _stage_reductions(mesh: Mesh, allreduce, s: int) -> float:
+    """The all-reduces of stage s that block its rank's clock: ``AR<s>:dp`` (unsharded parameters) or
+    HSDP's ``AR<s>:dp.replicate``."""
+    if mesh.params_sharded:
+        return allreduce.get(("dp.replicate", s), 0.0) if mesh.hybrid else 0.0
+    return allreduce.get(("dp", s), 0.0) if mesh.dp > 1 else 0.0
+
+
+def _backward_in_chain(order: ComputeOrder, stages) -> list[float]:
+    """Per stage: the shortest backward part that passes its input grad on (``B``, or ``I`` where the
+    order splits it), over the kinds its order uses."""
+    used: list[set] = [set() for _ in stages]
+    for actions in order.ranks:
+        for a in actions:
+            if a.kind in (Kind.B, Kind.I):
+                used[a.stage].add(a.kind)
+    return [min((stages[s].of(k) for k in kinds), default=0.0) for s, kinds in enumerate(used)]
 
 
 def _score(c: Candidate, plan: Plan, tokens: int, peak_flops: float | None, num_devices: int) -> Scored:
@@ -428,14 +548,15 @@ def tune(treq: TuneRequest) -> TuneResult:
     if not search.fits:
         raise TuneError(_no_fit(treq, batch, search.refused, search.graphs), key="device_memory")
     ranked = sorted(search.fits, key=Scored.rank_key)
+    frontier = search.proven_frontier()
     start = _start(treq)
-    start_scored = next((s for s in search.fits if _same_base(s.candidate, start)), None)
-    return TuneResult(best=ranked[0], top=tuple(ranked[:treq.num_top]), frontier=_pareto(search.fits), start=start,
+    start_scored = next((s for s in search.fits if _same_base(s.candidate, start) and search.proven(s)), None)
+    return TuneResult(best=ranked[0], top=tuple(ranked[:treq.num_top]), frontier=frontier, start=start,
                       start_scored=start_scored, global_batch=batch, num_devices=treq.num_devices,
                       device_memory=search.budget, peak_flops=search.peak_flops, num_candidates=len(space),
                       num_compiled=search.num_compiled, num_over_budget=len(search.refused),
-                      num_pruned=search.num_pruned, num_unbuildable=search.num_unbuildable,
-                      refused=tuple(search.refused),
+                      num_pruned=len(search.queue), num_unbuildable=search.num_unbuildable,
+                      num_unproven=search.num_unproven, refused=tuple(search.refused),
                       num_traces=len(search.graphs.traces),
                       num_cuts=sum(1 for g in search.graphs.cuts.values() if g is not None),
                       seconds=time.perf_counter() - t0)
@@ -446,27 +567,34 @@ def _same_base(a: Candidate, b: Candidate | None) -> bool:
     return b is not None and replace(a, recompute=frozenset()) == replace(b, recompute=frozenset())
 
 
+_CUT, _COMPILE = 0, 1
+"""Queue stages: a candidate queued by the bound that needs no cut, or by its own bounds."""
+
+
 class _Search:
     """Best-first branch and bound (see the module docstring). Every candidate is queued first by a
     bound that needs no cut of its own (M x the whole model's compute at its microbatch shape / pp:
-    the average rank's); popped, it is cut and queued again by its own bounds; popped again, it is
-    compiled. One over budget gets the least recompute of stages 0..k-1 that fits (the early stages
-    hold the most microbatches), found by bisection, unless its state alone is over budget. Once the table is full and the head of the queue cannot beat its last row, the
-    rest is pruned: nothing behind it can."""
+    the average rank's); popped, it is cut, given the least recompute of stages 0..k-1 its memory
+    bound allows (found by bisection; none: refused), and queued again by its own bounds; popped
+    again, it is compiled without its proof. One the compile finds over budget is queued again with
+    one stage more recomputed. Once the table is full and the head of the queue cannot beat its last
+    row, the table is proven (:func:`~pipec.compiler.verify.verify`); a plan that fails is dropped and
+    the search goes on from the queue, so the table holds proven plans only."""
 
     def __init__(self, treq: TuneRequest, batch: int):
         self.treq, self.batch = treq, batch
         self.graphs = _Graphs(treq, batch)
+        self.order = _orders()
         self.budget = _budget(treq)
         self.peak_flops = treq.peak_flops if treq.peak_flops is not None else treq.base.model.peak_flops
         self.tokens = batch * _numel(treq.base.model.inputs[0].shape[1:])
-        self.queue: list[tuple[float, tuple, int, Candidate, Any, int]] = []
+        self.queue: list[tuple[float, tuple, int, Candidate, Any]] = []
         self.fits: list[Scored] = []
         self.refused: list[tuple[int, Candidate]] = []
-        self.num_compiled = self.num_pruned = self.num_unbuildable = 0
+        self.num_compiled = self.num_unbuildable = self.num_unproven = 0
         self._times: list[float] = []
+        self._proofs: dict[Candidate, bool] = {}
         self._whole: dict[int, Any] = {}
-        self.num_params: int | None = None
 
     def _whole_model(self, c: Candidate):
         """The model as one stage at the candidate's microbatch shape (its compute and parameters)."""
@@ -488,83 +616,143 @@ class _Search:
             self.refused.append((int(average), c))
             return
         step = c.num_microbatches * sum(st.cost.fwd + st.cost.bwd for st in whole.stages) / c.pp
-        heapq.heappush(self.queue, (step, c.sort_key(), 0, c, None, 0))
+        heapq.heappush(self.queue, (step, c.sort_key(), _CUT, c, None))
 
-    def _bound(self, c: Candidate) -> None:
-        """Cut a candidate and queue it by its own bounds (or refuse it by its state)."""
+    def _frame(self, c: Candidate):
+        """The candidate's graph and frame, or None when the model cannot be cut that way."""
         graph = self.graphs.graph(c)
         if graph is None:
+            return None
+        return graph, candidate_frame(self.treq, c, graph, self.order(c), global_batch=self.batch)
+
+    def _bound(self, c: Candidate) -> None:
+        """Cut a candidate, give it the least recompute its memory bound allows, and queue it by its own
+        bounds (or refuse it)."""
+        got = self._frame(c)
+        if got is None:
             self.num_unbuildable += 1
             return
-        step, mem, state = _bounds(c, graph, self.treq.base.spec)
-        if self.budget is not None and state > self.budget:
-            self.refused.append((mem, c))
-        elif self.budget is not None and mem > self.budget:
-            self._escalate(c, mem)
-        else:
-            heapq.heappush(self.queue, (step, c.sort_key(), 1, c, graph, mem))
+        graph, frame = got
+        mem, state = _memory(frame, graph.stages)
+        if self.budget is not None and mem > self.budget:
+            if state > self.budget or "recompute" in self.treq.keep:
+                self.refused.append((mem, c))
+                return
+            least = self._least_recompute(c, frame, len(c.recompute) + 1)
+            if least is None:
+                self.refused.append((_memory(frame, self._recomputed(c, c.num_stages).stages)[0], c))
+                return
+            c = replace(c, recompute=frozenset(range(least)))
+            got = self._frame(c)
+        self._push(c, *got)
 
-    def _escalate(self, c: Candidate, mem: int) -> None:
+    def _push(self, c: Candidate, graph, frame: _Frame) -> None:
+        heapq.heappush(self.queue, (_step_bound(c, frame), c.sort_key(), _COMPILE, c, graph))
+
+    def _recomputed(self, c: Candidate, k: int):
+        return self.graphs.graph(replace(c, recompute=frozenset(range(k))))
+
+    def _least_recompute(self, c: Candidate, frame: _Frame, lo: int) -> int | None:
+        """The least k >= lo whose memory bound (stages 0..k-1 recomputed) is within the budget, by
+        bisection (the bound falls as k grows); None when even all stages do not bring it under."""
+        hi, found = c.num_stages, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if _memory(frame, self._recomputed(c, mid).stages)[0] <= self.budget:
+                found, hi = mid, mid - 1
+            else:
+                lo = mid + 1
+        return found
+
+    def _escalate(self, c: Candidate) -> None:
+        """A compiled candidate over budget (its gathered parameters): queue it with one stage more
+        recomputed, or refuse it."""
         k = len(c.recompute)
         if "recompute" in self.treq.keep or k >= c.num_stages:
-            self.refused.append((mem, c))
+            got = self._frame(c)
+            self.refused.append((_memory(got[1], got[0].stages)[0], c))
             return
-        self._bound(replace(c, recompute=frozenset(range(k + 1))))
+        more = replace(c, recompute=frozenset(range(k + 1)))
+        self._push(more, *self._frame(more))
 
     def run(self, progress: Callable[[int], Any]) -> None:
+        """Search until nothing queued can enter the table, prove the table; again while a proof fails."""
+        while True:
+            self._search(progress)
+            failed = [s for s in sorted(self.fits, key=Scored.rank_key)[:self.treq.num_top] if not self.proven(s)]
+            if not failed:
+                return
+            for s in failed:
+                self._drop(s)
+
+    def _search(self, progress: Callable[[int], Any]) -> None:
         K = self.treq.num_top
         while self.queue:
-            step, _, stage, c, graph, mem = heapq.heappop(self.queue)
-            if len(self._times) >= K and self._times[K - 1] <= step:
-                self.num_pruned += 1 + len(self.queue)  # the table is full: nothing queued can enter it
-                self.queue.clear()                # (each candidate is queued once at a time)
-                break
-            if stage == 0:
+            step, _, stage, c, graph = self.queue[0]
+            if len(self._times) >= K and _beyond(step, self._times[K - 1]):
+                return                          # the table is full: nothing queued can enter it
+            heapq.heappop(self.queue)
+            if stage == _CUT:
                 self._bound(c)
                 continue
             progress(self.num_compiled + len(self.refused) + self.num_unbuildable)
             plan = self._compile(c, graph)
             if plan is None:
-                c, plan = self._least_recompute(c, mem)
-                if plan is None:
-                    continue
-            s = _score(c, plan, self.tokens, self.peak_flops, self.treq.num_devices)
-            self.fits.append(s)
-            bisect.insort(self._times, s.step_time)
+                self._escalate(c)
+                continue
+            if plan is not False:
+                s = _score(c, plan, self.tokens, self.peak_flops, self.treq.num_devices)
+                self.fits.append(s)
+                bisect.insort(self._times, s.step_time)
 
-    def _compile(self, c: Candidate, graph) -> Plan | None:
-        """The candidate's verified plan, or None when it is over budget."""
+    def _compile(self, c: Candidate, graph) -> Plan | None | bool:
+        """The candidate's plan, predicted but not proven; None when it is over budget, False when it
+        cannot run (the simulator found a deadlock: a plan no proof would pass)."""
         from pipec.compiler.driver import compile_request
 
         self.num_compiled += 1
         try:
-            return compile_request(candidate_request(self.treq, c, global_batch=self.batch), graph=graph).plan
+            return compile_request(candidate_request(self.treq, c, global_batch=self.batch), graph=graph,
+                                   verify=False).plan
         except MemoryBudgetError:
             return None
+        except Deadlock:
+            self.num_unproven += 1
+            return False
 
-    def _least_recompute(self, c: Candidate, mem: int) -> tuple[Candidate, Plan | None]:
-        """For a candidate over budget: the least k (stages 0..k-1 recomputed) that fits, by bisection
-        (the peak falls as k grows), or None when none does."""
-        k = len(c.recompute)
-        if "recompute" in self.treq.keep or k >= c.num_stages:
-            self.refused.append((mem, c))
-            return c, None
-        lo, hi = k + 1, c.num_stages
-        found: tuple[Candidate, Plan] | None = None
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            cand = replace(c, recompute=frozenset(range(mid)))
-            graph = self.graphs.graph(cand)
-            _, bound, state = _bounds(cand, graph, self.treq.base.spec)
-            plan = None if bound > self.budget else self._compile(cand, graph)
-            if plan is None:
-                lo = mid + 1
-            else:
-                found, hi = (cand, plan), mid - 1
-        if found is None:
-            self.refused.append((mem, c))
-            return c, None
-        return found
+    def proven(self, s: Scored) -> bool:
+        """Whether the candidate's plan passes the verifier (proven once)."""
+        got = self._proofs.get(s.candidate)
+        if got is None:
+            try:
+                verify(s.plan)
+                got = True
+            except VerifyError:
+                got = False
+                self.num_unproven += 1
+            self._proofs[s.candidate] = got
+        return got
+
+    def _drop(self, s: Scored) -> None:
+        self.fits.remove(s)
+        self._times.pop(bisect.bisect_left(self._times, s.step_time))
+
+    def proven_frontier(self) -> tuple[Scored, ...]:
+        """The Pareto set of the compiled candidates whose plans are proven (one that fails is dropped)."""
+        while True:
+            frontier = _pareto(self.fits)
+            failed = [s for s in frontier if not self.proven(s)]
+            if not failed:
+                return frontier
+            for s in failed:
+                self._drop(s)
+
+
+def _beyond(bound: float, kth: float) -> bool:
+    """Whether a candidate whose step is at least ``bound`` ranks after the table's last row ``kth``:
+    compared as :meth:`Scored.rank_key` rounds them (an equal step may still win on memory), with room
+    for the bound's own rounding."""
+    return float(f"{bound * (1 - 1e-12):.9g}") > float(f"{kth:.9g}")
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -9,11 +9,12 @@ from dataclasses import replace
 import pytest
 
 from pipec.cli import main
-from pipec.compiler.driver import compile_request, model_request
+from pipec.compiler.driver import compile_request, model_request, schedule_order
 from pipec.compiler.frontend import build_stage_graph
 from pipec.compiler.memory import MemoryBudgetError
 from pipec.compiler.plan import read_plan
-from pipec.compiler.tune import TuneError, TuneRequest, _bounds, _pareto, _score, candidate_request, candidates, tune
+from pipec.compiler.tune import (TuneError, TuneRequest, _bounds, _pareto, _score, candidate_frame, candidate_request,
+                                 candidates, tune)
 from pipec.compiler.verify import verify
 from pipec.dsl import load_spec
 
@@ -53,7 +54,7 @@ def _brute(treq: TuneRequest):
                 plan = compile_request(req, graph=memo[key]).plan
             except MemoryBudgetError:
                 continue
-            step, mem, _ = _bounds(cand, memo[key], req.spec)
+            step, mem, _ = _bounds(cand, candidate_frame(treq, cand, memo[key], schedule_order(req)[0]))
             assert step <= plan.prediction.step_time * (1 + 1e-9), cand          # the bounds hold
             assert mem <= max(r.peak_memory_bytes for r in plan.prediction.per_rank), cand
             out.append(_score(cand, plan, 1, None, treq.num_devices))
@@ -129,3 +130,60 @@ def test_json_fields(small, tmp_path, capsys):
     assert set(doc["best"]) == fields and all(set(c) >= fields for c in doc["top"] + doc["frontier"])
     assert doc["best"] == doc["top"][0] and doc["plan"] == plan_path and doc["pipe"] and doc["why"]
     assert doc["best"]["step_time"] == pytest.approx(read_plan(plan_path).prediction.step_time)
+
+
+NODES = SMALL + ("devices_per_node 2\n"
+                 "links pp(latency=2us, bandwidth=5GB/s), dp(latency=3us, bandwidth=2GB/s), "
+                 "intra(latency=1us, bandwidth=20GB/s), inter(latency=10us, bandwidth=1GB/s)\n")
+
+
+def test_the_bounds_hold_for_every_candidate_and_price_communication(tmp_path):
+    """Layouts x shard modes x schedules x microbatches x recompute (none, all) on 4 devices in 2 nodes:
+    the step bound (communication included) never exceeds the simulated step, the memory bound never the
+    predicted peak; with one pp rank and parameters not sharded the step bound is the step."""
+    path = tmp_path / "nodes.pipe"
+    path.write_text(NODES)
+    treq = _request(str(path), num_devices=4, global_batch=8)
+    space = candidates(treq)
+    assert {c.shard for c in space} == {"none", "optimizer", "grads", "full"}
+    graphs = {}
+    for c in space:
+        for k in sorted({0, c.num_stages}):
+            cand = replace(c, recompute=frozenset(range(k)))
+            req = candidate_request(treq, cand)
+            key = repr(model_request(req))
+            if key not in graphs:
+                graphs[key] = build_stage_graph(model_request(req))
+            plan = compile_request(req, graph=graphs[key]).plan
+            step, mem, state = _bounds(cand, candidate_frame(treq, cand, graphs[key], schedule_order(req)[0]))
+            assert step <= plan.prediction.step_time * (1 + 1e-9), cand
+            assert state <= mem <= max(r.peak_memory_bytes for r in plan.prediction.per_rank), cand
+            if cand.pp == 1 and cand.shard in ("none", "optimizer"):
+                assert step == pytest.approx(plan.prediction.step_time, rel=1e-9), cand
+
+
+def test_only_proven_plans_are_kept(small, budget, tmp_path, monkeypatch, capsys):
+    """The search compiles without proofs and proves what it keeps: a plan that fails its proof is
+    dropped and the next takes its place, in the table, the frontier and the written plan."""
+    import pipec.compiler.tune as tune_module
+    from pipec.compiler.verify import VerifyError
+
+    treq = _request(small, device_memory=budget, num_top=4)
+    first = tune(treq)
+    bad = first.best.plan.program
+    real = tune_module.verify
+
+    def failing(plan):
+        if plan.program == bad:
+            raise VerifyError("rank 0, instruction 0: made to fail by the test")
+        return real(plan)
+
+    monkeypatch.setattr(tune_module, "verify", failing)
+    got = tune(treq)
+    want = [s for s in sorted(_brute(treq), key=lambda s: s.rank_key()) if s.candidate != first.best.candidate]
+    assert [(s.candidate, s.step_time) for s in got.top] == [(s.candidate, s.step_time) for s in want[:4]]
+    assert got.num_unproven == 1 and all(s.plan.program != bad for s in (*got.top, *got.frontier))
+    plan_path = str(tmp_path / "plan.json")
+    assert main(["tune", small, "--devices", "2", "--device-memory", str(budget), "-o", plan_path]) == 0
+    capsys.readouterr()
+    assert read_plan(plan_path).program == got.best.plan.program != bad
