@@ -9,20 +9,29 @@ schedules, so they are no extra candidates.
 
 The model is traced once per microbatch shape and each distinct cut (stages, microbatch shape,
 balance) is costed once; recompute and the data record are derived from the cut (:class:`_Graphs`).
-Recompute is the least that fits: a candidate over the budget is tried again with stages 0..k-1
-recomputed, k found by bisection (more recompute only adds time and lowers the peak), so the space has one point per layout,
-schedule, chunks, microbatches and balance. The search is best-first branch and bound
-(:class:`_Search`): a candidate's state at rest over the budget refuses it uncompiled; its busiest
-rank's compute (plus the pipeline's fill and drain on a chain) is a lower bound on its step, and
-once the top table is full and the next bound cannot beat its last row, the rest are pruned. The
-table and the winner are so exactly what compiling every candidate would give; the time-memory
-frontier is the Pareto set of the candidates compiled, exact for steps below the table's last row
-(slower, smaller ones may be missing). Candidates are compiled by the driver exactly as ``pipec
-compile`` would (:func:`~pipec.compiler.driver.compile_request`: every plan is a verified plan).
+Recompute is the least that fits, so the space has one point per layout, schedule, chunks,
+microbatches and balance: a candidate whose memory bound is over the budget gets stages 0..k-1
+recomputed, the least k its bound allows found by bisection (more recompute only adds time and
+lowers the peak); one the compile still finds over budget (gathered shards) gets one stage more.
+
+The search is best-first branch and bound (:class:`_Search`) on the lower bounds of
+:mod:`.tune_bounds`: the step, communication included (pp transfers on fill and drain, the
+collectives that block a rank, the shard collectives on its lane, the optimizer step after the last
+arrival), and the peak memory (the state at rest plus the activations at their peak in the
+candidate's compute order, exact unless parameters are sharded). A candidate over the budget by
+its bound is refused uncompiled; once the top table is full and the next bound cannot beat its last
+row, the rest are pruned. Candidates are compiled by the driver as ``pipec compile`` would
+(:func:`~pipec.compiler.driver.compile_request`) but without the proof, which only the plans kept
+need: the table, the frontier and the file's own candidate are proven
+(:func:`~pipec.compiler.verify.verify`); one that fails is dropped and the search goes on, so
+every plan tune reports or writes is a verified plan. The table and the winner are so exactly what
+compiling and proving every candidate would give; the time-memory frontier is the Pareto set of the
+candidates compiled, exact for steps below the table's last row (slower, smaller ones may be
+missing).
 
 torch-free at import: the front end is loaded only when a model is traced, as the driver does.
-About 600 lines: the space, the front end's cache and the search share the candidate type and its
-bounds; the output (table, reasons, JSON) is in :mod:`.tune_report`, runs in :mod:`.tune_measure`.
+About 650 lines: the space, the front end's cache and the search share the candidate type; the
+bounds are in :mod:`.tune_bounds`, the output (table, reasons, JSON) is in :mod:`.tune_report`, runs in :mod:`.tune_measure`.
 """
 
 from __future__ import annotations
@@ -34,16 +43,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 from pipec.compiler.config import TrainingConfig
-from pipec.compiler.engine import CostModel, Deadlock
-from pipec.compiler.ir import Op
-from pipec.compiler.memory import MemoryBudgetError, breakdown, bytes_per_param
+from pipec.compiler.engine import Deadlock
+from pipec.compiler.memory import MemoryBudgetError, bytes_per_param
 from pipec.compiler.plan import SHARD_MODES, Mesh, Plan
 from pipec.compiler.request import CompileRequest, InputTensor, PartitionRequest
-from pipec.compiler.simulate import plan_costs
+from pipec.compiler.tune_bounds import Frame, candidate_frame, memory_bound, order_cache, step_bound
 from pipec.compiler.verify import VerifyError, verify
 from pipec.errors import PipecError
-from pipec.schedules import SCHEDULES, ScheduleError, check_rules, loop_placement, v_placement
-from pipec.schedules.order import ComputeOrder, Kind
+from pipec.schedules import SCHEDULES, ScheduleError, check_rules
+from pipec.schedules.order import gc_paused
 
 __all__ = ["TUNED_KEYS", "INTERLEAVED_CHUNKS", "TuneError", "TuneRequest", "Candidate", "Scored", "TuneResult",
            "candidates", "tune", "candidate_request", "divisors"]
@@ -357,161 +365,12 @@ class _Graphs:
 # ----------------------------------------------------------------------------- bounds and the search
 
 
-def _placement(c: Candidate) -> tuple[int, ...]:
-    f = v_placement if SCHEDULES[c.schedule].placement == "v" else loop_placement
-    return f(c.pp, c.num_stages)
-
-
 def _per_param(c: Candidate, spec) -> float:
     """State bytes per parameter one rank holds at least (shards unpadded)."""
     mesh = Mesh(pp=c.pp, dp=c.dp, shard=c.shard, shard_size=c.shard_size)
     p, g, o = bytes_per_param(spec)
     n = mesh.num_shards
     return (p + g + o / n) if mesh.shard == "optimizer" else (p + g + o) / (n if mesh.params_sharded else 1)
-
-
-@dataclass(frozen=True, slots=True)
-class _Frame:
-    """What a candidate's bounds are computed on, before lowering: its plan but the program (stages
-    placed, state sharded), the priced costs and its compute order."""
-
-    plan: Plan
-    costs: CostModel
-    order: ComputeOrder
-    priced: bool
-    """Whether the comm costs are the ones the compile will use (not under measured links)."""
-
-
-def _orders() -> Callable[[Candidate], ComputeOrder]:
-    """One compute order per (schedule, pp, microbatches, chunks): layouts, shards and cuts share it."""
-    cache: dict[tuple, ComputeOrder] = {}
-
-    def order(c: Candidate) -> ComputeOrder:
-        key = (c.schedule, c.pp, c.num_microbatches, c.num_chunks)
-        if key not in cache:
-            cache[key] = SCHEDULES[c.schedule].build(num_ranks=c.pp, num_microbatches=c.num_microbatches,
-                                                     num_chunks=c.num_chunks)
-        return cache[key]
-    return order
-
-
-def candidate_frame(treq: TuneRequest, c: Candidate, graph, order: ComputeOrder, *,
-                    global_batch: int | None = None) -> _Frame:
-    """The frame of a candidate cut as ``graph`` (see :class:`_Frame`)."""
-    from pipec.compiler.driver import bare_plan
-
-    req = candidate_request(treq, c, global_batch=global_batch)
-    plan = bare_plan(req, graph, order.placement)
-    measured = req.model.costs == "profile" and req.origin("links").kind == "default"
-    return _Frame(plan, plan_costs(plan), order, priced=not measured)
-
-
-def _peak_activations(order: ComputeOrder, act: Sequence[int]) -> list[int]:
-    """Per rank: the most activation bytes held at once, as the simulator counts them (a forward saves
-    its stage's bytes per microbatch, a ``B`` or ``W`` frees them) in the rank's compute order."""
-    out = []
-    for actions in order.ranks:
-        held = peak = 0
-        for a in actions:
-            if a.kind is Kind.F:
-                held += act[a.stage]
-                peak = max(peak, held)
-            elif a.kind is not Kind.I:
-                held -= act[a.stage]
-        out.append(peak)
-    return out
-
-
-def _memory(frame: _Frame, stages) -> tuple[int, int]:
-    """(peak, state) lower bounds of a plan with these stages (their activations): per rank its state
-    at rest (padded shards, exact) plus its activations at their peak in its order (exact); the
-    gathered parameters of ``shard grads`` / ``full`` are left out. (0, 0) when activations are unknown
-    (nothing is checked against the budget then)."""
-    if any(st.activation_bytes is None for st in stages):
-        return 0, 0
-    state = [m.state for m in breakdown(frame.plan) or ()] or [0] * frame.plan.mesh.pp
-    act = _peak_activations(frame.order, [st.activation_bytes for st in stages])
-    return max(s + a for s, a in zip(state, act)), max(state)
-
-
-def _bounds(c: Candidate, frame: _Frame) -> tuple[float, int, int]:
-    """(step, peak memory, state) lower bounds of a candidate before lowering it (:func:`_step_bound`,
-    :func:`_memory`)."""
-    return (_step_bound(c, frame), *_memory(frame, frame.plan.stages))
-
-
-def _step_bound(c: Candidate, frame: _Frame) -> float:
-    """A lower bound on the simulated step (the buffered model), from the compute order and the costs.
-
-    Per rank r (first stage f), what it must do before it reaches ``OPT``, each a lower bound:
-
-    - its computes (exact, from its order) after the forwards of one microbatch through the stages
-      before f and the messages between them (``head``), plus its collectives on the clock (every
-      ``AR<s>:dp``, HSDP's ``dp.replicate`` and its tie all-reduces block the rank for their length);
-    - its dp lane: the shard collectives (one ``UNSHARD`` and one ``REDUCE_SCATTER`` per stage at
-      least) run one after another and ``OPT`` waits for the last;
-    - on a chain whose rank ends on a backward (``B`` or ``I``) of stage f: that backward's grads
-      pass back through the stages before f (``tail``), after which stage 0's rank reduces stage 0
-      (clock or lane) and runs its tie all-reduces.
-
-    ``OPT`` waits for every pp rank, then each steps its optimizer: the step is at least the latest
-    arrival plus the largest optimizer step. Host overhead is left out (it only adds)."""
-    plan, costs, order = frame.plan, frame.costs, frame.order
-    placement, mesh, stages = plan.placement, plan.mesh, costs.stages
-    S, P = len(stages), c.pp
-    transfer = costs.transfer if frame.priced else {}
-    shard = costs.shard if frame.priced else {}
-    allreduce = costs.allreduce if frame.priced else {}
-    clock, lane, optim = [0.0] * P, [0.0] * P, [0.0] * P
-    for s, cost in enumerate(stages):
-        r = placement[s]
-        optim[r] += cost.optim + shard.get(("OPTIM_STEP", s), 0.0)
-        clock[r] += _stage_reductions(mesh, allreduce, s)
-        lane[r] += shard.get((Op.UNSHARD.value, s), 0.0) + shard.get((Op.REDUCE_SCATTER.value, s), 0.0)
-    ties = [0.0] * P
-    for tie in plan.ties:
-        ranks = tie.ranks(placement)
-        if len(ranks) > 1:
-            for r in ranks:
-                ties[r] += allreduce.get((f"tie.{tie.name}", min(s for s in tie.stages if placement[s] == r)), 0.0)
-    chain = {(e.src_stage, e.dst_stage) for e in plan.edges} == {(s, s + 1) for s in range(S - 1)}
-    hop = [transfer.get((s, s + 1), 0.0) if placement[s] != placement[s + 1] else 0.0 for s in range(S - 1)]
-    back = _backward_in_chain(order, stages)
-    head, tail = [0.0], [0.0]
-    for s in range(S - 1):
-        head.append(head[-1] + stages[s].fwd + hop[s])
-        tail.append(tail[-1] + back[s] + hop[s])
-    after0 = max(_stage_reductions(mesh, allreduce, 0) + ties[placement[0]],
-                 shard.get((Op.REDUCE_SCATTER.value, 0), 0.0))
-    arrival = 0.0
-    for r, actions in enumerate(order.ranks):
-        f = min((s for s in range(S) if placement[s] == r), default=0)
-        busy = sum(stages[a.stage].of(a.kind) for a in actions)
-        start = head[f] if chain else 0.0
-        arrival = max(arrival, start + busy + clock[r] + ties[r], lane[r])
-        last = actions[-1] if actions else None
-        if chain and last is not None and last.kind in (Kind.B, Kind.I) and last.stage == f and f > 0:
-            arrival = max(arrival, start + busy + tail[f] + after0)
-    return arrival + max(optim, default=0.0)
-
-
-def _stage_reductions(mesh: Mesh, allreduce, s: int) -> float:
-    """The all-reduces of stage s that block its rank's clock: ``AR<s>:dp`` (unsharded parameters) or
-    HSDP's ``AR<s>:dp.replicate``."""
-    if mesh.params_sharded:
-        return allreduce.get(("dp.replicate", s), 0.0) if mesh.hybrid else 0.0
-    return allreduce.get(("dp", s), 0.0) if mesh.dp > 1 else 0.0
-
-
-def _backward_in_chain(order: ComputeOrder, stages) -> list[float]:
-    """Per stage: the shortest backward part that passes its input grad on (``B``, or ``I`` where the
-    order splits it), over the kinds its order uses."""
-    used: list[set] = [set() for _ in stages]
-    for actions in order.ranks:
-        for a in actions:
-            if a.kind in (Kind.B, Kind.I):
-                used[a.stage].add(a.kind)
-    return [min((stages[s].of(k) for k in kinds), default=0.0) for s, kinds in enumerate(used)]
 
 
 def _score(c: Candidate, plan: Plan, tokens: int, peak_flops: float | None, num_devices: int) -> Scored:
@@ -542,15 +401,18 @@ def tune(treq: TuneRequest) -> TuneResult:
                         f"({', '.join(sorted(treq.keep)) or 'none'}) leave no layout whose replicas split the "
                         "batch; keep fewer keys or choose another --global-batch")
     search = _Search(treq, batch)
-    for c in space:
-        search.add(c)
-    search.run(lambda j: treq.progress and treq.progress(min(j, len(space)), len(space)))
+    with gc_paused():  # the kept plans are many acyclic objects: collections would only rescan them
+        for c in space:
+            search.add(c)
+        search.run(lambda j: treq.progress and treq.progress(min(j, len(space)), len(space)))
     if not search.fits:
         raise TuneError(_no_fit(treq, batch, search.refused, search.graphs), key="device_memory")
     ranked = sorted(search.fits, key=Scored.rank_key)
     frontier = search.proven_frontier()
     start = _start(treq)
     start_scored = next((s for s in search.fits if _same_base(s.candidate, start) and search.proven(s)), None)
+    if start_scored is None and start is not None and any(_same_base(c, start) for c in space):
+        start_scored = search.settle(start)     # pruned: compiled anyway, the winner is compared with it
     return TuneResult(best=ranked[0], top=tuple(ranked[:treq.num_top]), frontier=frontier, start=start,
                       start_scored=start_scored, global_batch=batch, num_devices=treq.num_devices,
                       device_memory=search.budget, peak_flops=search.peak_flops, num_candidates=len(space),
@@ -584,7 +446,7 @@ class _Search:
     def __init__(self, treq: TuneRequest, batch: int):
         self.treq, self.batch = treq, batch
         self.graphs = _Graphs(treq, batch)
-        self.order = _orders()
+        self.order = order_cache()
         self.budget = _budget(treq)
         self.peak_flops = treq.peak_flops if treq.peak_flops is not None else treq.base.model.peak_flops
         self.tokens = batch * _numel(treq.base.model.inputs[0].shape[1:])
@@ -623,7 +485,7 @@ class _Search:
         graph = self.graphs.graph(c)
         if graph is None:
             return None
-        return graph, candidate_frame(self.treq, c, graph, self.order(c), global_batch=self.batch)
+        return graph, candidate_frame(candidate_request(self.treq, c, global_batch=self.batch), graph, self.order(c))
 
     def _bound(self, c: Candidate) -> None:
         """Cut a candidate, give it the least recompute its memory bound allows, and queue it by its own
@@ -633,32 +495,32 @@ class _Search:
             self.num_unbuildable += 1
             return
         graph, frame = got
-        mem, state = _memory(frame, graph.stages)
+        mem, state = memory_bound(frame, graph.stages)
         if self.budget is not None and mem > self.budget:
             if state > self.budget or "recompute" in self.treq.keep:
                 self.refused.append((mem, c))
                 return
             least = self._least_recompute(c, frame, len(c.recompute) + 1)
             if least is None:
-                self.refused.append((_memory(frame, self._recomputed(c, c.num_stages).stages)[0], c))
+                self.refused.append((memory_bound(frame, self._recomputed(c, c.num_stages).stages)[0], c))
                 return
             c = replace(c, recompute=frozenset(range(least)))
             got = self._frame(c)
         self._push(c, *got)
 
-    def _push(self, c: Candidate, graph, frame: _Frame) -> None:
-        heapq.heappush(self.queue, (_step_bound(c, frame), c.sort_key(), _COMPILE, c, graph))
+    def _push(self, c: Candidate, graph, frame: Frame) -> None:
+        heapq.heappush(self.queue, (step_bound(c, frame), c.sort_key(), _COMPILE, c, graph))
 
     def _recomputed(self, c: Candidate, k: int):
         return self.graphs.graph(replace(c, recompute=frozenset(range(k))))
 
-    def _least_recompute(self, c: Candidate, frame: _Frame, lo: int) -> int | None:
+    def _least_recompute(self, c: Candidate, frame: Frame, lo: int) -> int | None:
         """The least k >= lo whose memory bound (stages 0..k-1 recomputed) is within the budget, by
         bisection (the bound falls as k grows); None when even all stages do not bring it under."""
         hi, found = c.num_stages, None
         while lo <= hi:
             mid = (lo + hi) // 2
-            if _memory(frame, self._recomputed(c, mid).stages)[0] <= self.budget:
+            if memory_bound(frame, self._recomputed(c, mid).stages)[0] <= self.budget:
                 found, hi = mid, mid - 1
             else:
                 lo = mid + 1
@@ -670,7 +532,7 @@ class _Search:
         k = len(c.recompute)
         if "recompute" in self.treq.keep or k >= c.num_stages:
             got = self._frame(c)
-            self.refused.append((_memory(got[1], got[0].stages)[0], c))
+            self.refused.append((memory_bound(got[1], got[0].stages)[0], c))
             return
         more = replace(c, recompute=frozenset(range(k + 1)))
         self._push(more, *self._frame(more))
@@ -719,6 +581,25 @@ class _Search:
         except Deadlock:
             self.num_unproven += 1
             return False
+
+    def settle(self, c: Candidate) -> Scored | None:
+        """A candidate the search pruned, scored alone (the file's own): its least recompute that fits,
+        compiled and proven; None when none fits or its plan fails its proof."""
+        got = self._frame(c)
+        if got is None:
+            return None
+        keep = "recompute" in self.treq.keep
+        k = len(c.recompute) if keep or self.budget is None else self._least_recompute(c, got[1], 0)
+        while k is not None:
+            cand = c if keep else replace(c, recompute=frozenset(range(k)))
+            plan = self._compile(cand, self.graphs.graph(cand))
+            if plan is False:
+                return None
+            if plan is not None:
+                s = _score(cand, plan, self.tokens, self.peak_flops, self.treq.num_devices)
+                return s if self.proven(s) else None
+            k = None if keep or k >= c.num_stages else k + 1
+        return None
 
     def proven(self, s: Scored) -> bool:
         """Whether the candidate's plan passes the verifier (proven once)."""

@@ -13,8 +13,8 @@ from pipec.compiler.driver import compile_request, model_request, schedule_order
 from pipec.compiler.frontend import build_stage_graph
 from pipec.compiler.memory import MemoryBudgetError
 from pipec.compiler.plan import read_plan
-from pipec.compiler.tune import (TuneError, TuneRequest, _bounds, _pareto, _score, candidate_frame, candidate_request,
-                                 candidates, tune)
+from pipec.compiler.tune import TuneError, TuneRequest, _pareto, _score, candidate_request, candidates, tune
+from pipec.compiler.tune_bounds import bounds, candidate_frame
 from pipec.compiler.verify import verify
 from pipec.dsl import load_spec
 
@@ -54,7 +54,7 @@ def _brute(treq: TuneRequest):
                 plan = compile_request(req, graph=memo[key]).plan
             except MemoryBudgetError:
                 continue
-            step, mem, _ = _bounds(cand, candidate_frame(treq, cand, memo[key], schedule_order(req)[0]))
+            step, mem, _ = bounds(cand, candidate_frame(req, memo[key], schedule_order(req)[0]))
             assert step <= plan.prediction.step_time * (1 + 1e-9), cand          # the bounds hold
             assert mem <= max(r.peak_memory_bytes for r in plan.prediction.per_rank), cand
             out.append(_score(cand, plan, 1, None, treq.num_devices))
@@ -155,7 +155,7 @@ def test_the_bounds_hold_for_every_candidate_and_price_communication(tmp_path):
             if key not in graphs:
                 graphs[key] = build_stage_graph(model_request(req))
             plan = compile_request(req, graph=graphs[key]).plan
-            step, mem, state = _bounds(cand, candidate_frame(treq, cand, graphs[key], schedule_order(req)[0]))
+            step, mem, state = bounds(cand, candidate_frame(req, graphs[key], schedule_order(req)[0]))
             assert step <= plan.prediction.step_time * (1 + 1e-9), cand
             assert state <= mem <= max(r.peak_memory_bytes for r in plan.prediction.per_rank), cand
             if cand.pp == 1 and cand.shard in ("none", "optimizer"):

@@ -1,0 +1,172 @@
+"""``pipec tune``'s bounds: lower bounds on a candidate's step and peak memory before it is lowered.
+
+A candidate is bounded on its :class:`Frame`: the plan the driver would build but the program
+(:func:`~pipec.compiler.driver.bare_plan`: stages placed, state sharded, links priced by
+:func:`~pipec.compiler.simulate.plan_costs`) and its compute order. Each bound follows what the
+simulator's buffered model charges (:mod:`pipec.compiler.engine`), so it holds for the predicted
+step of any program the lowering makes from that order (tests/test_tune.py checks it for every
+candidate of a small space); the search prunes on them (:mod:`.tune`).
+
+torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from pipec.compiler.engine import CostModel
+from pipec.compiler.ir import Op
+from pipec.compiler.memory import breakdown
+from pipec.compiler.plan import Mesh, Plan
+from pipec.compiler.request import CompileRequest
+from pipec.compiler.simulate import plan_costs
+from pipec.schedules import SCHEDULES
+from pipec.schedules.order import ComputeOrder, Kind
+
+if TYPE_CHECKING:
+    from pipec.compiler.tune import Candidate
+
+__all__ = ["Frame", "order_cache", "candidate_frame", "peak_activations", "memory_bound", "bounds", "step_bound"]
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """What a candidate's bounds are computed on, before lowering: its plan but the program (stages
+    placed, state sharded), the priced costs and its compute order."""
+
+    plan: Plan
+    costs: CostModel
+    order: ComputeOrder
+    priced: bool
+    """Whether the comm costs are the ones the compile will use (not under measured links)."""
+
+
+def order_cache() -> Callable[[Candidate], ComputeOrder]:
+    """One compute order per (schedule, pp, microbatches, chunks): layouts, shards and cuts share it."""
+    cache: dict[tuple, ComputeOrder] = {}
+
+    def order(c: Candidate) -> ComputeOrder:
+        key = (c.schedule, c.pp, c.num_microbatches, c.num_chunks)
+        if key not in cache:
+            cache[key] = SCHEDULES[c.schedule].build(num_ranks=c.pp, num_microbatches=c.num_microbatches,
+                                                     num_chunks=c.num_chunks)
+        return cache[key]
+    return order
+
+
+def candidate_frame(req: CompileRequest, graph, order: ComputeOrder) -> Frame:
+    """The frame of a candidate's compile request, its model cut as ``graph`` (see :class:`Frame`)."""
+    from pipec.compiler.driver import bare_plan
+
+    plan = bare_plan(req, graph, order.placement)
+    measured = req.model.costs == "profile" and req.origin("links").kind == "default"
+    return Frame(plan, plan_costs(plan), order, priced=not measured)
+
+
+def peak_activations(order: ComputeOrder, act: Sequence[int]) -> list[int]:
+    """Per rank: the most activation bytes held at once, as the simulator counts them (a forward saves
+    its stage's bytes per microbatch, a ``B`` or ``W`` frees them) in the rank's compute order."""
+    out = []
+    for actions in order.ranks:
+        held = peak = 0
+        for a in actions:
+            if a.kind is Kind.F:
+                held += act[a.stage]
+                peak = max(peak, held)
+            elif a.kind is not Kind.I:
+                held -= act[a.stage]
+        out.append(peak)
+    return out
+
+
+def memory_bound(frame: Frame, stages) -> tuple[int, int]:
+    """(peak, state) lower bounds of a plan with these stages (their activations): per rank its state
+    at rest (padded shards, exact) plus its activations at their peak in its order (exact); the
+    gathered parameters of ``shard grads`` / ``full`` are left out. (0, 0) when activations are unknown
+    (nothing is checked against the budget then)."""
+    if any(st.activation_bytes is None for st in stages):
+        return 0, 0
+    state = [m.state for m in breakdown(frame.plan) or ()] or [0] * frame.plan.mesh.pp
+    act = peak_activations(frame.order, [st.activation_bytes for st in stages])
+    return max(s + a for s, a in zip(state, act)), max(state)
+
+
+def bounds(c: Candidate, frame: Frame) -> tuple[float, int, int]:
+    """(step, peak memory, state) lower bounds of a candidate before lowering it (:func:`_step_bound`,
+    :func:`_memory`)."""
+    return (step_bound(c, frame), *memory_bound(frame, frame.plan.stages))
+
+
+def step_bound(c: Candidate, frame: Frame) -> float:
+    """A lower bound on the simulated step (the buffered model), from the compute order and the costs.
+
+    Per rank r (first stage f), what it must do before it reaches ``OPT``, each a lower bound:
+
+    - its computes (exact, from its order) after the forwards of one microbatch through the stages
+      before f and the messages between them (``head``), plus its collectives on the clock (every
+      ``AR<s>:dp``, HSDP's ``dp.replicate`` and its tie all-reduces block the rank for their length);
+    - its dp lane: the shard collectives (one ``UNSHARD`` and one ``REDUCE_SCATTER`` per stage at
+      least) run one after another and ``OPT`` waits for the last;
+    - on a chain whose rank ends on a backward (``B`` or ``I``) of stage f: that backward's grads
+      pass back through the stages before f (``tail``), after which stage 0's rank reduces stage 0
+      (clock or lane) and runs its tie all-reduces.
+
+    ``OPT`` waits for every pp rank, then each steps its optimizer: the step is at least the latest
+    arrival plus the largest optimizer step. Host overhead is left out (it only adds)."""
+    plan, costs, order = frame.plan, frame.costs, frame.order
+    placement, mesh, stages = plan.placement, plan.mesh, costs.stages
+    S, P = len(stages), c.pp
+    transfer = costs.transfer if frame.priced else {}
+    shard = costs.shard if frame.priced else {}
+    allreduce = costs.allreduce if frame.priced else {}
+    clock, lane, optim = [0.0] * P, [0.0] * P, [0.0] * P
+    for s, cost in enumerate(stages):
+        r = placement[s]
+        optim[r] += cost.optim + shard.get(("OPTIM_STEP", s), 0.0)
+        clock[r] += _stage_reductions(mesh, allreduce, s)
+        lane[r] += shard.get((Op.UNSHARD.value, s), 0.0) + shard.get((Op.REDUCE_SCATTER.value, s), 0.0)
+    ties = [0.0] * P
+    for tie in plan.ties:
+        ranks = tie.ranks(placement)
+        if len(ranks) > 1:
+            for r in ranks:
+                ties[r] += allreduce.get((f"tie.{tie.name}", min(s for s in tie.stages if placement[s] == r)), 0.0)
+    chain = {(e.src_stage, e.dst_stage) for e in plan.edges} == {(s, s + 1) for s in range(S - 1)}
+    hop = [transfer.get((s, s + 1), 0.0) if placement[s] != placement[s + 1] else 0.0 for s in range(S - 1)]
+    back = _backward_in_chain(order, stages)
+    head, tail = [0.0], [0.0]
+    for s in range(S - 1):
+        head.append(head[-1] + stages[s].fwd + hop[s])
+        tail.append(tail[-1] + back[s] + hop[s])
+    after0 = max(_stage_reductions(mesh, allreduce, 0) + ties[placement[0]],
+                 shard.get((Op.REDUCE_SCATTER.value, 0), 0.0))
+    arrival = 0.0
+    for r, actions in enumerate(order.ranks):
+        f = min((s for s in range(S) if placement[s] == r), default=0)
+        busy = sum(stages[a.stage].of(a.kind) for a in actions)
+        start = head[f] if chain else 0.0
+        arrival = max(arrival, start + busy + clock[r] + ties[r], lane[r])
+        last = actions[-1] if actions else None
+        if chain and last is not None and last.kind in (Kind.B, Kind.I) and last.stage == f and f > 0:
+            arrival = max(arrival, start + busy + tail[f] + after0)
+    return arrival + max(optim, default=0.0)
+
+
+def _stage_reductions(mesh: Mesh, allreduce, s: int) -> float:
+    """The all-reduces of stage s that block its rank's clock: ``AR<s>:dp`` (unsharded parameters) or
+    HSDP's ``AR<s>:dp.replicate``."""
+    if mesh.params_sharded:
+        return allreduce.get(("dp.replicate", s), 0.0) if mesh.hybrid else 0.0
+    return allreduce.get(("dp", s), 0.0) if mesh.dp > 1 else 0.0
+
+
+def _backward_in_chain(order: ComputeOrder, stages) -> list[float]:
+    """Per stage: the shortest backward part that passes its input grad on (``B``, or ``I`` where the
+    order splits it), over the kinds its order uses."""
+    used: list[set] = [set() for _ in stages]
+    for actions in order.ranks:
+        for a in actions:
+            if a.kind in (Kind.B, Kind.I):
+                used[a.stage].add(a.kind)
+    return [min((stages[s].of(k) for k in kinds), default=0.0) for s, kinds in enumerate(used)]
