@@ -68,6 +68,8 @@ def pipe_lines(c: Candidate, spec) -> list[str]:
     if c.partition_by:
         lines.append(f"partition balanced(by={c.partition_by})")
     lines.append(f"recompute {rec}")
+    if spec.get("devices_per_node"):  # --devices-per-node's, in place of the file's
+        lines.append(f"devices_per_node {spec['devices_per_node']}")
     for key in ("input", "targets"):
         tensors = spec.get(key) or ()
         if tensors:

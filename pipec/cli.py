@@ -324,10 +324,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             result, notes = measure(result, args.measure, workdir=args.measure_dir, steps=args.measure_steps,
                                     progress=progress)
     write_plan(result.best.plan, args.output)
-    lines = pipe_lines(result.best.candidate, result.best.plan.spec)
-    if args.devices_per_node is not None:  # the flag's, in place of the file's
-        lines.append(f"devices_per_node {args.devices_per_node}")
-    pipe = _tuned_pipe(args.file, lines)
+    pipe = _tuned_pipe(args.file, pipe_lines(result.best.candidate, result.best.plan.spec))
     if args.pipe:
         with open(args.pipe, "w", encoding="utf-8") as f:
             f.write(pipe)
