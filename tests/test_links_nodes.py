@@ -12,6 +12,7 @@ from pipec.compiler.ir import Program
 from pipec.compiler.plan import Edge, Link, Mesh, Plan, Signature, Stage, Tie, load_plan, plan_to_json, read_plan
 from pipec.compiler.simulate import link_sides, plan_costs
 from pipec.compiler.tune import TuneRequest, tune
+from pipec.compiler.tune_report import pipe_lines
 from pipec.dsl import DSLError, load_spec, parse_spec
 from pipec.errors import PipecError
 
@@ -217,6 +218,8 @@ def test_tune_keeps_dp_inside_nodes_when_inter_is_slow(tmp_path):
     assert nodes.best.candidate.layout == "2x2" and best.mesh.devices_per_node == 2
     assert link_sides(best)["dp"] == {"intra": 2, "inter": 0} and link_sides(best)["pp"] == {"intra": 0, "inter": 1}
     assert best.spec["devices_per_node"] == 2
+    assert "devices_per_node 2" in pipe_lines(nodes.best.candidate, best.spec)   # --pipe and --json's pipe
+    assert not any(line.startswith("devices_per_node") for line in pipe_lines(flat.best.candidate, flat.best.plan.spec))
 
 
 def test_tune_refuses_a_node_size_that_does_not_fit_the_devices(tmp_path, capsys):
