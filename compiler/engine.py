@@ -7,14 +7,25 @@ instructions). Two comm models (DESIGN, "What the verifier proves"):
 
 - ``buffered`` (gloo-like): posts never block; a send and its receive
   complete once both are posted (plus the transfer time); uses of received
-  buffers wait; collectives block every member until all have arrived;
-  ``OPT`` first waits for the rank's outstanding posts.
+  buffers wait. An ``ALLREDUCE`` is posted asynchronously, as the executor
+  posts it: it completes once every member has posted it (plus its
+  duration) and the host goes on; a tie all-reduce first waits for the
+  rank's all-reduces still in flight (the executor sums the dp-averaged
+  copies), and ``OPT`` for its outstanding posts and all-reduces, then its
+  grad-norm collective blocks every member until all have arrived.
 - ``in_order`` (NCCL-like): a rank's comm posts, collectives included,
   complete in the order posted. A batch is one unit: its posts may complete
   in any order, and the next unit starts when the whole batch is done. A send
   completes only when its receive is in the unit heading the peer's queue; a
   collective when it heads the queue of every member. Collectives do not
   block the host; ``OPT`` waits for its own completion, so for the queue.
+
+``OPT``'s grad-norm collective (over the pp ranks) is there when the run
+clips gradients (:attr:`CostModel.grad_norm`); without it ``OPT`` is a
+collective of its rank alone: it still waits for what the rank posted, but
+for no peer. The time a rank waits inside a collective (``OPT``, a tie
+all-reduce) is its own event, ``~`` and the instruction's text, so a view
+draws it as waiting (as the executor records its waits).
 
 Sharded data parallelism's ``UNSHARD``, ``RESHARD`` and ``REDUCE_SCATTER``
 are collectives over a dp group, posted asynchronously under both models (the
@@ -53,8 +64,8 @@ from pipec.compiler.timeline import Event
 from pipec.errors import PipecError
 from pipec.schedules.timing import Cost
 
-__all__ = ["BUFFERED", "IN_ORDER", "MODELS", "OPTIM_GROUP", "CostModel", "Deadlock", "Execution", "Decoded",
-           "decode", "execute", "group_members"]
+__all__ = ["BUFFERED", "IN_ORDER", "MODELS", "OPTIM_GROUP", "WAIT_PREFIX", "CostModel", "Deadlock", "Execution",
+           "Decoded", "decode", "execute", "group_members"]
 
 BUFFERED = "buffered"
 IN_ORDER = "in_order"
@@ -63,6 +74,9 @@ MODELS = (BUFFERED, IN_ORDER)
 
 OPTIM_GROUP = "pp"
 """The group of the grad-norm collective inside ``OPT``: all pp ranks."""
+WAIT_PREFIX = "~"
+"""An event whose op is ``~`` + an instruction's text is time that instruction spent waiting (inside a collective:
+for its rank's posts and all-reduces, or for a peer); the executor names its waits the same way."""
 
 # decoded opcodes
 _COMPUTE, _SEND, _RECV, _AR, _OPT, _SHARD = range(6)
@@ -99,6 +113,9 @@ class CostModel:
     compute starts that long after its inputs are in; a post, a shard instruction or a collective's
     arrival happens that long after the rank's clock (the host is busy, neither computing nor waiting)."""
     time_unit: str = "s"
+    grad_norm: bool = True
+    """Whether ``OPT`` holds the grad-norm collective over the pp ranks (the run clips gradients). False: ``OPT``
+    waits only for its own rank's posts and all-reduces (``--emulate`` runs no optimizer, so no collective)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -196,11 +213,14 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
     host = {op: costs.overhead.get(op.value, 0.0) for op in Op}
     fwd_done, bwd_done = keys.fwd_done, keys.bwd_done
     deps_cache: dict[tuple[Op, int, int], tuple[int, ...]] = {}
+    opt_group = OPTIM_GROUP if costs.grad_norm else None  # None: a collective of the rank alone
     out = []
     for r, instrs in enumerate(program.ranks):
         dec = []
         unsharded: dict[int, tuple] = {}  # stage -> the key of its last UNSHARD so far
         last_shard = None
+        calls: dict[str | None, int] = {}  # group -> collectives of it so far: the k of key ("C", group, k)
+        in_flight: list[tuple] = []  # keys of the all-reduces posted since the host last waited for them
         for pc, ins in enumerate(instrs):
             op = ins.op
             if op is Op.FWD or op is Op.BWD or op is Op.BWD_I or op is Op.BWD_W:
@@ -242,21 +262,40 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
                     unsharded[ins.stage] = key
                 last_shard = key
                 dec.append((_SHARD, ins.group, costs.shard.get((op.value, ins.stage), 0.0), key, host[op]))
-            elif op is Op.ALLREDUCE:
-                dec.append((_AR, ins.group, costs.allreduce.get((ins.group, ins.stage), 0.0), 0.0, None, host[op]))
             else:
-                # the grad-norm collective (free), then this rank's own optimizer step (after its shard ops)
-                dec.append((_OPT, OPTIM_GROUP, 0.0, optim[r], last_shard, host[op]))
+                # a collective: (code, group, its duration, the optimizer step, what the host waits for before it
+                # arrives: (under in_order, under buffered), its key, host overhead)
+                group = ins.group if op is Op.ALLREDUCE else opt_group
+                k = calls.get(group, 0)
+                calls[group] = k + 1
+                ckey = ("C", group, k)
+                shard = () if op is Op.ALLREDUCE or last_shard is None else (last_shard,)
+                if op is Op.ALLREDUCE:
+                    # the executor sums a tie's dp-averaged copies: it waits for the all-reduces in flight first
+                    waits = tuple(in_flight) if ins.group.startswith("tie.") else ()
+                    dur = costs.allreduce.get((ins.group, ins.stage), 0.0)
+                    dec.append((_AR, group, dur, 0.0, (shard, waits), ckey, host[op]))
+                    if waits:
+                        in_flight.clear()
+                    in_flight.append(ckey)
+                else:
+                    # the grad-norm collective (free), then this rank's own optimizer step (after its shard ops)
+                    dec.append((_OPT, group, 0.0, optim[r], (shard, shard + tuple(in_flight)), ckey, host[op]))
+                    in_flight.clear()
         out.append(tuple(dec))
     return Decoded(tuple(out), keys)
 
 
 class _Buffered:
     """The ``buffered`` comm model (gloo-like): posts never block; a send and its receive complete once
-    both are posted (plus the transfer time); collectives block every member until all have arrived;
-    ``OPT`` first waits for the rank's outstanding posts."""
+    both are posted (plus the transfer time); an all-reduce is posted asynchronously and completes once
+    every member has posted it; ``OPT`` first waits for the rank's outstanding posts and all-reduces,
+    then its collective blocks every member until all have arrived."""
 
     name = BUFFERED
+    waits_index = 1
+    """Which of a collective's two wait lists the host waits for before arriving: the rank's in-flight
+    all-reduces too (the executor waits for them on the host)."""
 
     def __init__(self, eng: _Engine) -> None:
         self.eng = eng
@@ -267,7 +306,7 @@ class _Buffered:
         self.comm_done = [0.0] * P
         """Per rank: when its last completed post completed."""
         self.arrivals: dict[tuple, list] = {}
-        """Collective key -> [members still to arrive, latest arrival]."""
+        """Collective key -> [members still to arrive, latest arrival, the members arrived]."""
         self.lane = [0.0] * P
         """Per rank: when its dp lane (the shard instructions, one after another) is free."""
 
@@ -311,17 +350,23 @@ class _Buffered:
 
     def arrive(self, r: int, ckey: tuple, members: tuple[int, ...], dur: float, t: float, is_opt: bool) -> bool:
         """Rank r arrives at collective ``ckey`` at t; the collective resolves when every member has.
-        Returns whether the host waits for it (here: always)."""
+        Returns whether the host waits for it: ``OPT`` does; an all-reduce is posted and the host goes on."""
         slot = self.arrivals.get(ckey)
         if slot is None:
-            slot = self.arrivals[ckey] = [len(members), t]
+            slot = self.arrivals[ckey] = [len(members), t, set()]
         slot[0] -= 1
+        slot[2].add(r)
         if t > slot[1]:
             slot[1] = t
         if slot[0] == 0:
             del self.arrivals[ckey]
             self.eng.resolve(ckey, slot[1] + dur)
-        return True
+        return is_opt
+
+    def arrived(self, ckey: tuple) -> set[int]:
+        """The members that have posted collective ``ckey`` (it is not complete)."""
+        slot = self.arrivals.get(ckey)
+        return set() if slot is None else slot[2]
 
     def unfinished(self) -> list[int]:
         return [r for r in range(self.eng.P) if self.outstanding[r]]
@@ -353,6 +398,9 @@ class _InOrder:
     the host; ``OPT`` waits for its own completion, so for the queue."""
 
     name = IN_ORDER
+    waits_index = 0
+    """A collective's host waits before arriving: the shard instructions only (a wait on a collective does not
+    block the host: NCCL's ``wait`` orders the stream)."""
 
     def __init__(self, eng: _Engine) -> None:
         self.eng = eng
@@ -363,6 +411,8 @@ class _InOrder:
         """(key, is_send) -> (rank, unit, ready) of a p2p op heading its rank's queue, unmatched."""
         self.coll_heads: dict[tuple, list] = {}
         """Collective key -> [members still to reach it at a queue head, latest ready, [(rank, unit)]]."""
+        self.free_at: dict = dict.fromkeys(self.queues, 0.0)
+        """Per queue: when its last unit completed (a unit queued after, even one posted earlier, starts then)."""
 
     def post(self, r: int, dec: tuple, pc: int, clock: float) -> tuple[int, float]:
         """Queue instruction ``pc`` of rank r, with the rest of its batch, as one unit, after the batch's host
@@ -398,11 +448,16 @@ class _InOrder:
         self.enqueue(r, [("C", ckey, t, dur, members)], t)
         return is_opt
 
+    def arrived(self, ckey: tuple) -> set[int]:
+        """The members whose queue this collective heads."""
+        return {x for x, _ in self.coll_heads.get(ckey, [0, 0, []])[2]}
+
     def enqueue(self, r: int, ops: list, t: float) -> None:
         q = self.queues[r]
         q.append([ops, len(ops), 0.0])
         if len(q) == 1:
-            self.activate(r, t)
+            free = self.free_at[r]
+            self.activate(r, t if t > free else free)
 
     def activate(self, r: int, head_time: float) -> None:
         """Make the unit heading rank r's queue current; chain the completions it allows."""
@@ -450,6 +505,7 @@ class _InOrder:
             q = self.queues[r]
             assert q[0] is unit
             q.popleft()
+            self.free_at[r] = unit[2]
             todo.append((r, unit[2]))
 
     def unfinished(self) -> list[int]:
@@ -512,7 +568,6 @@ class _Engine:
         self.in_flight_bytes = [0] * P
         self.peak = [0] * P
         self.peak_bytes = [0] * P
-        self.coll_calls: list[dict[str, int]] = [{} for _ in range(P)]
         self.arrived = [False] * P
         self.members_cache: dict[tuple[str, int], tuple[int, ...]] = {}
         self.comm = _COMM_MODELS[model](self)
@@ -531,17 +586,21 @@ class _Engine:
         else:
             w.append(r)
 
-    def members(self, group: str, r: int) -> tuple[int, ...]:
+    def members(self, group: str | None, r: int) -> tuple[int, ...]:
+        """The pp ranks of a collective of ``group`` issued on r (``None``: r alone, an ``OPT`` without its
+        grad-norm collective)."""
         got = self.members_cache.get((group, r))
         if got is None:
-            got = self.members_cache[(group, r)] = group_members(group, r, self.P, self.ties, self.placement)
+            got = (r,) if group is None else group_members(group, r, self.P, self.ties, self.placement)
+            self.members_cache[(group, r)] = got
         return got
 
-    def collective_key(self, r: int, group: str) -> tuple:
-        calls = self.coll_calls[r]
-        k = calls.get(group, 0)
-        calls[group] = k + 1
-        return ("C", group, k)
+    def event(self, r: int, pc: int, start: float, end: float, waited_from: float) -> None:
+        """Instruction pc's event; the time it waited before (from ``waited_from``) is a ``~`` event of its own."""
+        text = self.program.ranks[r][pc].text()
+        if start > waited_from:
+            self.events.append(Event(r, WAIT_PREFIX + text, waited_from, start))
+        self.events.append(Event(r, text, start, end))
 
     # ------------------------------------------------------------------ the rank loop
 
@@ -553,6 +612,7 @@ class _Engine:
         done = self.done
         comm = self.comm
         post = comm.post
+        waits_index = comm.waits_index
         while pc < n:
             d = dec[pc]
             code = d[0]
@@ -592,37 +652,37 @@ class _Engine:
                 if self.record_events:
                     self.events.append(Event(r, self.program.ranks[r][pc].text(), clock, clock))
                 pc += 1
-            else:  # a collective: ALLREDUCE, or the grad-norm collective of OPT
+            else:  # a collective: ALLREDUCE, or OPT (its grad-norm collective, or its rank's alone)
                 is_opt = code == _OPT
-                if is_opt and d[4] is not None and not self.arrived[r]:  # after the rank's shard instructions
-                    t = done.get(d[4])
+                # the host's waits before it arrives (shard instructions; under buffered, all-reduces in flight)
+                ready = clock
+                for key in d[4][waits_index]:
+                    t = done.get(key)
                     if t is None:
                         self.pc[r], self.clock[r] = pc, clock
-                        self.block(r, d[4])
+                        self.block(r, key)
                         return
-                    if t > clock:
-                        self.wait[r] += t - clock
-                        clock = t
+                    if t > ready:
+                        ready = t
+                ckey = d[5]
                 if not self.arrived[r]:
-                    arrive = comm.ready(r, clock, is_opt)
+                    arrive = comm.ready(r, ready, is_opt)
                     if arrive is None:  # blocked before it can arrive
                         self.pc[r], self.clock[r] = pc, clock
                         return
-                    arrive += d[5]  # the host's own time before it arrives
-                    group = d[1]
-                    ckey = self.collective_key(r, group)
+                    arrive += d[6]  # the host's own time before it arrives
                     self.arrived[r] = True
                     self.blocked_on[r] = ckey
-                    if not comm.arrive(r, ckey, self.members(group, r), d[2], arrive, is_opt):
-                        # the host goes on at once
+                    if not comm.arrive(r, ckey, self.members(d[1], r), d[2], arrive, is_opt):
+                        # posted: the host goes on at once
                         self.arrived[r] = False
                         self.blocked_on[r] = None
-                        clock += d[5]
+                        self.wait[r] += arrive - d[6] - clock
                         if self.record_events:
-                            self.events.append(Event(r, self.program.ranks[r][pc].text(), clock, clock))
+                            self.event(r, pc, arrive, arrive, clock + d[6])
+                        clock = arrive
                         pc += 1
                         continue
-                ckey = self.blocked_on[r]
                 t = done.get(ckey)
                 if t is None:
                     self.pc[r], self.clock[r] = pc, clock
@@ -630,14 +690,15 @@ class _Engine:
                     return
                 self.arrived[r] = False
                 self.blocked_on[r] = None
-                clock += d[5]  # the host's own time is not a wait
-                end = t if t > clock else clock
-                self.wait[r] += end - clock
+                # from clock to end the rank waits, but for its own time (the host's, not a wait)
+                end = t if t > clock + d[6] else clock + d[6]
+                self.wait[r] += end - clock - d[6]
+                start = end
                 if is_opt:  # the optimizer step itself is compute
                     self.compute[r] += d[3]
                     end += d[3]
                 if self.record_events:
-                    self.events.append(Event(r, self.program.ranks[r][pc].text(), clock, end))
+                    self.event(r, pc, start, end, clock + d[6])
                 clock = end
                 pc += 1
         self.pc[r], self.clock[r] = pc, clock
@@ -702,9 +763,10 @@ class _Engine:
             return f"{here} waits for {text}, which rank {sender} has not sent", sender
         if key[0] == "S":  # ("S", rank, pc): a shard instruction on this rank's dp lane
             return f"{here} waits for {instrs[key[2]].text()} (instruction {key[2]}) to complete", r
-        group = key[1]  # ("C", group, k): a collective
+        group = key[1]  # ("C", group, k): a collective (this rank's, or an all-reduce it waits for)
         members = self.members(group, r)
-        waiting = [x for x in members if x != r and self.blocked_on[x] != key]
+        arrived = self.comm.arrived(key)
+        waiting = [x for x in members if x != r and x not in arrived and self.blocked_on[x] != key]
         other = waiting[0] if waiting else None
         name = "OPT's grad-norm collective" if group == OPTIM_GROUP else f"collective {group} #{key[2]}"
         who = f", which rank {other} has not reached" if other is not None else ""

@@ -197,6 +197,7 @@ def emulated_costs(plan: Plan, *, seconds_per_unit: float, latency_s: float, col
         activation_bytes=base.activation_bytes,
         overhead=dict(overhead),
         time_unit="s",
+        grad_norm=False,  # no optimizer runs, so OPT holds no grad-norm collective
     )
 
 

@@ -160,3 +160,117 @@ def test_host_overhead_times_the_real_executor_on_every_kind():
     kinds = {i.op.value for r in plan.program.ranks for i in r}
     assert set(got[0]) | set(got[1]) == kinds
     assert all(0 <= v < 0.05 for g in got.values() for v in g.values())
+
+
+# ------------------------------------------------------------------------- the comm model does what the runtime does
+
+
+def _hand(text: str, placement, costs: dict[str, float], model: str = BUFFERED, ties=(), grad_norm: bool = True):
+    """Run a hand-written program: F=1, B=2 per stage, all-reduces priced by ``costs`` ((group, stage) text)."""
+    from pipec.compiler.ir import parse_program
+    from pipec.compiler.plan import Edge
+
+    program = parse_program(text)
+    S = len(placement)
+    cost = Cost(fwd=1.0, bwd=2.0, bwd_i=1.0, bwd_w=1.0, optim=0.0)
+    allreduce = {(g, int(s)): v for k, v in costs.items() for g, s in [k.split(":")]}
+    cm = CostModel(stages=(cost,) * S, transfer={}, allreduce=allreduce, grad_norm=grad_norm)
+    edges = [Edge(src_stage=s, dst_stage=s + 1) for s in range(S - 1)]
+    return execute(program, placement=placement, num_microbatches=1, edges=edges, costs=cm, model=model, ties=ties)
+
+
+def _events(ex, rank: int) -> list[tuple[str, float, float]]:
+    return [(e.op, e.start, e.end) for e in ex.events if e.rank == rank]
+
+
+@pytest.mark.parametrize("model", ["buffered", "in_order"])
+def test_a_dp_allreduce_is_posted_and_opt_waits_for_it(model):
+    """The executor posts an all-reduce asynchronously and waits for it in OPT: stage 1's all-reduce overlaps
+    stage 0's backward (before: the buffered model blocked the host on it, step 7)."""
+    ex = _hand("0: F0.0 F1.0 B1.0 AR1:dp B0.0 AR0:dp OPT", (0, 0), {"dp:0": 0.5, "dp:1": 0.5}, model)
+    assert ex.step_time == pytest.approx(6.5)
+    assert ex.comm_wait == pytest.approx((0.5,))
+    assert _events(ex, 0)[3:] == [("AR1:dp", 4.0, 4.0), ("B0.0", 4.0, 6.0), ("AR0:dp", 6.0, 6.0),
+                                  ("~OPT", 6.0, 6.5), ("OPT", 6.5, 6.5)]
+
+
+TIED = """
+0: F0.0 SA0.0>1@1 RG0.0<1@1 B0.0 AR0:dp AR0:tie.wte OPT
+1: RA1.0<0@0 F1.0 B1.0 SG1.0>0@0 AR1:dp AR1:tie.wte OPT
+"""
+
+
+def _tie():
+    from pipec.compiler.plan import Tie
+
+    return (Tie(name="wte", stages=(0, 1), params=("wte.weight", "head.weight")),)
+
+
+def test_a_tie_allreduce_waits_for_the_reductions_in_flight_under_buffered():
+    """The executor sums a tie's dp-averaged copies: on the host (gloo) it waits for the all-reduces in flight
+    first; under in_order the comm queue orders them and the host goes on."""
+    costs = {"dp:0": 0.5, "dp:1": 0.5, "tie.wte:0": 0.25, "tie.wte:1": 0.25}
+    ex = _hand(TIED, (0, 1), costs, BUFFERED, _tie())
+    assert ex.step_time == pytest.approx(6.75)
+    assert _events(ex, 1)[2:] == [("AR1:dp", 4.0, 4.0), ("~AR1:tie.wte", 4.0, 4.5), ("AR1:tie.wte", 4.5, 4.5),
+                                  ("~OPT", 4.5, 6.75), ("OPT", 6.75, 6.75)]
+    assert _events(ex, 0)[2:] == [("AR0:dp", 6.0, 6.0), ("~AR0:tie.wte", 6.0, 6.5), ("AR0:tie.wte", 6.5, 6.5),
+                                  ("~OPT", 6.5, 6.75), ("OPT", 6.75, 6.75)]
+    # rank 0: its gradient (3), the dp all-reduce, the tie; rank 1: its input (1), the dp all-reduce, the tie
+    assert ex.comm_wait == pytest.approx((3.75, 3.75))
+    queued = _hand(TIED, (0, 1), costs, "in_order", _tie())
+    assert queued.step_time == pytest.approx(6.75)
+    assert not [e for e in queued.events if e.op.startswith("~AR")]
+
+
+def test_a_tie_member_that_never_posts_is_named_in_the_deadlock():
+    from pipec.compiler.engine import Deadlock
+
+    text = TIED.replace(" AR1:tie.wte", "")
+    with pytest.raises(Deadlock, match=r"rank 0: OPT \(instruction 6\) waits in collective tie.wte #0, which rank 1"):
+        _hand(text, (0, 1), {}, BUFFERED, _tie())
+
+
+@pytest.mark.parametrize("model", ["buffered", "in_order"])
+def test_without_clipping_opt_waits_for_no_peer(model):
+    """OPT's grad-norm collective exists only when the run clips: --emulate runs none, so a rank that finishes
+    first ends its step there instead of waiting for the last."""
+    plan = _gpipe_2x1()  # rank 1 ends B1.0 at 4 + its send; rank 0 ends B0.0 at 6
+    text = "\n".join(f"{r}: " + " ".join(i.text() for i in instrs) for r, instrs in enumerate(plan.program.ranks))
+    synced = _hand(text, (0, 1), {}, model)
+    alone = _hand(text, (0, 1), {}, model, grad_norm=False)
+    assert synced.step_time == alone.step_time == pytest.approx(6.0)
+    assert ("~OPT", 4.0, 6.0) in _events(synced, 1)
+    assert _events(alone, 1)[-1] == ("OPT", 4.0, 4.0) and alone.comm_wait[1] == synced.comm_wait[1] - 2.0
+    em = emulated_costs(plan, seconds_per_unit=0.01, latency_s=0.0, collective_s=0.0, overhead={})
+    assert not em.grad_norm and plan_costs(plan).grad_norm
+
+
+# ----------------------------------------------------------------------------- the link fit
+
+
+def test_fit_recovers_latency_and_bandwidth_when_the_sizes_show_it():
+    from pipec.runtime.linkprobe import _fit
+
+    sizes = [4, 65536, 1048576]
+    lat, bw = _fit(sizes, [2e-5 + 2 * s / 1e9 for s in sizes], 2.0)
+    assert lat == pytest.approx(2e-5) and bw == pytest.approx(1e9)
+
+
+@pytest.mark.parametrize("times", [[1e-4, 1.01e-4, 1.0e-4], [1.2e-4, 1.1e-4, 1.0e-4], [1e-4, 1e-4 + 1e-9, 1e-4]])
+def test_fit_reports_the_least_bandwidth_the_times_allow_when_they_show_latency_only(times):
+    """Sizes too small to show the bandwidth (flat or falling times, or a term under a tenth of the largest
+    probe's time): the latency is the least time and the bandwidth a bound from the largest probe, never 1e15."""
+    from pipec.runtime.linkprobe import RESOLVED, _fit
+
+    sizes = [4, 1024, 65536]
+    lat, bw = _fit(sizes, times, 1.0)
+    assert lat == min(times)
+    assert bw == pytest.approx(65536 / (RESOLVED * times[2]))
+    assert bw < 1e10
+
+
+def test_fit_of_one_size_is_latency_and_a_bound():
+    from pipec.runtime.linkprobe import RESOLVED, _fit
+
+    assert _fit([65536], [1e-4], 1.0) == (1e-4, pytest.approx(65536 / (RESOLVED * 1e-4)))

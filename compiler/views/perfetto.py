@@ -5,7 +5,9 @@ process per timeline kind (``predicted``, ``measured``), one thread per rank
 (named ``rank 3`` for a pp rank, ``rank 5 (pp 2, dp 1)`` for a measured
 global rank), one complete (``"ph": "X"``) event per Timeline event, named by
 its instruction text (``F0.3``), with ``cat`` its kind (``F``, ``B``, ``I``,
-``W``, ``comm``, ``AR``, ``OPT``) and its stage and microbatch in ``args``.
+``W``, ``comm``, ``AR``, ``OPT``) and its stage and microbatch in ``args``;
+time a rank waits inside a collective is its own ``comm`` event (``~OPT``), as
+the terminal draws it (:func:`~pipec.compiler.views.terminal.split_waits`).
 ``ts`` and ``dur`` are microseconds: seconds x 1e6, and for a unit-cost
 timeline 1 unit = 1 ms, which the trace's ``otherData`` states.
 """
@@ -17,7 +19,7 @@ import os
 from typing import Any
 
 from pipec.compiler.plan import Mesh
-from pipec.compiler.views.terminal import RenderError, classify, infer_dp
+from pipec.compiler.views.terminal import RenderError, classify, infer_dp, split_waits
 from pipec.compiler.timeline import Timeline
 
 __all__ = ["trace_events", "write_perfetto", "US_PER"]
@@ -54,7 +56,7 @@ def _process(
             name = f"rank {rank}"
         out.append(_meta(pid, rank, "thread_name", name))
         out.append(_meta(pid, rank, "thread_sort_index", rank))
-    for ev in timeline.events:
+    for ev in split_waits(timeline):
         info = classify(ev.op)
         args: dict[str, Any] = {}
         if info.stage is not None:

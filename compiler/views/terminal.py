@@ -29,6 +29,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from pipec.compiler.engine import WAIT_PREFIX
 from pipec.compiler.ir import COMM_OPS, DP_GROUPS, IRError, Op, parse_instruction
 from pipec.compiler.plan import Mesh
 from pipec.compiler.timeline import Event, Timeline
@@ -41,6 +42,7 @@ __all__ = [
     "classify",
     "Lane",
     "lanes",
+    "split_waits",
     "infer_dp",
     "TimelineView",
     "render_terminal",
@@ -95,10 +97,9 @@ _KIND_OF_OP = {Op.FWD: "F", Op.BWD: "B", Op.BWD_I: "I", Op.BWD_W: "W", Op.ALLRED
 assert set(_KIND_OF_OP) == set(Op), "every op is drawn as some kind"
 
 
-WAIT_PREFIX = "~"
-"""An event whose op is ``~`` + an instruction's text is that instruction's wait (for its posts, the reductions it
-needs, or a peer of its collective), drawn as comm wait: the executor records these (runtime/executor.py's
-``WAIT_PREFIX``), and :func:`lanes` splits them out of a prediction's collectives."""
+# An event whose op is ``~`` + an instruction's text (WAIT_PREFIX) is that instruction's wait (for its posts, the
+# reductions it needs, or a peer of its collective), drawn as comm wait: the executor and the simulator record
+# these, and :func:`lanes` splits them out of an older prediction's collectives.
 
 
 def classify(op: str) -> OpInfo:
@@ -212,6 +213,16 @@ def _collective_waits(by_rank: dict[int, list[Event]]) -> dict[int, list[Event]]
             else:
                 row += [Event(rank, WAIT_PREFIX + ev.op, ev.start, cut), Event(rank, ev.op, cut, ev.end)]
     return out
+
+
+def split_waits(timeline: Timeline) -> list[Event]:
+    """The timeline's events with each collective's wait its own ``~`` event (:func:`_collective_waits`): what
+    every view draws. Nothing to split: the events as they are, in their order; else by rank and time."""
+    by_rank = _by_rank(timeline)
+    split = _collective_waits(by_rank)
+    if split is by_rank:
+        return list(timeline.events)
+    return [ev for evs in split.values() for ev in evs]
 
 
 def lanes(timeline: Timeline, *, measured: Timeline | None = None, dp: int | None = None) -> tuple[list[Lane], float]:
