@@ -20,7 +20,15 @@ to ``latency + bytes / bandwidth``; an all-reduce over every rank, fitted to
 the ring's ``latency + 2 (n - 1) / n x bytes / bandwidth``; with ``--sharded``
 an all-gather too (``(n - 1) / n``); and the executor's host seconds per
 instruction kind, from a zero-compute step of a small plan (the real
-executor's handlers, timed as they run).
+executor's handlers, timed as they run, less the waits they do). When the
+sizes probed do not show the bandwidth term (the largest one's time is all
+latency), the fit reports the least bandwidth the measurements allow
+(:func:`_fit`): probe larger sizes (``--sizes``) to measure it.
+
+Under ``--emulate`` the overhead is timed on the plan itself, its computes
+sleeping what they sleep in the run: a post after a long sleep costs the host
+several times what it costs in a tight loop (caches and the CPU go cold), so
+a zero-compute step would price it low on every instruction.
 """
 
 from __future__ import annotations
@@ -41,9 +49,9 @@ import torch.distributed as dist
 
 __all__ = ["Emulation", "measure_emulation", "host_overhead", "probe", "main"]
 
-LAPS = 3
-"""Laps of the token round the ranks in the hop measurement."""
-PAUSE_S = (0.001, 0.005)
+LAPS = 5
+"""Laps of the token round the ranks in the hop measurement (the median lap counts)."""
+PAUSE_S = (0.001, 0.02)
 """The bounds of the sleep before each send in the emulation's hop measurement: an emulated compute sleeps
 before it sends, and how long a hop and a sleep take depends on how long the rank slept (the shortest
 emulated compute of the plan, within these bounds)."""
@@ -56,13 +64,14 @@ class Emulation:
     """What ``--emulate`` measured at start-up (medians over every rank)."""
 
     latency_s: float
-    """One placeholder message, posted after a sleep as an emulated compute posts it."""
+    """One placeholder message, from its send's post (after a sleep, as an emulated compute posts it) to the
+    receiver's wait returning; the post itself is the host's ``overhead``."""
     collective_s: float
     """A one-element all-reduce over every rank (an emulated all-reduce or shard collective)."""
     oversleep_s: float
-    """How much longer than asked a sleep takes."""
+    """How much longer than asked a sleep takes (the emulated computes' own sleeps)."""
     overhead: Mapping[str, float]
-    """The executor's host seconds per instruction, by opcode name."""
+    """The executor's host seconds per instruction, by opcode name (timed on the plan, sleeping as it runs)."""
     backend: str
 
     def to_json(self) -> dict[str, Any]:
@@ -75,37 +84,45 @@ def _now_iso() -> str:
 
 
 def _token_hop(laps: int, pause: float) -> tuple[float, float]:
-    """(seconds per hop beyond the pause, oversleep): one element passed round the ranks ``laps`` times, each
-    rank sleeping ``pause`` before it sends it on, as an emulated compute sleeps before its send (one rank
-    busy at a time, as on a pipeline's critical path). The hop is the same on every rank, the oversleep
-    this rank's."""
+    """(seconds per hop beyond the pause and the send's post, oversleep): one element passed round the ranks
+    ``laps`` times, each rank sleeping ``pause`` before it posts it on, as an emulated compute sleeps before
+    its send (one rank busy at a time, as on a pipeline's critical path). The post is the host's overhead
+    (:func:`host_overhead` times it), so it is left out of the hop. Each lap gives rank 0's time round it,
+    less every rank's sleep and post, over the hops; the hop is the median lap's (a lap the scheduler
+    stalled does not count), the same on every rank, the oversleep this rank's."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world < 2:
         return 0.0, _oversleep(pause)
     buf = torch.zeros(1)
     nxt, prev = (rank + 1) % world, (rank - 1) % world
-    slept = []
+    clock = time.perf_counter
+    # per lap: [rank 0's time round it, then this rank's sleep + post]
+    got = torch.zeros(2, laps, dtype=torch.float64)
+    slept, works = [], []
 
-    def pass_on():
-        a = time.perf_counter()
+    def pass_on(lap: int):
+        a = clock()
         time.sleep(pause)
-        slept.append(time.perf_counter() - a)
-        dist.send(buf, nxt)
+        b = clock()
+        works.append(dist.isend(buf, nxt))
+        got[1, lap] = clock() - a
+        slept.append(b - a)
 
     dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(laps):
+    for lap in range(laps):
+        t0 = clock()
         if rank == 0:
-            pass_on()
+            pass_on(lap)
             dist.recv(buf, prev)
+            got[0, lap] = clock() - t0
         else:
             dist.recv(buf, prev)
-            pass_on()
-    total = time.perf_counter() - t0
-    # rank 0's time round the laps, less every rank's sleeps, over the hops
-    got = torch.tensor([sum(slept), total if rank == 0 else 0.0], dtype=torch.float64)
+            pass_on(lap)
+    for w in works:
+        w.wait()
     dist.all_reduce(got)
-    return max(0.0, float(got[1] - got[0]) / (laps * world)), max(0.0, statistics.median(slept) - pause)
+    hop = statistics.median(float(t - busy) / world for t, busy in zip(got[0], got[1]))
+    return max(0.0, hop), max(0.0, statistics.median(slept) - pause)
 
 
 def _oversleep(pause: float) -> float:
@@ -131,31 +148,65 @@ def _timed(rounds: int, fn: Callable[[], None], pause: float = 0.0) -> float:
     return statistics.median(times)
 
 
-def host_overhead(executor, steps: int = 2) -> dict[str, float]:
-    """The executor's host seconds per instruction kind: its handlers timed as they run ``steps`` zero-compute
-    steps (``executor`` built with ``emulate=0.0``). A handler's time includes the waits it does, so each kind
-    keeps a low decile of its times (the calls that did not wait); a batch of posts is shared by its posts."""
+def host_overhead(executor, steps: int = 1) -> dict[str, float]:
+    """The executor's host seconds per instruction kind (see :func:`_handler_times`)."""
+    return _handler_times(executor, steps)[0]
+
+
+def _handler_times(executor, steps: int = 1) -> tuple[dict[str, float], float | None]:
+    """(the executor's host seconds per instruction kind, the mean oversleep or None): its handlers timed as
+    they run one zero-compute warm-up step and then ``steps`` steps in which each emulated compute sleeps what
+    it sleeps in the run (none with ``emulate=0.0``), each call less the waits it does (the executor's
+    ``wait``), so the median per kind is the host's own time, what follows a sleep included; a batch of posts
+    is shared by its posts. A compute's sleep is taken after its handler, timed apart: the oversleep, whose
+    mean is what a chain of sleeps adds up to (a loaded machine overruns a few sleeps by milliseconds)."""
     units = executor.units
     ops = [executor.instructions[i].op.value for i, _, _ in units]
     counts = [b - a for (a, _, _), (b, _, _) in zip(units, [*units[1:], (len(executor.instructions), None, None)])]
     samples: dict[str, list[float]] = {}
+    oversleeps: list[float] = []
     clock = time.perf_counter
+    waited = [0.0]
+    inner_wait = executor.wait
 
-    def timed(handler, out: list[float], n: int):
-        def run(arg):
+    def wait(works) -> None:
+        t0 = clock()
+        inner_wait(works)
+        waited[0] += clock() - t0
+
+    def timed(handler, arg, out: list[float], n: int, sleep: float):
+        def run(_arg):
+            waited[0] = 0.0
             t0 = clock()
             handler(arg)
-            out.append((clock() - t0) / n)
+            t1 = clock()
+            out.append((t1 - t0 - waited[0]) / n)
+            if sleep > 0:
+                time.sleep(sleep)
+                oversleeps.append(clock() - t1 - sleep)
         return run
 
-    executor.units = [(i, timed(h, samples.setdefault(op, []), n), arg)
-                      for (i, h, arg), op, n in zip(units, ops, counts)]
+    def wrapped(sampled: bool) -> list:
+        out = []
+        for (i, h, arg), op, n in zip(units, ops, counts):
+            sleep = getattr(arg, "seconds", 0.0) if sampled else 0.0
+            if hasattr(arg, "seconds"):  # an emulated compute: its handler sleeps nothing, the wrapper sleeps
+                arg = arg._replace(seconds=0.0)
+            out.append((i, timed(h, arg, samples.setdefault(op, []) if sampled else [], n, sleep), arg))
+        return out
+
+    executor.wait = wait
     try:
+        executor.units = wrapped(False)
+        executor.run_step(None, None)
+        executor.units = wrapped(True)
         for _ in range(steps):
             executor.run_step(None, None)
     finally:
         executor.units = units
-    return {op: sorted(xs)[len(xs) // 10] for op, xs in samples.items()}
+        del executor.wait
+    return ({op: statistics.median(xs) for op, xs in samples.items() if xs},
+            statistics.fmean(oversleeps) if oversleeps else None)
 
 
 def _medians(values: Sequence[Mapping[str, float]]) -> dict[str, float]:
@@ -163,16 +214,18 @@ def _medians(values: Sequence[Mapping[str, float]]) -> dict[str, float]:
     return {k: statistics.median(v[k] for v in values if k in v) for k in keys}
 
 
-def measure_emulation(zero_compute_executor, backend: str, sleep_s: float) -> Emulation:
+def measure_emulation(executor, backend: str, sleep_s: float) -> Emulation:
     """Every rank: the placeholder hop and the one-element all-reduce after a sleep of ``sleep_s`` (the plan's
-    shortest emulated compute, within :data:`PAUSE_S`), the oversleep and the executor's host overhead (two
-    zero-compute steps of the plan itself); the medians over every rank, on every rank."""
+    shortest emulated compute, within :data:`PAUSE_S`), then the executor's host overhead and the oversleep
+    over one step of the plan itself, each compute sleeping what it sleeps in the run (``executor`` built with
+    the run's ``emulate``; with ``emulate=0.0`` nothing sleeps and the oversleep is the hop's); the medians
+    over every rank, on every rank."""
     pause = min(max(sleep_s, PAUSE_S[0]), PAUSE_S[1])
+    overhead, slept = _handler_times(executor)  # first: the plan's step warms up what the run uses
     hop, oversleep = _token_hop(LAPS, pause)
     one = torch.zeros(1)
     coll = _timed(ROUNDS, lambda: dist.all_reduce(one), pause) if dist.get_world_size() > 1 else 0.0
-    overhead = host_overhead(zero_compute_executor)
-    mine = {"latency_s": hop, "collective_s": coll, "oversleep_s": oversleep}
+    mine = {"latency_s": hop, "collective_s": coll, "oversleep_s": oversleep if slept is None else max(0.0, slept)}
     got: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(got, (mine, overhead))
     scalars = _medians([g[0] for g in got])
@@ -183,15 +236,28 @@ def measure_emulation(zero_compute_executor, backend: str, sleep_s: float) -> Em
 # ----------------------------------------------------------------------------- links (compile, torchrun)
 
 
+RESOLVED = 0.1
+"""The least share of the largest probe's time its bandwidth term must take for the fit to measure the bandwidth;
+below it, the sizes show latency only and :func:`_fit` reports the least bandwidth the times allow."""
+
+
 def _fit(sizes: Sequence[int], times: Sequence[float], factor: float) -> tuple[float, float]:
-    """(latency, bandwidth) of ``t = latency + factor x bytes / bandwidth`` by least squares over the sizes."""
+    """(latency, bandwidth) of ``t = latency + factor x bytes / bandwidth`` by least squares over the sizes.
+
+    When the sizes do not show the bandwidth term (one size, times that do not grow with it, or a term under
+    :data:`RESOLVED` of the largest probe's time), the latency is the smallest time and the bandwidth the
+    least one consistent with what was measured: the largest probe's term at :data:`RESOLVED` of its time.
+    That bound is pessimistic (it prices a larger message at most that slow), never an unbounded number."""
     xs = [factor * s for s in sizes]
-    if len(xs) < 2 or max(xs) == min(xs):
-        return max(times[0], 0.0), 1e12
-    mx, mt = statistics.fmean(xs), statistics.fmean(times)
-    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, times)) / sum((x - mx) ** 2 for x in xs)
-    slope = max(slope, 1e-15)
-    return max(mt - slope * mx, 0.0), 1.0 / slope
+    i = max(range(len(xs)), key=lambda j: (xs[j], times[j]))
+    x_max, t_max = xs[i], max(times[i], 1e-9)
+    floor = x_max / (RESOLVED * t_max) if x_max > 0 else 1e12
+    if len(xs) >= 2 and max(xs) > min(xs):
+        mx, mt = statistics.fmean(xs), statistics.fmean(times)
+        slope = sum((x - mx) * (t - mt) for x, t in zip(xs, times)) / sum((x - mx) ** 2 for x in xs)
+        if slope * x_max >= RESOLVED * t_max:
+            return max(mt - slope * mx, 0.0), 1.0 / slope
+    return max(min(times), 0.0), floor
 
 
 def _p2p(nbytes: int, device, rounds: int) -> float:

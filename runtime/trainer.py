@@ -254,11 +254,11 @@ class Trainer:
         rank before the first step (runtime/linkprobe.py), for the re-simulation report.json predicts with."""
         from pipec.runtime.linkprobe import measure_emulation
 
-        zero = Executor(self.plan, pp_rank=self.pp_rank, dp_rank=self.dp_rank, transport=self.transport,
-                        emulate=0.0, device=self.device)
+        probe = Executor(self.plan, pp_rank=self.pp_rank, dp_rank=self.dp_rank, transport=self.transport,
+                         emulate=self.executor.emulate, device=self.device)  # sleeping as the run sleeps
         costs = [st.cost for st in self.plan.stages]
         shortest = min((v for c in costs for v in (c.fwd, c.bwd, c.bwd_i, c.bwd_w) if v > 0), default=1.0)
-        return measure_emulation(zero, dist.get_backend(), shortest * self.executor.emulate)
+        return measure_emulation(probe, dist.get_backend(), shortest * self.executor.emulate)
 
     def resimulated(self):
         """The plan's program simulated under what ``--emulate`` measured (None when it measured nothing)."""
