@@ -16,8 +16,9 @@ bubble accounting reads.
 Sharded data parallelism (runtime/sharding.py) adds three handlers:
 ``UNSHARD`` posts a stage's all-gather, and the stage's next compute waits for
 it (as a receive is waited for); ``RESHARD`` frees the gathered parameters;
-``REDUCE_SCATTER`` reduces the step's gradients to this rank's shards. An
-``ALLREDUCE`` over ``dp.replicate`` and the tie all-reduces then work on the
+``REDUCE_SCATTER`` posts the reduction of the step's gradients to this rank's
+shards, waited for in ``OPT`` (as an all-reduce is), or first by an
+``ALLREDUCE`` over ``dp.replicate`` or a tie all-reduce, which work on the
 gradient shards.
 
 ``emulate`` (seconds per cost unit) puts other entries in the tables: every
@@ -26,7 +27,7 @@ placeholder, so a schedule-only plan runs and the accounting can be checked
 against the prediction; comm, collectives and the optimizer step run as usual
 (an ``UNSHARD`` or ``REDUCE_SCATTER`` is a one-element all-reduce over its group).
 
-Why one module of ~720 lines: every handler reads and writes the same
+Why one module of ~740 lines: every handler reads and writes the same
 per-step state (buffers received, outputs and grads kept for their users,
 posted all-gathers, pending reductions, the timed spans and waits), and the
 tables that choose them are built together in one constructor; split apart,
@@ -353,6 +354,9 @@ class Executor:
         self.stashes: dict[tuple[int, int], WeightGradStash] = {}
         self.unshards: dict[int, Any] = {}
         """Stage -> its posted all-gather (``UNSHARD``), waited for by the stage's next compute."""
+        self.scatters: dict[int, Any] = {}
+        """Stage -> its posted reduce-scatter (``REDUCE_SCATTER``), waited for in ``OPT`` or by a reduction of the
+        stage's gradient shards."""
         self.losses: list[torch.Tensor] = []
         self.step = RankStep(self.global_rank)
         self.transport.barrier()
@@ -598,8 +602,12 @@ class Executor:
         """Post the all-reduce (one flat buffer, asynchronous) and go on; ``OPT`` waits for it."""
         start = self.now()
         params = job.params
-        if job.tie and self.reductions:  # the dp average of each copy must be in before the copies are summed
+        if job.tie and (self.reductions or self.scatters):  # each copy's dp reduction is in before they are summed
+            self.finish_scatters()
             self.finish_reductions()
+            start = self.waited(job.ins, start)
+        elif job.ins.stage in self.scatters:  # HSDP's replicate all-reduce of the stage's shards: once they are in
+            self.finish_scatters(job.ins.stage)
             start = self.waited(job.ins, start)
         grads = [local_grad(p) for p in params]  # a sharded parameter's: its shard
         if not grads:
@@ -658,14 +666,23 @@ class Executor:
         self.record(job.ins, start, compute=False)
 
     def reduce_scatter(self, job: ShardJob) -> None:
-        """Reduce the step's gradients of the stage to this rank's shards (a blocking collective: comm wait)."""
+        """Post the reduction of the stage's step gradients to this rank's shards and go on, as ``ALLREDUCE`` does:
+        ``OPT`` (or a reduction of those shards) waits for it, so it overlaps the backward work still to come."""
         if self.unshards:
             self.gathered(job.stage)
         start = self.now()
-        self.sharding.reduce_scatter(job.stage)
-        end = self.now()
-        self.waits.append((start, end))
-        self.spans.append((job.ins, start, end, False))
+        work = self.sharding.reduce_scatter(job.stage)
+        if work is not None:
+            self.scatters[job.stage] = work
+        self.record(job.ins, start, compute=False)
+
+    def finish_scatters(self, stage: int | None = None) -> None:
+        """Wait for the posted reduce-scatters (only stage ``stage``'s if given): their gradient shards are in."""
+        if stage is not None:
+            self.wait([self.scatters.pop(stage)])
+            return
+        self.wait(list(self.scatters.values()))
+        self.scatters.clear()
 
     def unshard_placeholder(self, job: ShardJob) -> None:
         """``emulate``: a one-element all-reduce over the shard group stands for the all-gather."""
@@ -674,9 +691,9 @@ class Executor:
         self.record(job.ins, start, compute=False)
 
     def reduce_scatter_placeholder(self, job: ShardJob) -> None:
-        """``emulate``: a one-element all-reduce over the shard group stands for the reduce-scatter."""
+        """``emulate``: a one-element all-reduce over the shard group stands for the reduce-scatter (posted)."""
         start = self.now()
-        self.wait([self.transport.all_reduce(torch.zeros(1, device=self.device), job.group)])
+        self.scatters[job.stage] = self.transport.all_reduce(torch.zeros(1, device=self.device), job.group)
         self.record(job.ins, start, compute=False)
 
     def optim_step(self, ins: Instruction) -> None:
@@ -684,6 +701,8 @@ class Executor:
         if self.sends:
             self.wait([w for works, _ in self.sends for w in works])
             self.sends.clear()
+        if self.scatters:
+            self.finish_scatters()
         if self.reductions:
             self.finish_reductions()
         self.opt = (ins, self.waited(ins, start))

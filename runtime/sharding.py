@@ -16,9 +16,15 @@ stage share, over the shard group (``dp``, or ``dp.shard`` under HSDP):
   ``RESHARD`` frees the gathered parameters, ``REDUCE_SCATTER`` runs FSDP2's
   post-backward with gradient sync on (the reduce-scatter of the gradients
   accumulated over the step's microbatches), as torch's own pipelining stage
-  does for its ``REDUCE_GRAD``. The zero-bubble split needs nothing more: the
-  weight grads ``BWD_W`` computes (runtime/deferred.py) land on the gathered
-  parameters' ``.grad``, which FSDP2 accumulates and reduces. ``dtype
+  does for its ``REDUCE_GRAD``, but posted: FSDP2's reduce-scatter
+  communication is replaced (``set_custom_reduce_scatter``) by one that posts
+  the collective and keeps its work, so the stage's gradient shards (views of
+  its output) are complete once :class:`PostedReduceScatter`'s ``wait``
+  returns, which the executor calls in ``OPT`` (or before a reduction over
+  those shards: HSDP's ``AR<s>:dp.replicate``, a tie's all-reduce), while the
+  backward work still to come runs. The zero-bubble split needs nothing more:
+  the weight grads ``BWD_W`` computes (runtime/deferred.py) land on the
+  gathered parameters' ``.grad``, which FSDP2 accumulates and reduces. ``dtype
   bfloat16`` (or float16) runs FSDP2's :class:`MixedPrecisionPolicy` (the
   gathered parameters in that dtype, gradients reduced in float32, stage
   outputs cast back to float32 so what crosses stages matches the plan) instead
@@ -45,6 +51,7 @@ from torch.distributed.tensor import DTensor, Shard
 __all__ = [
     "ShardLayout",
     "ParamShards",
+    "PostedReduceScatter",
     "OptimizerShards",
     "shard_stages",
     "full",
@@ -57,6 +64,7 @@ __all__ = [
 ]
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 renamed it
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # likewise
 
 MIXED_PRECISION = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 """``dtype`` values FSDP2's mixed-precision policy runs (float32 needs none)."""
@@ -106,6 +114,60 @@ def local_grad(p: nn.Parameter) -> torch.Tensor:
 # ----------------------------------------------------------------------------- FSDP2 (grads, full)
 
 
+class PostedReduceScatter:
+    """One stage's reduce-scatter, posted: ``wait`` completes it (the stage's gradient shards are views of its
+    output, so they hold the reduced values after). Keeps its buffers alive until then."""
+
+    __slots__ = ("works", "buffers")
+
+    def __init__(self, works: Sequence, buffers: Sequence[torch.Tensor]) -> None:
+        self.works = list(works)
+        self.buffers = list(buffers)
+        """The collectives' inputs and outputs (a posted collective reads and writes them after the post returns)."""
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.works, self.buffers = [], []
+
+
+class _PostingComm:
+    """FSDP2's reduce-scatter communication for one stage (``set_custom_reduce_scatter``): posts the collective
+    (``async_op``) and keeps its work while :attr:`posting`, instead of waiting for it.
+
+    FSDP2 goes on after the call: it views the output as the gradient shards (nothing to wait for), but it
+    would also post-divide it (an op other than AVG), cast it (an output dtype other than the parameters'), or
+    add it to existing shards (:attr:`posting` is off then); any of these reads the output on the host, so the
+    collective is waited for at once instead, as FSDP2's own communication is.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        """The stage's parameter dtype (FSDP2 casts an output of another dtype to it)."""
+        self.posting = False
+        self.posted: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+
+    @staticmethod
+    def allocate(size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
+        work = _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=True)
+        if self.posting and op == dist.ReduceOp.AVG and output_tensor.dtype == self.dtype:
+            self.posted.append((work, input_tensor, output_tensor))
+        else:
+            work.wait()
+        return None  # FSDP2 waits for nothing it is handed back (a gloo work waited twice hangs)
+
+    def take(self) -> PostedReduceScatter | None:
+        """What was posted since the last take (None: nothing is in flight)."""
+        if not self.posted:
+            return None
+        out = PostedReduceScatter([w for w, _, _ in self.posted], [t for _, a, b in self.posted for t in (a, b)])
+        self.posted.clear()
+        return out
+
+
 class ParamShards:
     """FSDP2 on each of one rank's stages, driven by ``UNSHARD`` / ``RESHARD`` / ``REDUCE_SCATTER``.
 
@@ -122,12 +184,16 @@ class ParamShards:
             param_dtype=low, reduce_dtype=torch.float32, output_dtype=torch.float32)
         self.fully_shard = fully_shard
         self.modules = {}
+        self.comms: dict[int, _PostingComm] = {}
+        """Stage -> its reduce-scatter communication (what a ``REDUCE_SCATTER`` posts)."""
         for s, m in modules.items():
             if next(m.parameters(), None) is None:
                 continue
             kw = {} if self.policy is None else {"mp_policy": self.policy}
             fully_shard(m, mesh=mesh, reshard_after_forward=False, **kw)
             self.modules[s] = m
+            self.comms[s] = _PostingComm(next(m.parameters()).dtype)
+            m.set_custom_reduce_scatter(self.comms[s])
             self._accumulate(m)
 
     @property
@@ -155,18 +221,29 @@ class ParamShards:
         if m is not None:
             m.reshard()
 
-    def reduce_scatter(self, s: int) -> None:
-        """Reduce-scatter stage ``s``'s accumulated grads over its shard group (FSDP2's post-backward with sync on)."""
+    def reduce_scatter(self, s: int) -> PostedReduceScatter | None:
+        """Post the reduce-scatter of stage ``s``'s accumulated grads over its shard group (FSDP2's post-backward
+        with sync on, its collective posted): the stage's gradient shards are complete after the returned handle's
+        ``wait``. None: nothing is in flight (a stage without parameters, a shard group of one, or a reduction
+        FSDP2 finishes on the host, which was waited for here; see :class:`_PostingComm`)."""
         m = self.modules.get(s)
         if m is None:
-            return
+            return None
+        comm = self.comms[s]
+        state = self.fully_shard.state(m)
+        # posted only onto no gradient shards (FSDP2 would add its output to them); the module's parameters are the
+        # gathered ones here, so the shards are FSDP2's
+        comm.posting = all(fp.sharded_param.grad is None for g in state._fsdp_param_groups for fp in g.fsdp_params)
         m.set_requires_gradient_sync(True)
         m.set_is_last_backward(True)
-        state = self.fully_shard.state(m)
-        for group in state._fsdp_param_groups:
-            group.post_backward()
-        state._root_post_backward_final_callback()  # waits for the reduction, clears the backward's bookkeeping
+        try:
+            for group in state._fsdp_param_groups:
+                group.post_backward()
+            state._root_post_backward_final_callback()  # clears the backward's bookkeeping (waits for no posted work)
+        finally:
+            comm.posting = False
         self._accumulate(m)
+        return comm.take()
 
 
 # ----------------------------------------------------------------------------- ZeRO-1 (optimizer)
