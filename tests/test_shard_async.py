@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import sys
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -80,33 +80,25 @@ def run_recorded(plan) -> dict[tuple[int, int], tuple[list, RecordingShards, obj
     world = FakeWorld(P * D, timeout=60)
     config = TrainingConfig.from_spec(plan.spec)
     data, loss_fn = make_data(config, plan), make_loss(config.loss)
+    keys = [(p, d) for p in range(P) for d in range(D)]
     modules = {(p, d): build_stages(plan, [s for s, r in enumerate(plan.placement) if r == p], seed=0)
-               for p in range(P) for d in range(D)}  # one after another: tracing is not thread-safe
-    out, errors = {}, []
+               for p, d in keys}  # one after another: tracing is not thread-safe
 
-    def rank(p: int, d: int) -> None:
+    def rank(key: tuple[int, int]) -> tuple[list, RecordingShards, object]:
+        p, d = key
         log: list = []
         shards = RecordingShards(log)
-        try:
-            ex = Executor(plan, pp_rank=p, dp_rank=d, transport=world.transport(plan.mesh.global_rank(p, d)),
-                          modules=modules[(p, d)],
-                          loss_fn=loss_fn, sharding=shards, optimizer_step=lambda: log.append(("step", None)),
-                          fail_hook=lambda i, ins: log.append(("run", ins.text())))
-            x, y = data(0, d, D)
-            step = ex.run_step(split_microbatches(x, plan.num_microbatches, "x", ["x"]),
-                               split_microbatches(y, plan.num_microbatches, "y"))
-            out[(p, d)] = (log, shards, step)
-        except Exception as e:  # surfaced below
-            errors.append(e)
+        ex = Executor(plan, pp_rank=p, dp_rank=d, transport=world.transport(plan.mesh.global_rank(p, d)),
+                      modules=modules[key], loss_fn=loss_fn, sharding=shards,
+                      optimizer_step=lambda: log.append(("step", None)),
+                      fail_hook=lambda i, ins: log.append(("run", ins.text())))
+        x, y = data(0, d, D)
+        step = ex.run_step(split_microbatches(x, plan.num_microbatches, "x", ["x"]),
+                           split_microbatches(y, plan.num_microbatches, "y"))
+        return log, shards, step
 
-    threads = [threading.Thread(target=rank, args=(p, d)) for p in range(P) for d in range(D)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out
+    with ThreadPoolExecutor(len(keys)) as pool:  # a rank's exception is raised here
+        return dict(zip(keys, pool.map(rank, keys)))
 
 
 def test_the_reduce_scatter_is_waited_in_opt_after_the_backwards_that_follow_it():
