@@ -25,7 +25,8 @@ from dataclasses import replace
 from pipec.compiler.driver import compile_request
 from pipec.compiler.plan import Cost, Plan
 from pipec.compiler.simulate import simulate
-from pipec.compiler.tune import Candidate, Scored, TuneRequest, _score, candidate_request, candidates, tune
+from pipec.compiler.tune import (Candidate, Scored, TuneRequest, _Graphs, _score, candidate_request, candidates,
+                                 tune)
 from pipec.compiler.tune_measure import measure, run_candidates
 from pipec.compiler.tune_report import pipe_lines, why
 from pipec.dsl import load_spec
@@ -132,9 +133,9 @@ def part_a(folder: str, steps: int, rounds: int) -> None:
     print(f"(a) {len(grid)} grid candidates on 4 ranks, global batch 16, costs profile, {steps} steps each, "
           f"{rounds} rounds; {os.cpu_count()} cores")
     t0 = time.perf_counter()
-    scored = []
+    scored, graphs = [], _Graphs(treq, 16)  # tune's front end: one trace per microbatch shape, one cut per stages
     for c in grid:
-        plan = compile_request(candidate_request(treq, c)).plan
+        plan = compile_request(candidate_request(treq, c, global_batch=16), graph=graphs.graph(c)).plan
         scored.append(_score(c, plan, 16 * 128, None, 4))
     prof = scored[0].plan.model.get("profile", {})
     print(f"  compiled in {time.perf_counter() - t0:.1f} s; profile: {prof}")

@@ -110,3 +110,10 @@ def test_gloo_links_and_overhead_slow_down_as_the_profiled_ranks_did():
     assert over.seconds["FWD"] == pytest.approx(2.5e-5)
     for model in (None, {}, {"profile": {"concurrent_ranks": 1}}):
         assert _under_load(SimpleNamespace(model=model), links, overhead) == (links, overhead, 1.0)
+
+
+def test_the_slowdown_is_measured_once_per_process_and_ranks():
+    first = build_stage_graph(_mlp(local_ranks=3, stages=2)).model["profile"]["slowdown"]
+    assert [round(x, 4) for x in costs._SLOWDOWN[(3, 1)]] == [first[k] for k in costs._PARTS]
+    again = build_stage_graph(_mlp(local_ranks=3, stages=4)).model["profile"]["slowdown"]
+    assert again == first, "a second cut is priced under the same measured contention"

@@ -300,6 +300,11 @@ CONCURRENT_MIN_TIME_S = 0.1
 """The least time each process spends timing a stage when several time at once (:attr:`Profiling.min_time_s`)."""
 
 SYNC_TIMEOUT_S = 600.0
+
+_SLOWDOWN: dict[tuple[int, int], tuple[float, ...]] = {}
+"""The slowdown this process measured, by (ranks, threads): measured once, as the links are (links.py), so
+every cut a process profiles (``pipec tune``'s, a test session's) is priced under one measured contention and
+their ranking is not the machine's load drifting between two cuts."""
 """How long a profiling process waits for the others to start before giving up."""
 
 
@@ -318,7 +323,8 @@ class Profiling:
     a machine emptier than the run's. The slowdown of each part (forward, input backward, backward,
     optimizer step) is the time all the concurrent samples took over what the same samples took alone, and
     every stage's cost is its cost alone times it: one factor per part, since which process the scheduler
-    favours over a short window is luck the run does not repeat."""
+    favours over a short window is luck the run does not repeat. The slowdown is measured once per process
+    (:data:`_SLOWDOWN`), on the first cut it profiles."""
 
     num_ranks: int = 1
     """Processes timing the stages at once (this one and ``num_ranks - 1`` forked from it)."""
@@ -523,7 +529,10 @@ def _profile(split: Split, profile: Profiling, *, autocast: str | None, target: 
     restore = _threads(profile.threads)
     try:
         alone = {s: _median_sample(profile.samples(runners([s])[s])) for s in range(split.num_stages)}  # one at a time
-        slowdown = _slowdown(alone, _at_once(profile.num_ranks, at_once)) if profile.num_ranks > 1 else None
+        key = (profile.num_ranks, profile.threads)
+        if profile.num_ranks > 1 and key not in _SLOWDOWN:
+            _SLOWDOWN[key] = _slowdown(alone, _at_once(profile.num_ranks, at_once))
+        slowdown = _SLOWDOWN.get(key)
     finally:
         restore()
     factor = slowdown or (1.0,) * 4
