@@ -34,7 +34,12 @@ each rank they complete one after another on its dp lane, in the order
 posted, ``buffered`` as soon as they arrive, ``in_order`` through a second
 queue of the rank (the dp group's communicator, apart from the pp group's
 point-to-point queue). A compute of a stage waits for the stage's last
-``UNSHARD`` before it; ``OPT`` for the rank's last shard instruction.
+``UNSHARD`` before it; ``OPT`` for the rank's last shard instruction. A
+``REDUCE_SCATTER`` is waited for, as the executor waits for it, in ``OPT``,
+or first by a reduction of the gradient shards it writes: HSDP's
+``ALLREDUCE`` over ``dp.replicate`` waits for its own stage's, a tie
+all-reduce for every one of its rank still in flight; under both models the
+host waits (a ``~`` event) before it posts the all-reduce.
 
 If no rank can move while some have instructions left, the program
 deadlocks: :class:`Deadlock` carries the cycle of waiting instructions, one
@@ -221,6 +226,7 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
         last_shard = None
         calls: dict[str | None, int] = {}  # group -> collectives of it so far: the k of key ("C", group, k)
         in_flight: list[tuple] = []  # keys of the all-reduces posted since the host last waited for them
+        scatters: dict[int, tuple] = {}  # stage -> the key of its REDUCE_SCATTER posted and not yet waited for
         for pc, ins in enumerate(instrs):
             op = ins.op
             if op is Op.FWD or op is Op.BWD or op is Op.BWD_I or op is Op.BWD_W:
@@ -260,28 +266,36 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
                 key = ("S", r, pc)
                 if op is Op.UNSHARD:
                     unsharded[ins.stage] = key
+                elif op is Op.REDUCE_SCATTER:
+                    scatters[ins.stage] = key
                 last_shard = key
                 dec.append((_SHARD, ins.group, costs.shard.get((op.value, ins.stage), 0.0), key, host[op]))
             else:
                 # a collective: (code, group, its duration, the optimizer step, what the host waits for before it
-                # arrives: (under in_order, under buffered), its key, host overhead)
+                # arrives: (under in_order: shard instructions only, under buffered: all-reduces too), its key,
+                # host overhead)
                 group = ins.group if op is Op.ALLREDUCE else opt_group
                 k = calls.get(group, 0)
                 calls[group] = k + 1
                 ckey = ("C", group, k)
-                shard = () if op is Op.ALLREDUCE or last_shard is None else (last_shard,)
                 if op is Op.ALLREDUCE:
-                    # the executor sums a tie's dp-averaged copies: it waits for the all-reduces in flight first
-                    waits = tuple(in_flight) if ins.group.startswith("tie.") else ()
                     dur = costs.allreduce.get((ins.group, ins.stage), 0.0)
-                    dec.append((_AR, group, dur, 0.0, (shard, waits), ckey, host[op]))
-                    if waits:
+                    if ins.group.startswith("tie."):
+                        # the executor sums a tie's dp-reduced copies: it waits for every reduction in flight first
+                        shard, waits = tuple(scatters.values()), tuple(in_flight)
+                        scatters.clear()
                         in_flight.clear()
+                    else:  # HSDP's replicate all-reduce works on its stage's gradient shards: their RS first
+                        rs = scatters.pop(ins.stage, None)
+                        shard, waits = () if rs is None else (rs,), ()
+                    dec.append((_AR, group, dur, 0.0, (shard, shard + waits), ckey, host[op]))
                     in_flight.append(ckey)
                 else:
                     # the grad-norm collective (free), then this rank's own optimizer step (after its shard ops)
+                    shard = () if last_shard is None else (last_shard,)
                     dec.append((_OPT, group, 0.0, optim[r], (shard, shard + tuple(in_flight)), ckey, host[op]))
                     in_flight.clear()
+                    scatters.clear()
         out.append(tuple(dec))
     return Decoded(tuple(out), keys)
 
@@ -399,8 +413,8 @@ class _InOrder:
 
     name = IN_ORDER
     waits_index = 0
-    """A collective's host waits before arriving: the shard instructions only (a wait on a collective does not
-    block the host: NCCL's ``wait`` orders the stream)."""
+    """A collective's host waits before arriving: the shard instructions it needs only (a wait on an all-reduce
+    does not block the host: NCCL's ``wait`` orders the stream)."""
 
     def __init__(self, eng: _Engine) -> None:
         self.eng = eng
