@@ -8,7 +8,7 @@ Sources, most trusted first (DESIGN, *Cost model*):
   with (:class:`Profiling`; on a machine with fewer cores than ranks a stage
   costs what it costs while the others compute); forward, input backward
   (``autograd.grad`` w.r.t. the stage inputs) and full backward are timed, a
-  few repetitions after a warm-up, and the median kept; weight backward =
+  few repetitions after a warm-up, and the least kept; weight backward =
   full - input backward.
 - ``flops``: forward FLOPs from ``torch.utils.flop_counter`` at a device peak.
   Backward: a node that uses parameters (a linear layer) costs its forward
@@ -313,7 +313,7 @@ class Profiling:
     """How ``costs profile`` times the stages: the way the run will run them (plan.json ``model["profile"]``).
 
     Each stage is timed alone first (this process, ``threads`` intra-op threads, ``reps`` repetitions after a
-    warm-up, the median): that gives the stages' costs relative to each other with little noise. With more
+    warm-up, the least of them): that gives the stages' costs relative to each other with little noise. With more
     than one rank here, ``num_ranks`` processes (the run's ranks on this machine, :data:`MAX_PROFILE_RANKS` at
     most) then time the stages all at once, as the run's ranks compute at once, each with ``threads``
     threads: the stages are dealt out round them (:meth:`share`), they start together, each keeps timing
@@ -372,8 +372,11 @@ def profiling(*, local_ranks: int, threads: int, reps: int) -> Profiling:
     return Profiling(num_ranks=n, threads=max(1, threads), reps=max(1, reps))
 
 
-def _median_sample(samples: Sequence[_Sample]) -> _Sample:
-    return tuple(statistics.median(x[k] for x in samples) for k in range(4))  # type: ignore[return-value]
+def _least_sample(samples: Sequence[_Sample]) -> _Sample:
+    """Per part, the least of a stage's repetitions alone: on a machine others share, their work only adds to a
+    repetition's time, so the least is the one they disturbed least (the cuts a search compares, each timed at
+    another moment, are then compared on their own work)."""
+    return tuple(min(x[k] for x in samples) for k in range(4))  # type: ignore[return-value]
 
 
 def _slowdown(alone: Mapping[int, _Sample], at_once: Sequence[Mapping[int, Sequence[_Sample]]]) -> tuple[float, ...]:
@@ -528,7 +531,7 @@ def _profile(split: Split, profile: Profiling, *, autocast: str | None, target: 
 
     restore = _threads(profile.threads)
     try:
-        alone = {s: _median_sample(profile.samples(runners([s])[s])) for s in range(split.num_stages)}  # one at a time
+        alone = {s: _least_sample(profile.samples(runners([s])[s])) for s in range(split.num_stages)}  # one at a time
         key = (profile.num_ranks, profile.threads)
         if profile.num_ranks > 1 and key not in _SLOWDOWN:
             _SLOWDOWN[key] = _slowdown(alone, _at_once(profile.num_ranks, at_once))
