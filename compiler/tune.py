@@ -324,8 +324,12 @@ def _budget(treq: TuneRequest) -> int | None:
 
 
 class _Graphs:
-    """The front end, cached: one trace per microbatch shape, one cut per (stages, microbatch shape,
-    balance), recompute and the data record derived per candidate."""
+    """The front end, cached: one trace per microbatch shape (the first one's fx graph annotated again at
+    each other shape), one cut per (stages, microbatch shape, balance), recompute and the data record
+    derived per candidate. Cuts are cost-only (read off the trace's nodes, the same StageGraph without
+    the stage modules); the winner's is confirmed the full way (:meth:`confirm`)."""
+
+    cost_only = True
 
     def __init__(self, treq: TuneRequest, batch: int):
         self.treq, self.batch = treq, batch
@@ -333,9 +337,13 @@ class _Graphs:
         self.cuts: dict[tuple[int, int, str | None], Any] = {}
         self.data: dict[tuple[int, int, int], Any] = {}
 
+    def _request(self, c: Candidate):
+        from pipec.compiler.driver import model_request
+
+        return replace(model_request(candidate_request(self.treq, c, global_batch=self.batch)), recompute=False)
+
     def graph(self, c: Candidate):
         """The candidate's StageGraph, or None when the model cannot be cut that way."""
-        from pipec.compiler.driver import model_request
         from pipec.compiler.frontend import (FrontendError, cut_stage_graph, trace_request, with_data,
                                              with_recompute_stages)
 
@@ -343,12 +351,12 @@ class _Graphs:
         key, data_key = (c.num_stages, mb, c.partition_by), (mb, c.num_microbatches, c.dp)
         mreq = None
         if key not in self.cuts or data_key not in self.data:
-            mreq = replace(model_request(candidate_request(self.treq, c, global_batch=self.batch)), recompute=False)
+            mreq = self._request(c)
         if mb not in self.traces:
-            self.traces[mb] = trace_request(mreq)
+            self.traces[mb] = trace_request(mreq, like=next(iter(self.traces.values()), None))
         if key not in self.cuts:
             try:
-                self.cuts[key] = cut_stage_graph(self.traces[mb], mreq)
+                self.cuts[key] = cut_stage_graph(self.traces[mb], mreq, runnable=not self.cost_only)
             except FrontendError as err:
                 if err.key not in ("partition", "stages"):
                     raise
@@ -360,6 +368,15 @@ class _Graphs:
             self.data[data_key] = with_data(cut, self.traces[mb], mreq).model["data"]
         cut = replace(cut, model={**cut.model, "data": self.data[data_key]})
         return with_recompute_stages(cut, c.recompute) if c.recompute else cut
+
+    def confirm(self, c: Candidate) -> None:
+        """Cut the candidate's stages the full way (their modules built, as a run builds them) and check
+        that the cost-only cut it was priced by is the same."""
+        from pipec.compiler.frontend import confirm_cut
+
+        mb = self.batch // c.dp // c.num_microbatches
+        if self.cost_only:
+            confirm_cut(self.traces[mb], self._request(c), self.cuts[(c.num_stages, mb, c.partition_by)])
 
 
 # ----------------------------------------------------------------------------- bounds and the search
@@ -408,6 +425,7 @@ def tune(treq: TuneRequest) -> TuneResult:
     if not search.fits:
         raise TuneError(_no_fit(treq, batch, search.refused, search.graphs), key="device_memory")
     ranked = sorted(search.fits, key=Scored.rank_key)
+    search.graphs.confirm(ranked[0].candidate)   # the plan written (a run checks its own cut: frontend.stages)
     frontier = search.proven_frontier()
     start = _start(treq)
     start_scored = next((s for s in search.fits if _same_base(s.candidate, start) and search.proven(s)), None)

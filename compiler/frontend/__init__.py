@@ -11,6 +11,8 @@ the :class:`~pipec.compiler.graph.StageGraph` that becomes plan.json's
 - :mod:`.weights`: each module's init path, ``init auto`` resolved on meta;
 - :mod:`.partition`: where cuts can go, the partition, the split;
 - :mod:`.costs`: stage costs and saved activations (unit, flops, profile);
+- :mod:`.cutcost`: a cut's stages, edges, ties and costs read off the trace's nodes, without the stage
+  modules (``pipec tune``'s search, ``runnable=False``; equal to the full cut);
 - :mod:`.data`: the data a run trains on described (synthetic data that fits
   the model, a token file checked, a data function found), the loss checked
   against its targets on meta;
@@ -30,19 +32,20 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pipec.compiler.config import TokenData
 from pipec.compiler.frontend import costs as costs_pass
+from pipec.compiler.frontend.cutcost import FAST_COSTS, NodeTable, cost_split, cut_costs, node_table
 from pipec.compiler.frontend.data import data_of
 from pipec.compiler.graph import StageGraph, make_graph
 from pipec.compiler.frontend.partition import Balanced, Markers, SplitBefore, analyse_cuts, assign_stages, split_graph
 from pipec.compiler.plan import Stage
 from pipec.compiler.frontend.trace import (
-    FrontendError, InputSpec, ModelSource, Traced, example_inputs, instantiate, locate_model, propagate, to_dtype,
-    trace_model,
+    FrontendError, InputSpec, ModelSource, Traced, at_shapes, example_inputs, instantiate, locate_model, propagate,
+    to_dtype, trace_model,
 )
 from pipec.compiler.frontend.weights import EXACT_MAX_PARAMS, INIT_MODES, resolve_init
 
 __all__ = ["ModelRequest", "TracedModel", "InputSpec", "SplitBefore", "Balanced", "Markers", "FrontendError", "INIT_MODES",
            "EXACT_MAX_PARAMS", "microbatch_inputs", "build_stage_graph", "trace_request", "cut_stage_graph", "with_data",
-           "with_recompute_stages", "resolve_init"]
+           "with_recompute_stages", "confirm_cut", "resolve_init"]
 
 _AUTOCAST = ("bfloat16", "float16")
 
@@ -138,6 +141,12 @@ class TracedModel:
     autocast: str | None
     cuts: Any
     """Where cuts can go (:func:`~.partition.analyse_cuts`)."""
+    fake_mode: Any = None
+    """The FakeTensorMode the model was built and annotated under (autocast), else None (meta)."""
+    model_key: tuple = ()
+    """What the trace depends on but the microbatch shape (:func:`_model_key`)."""
+    table: NodeTable | None = None
+    """What each node contributes to a cut (:func:`~.cutcost.node_table`; None: cost-only cuts decline)."""
 
 
 def build_stage_graph(req: ModelRequest, *, placement: Sequence[int] | None = None) -> StageGraph:
@@ -145,33 +154,51 @@ def build_stage_graph(req: ModelRequest, *, placement: Sequence[int] | None = No
     return cut_stage_graph(trace_request(req), req, placement=placement)
 
 
-def trace_request(req: ModelRequest) -> TracedModel:
+def trace_request(req: ModelRequest, *, like: TracedModel | None = None) -> TracedModel:
     """The passes that depend only on the model and one microbatch's shape (steps 1-6 below): a
     :class:`TracedModel` that :func:`cut_stage_graph` cuts into any number of stages (``pipec tune``
-    traces once per microbatch shape and cuts many times)."""
+    traces once per microbatch shape and cuts many times). ``like``: the same model traced at another
+    microbatch shape; an fx trace of it is annotated again at this shape on a copy of its graph (fx does
+    not look at shapes: tracing again would give the same graph), an export trace is traced again."""
     inputs = microbatch_inputs(req)
     if req.dtype not in ("float32", *_AUTOCAST):
         raise FrontendError(f"dtype must be float32, bfloat16 or float16, got {req.dtype!r}", key="dtype")
     autocast = req.dtype if req.dtype in _AUTOCAST else None
-    # 1. find the model (search path, model file), and resolve init on the meta device
-    src = locate_model(req.target, req.search_path)
-    init = resolve_init(req.init, src.target, req.kwargs, search_path=src.search_path)
-    # 2. build the model with no real memory: meta, or fake CPU tensors when autocast decides dtypes
-    fake_mode = FakeTensorMode() if autocast else None
-    model, _ = instantiate(src.target, req.kwargs, mode="fake" if fake_mode else "meta", search_path=src.search_path,
-                           fake_mode=fake_mode)
-    with fake_mode if fake_mode else contextlib.nullcontext():
-        example = example_inputs(inputs, device="cpu" if fake_mode else "meta")
-    # 3. trace (fx, or torch.export where fx cannot or would hide layers a split point names)
-    paths = req.partition.paths if isinstance(req.partition, SplitBefore) else ()
-    traced = trace_model(model, inputs, example, mode=req.trace, split_paths=paths)
+    key = _model_key(req, autocast)
+    if like is not None and like.model_key == key and like.traced.path == "fx":
+        src, init, fake_mode = like.src, like.init, like.fake_mode  # steps 1-3 as they were
+        with fake_mode if fake_mode else contextlib.nullcontext():
+            example = example_inputs(inputs, device="cpu" if fake_mode else "meta")
+        traced = at_shapes(like.traced, inputs)
+    else:
+        # 1. find the model (search path, model file), and resolve init on the meta device
+        src = locate_model(req.target, req.search_path)
+        init = resolve_init(req.init, src.target, req.kwargs, search_path=src.search_path)
+        # 2. build the model with no real memory: meta, or fake CPU tensors when autocast decides dtypes
+        fake_mode = FakeTensorMode() if autocast else None
+        model, _ = instantiate(src.target, req.kwargs, mode="fake" if fake_mode else "meta",
+                               search_path=src.search_path, fake_mode=fake_mode)
+        with fake_mode if fake_mode else contextlib.nullcontext():
+            example = example_inputs(inputs, device="cpu" if fake_mode else "meta")
+        # 3. trace (fx, or torch.export where fx cannot or would hide layers a split point names)
+        paths = req.partition.paths if isinstance(req.partition, SplitBefore) else ()
+        traced = trace_model(model, inputs, example, mode=req.trace, split_paths=paths)
     # 4. shapes, dtypes, FLOPs and saved bytes on every node
     propagate(traced, example, fake_mode=fake_mode, autocast=autocast)
     # 5. the data the run trains on, described; the loss checked against its targets on meta
-    tm = TracedModel(src=src, init=init, traced=traced, inputs=inputs, autocast=autocast, cuts=None)
+    tm = TracedModel(src=src, init=init, traced=traced, inputs=inputs, autocast=autocast, cuts=None,
+                     fake_mode=fake_mode, model_key=key)
     _data(tm, req)
-    # 6. where cuts can go
-    return replace(tm, cuts=analyse_cuts(traced))
+    # 6. where cuts can go, and what each node gives a cost-only cut
+    return replace(tm, cuts=analyse_cuts(traced), table=node_table(traced))
+
+
+def _model_key(req: ModelRequest, autocast: str | None) -> tuple:
+    """What a trace depends on besides the microbatch shape: the model, how it is traced and built, the
+    inputs' names and dtypes."""
+    paths = req.partition.paths if isinstance(req.partition, SplitBefore) else ()
+    return (req.target, req.search_path, repr(sorted(req.kwargs.items())), req.trace, paths, autocast, req.init,
+            tuple((s.name, s.dtype) for s in req.inputs))
 
 
 def _data(tm: TracedModel, req: ModelRequest) -> Mapping[str, Any]:
@@ -186,9 +213,12 @@ def with_data(graph: StageGraph, tm: TracedModel, req: ModelRequest) -> StageGra
     return replace(graph, model={**graph.model, "data": dict(_data(tm, req))})
 
 
-def cut_stage_graph(tm: TracedModel, req: ModelRequest, *, placement: Sequence[int] | None = None) -> StageGraph:
+def cut_stage_graph(tm: TracedModel, req: ModelRequest, *, placement: Sequence[int] | None = None,
+                    runnable: bool = True) -> StageGraph:
     """Partition, split and cost a traced model into ``req.num_stages`` stages (steps 7-9); ``req`` is
-    the one ``tm`` was traced for, or one differing only in stages, partition, recompute and costs."""
+    the one ``tm`` was traced for, or one differing only in stages, partition, recompute and costs.
+    ``runnable=False``: a cost-only cut where it can (:mod:`.cutcost`: costs unit or flops), the same
+    StageGraph without building the stage modules; :func:`confirm_cut` checks one the full way."""
     traced, src, cuts = tm.traced, tm.src, tm.cuts
     recompute = _recompute_set(req)
     # 7. the partition
@@ -199,14 +229,17 @@ def cut_stage_graph(tm: TracedModel, req: ModelRequest, *, placement: Sequence[i
                                       search_path=src.search_path) if by == "time" else None
         weights = costs_pass.node_weights(traced, cuts, by, times=times)
     stage_of = assign_stages(traced, cuts, req.partition, req.num_stages, weights)
-    # 8. split with torch.fx split_module: stage inputs/outputs, skip edges, tie groups
-    split = split_graph(traced, stage_of, req.num_stages)
-    # 9. costs and saved activations per stage
-    profile = costs_pass.profiling(local_ranks=req.local_ranks, threads=req.threads_per_rank, reps=req.profile_reps)
-    stage_costs = costs_pass.stage_costs(
-        split, req.costs, recompute=recompute, peak_flops=req.peak_flops, profile=profile, autocast=tm.autocast,
-        target=src.target, kwargs=req.kwargs, search_path=src.search_path,
-    )
+    # 8. split with torch.fx split_module: stage inputs/outputs, skip edges, tie groups; 9. costs and saved
+    # activations per stage (or both read off the trace's nodes: a cost-only cut)
+    split, stage_costs = _cost_only(tm, req, stage_of, recompute) if not runnable else (None, None)
+    if split is None:
+        split = split_graph(traced, stage_of, req.num_stages)
+        profile = costs_pass.profiling(local_ranks=req.local_ranks, threads=req.threads_per_rank,
+                                       reps=req.profile_reps)
+        stage_costs = costs_pass.stage_costs(
+            split, req.costs, recompute=recompute, peak_flops=req.peak_flops, profile=profile, autocast=tm.autocast,
+            target=src.target, kwargs=req.kwargs, search_path=src.search_path,
+        )
     ranks = list(placement) if placement is not None else [-1] * req.num_stages
     if len(ranks) != req.num_stages:
         raise FrontendError(f"placement needs one pp rank per stage ({req.num_stages}), got {len(ranks)}")
@@ -230,6 +263,29 @@ def cut_stage_graph(tm: TracedModel, req: ModelRequest, *, placement: Sequence[i
         full_activation_bytes=tuple(c.full_activation_bytes for c in stage_costs),
         flops=tuple(c.flops for c in stage_costs), notes=notes,
     )
+
+
+def _cost_only(tm: TracedModel, req: ModelRequest, stage_of: Mapping[str, int],
+               recompute: frozenset[int]) -> tuple[Any, Any]:
+    """A cost-only cut's split and stage costs, or (None, None) where it declines (the full cut then runs,
+    and raises what it raises)."""
+    priced = req.costs == "unit" or (req.costs in FAST_COSTS and req.peak_flops and req.peak_flops > 0)
+    split = cost_split(tm.table, stage_of, req.num_stages) if priced and tm.table is not None else None
+    if split is None:
+        return None, None
+    return split, cut_costs(tm.table, split, req.costs, recompute=recompute, peak_flops=req.peak_flops)
+
+
+def confirm_cut(tm: TracedModel, req: ModelRequest, graph: StageGraph) -> None:
+    """Cut ``req`` the full way (its stage modules built with torch.fx, as every rank builds them) and
+    check that it equals ``graph``, a cost-only cut of the same stages, but for the data record (a cut
+    serves several microbatch counts and dp)."""
+    full = cut_stage_graph(tm, req)
+    assert _but_data(full) == _but_data(graph), "a cost-only cut differs from the full cut"
+
+
+def _but_data(graph: StageGraph) -> StageGraph:
+    return replace(graph, model={k: v for k, v in graph.model.items() if k != "data"})
 
 
 def with_recompute_stages(graph: StageGraph, recompute: frozenset[int]) -> StageGraph:

@@ -28,6 +28,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
@@ -192,44 +193,49 @@ def balance(weights: Sequence[float], num_stages: int) -> tuple[list[int], float
 
     Returns the start index of groups 1..S-1 and the largest sum. Exact:
     dp[s][j] = min over i of max(dp[s-1][i], W(i..j)), with the crossing point
-    found by bisection since dp[s-1] rises and W(i..j) falls in i.
+    found by bisection since dp[s-1] rises and W(i..j) falls in i; each stage
+    count's row is one vectorised pass over j (the same float operations, in
+    the same order, as one j at a time).
     """
     k = len(weights)
     assert 1 <= num_stages <= k
     prefix = [0.0]
     for w in weights:
         prefix.append(prefix[-1] + w)
+    pre = np.array(prefix)
     inf = float("inf")
-    dp = [prefix[j] if j >= 1 else inf for j in range(k + 1)]
-    choice: list[list[int]] = []
+    dp = np.array([prefix[j] if j >= 1 else inf for j in range(k + 1)])
+    choice: list[np.ndarray] = []
     for s in range(2, num_stages + 1):
-        new = [inf] * (k + 1)
-        arg = [0] * (k + 1)
-        for j in range(s, k - (num_stages - s) + 1):
-            lo, hi = s - 1, j - 1
-            # smallest i in [lo, hi] with dp[i] >= prefix[j] - prefix[i]
-            a, b = lo, hi
-            while a < b:
-                mid = (a + b) // 2
-                if dp[mid] >= prefix[j] - prefix[mid]:
-                    b = mid
-                else:
-                    a = mid + 1
-            best, best_i = inf, lo
-            for i in (a - 1, a):
-                if lo <= i <= hi:
-                    val = max(dp[i], prefix[j] - prefix[i])
-                    if val < best:
-                        best, best_i = val, i
-            new[j], arg[j] = best, best_i
+        j = np.arange(s, k - (num_stages - s) + 1)
+        lo = s - 1
+        # smallest i in [lo, j-1] with dp[i] >= prefix[j] - prefix[i]
+        a, b = np.full(len(j), lo), j - 1
+        while True:
+            open_ = a < b
+            if not open_.any():
+                break
+            mid = (a + b) // 2
+            up = dp[mid] >= pre[j] - pre[mid]
+            b = np.where(open_ & up, mid, b)
+            a = np.where(open_ & ~up, mid + 1, a)
+        best, best_i = np.full(len(j), inf), np.full(len(j), lo)
+        for i in (a - 1, a):  # the crossing point and the one before it, the first one kept on a tie
+            ok = i >= lo
+            safe = np.where(ok, i, lo)
+            val = np.where(ok, np.maximum(dp[safe], pre[j] - pre[safe]), inf)
+            better = val < best
+            best, best_i = np.where(better, val, best), np.where(better, i, best_i)
+        new, arg = np.full(k + 1, inf), np.zeros(k + 1, dtype=np.int64)
+        new[j], arg[j] = best, best_i
         dp = new
         choice.append(arg)
     starts = []
-    j = k
+    at = k
     for arg in reversed(choice):
-        j = arg[j]
-        starts.append(j)
-    return sorted(starts), dp[k]
+        at = int(arg[at])
+        starts.append(at)
+    return sorted(starts), float(dp[k])
 
 
 def _check_count(what: str, num_cuts: int, num_stages: int) -> None:

@@ -44,14 +44,14 @@ import operator
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
-from torch.fx import GraphModule, Node, Tracer
+from torch.fx import Graph, GraphModule, Node, Tracer
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 from pipec.errors import PipecError, UserCodeError
@@ -69,6 +69,7 @@ __all__ = [
     "instantiate",
     "example_inputs",
     "trace_model",
+    "at_shapes",
     "propagate",
     "module_path",
     "compute_nodes",
@@ -570,6 +571,21 @@ def trace_model(
     )
 
 
+def at_shapes(traced: Traced, inputs: tuple[InputSpec, ...]) -> Traced:
+    """An fx trace for inputs of other shapes, ready for :func:`propagate`: its graph copied (the same
+    nodes and names, on the same model) without the annotations :func:`propagate` made. fx traces without
+    looking at shapes, so tracing again would give this graph; torch.export specialises on them (trace
+    again)."""
+    assert traced.path == "fx", traced.path
+    graph = Graph()
+    graph._codegen = traced.gm.graph._codegen
+    graph.output(graph.graph_copy(traced.gm.graph, {}))
+    for node in graph.nodes:
+        for key in _PROPAGATED:
+            node.meta.pop(key, None)
+    return replace(traced, gm=GraphModule(traced.gm, graph, type(traced.model).__name__), inputs=inputs)
+
+
 def _hidden_paths(gm: GraphModule, split_paths: tuple[str, ...]) -> list[str]:
     hidden = []
     for node in gm.graph.nodes:
@@ -582,6 +598,10 @@ def _hidden_paths(gm: GraphModule, split_paths: tuple[str, ...]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- propagation
+
+
+_PROPAGATED = ("tensor_meta", "type", "unbacked_bindings", "pipec_flops", "pipec_saved", "pipec_storage", "pipec_value")
+"""What :func:`propagate` writes on a node (ShapeProp's keys and pipec's)."""
 
 
 def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, **kwargs) -> int:  # noqa: ANN001
