@@ -42,6 +42,8 @@ def plan_costs(plan: Plan) -> CostModel:
     predicts is in units. A plan in seconds is charged its ``overhead`` (the
     executor's host time per instruction kind) when it has one. Each hop and
     collective is priced on its axis's link, or by node (:class:`Pricing`).
+    ``OPT`` holds its grad-norm collective over the pp ranks only when the plan's
+    training config sets ``grad_clip`` (the runtime runs it only to clip).
     """
     num_stages = plan.num_stages
     unit = plan.unit_costs
@@ -56,6 +58,7 @@ def plan_costs(plan: Plan) -> CostModel:
         activation_bytes=act,
         overhead={} if unit or plan.overhead is None else dict(plan.overhead.seconds),
         time_unit="unit" if unit else "s",
+        grad_norm=plan.spec.get("grad_clip") is not None,
     )
 
 

@@ -243,7 +243,22 @@ def test_without_clipping_opt_waits_for_no_peer(model):
     assert ("~OPT", 4.0, 6.0) in _events(synced, 1)
     assert _events(alone, 1)[-1] == ("OPT", 4.0, 4.0) and alone.comm_wait[1] == synced.comm_wait[1] - 2.0
     em = emulated_costs(plan, seconds_per_unit=0.01, latency_s=0.0, collective_s=0.0, overhead={})
-    assert not em.grad_norm and plan_costs(plan).grad_norm
+    assert not em.grad_norm
+
+
+def test_opt_holds_the_grad_norm_collective_only_when_the_plan_clips():
+    """The runtime runs OPT's grad-norm all-reduce only when grad_clip is set: plan_costs follows the plan's spec,
+    and so does its prediction (rank 1 waits in OPT from 4 to 6 only when clipping)."""
+    plain = _gpipe_2x1()
+    clipped = compile_plan(num_ranks=2, num_microbatches=1, schedule="gpipe", spec={"grad_clip": 1.0}).plan
+    assert not plan_costs(plain).grad_norm and plan_costs(clipped).grad_norm
+    assert not plan_costs(compile_plan(num_ranks=2, num_microbatches=1, schedule="gpipe",
+                                       spec={"grad_clip": None}).plan).grad_norm
+    ends = {name: [(e.op, e.start, e.end) for e in p.prediction.events if e.rank == 1][-2:]
+            for name, p in (("plain", plain), ("clipped", clipped))}
+    assert ends["clipped"] == [("~OPT", 4.0, 6.0), ("OPT", 6.0, 6.0)]
+    assert ends["plain"][-1] == ("OPT", 4.0, 4.0) and ends["plain"][0][0] != "~OPT"
+    assert plain.prediction.step_time == clipped.prediction.step_time == 6.0
 
 
 # ----------------------------------------------------------------------------- the link fit

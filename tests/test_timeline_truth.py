@@ -20,8 +20,8 @@ def _rows(renderable, width: int) -> list[str]:
 
 def test_the_simulator_records_opt_waiting_for_its_peers():
     """gpipe over 2 ranks, 1 microbatch: rank 1's backward ends at 4 units, rank 0's at 6; rank 1 waits in OPT's
-    grad-norm collective from 4 to 6, and that is a wait event, not optimizer work."""
-    plan = compile_plan(num_ranks=2, num_microbatches=1, schedule="gpipe").plan
+    grad-norm collective (the plan clips) from 4 to 6, and that is a wait event, not optimizer work."""
+    plan = compile_plan(num_ranks=2, num_microbatches=1, schedule="gpipe", spec={"grad_clip": 1.0}).plan
     tl = simulate(plan)
     ev = [(e.op, e.start, e.end) for e in tl.events if e.rank == 1]
     assert ev[-2:] == [("~OPT", 4.0, 6.0), ("OPT", 6.0, 6.0)]
@@ -43,7 +43,7 @@ def test_perfetto_draws_a_collective_wait_as_comm():
 
 
 def test_a_simulated_plan_keeps_its_waits_in_every_view():
-    plan = compile_plan(num_ranks=4, num_microbatches=8, schedule="1f1b").plan
+    plan = compile_plan(num_ranks=4, num_microbatches=8, schedule="1f1b", spec={"grad_clip": 1.0}).plan
     tl = simulate(plan)
     waits = [e for e in tl.events if e.op.startswith("~")]
     assert waits and all(e.op == "~OPT" for e in waits)
