@@ -246,7 +246,8 @@ def model_request(req: CompileRequest):
         dtype=m.dtype,
         peak_flops=m.peak_flops,
         threads_per_rank=1 if world > 1 else _threads(),
-        local_ranks=world,  # every rank on this machine (what `pipec run` starts)
+        # the ranks that share one machine: a node's when devices_per_node is given, else every rank
+        local_ranks=min(world, req.devices_per_node or world),
         init=m.init,
         loss=training.loss,
         targets=tuple(InputSpec(t.name, t.dtype, tuple(t.shape)) for t in m.targets),
