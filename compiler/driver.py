@@ -204,7 +204,7 @@ def prove_and_predict(plan: Plan, *, prove: bool = True) -> Plan:
                      edges=plan.edges, costs=costs, model=BUFFERED, ties=plan.ties)
     rows = breakdown(plan)
     state = None if rows is None else [m.state for m in rows]
-    static = None if rows is None else [m.state + m.unsharded for m in rows]
+    static = None if rows is None else [m.state + m.transient for m in rows]
     return replace(plan, prediction=timeline_of(ex, costs, static, state))
 
 

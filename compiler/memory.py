@@ -20,10 +20,22 @@ Per rank and stage, the state the runtime holds (:func:`breakdown`):
   its first backward to its ``REDUCE_SCATTER`` (FSDP2 accumulates them
   unsharded while gradient sync is off), both in the compute dtype (2 bytes
   under ``dtype bfloat16``, FSDP2's ``param_dtype``), at the program point
-  where the most are held at once (:func:`unsharded_bytes`).
+  where the most are held at once (:func:`transient_bytes`);
+- **collective buffers**, the flat float32 buffers the executor hands a
+  collective it posts and keeps until the collective is waited for: a dp
+  all-reduce's (``AR<s>:dp``: the stage's gradients, concatenated; HSDP's
+  ``AR<s>:dp.replicate``: its gradient shards) and a tie all-reduce's (the
+  tied weight's gradient, summed over the rank's copies), held until ``OPT``
+  or a later tie all-reduce (which waits for the reductions in flight); a
+  ``REDUCE_SCATTER``'s input (the stage's unsharded gradients, flattened and
+  padded, FSDP2's float32 ``reduce_dtype``), from the RS, where FSDP2 copies
+  the unsharded gradients in and frees them, until the reduce-scatter is
+  waited for: in ``OPT``, or first by its stage's ``AR<s>:dp.replicate`` or by
+  any tie all-reduce. They count at the same program points as the
+  unsharded parameters and gradients.
 
 :func:`state_bytes` is the first item per rank (plan.json's per-rank
-``state_bytes``); the simulator adds the second and each rank's saved
+``state_bytes``); the simulator adds the second and third and each rank's saved
 activations at its peak (per stage, bytes per microbatch times the
 microbatches it holds at that moment) into the predicted Timeline's
 ``peak_memory_bytes``, an upper bound (each part at its own peak);
@@ -43,7 +55,7 @@ from pipec.compiler.plan import Mesh, Plan, Stage
 from pipec.errors import PipecError
 
 __all__ = ["BYTES_PER_PARAM", "COMPUTE_BYTES", "MemoryBudgetError", "RankMemory", "bytes_per_param", "padded_params", "stage_state", "breakdown",
-           "state_bytes", "unsharded_bytes", "check_memory"]
+           "state_bytes", "transient_bytes", "check_memory"]
 
 BYTES_PER_PARAM = 16
 """Float32 AdamW, unsharded: 4 (weight) + 4 (grad) + 8 (two moments); the note's mixed-precision count
@@ -69,13 +81,21 @@ class RankMemory:
     grads: int
     optimizer: int
     unsharded: int = 0
-    """Parameters and gradients gathered or not yet scattered, at the most held at once."""
+    """Parameters and gradients gathered or not yet scattered, at the program point holding the most transient
+    bytes (this and :attr:`buffers`)."""
+    buffers: int = 0
+    """Collective buffers in flight (all-reduces' flat buffers, reduce-scatters' inputs) at that point."""
     num_params: int = 0
     """Parameter copies held (unsharded count)."""
 
     @property
     def state(self) -> int:
         return self.params + self.grads + self.optimizer
+
+    @property
+    def transient(self) -> int:
+        """What the rank holds on top of its state at its transient peak."""
+        return self.unsharded + self.buffers
 
 
 def bytes_per_param(spec: Mapping) -> tuple[int, int, int]:
@@ -123,36 +143,72 @@ def _stage_state(st: Stage, mesh: Mesh, per: tuple[int, int, int]) -> tuple[int,
     return full * p, full * g, full * o
 
 
-def unsharded_bytes(plan: Plan) -> list[int]:
-    """Per pp rank: the most bytes of gathered parameters and unsharded gradients held at one point of
-    its program (0 unless the mesh shards parameters)."""
-    out = [0] * plan.mesh.pp
-    if not plan.mesh.params_sharded or not plan.stages:
+def transient_bytes(plan: Plan) -> list[tuple[int, int]]:
+    """Per pp rank: (unsharded, buffers) at the point of its program where it holds the most of both: gathered
+    parameters and unsharded gradients (when the mesh shards parameters), and collective buffers in flight."""
+    out = [(0, 0)] * plan.mesh.pp
+    if not plan.stages:
         return out
+    mesh = plan.mesh
+    n = mesh.num_shards if mesh.sharded else 1
     elem = COMPUTE_BYTES.get(str(plan.spec.get("dtype", "float32")), 4)
-    full = {st.stage: padded_params(st, plan.mesh.num_shards) * elem for st in plan.stages}
-    backward = (Op.BWD, Op.BWD_I, Op.BWD_W)
+    grad = bytes_per_param(plan.spec)[1]  # float32
+    padded = {st.stage: padded_params(st, n) for st in plan.stages}
+    full = {s: v * elem for s, v in padded.items()}  # gathered in the compute dtype
+    held_by = {  # (opcode, group kind) -> stage -> the flat buffer's bytes
+        "RS": {s: v * grad for s, v in padded.items()},
+        "dp": {st.stage: (st.num_params or 0) * grad for st in plan.stages},
+        "dp.replicate": {s: v // n * grad for s, v in padded.items()},
+    }
+    ties = {f"tie.{t.name}": -(-(t.num_bytes or 0) // (n if mesh.params_sharded else 1)) for t in plan.ties}
     for r, instrs in enumerate(plan.program.ranks):
-        params: set[int] = set()
-        grads: set[int] = set()
-        held = peak = 0
-        for ins in instrs:
-            s = ins.stage
-            if ins.op is Op.UNSHARD and s not in params:
-                params.add(s)
-                held += full[s]
-            elif ins.op is Op.RESHARD and s in params:
-                params.discard(s)
-                held -= full[s]
-            elif ins.op in backward and s not in grads:
-                grads.add(s)
-                held += full[s]
-            elif ins.op is Op.REDUCE_SCATTER and s in grads:
-                grads.discard(s)
-                held -= full[s]
-            peak = max(peak, held)
-        out[r] = peak
+        out[r] = _transient(instrs, mesh.params_sharded, full, held_by, ties)
     return out
+
+
+def _transient(instrs, params_sharded: bool, full: Mapping[int, int], held_by: Mapping[str, Mapping[int, int]],
+               ties: Mapping[str, int]) -> tuple[int, int]:
+    """(unsharded, buffers) of one rank's program at its most held (see :func:`transient_bytes`)."""
+    params: set[int] = set()
+    grads: set[int] = set()
+    scatters: dict[int, int] = {}  # stage -> its posted reduce-scatter's input bytes
+    reductions: list[int] = []  # the posted all-reduces' flat buffers
+    unsharded = buffers = 0
+    best = (0, 0)
+    backward = (Op.BWD, Op.BWD_I, Op.BWD_W)
+    for ins in instrs:
+        op, s = ins.op, ins.stage
+        if op is Op.UNSHARD and params_sharded and s not in params:
+            params.add(s)
+            unsharded += full[s]
+        elif op is Op.RESHARD and s in params:
+            params.discard(s)
+            unsharded -= full[s]
+        elif op in backward and params_sharded and s not in grads:
+            grads.add(s)
+            unsharded += full[s]
+        elif op is Op.REDUCE_SCATTER and s in grads:
+            scatters[s] = held_by["RS"][s]  # the unsharded grads copied in (both held here), then freed
+            buffers += scatters[s]
+            best = max(best, (unsharded, buffers), key=sum)
+            grads.discard(s)
+            unsharded -= full[s]
+        elif op is Op.ALLREDUCE:
+            if ins.group in ties:  # waits for every reduction in flight (their buffers go), then posts its own
+                buffers -= sum(scatters.values()) + sum(reductions)
+                scatters.clear()
+                reductions.clear()
+                reductions.append(ties[ins.group])
+            else:  # HSDP's replicate all-reduce waits for its stage's reduce-scatter first
+                buffers -= scatters.pop(s, 0)
+                reductions.append(held_by[ins.group][s])
+            buffers += reductions[-1]
+        elif op is Op.OPTIM_STEP:  # waits for everything posted: the buffers go before the optimizer step
+            buffers = 0
+            scatters.clear()
+            reductions.clear()
+        best = max(best, (unsharded, buffers), key=sum)
+    return best
 
 
 def breakdown(plan: Plan) -> list[RankMemory] | None:
@@ -167,9 +223,9 @@ def breakdown(plan: Plan) -> list[RankMemory] | None:
         for k, v in enumerate(_stage_state(st, plan.mesh, per)):
             row[k] += v
         row[3] += st.num_params or 0
-    transient = unsharded_bytes(plan)
-    return [RankMemory(rank=r, params=p, grads=g, optimizer=o, unsharded=transient[r], num_params=n)
-            for r, (p, g, o, n) in enumerate(sums)]
+    transient = transient_bytes(plan)
+    return [RankMemory(rank=r, params=p, grads=g, optimizer=o, unsharded=transient[r][0], buffers=transient[r][1],
+                       num_params=n) for r, (p, g, o, n) in enumerate(sums)]
 
 
 def state_bytes(plan: Plan) -> list[int] | None:
@@ -198,7 +254,8 @@ def check_memory(plan: Plan, device_memory: int) -> None:
             f"pp rank {rt.rank} needs {_gib(rt.peak_memory_bytes)} at its peak but device_memory is "
             f"{_gib(device_memory)}: parameters, gradients and optimizer state {_gib(m.state)} {how}"
             + (f" + unsharded parameters and gradients {_gib(m.unsharded)}" if m.unsharded else "")
-            + f" + activations {_gib(rt.peak_memory_bytes - m.state - m.unsharded)} ({rt.peak_activations} "
+            + (f" + collective buffers {_gib(m.buffers)}" if m.buffers else "")
+            + f" + activations {_gib(rt.peak_memory_bytes - m.state - m.transient)} ({rt.peak_activations} "
             f"stage-microbatches in flight at the peak); {fixes}or a larger device_memory", key="device_memory")
 
 

@@ -55,11 +55,11 @@ def stage_table(plan: Plan) -> Table | None:
     for m in rows:
         p = peak.get(m.rank)
         act = "" if p is None or p.peak_memory_bytes is None else (
-            f" + activations {(p.peak_memory_bytes - m.state - m.unsharded) / mib:.1f} = peak "
+            f" + activations {(p.peak_memory_bytes - m.state - m.transient) / mib:.1f} = peak "
             f"{p.peak_memory_bytes / mib:.1f}")
         t.caption = (t.caption + "\n" if t.caption else "") + (
             f"rank {m.rank} (MiB): params {m.params / mib:.1f} + grads {m.grads / mib:.1f} + optimizer "
-            f"{m.optimizer / mib:.1f} + unsharded {m.unsharded / mib:.1f}{act}")
+            f"{m.optimizer / mib:.1f} + unsharded {m.unsharded / mib:.1f} + buffers {m.buffers / mib:.1f}{act}")
     for tie in plan.ties:
         t.caption = (t.caption + "; " if t.caption else "") + (
             f"tied weight {tie.name}: a copy on stages {', '.join(map(str, tie.stages))}, kept equal by an all-reduce")
