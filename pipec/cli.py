@@ -130,7 +130,9 @@ def cmd_fmt(args: argparse.Namespace) -> int:
 
 
 def _load_measured(path: str):
-    """The measured Timeline and dp size of a report.json."""
+    """The measured Timeline of a report.json, its dp size, and its re-simulated prediction: a report whose
+    ``predicted`` was re-simulated under what the run measured (``--emulate``) keeps the plan's own as
+    ``planned``; None when it has no ``planned`` (its ``predicted`` is the plan's)."""
     import json
 
     from pipec.compiler.schema import SchemaError
@@ -146,7 +148,10 @@ def _load_measured(path: str):
     if not isinstance(report, dict) or "measured" not in report:
         raise UsageError(f"{path}: not a report.json (no 'measured' timeline); write one with `pipec run --report`")
     try:
-        return Timeline.from_json(report["measured"], f"{path}: measured"), int(report.get("mesh", {}).get("dp", 1))
+        resim = Timeline.from_json(report["predicted"], f"{path}: predicted") \
+            if "planned" in report and "predicted" in report else None
+        return (Timeline.from_json(report["measured"], f"{path}: measured"), int(report.get("mesh", {}).get("dp", 1)),
+                resim)
     except SchemaError as e:
         raise UsageError(str(e)) from None
 
@@ -162,11 +167,15 @@ def cmd_show(args: argparse.Namespace) -> int:
         from pipec.compiler.driver import prove_and_predict
 
         plan = prove_and_predict(plan)
-    measured, dp = _load_measured(args.measured) if args.measured else (None, None)
+    measured, dp, resim = _load_measured(args.measured) if args.measured else (None, None, None)
     from pipec.compiler.views.terminal import render_image, show
 
     title = args.file
-    show(plan.prediction, measured=measured, dp=dp, title=title)
+    predicted = plan.prediction
+    if resim is not None:  # beside the measured: what the run predicts under its measured links and overhead
+        predicted = resim
+        title += " (predicted: re-simulated under the run's measured links and overhead)"
+    show(predicted, measured=measured, dp=dp, title=title)
     if (line := _links_line(plan)) is not None:
         print(line)
     from pipec.compiler.views.stage_table import stage_table
@@ -181,12 +190,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 
         print(render_graph(plan, args.graph))
     for path in filter(None, (args.svg, args.png)):
-        render_image(plan.prediction, path, measured=measured, dp=dp, title=title)
+        render_image(predicted, path, measured=measured, dp=dp, title=title)
         print(f"wrote {path}")
     if args.trace:
         from pipec.compiler.views.perfetto import write_perfetto
 
-        write_perfetto(plan.prediction, args.trace, measured=measured, dp=dp)
+        write_perfetto(predicted, args.trace, measured=measured, dp=dp)
         print(f"wrote {args.trace} (open it at https://ui.perfetto.dev)")
     return 0
 
@@ -407,7 +416,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--svg", metavar="FILE", help="also draw the timeline as an SVG picture")
     s.add_argument("--png", metavar="FILE", help="also draw the timeline as a PNG picture")
     s.add_argument("--trace", metavar="FILE", help="also write a Perfetto / Chrome trace")
-    s.add_argument("--measured", metavar="REPORT", help="draw a run's measured timeline (report.json) beside")
+    s.add_argument("--measured", metavar="REPORT", help="draw a run's measured timeline (report.json) beside; an "
+                   "--emulate report's beside its re-simulated prediction (under the measured links and overhead)")
     s.add_argument("--graph", metavar="FILE", help="draw the stage graph (.svg, .png, .pdf or .dot; needs graphviz)")
     s.set_defaults(func=cmd_show)
 
