@@ -104,34 +104,35 @@ def step_bound(c: Candidate, frame: Frame) -> float:
     Per rank r (first stage f), what it must do before it reaches ``OPT``, each a lower bound:
 
     - its computes (exact, from its order) after the forwards of one microbatch through the stages
-      before f and the messages between them (``head``), plus its collectives on the clock (every
-      ``AR<s>:dp``, HSDP's ``dp.replicate`` and its tie all-reduces block the rank for their length);
+      before f and the messages between them (``head``);
+    - each all-reduce of its stages (``AR<s>:dp``, HSDP's ``dp.replicate``, a tie's) is posted
+      asynchronously after the stage's last backward and ``OPT`` waits for it: the computes up to that
+      backward plus the all-reduce's length;
     - its dp lane: the shard collectives (one ``UNSHARD`` and one ``REDUCE_SCATTER`` per stage at
       least) run one after another and ``OPT`` waits for the last;
     - on a chain whose rank ends on a backward (``B`` or ``I``) of stage f: that backward's grads
-      pass back through the stages before f (``tail``), after which stage 0's rank reduces stage 0
-      (clock or lane) and runs its tie all-reduces.
+      pass back through the stages before f (``tail``), after which stage 0's rank reduces stage 0.
 
-    ``OPT`` waits for every pp rank, then each steps its optimizer: the step is at least the latest
-    arrival plus the largest optimizer step. Host overhead is left out (it only adds)."""
+    When the run clips, ``OPT`` waits for every pp rank (the grad norm's collective), then each steps
+    its optimizer: the step is at least the latest arrival plus the largest optimizer step; without
+    clipping each rank steps on its own: the latest of arrival plus own step. Host overhead is left
+    out (it only adds)."""
     plan, costs, order = frame.plan, frame.costs, frame.order
     placement, mesh, stages = plan.placement, plan.mesh, costs.stages
     S, P = len(stages), c.pp
     transfer = costs.transfer if frame.priced else {}
     shard = costs.shard if frame.priced else {}
     allreduce = costs.allreduce if frame.priced else {}
-    clock, lane, optim = [0.0] * P, [0.0] * P, [0.0] * P
+    lane, optim = [0.0] * P, [0.0] * P
+    reduce = [_stage_reductions(mesh, allreduce, s) for s in range(S)]
     for s, cost in enumerate(stages):
         r = placement[s]
         optim[r] += cost.optim + shard.get(("OPTIM_STEP", s), 0.0)
-        clock[r] += _stage_reductions(mesh, allreduce, s)
         lane[r] += shard.get((Op.UNSHARD.value, s), 0.0) + shard.get((Op.REDUCE_SCATTER.value, s), 0.0)
-    ties = [0.0] * P
     for tie in plan.ties:
-        ranks = tie.ranks(placement)
-        if len(ranks) > 1:
-            for r in ranks:
-                ties[r] += allreduce.get((f"tie.{tie.name}", min(s for s in tie.stages if placement[s] == r)), 0.0)
+        if len(tie.ranks(placement)) > 1:
+            for s in tie.stages:
+                reduce[s] = max(reduce[s], allreduce.get((f"tie.{tie.name}", s), 0.0))
     chain = {(e.src_stage, e.dst_stage) for e in plan.edges} == {(s, s + 1) for s in range(S - 1)}
     hop = [transfer.get((s, s + 1), 0.0) if placement[s] != placement[s + 1] else 0.0 for s in range(S - 1)]
     back = _backward_in_chain(order, stages)
@@ -139,22 +140,30 @@ def step_bound(c: Candidate, frame: Frame) -> float:
     for s in range(S - 1):
         head.append(head[-1] + stages[s].fwd + hop[s])
         tail.append(tail[-1] + back[s] + hop[s])
-    after0 = max(_stage_reductions(mesh, allreduce, 0) + ties[placement[0]],
-                 shard.get((Op.REDUCE_SCATTER.value, 0), 0.0))
-    arrival = 0.0
+    after0 = max(reduce[0], shard.get((Op.REDUCE_SCATTER.value, 0), 0.0))
+    arrivals = []
     for r, actions in enumerate(order.ranks):
         f = min((s for s in range(S) if placement[s] == r), default=0)
-        busy = sum(stages[a.stage].of(a.kind) for a in actions)
         start = head[f] if chain else 0.0
-        arrival = max(arrival, start + busy + clock[r] + ties[r], lane[r])
+        done, last_backward = 0.0, {}
+        for a in actions:
+            done += stages[a.stage].of(a.kind)
+            if a.kind is not Kind.F:
+                last_backward[a.stage] = done
+        arrival = max(start + done, lane[r], *(start + t + reduce[s] for s, t in last_backward.items()))
         last = actions[-1] if actions else None
         if chain and last is not None and last.kind in (Kind.B, Kind.I) and last.stage == f and f > 0:
-            arrival = max(arrival, start + busy + tail[f] + after0)
-    return arrival + max(optim, default=0.0)
+            arrival = max(arrival, start + done + tail[f] + after0)
+        arrivals.append(arrival)
+    if not arrivals:
+        return max(optim, default=0.0)
+    if costs.grad_norm:
+        return max(arrivals) + max(optim, default=0.0)
+    return max(a + o for a, o in zip(arrivals, optim))
 
 
 def _stage_reductions(mesh: Mesh, allreduce, s: int) -> float:
-    """The all-reduces of stage s that block its rank's clock: ``AR<s>:dp`` (unsharded parameters) or
+    """The all-reduce of stage s that ``OPT`` waits for: ``AR<s>:dp`` (unsharded parameters) or
     HSDP's ``AR<s>:dp.replicate``."""
     if mesh.params_sharded:
         return allreduce.get(("dp.replicate", s), 0.0) if mesh.hybrid else 0.0

@@ -333,7 +333,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
             result, notes = measure(result, args.measure, workdir=args.measure_dir, steps=args.measure_steps,
                                     progress=progress)
     write_plan(result.best.plan, args.output)
-    pipe = _tuned_pipe(args.file, pipe_lines(result.best.candidate, result.best.plan.spec))
+    lines = pipe_lines(result.best.candidate, result.best.plan.spec)
+    pipe = _tuned_pipe(args.file, lines)
     if args.pipe:
         with open(args.pipe, "w", encoding="utf-8") as f:
             f.write(pipe)
