@@ -25,10 +25,14 @@ sizes probed do not show the bandwidth term (the largest one's time is all
 latency), the fit reports the least bandwidth the measurements allow
 (:func:`_fit`): probe larger sizes (``--sizes``) to measure it.
 
-Under ``--emulate`` the overhead is timed on the plan itself, its computes
-sleeping what they sleep in the run: a post after a long sleep costs the host
-several times what it costs in a tight loop (caches and the CPU go cold), so
-a zero-compute step would price it low on every instruction.
+Under ``--emulate`` everything is timed on steps of the plan itself, every
+rank at once and its computes sleeping what they sleep in the run: a post
+after a long sleep costs the host several times what it costs in a tight loop
+(caches and the CPU go cold), and a message's hop when many ranks wake
+together on few cores is longer than a token's passed one rank at a time. The
+hop is read off the plan's own messages (ranks on one host share one
+monotonic clock), and every figure is a mean (the step pays each stall its
+critical path meets), the median over the probe's steps.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import socket
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -50,63 +54,69 @@ import torch.distributed as dist
 __all__ = ["Emulation", "measure_emulation", "host_overhead", "probe", "main"]
 
 LAPS = 5
-"""Laps of the token round the ranks in the hop measurement (the median lap counts)."""
+"""Laps of the token round the ranks in the fallback hop measurement (ranks on more than one host)."""
 PAUSE_S = (0.001, 0.02)
-"""The bounds of the sleep before each send in the emulation's hop measurement: an emulated compute sleeps
-before it sends, and how long a hop and a sleep take depends on how long the rank slept (the shortest
-emulated compute of the plan, within these bounds)."""
+"""The bounds of the sleep before each send in the token round: an emulated compute sleeps before it sends, and
+how long a hop takes depends on how long the rank slept (the plan's shortest emulated compute, within these)."""
 ROUNDS = 5
 """Rounds of each start-up measurement."""
+PROBE_STEPS = 3
+"""Steps of the plan itself the emulation's probe times (after a zero-compute warm-up step), computes sleeping
+as in the run; each figure is the median of its steps' (a stall of the whole host, hundreds of ms, in one step
+moves none)."""
+
+Key = tuple
+"""A message of one step: (step, dp rank, "A" | "G", src stage, dst stage, microbatch), as both ends name it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Emulation:
-    """What ``--emulate`` measured at start-up (medians over every rank)."""
+    """What ``--emulate`` measured at start-up on steps of the plan (:func:`measure_emulation`): each figure a
+    step's mean over every rank's samples, the median over the probe's steps."""
 
     latency_s: float
-    """One placeholder message, from its send's post (after a sleep, as an emulated compute posts it) to the
-    receiver's wait returning; the post itself is the host's ``overhead``."""
+    """One placeholder message, from the later of its send's and its receive's posts to the receiver's wait
+    returning (the posts themselves are the host's ``overhead``), over the messages a receiver waited for."""
     collective_s: float
     """A one-element all-reduce over every rank (an emulated all-reduce or shard collective)."""
     oversleep_s: float
-    """How much longer than asked a sleep takes (the emulated computes' own sleeps)."""
+    """How much longer than asked an emulated compute's sleep takes."""
     overhead: Mapping[str, float]
-    """The executor's host seconds per instruction, by opcode name (timed on the plan, sleeping as it runs)."""
+    """The executor's host seconds per instruction, by opcode name (less the waits it does)."""
     backend: str
+    hops: int = 0
+    """How many of a probe step's messages ``latency_s`` is the mean of (the median over steps); 0: the ranks span
+    hosts (their clocks do not compare) or no receiver waited, so it is a token's median lap (:func:`_token_hop`)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"latency_s": self.latency_s, "collective_s": self.collective_s, "oversleep_s": self.oversleep_s,
-                "overhead": dict(self.overhead), "backend": self.backend}
+                "overhead": dict(self.overhead), "backend": self.backend, "hops": self.hops}
 
 
 def _now_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def _token_hop(laps: int, pause: float) -> tuple[float, float]:
-    """(seconds per hop beyond the pause and the send's post, oversleep): one element passed round the ranks
-    ``laps`` times, each rank sleeping ``pause`` before it posts it on, as an emulated compute sleeps before
-    its send (one rank busy at a time, as on a pipeline's critical path). The post is the host's overhead
-    (:func:`host_overhead` times it), so it is left out of the hop. Each lap gives rank 0's time round it,
-    less every rank's sleep and post, over the hops; the hop is the median lap's (a lap the scheduler
-    stalled does not count), the same on every rank, the oversleep this rank's."""
+def _token_hop(laps: int, pause: float) -> float:
+    """Seconds per hop beyond the pause and the send's post: one element passed round the ranks ``laps`` times,
+    each rank sleeping ``pause`` before it posts it on, as an emulated compute sleeps before its send (one rank
+    busy at a time). The post is the host's overhead, so it is left out. Each lap gives rank 0's time round it,
+    less every rank's sleep and post, over the hops; the hop is the median lap's, the same on every rank."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world < 2:
-        return 0.0, _oversleep(pause)
+        return 0.0
     buf = torch.zeros(1)
     nxt, prev = (rank + 1) % world, (rank - 1) % world
     clock = time.perf_counter
     # per lap: [rank 0's time round it, then this rank's sleep + post]
     got = torch.zeros(2, laps, dtype=torch.float64)
-    slept, works = [], []
+    works = []
 
     def pass_on(lap: int):
         a = clock()
         time.sleep(pause)
-        b = clock()
         works.append(dist.isend(buf, nxt))
         got[1, lap] = clock() - a
-        slept.append(b - a)
 
     dist.barrier()
     for lap in range(laps):
@@ -121,17 +131,7 @@ def _token_hop(laps: int, pause: float) -> tuple[float, float]:
     for w in works:
         w.wait()
     dist.all_reduce(got)
-    hop = statistics.median(float(t - busy) / world for t, busy in zip(got[0], got[1]))
-    return max(0.0, hop), max(0.0, statistics.median(slept) - pause)
-
-
-def _oversleep(pause: float) -> float:
-    got = []
-    for _ in range(ROUNDS):
-        a = time.perf_counter()
-        time.sleep(pause)
-        got.append(time.perf_counter() - a - pause)
-    return max(0.0, statistics.median(got))
+    return max(0.0, statistics.median(float(t - busy) / world for t, busy in zip(got[0], got[1])))
 
 
 def _timed(rounds: int, fn: Callable[[], None], pause: float = 0.0) -> float:
@@ -148,52 +148,87 @@ def _timed(rounds: int, fn: Callable[[], None], pause: float = 0.0) -> float:
     return statistics.median(times)
 
 
+@dataclass(slots=True)
+class _Timings:
+    """One rank's timings of one step of its executor (:func:`_handler_times`); times on ``time.perf_counter``,
+    which on one host is one clock for every process (CLOCK_MONOTONIC), so two ranks' timestamps compare."""
+
+    host: dict[str, list[float]] = field(default_factory=dict)
+    """Opcode name -> the host seconds of each of its instructions (a batch's time shared by its posts)."""
+    oversleeps: list[float] = field(default_factory=list)
+    """Each emulated compute's sleep less what it asked."""
+    posted: dict[tuple[bool, Key], float] = field(default_factory=dict)
+    """(is a send, message) -> when the post of it returned."""
+    waits: list[tuple[Key, float, float]] = field(default_factory=list)
+    """(message, when the receiver began waiting for it, when the wait returned)."""
+
+
 def host_overhead(executor, steps: int = 1) -> dict[str, float]:
-    """The executor's host seconds per instruction kind (see :func:`_handler_times`)."""
-    return _handler_times(executor, steps)[0]
+    """The executor's host seconds per instruction kind: the median per kind over ``steps`` zero-compute steps
+    (see :func:`_handler_times`)."""
+    timings = _handler_times(executor, steps)
+    return {op: statistics.median(x for t in timings for x in t.host.get(op, ()))
+            for op in dict.fromkeys(op for t in timings for op, xs in t.host.items() if xs)}
 
 
-def _handler_times(executor, steps: int = 1) -> tuple[dict[str, float], float | None]:
-    """(the executor's host seconds per instruction kind, the mean oversleep or None): its handlers timed as
-    they run one zero-compute warm-up step and then ``steps`` steps in which each emulated compute sleeps what
-    it sleeps in the run (none with ``emulate=0.0``), each call less the waits it does (the executor's
-    ``wait``), so the median per kind is the host's own time, what follows a sleep included; a batch of posts
-    is shared by its posts. A compute's sleep is taken after its handler, timed apart: the oversleep, whose
-    mean is what a chain of sleeps adds up to (a loaded machine overruns a few sleeps by milliseconds)."""
+def _handler_times(executor, steps: int = 1) -> list[_Timings]:
+    """The executor's handlers timed as they run one zero-compute warm-up step and then ``steps`` steps in which
+    each emulated compute sleeps what it sleeps in the run (none with ``emulate=0.0``), one :class:`_Timings` per
+    step: each call less the waits it does (the executor's ``wait``) is the host's own time, what follows a sleep
+    included; a batch of posts is shared by its posts. A compute's sleep is taken after its handler, timed apart
+    (the oversleep). Each post's return and each receive's wait are kept with the message's key (:func:`_hops`)."""
+    from pipec.compiler.ir import message_edge
+
     units = executor.units
     ops = [executor.instructions[i].op.value for i, _, _ in units]
     counts = [b - a for (a, _, _), (b, _, _) in zip(units, [*units[1:], (len(executor.instructions), None, None)])]
-    samples: dict[str, list[float]] = {}
-    oversleeps: list[float] = []
+    dp = executor.dp_rank
     clock = time.perf_counter
-    waited = [0.0]
+    out: list[_Timings] = []
+    spans: list[tuple[float, float]] = []  # the waits of the handler running
     inner_wait = executor.wait
 
     def wait(works) -> None:
         t0 = clock()
         inner_wait(works)
-        waited[0] += clock() - t0
+        spans.append((t0, clock()))
 
-    def timed(handler, arg, out: list[float], n: int, sleep: float):
+    def message_key(msg) -> tuple:
+        if not msg.send:
+            return (dp, *msg.key)
+        is_act, src, dst = message_edge(msg.ins)
+        return dp, "A" if is_act else "G", src, dst, msg.ins.microbatch
+
+    def timed(handler, arg, op: str, n: int, sleep: float):
+        receives = tuple((dp, *k) for k in getattr(arg, "receives", ()))
+        posts = tuple((m.send, message_key(m)) for m in arg) if isinstance(arg, tuple) and arg \
+            and hasattr(arg[0], "send") else ()
+
         def run(_arg):
-            waited[0] = 0.0
+            spans.clear()
             t0 = clock()
             handler(arg)
             t1 = clock()
-            out.append((t1 - t0 - waited[0]) / n)
+            if not out:
+                return  # the warm-up step
+            step, at = len(out) - 1, out[-1]
+            at.host.setdefault(op, []).append((t1 - t0 - sum(b - a for a, b in spans)) / n)
+            for send, key in posts:
+                at.posted[(send, (step, *key))] = t1
+            at.waits.extend(((step, *key), a, b) for key, (a, b) in zip(receives, spans))
             if sleep > 0:
                 time.sleep(sleep)
-                oversleeps.append(clock() - t1 - sleep)
+                at.oversleeps.append(clock() - t1 - sleep)
         return run
 
     def wrapped(sampled: bool) -> list:
-        out = []
+        units_out = []
         for (i, h, arg), op, n in zip(units, ops, counts):
             sleep = getattr(arg, "seconds", 0.0) if sampled else 0.0
             if hasattr(arg, "seconds"):  # an emulated compute: its handler sleeps nothing, the wrapper sleeps
                 arg = arg._replace(seconds=0.0)
-            out.append((i, timed(h, arg, samples.setdefault(op, []) if sampled else [], n, sleep), arg))
-        return out
+            units_out.append((i, timed(h, arg, op, n, sleep), arg))
+        return units_out
 
     executor.wait = wait
     try:
@@ -201,36 +236,81 @@ def _handler_times(executor, steps: int = 1) -> tuple[dict[str, float], float | 
         executor.run_step(None, None)
         executor.units = wrapped(True)
         for _ in range(steps):
+            out.append(_Timings())
             executor.run_step(None, None)
     finally:
         executor.units = units
         del executor.wait
-    return ({op: statistics.median(xs) for op, xs in samples.items() if xs},
-            statistics.fmean(oversleeps) if oversleeps else None)
+    return out
+
+
+def _hops(posted: Mapping[tuple[bool, Key], float], waits: Sequence[tuple[Key, float, float]]) -> list[float]:
+    """The hop of each of the plan's messages a receiver waited for: (its wait's return) - (the later of its send's
+    and its receive's posts), what the simulator charges a message (``latency_s``, after both posts). A receiver
+    waited for its message when its wait began before a typical message would have arrived: before both posts had
+    returned, or within the median hop of those after (a receive that waits at once after its own post); a wait
+    that began later ends at once on a message already there (or, rarely, one held up), and shows no hop."""
+    timed = [(max(posted[(True, k)], posted[(False, k)]), a, b) for k, a, b in waits
+             if (True, k) in posted and (False, k) in posted]
+    early = [b - ready for ready, a, b in timed if a < ready]
+    typical = statistics.median(early) if early else 0.0
+    return [b - ready for ready, a, b in timed if a < ready + typical]
+
+
+def _pooled(values: Sequence[Mapping[str, Sequence[float]]]) -> dict[str, float]:
+    """Per key, the mean over every rank's samples of it."""
+    keys = dict.fromkeys(k for v in values for k, xs in v.items() if xs)
+    return {k: statistics.fmean(x for v in values for x in v.get(k, ())) for k in sorted(keys)}
+
+
+def _step_figures(step: Sequence[_Timings], one_host: bool) -> dict[str, float]:
+    """One probe step's figures over every rank (each a mean over its samples): ``latency_s`` (absent when no
+    hop shows, or the ranks span hosts), ``oversleep_s``, and each opcode's host seconds."""
+    out = _pooled([t.host for t in step])
+    hops = _hops({k: v for t in step for k, v in t.posted.items()}, [w for t in step for w in t.waits]) \
+        if one_host else []
+    if hops:
+        out["latency_s"], out["hops"] = statistics.fmean(hops), len(hops)
+    oversleeps = [x for t in step for x in t.oversleeps]
+    out["oversleep_s"] = max(0.0, statistics.fmean(oversleeps)) if oversleeps else 0.0
+    return out
+
+
+def measure_emulation(executor, backend: str, sleep_s: float) -> Emulation:
+    """Every rank: :data:`PROBE_STEPS` steps of the plan itself, each compute sleeping what it sleeps in the run
+    (``executor`` built with the run's ``emulate``), every rank at once as in the run. Of each step, over every
+    rank's samples: the mean host overhead per instruction kind, the mean oversleep and the mean hop of the
+    plan's own messages (:func:`_hops`; the ranks' clocks compare on one host; across hosts, a token's lap
+    after a sleep of ``sleep_s``, the plan's shortest emulated compute within :data:`PAUSE_S`); each figure the
+    median of its steps' (a stall of the whole host in one step moves none), the same on every rank; then a
+    one-element all-reduce. A step's length is the sum of what its critical path pays, so a figure is a mean,
+    not a median: a stall the run pays now and then (a post or a hop held up for milliseconds on a loaded
+    host) is in it as often as it happens."""
+    timings = _handler_times(executor, PROBE_STEPS)  # the plan's steps first: they warm up what the run uses
+    pause = min(max(sleep_s, PAUSE_S[0]), PAUSE_S[1])
+    world = dist.get_world_size()
+    got = _gathered((socket.gethostname(), timings))
+    one_host = len({host for host, _ in got}) == 1
+    figures = _medians([_step_figures([ts[i] for _, ts in got], one_host) for i in range(len(timings))])
+    if "latency_s" not in figures:
+        figures["latency_s"] = _token_hop(LAPS, pause)
+    one = torch.zeros(1)
+    coll = _timed(ROUNDS, lambda: dist.all_reduce(one), pause) if world > 1 else 0.0
+    scalars = ("latency_s", "oversleep_s", "hops")
+    return Emulation(latency_s=max(0.0, figures["latency_s"]), collective_s=statistics.median(_gathered(coll)),
+                     oversleep_s=figures["oversleep_s"], overhead={k: v for k, v in figures.items() if k not in scalars},
+                     backend=backend, hops=int(figures.get("hops", 0)))
+
+
+def _gathered(value: Any) -> list[Any]:
+    got: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(got, value)
+    return got
 
 
 def _medians(values: Sequence[Mapping[str, float]]) -> dict[str, float]:
     keys = sorted({k for v in values for k in v})
     return {k: statistics.median(v[k] for v in values if k in v) for k in keys}
-
-
-def measure_emulation(executor, backend: str, sleep_s: float) -> Emulation:
-    """Every rank: the placeholder hop and the one-element all-reduce after a sleep of ``sleep_s`` (the plan's
-    shortest emulated compute, within :data:`PAUSE_S`), then the executor's host overhead and the oversleep
-    over one step of the plan itself, each compute sleeping what it sleeps in the run (``executor`` built with
-    the run's ``emulate``; with ``emulate=0.0`` nothing sleeps and the oversleep is the hop's); the medians
-    over every rank, on every rank."""
-    pause = min(max(sleep_s, PAUSE_S[0]), PAUSE_S[1])
-    overhead, slept = _handler_times(executor)  # first: the plan's step warms up what the run uses
-    hop, oversleep = _token_hop(LAPS, pause)
-    one = torch.zeros(1)
-    coll = _timed(ROUNDS, lambda: dist.all_reduce(one), pause) if dist.get_world_size() > 1 else 0.0
-    mine = {"latency_s": hop, "collective_s": coll, "oversleep_s": oversleep if slept is None else max(0.0, slept)}
-    got: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(got, (mine, overhead))
-    scalars = _medians([g[0] for g in got])
-    return Emulation(latency_s=scalars["latency_s"], collective_s=scalars["collective_s"],
-                     oversleep_s=scalars["oversleep_s"], overhead=_medians([g[1] for g in got]), backend=backend)
 
 
 # ----------------------------------------------------------------------------- links (compile, torchrun)
@@ -329,9 +409,7 @@ def probe(sizes: Sequence[int], *, sharded: bool = False, rounds: int = 5) -> di
         lat, bw = _fit(sizes, ag, (world - 1) / world)
         links["shard"] = {"latency_s": lat, "bandwidth_Bps": bw, "measured": measured}
     overhead = _tiny_overhead(backend, device)
-    got: list[Any] = [None] * world
-    dist.all_gather_object(got, overhead)
-    return {"links": links, "overhead": {"seconds": _medians(got), "measured": measured}}
+    return {"links": links, "overhead": {"seconds": _medians(_gathered(overhead)), "measured": measured}}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,77 @@
+"""runtime/linkprobe.py's emulation probe: the hops of the plan's own messages from the posts' and waits' times,
+each figure a mean over every rank's samples, the median over the probe's steps."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from pipec.compiler.driver import compile_plan
+from pipec.runtime.linkprobe import _handler_times, _hops, _medians, _step_figures, _Timings
+
+
+def _msg(i: int) -> tuple:
+    return (0, 0, "A", 0, 1, i)
+
+
+def test_a_hop_is_what_a_waiting_receiver_waits_past_both_posts():
+    posted = {}
+    for i, (send, recv) in enumerate([(1.0, 0.5), (2.0, 2.0), (3.0, 3.0), (4.0, 4.0)]):
+        posted[(True, _msg(i))], posted[(False, _msg(i))] = send, recv
+    waits = [
+        (_msg(0), 0.9, 1.2),  # waiting before the send was posted: the hop is 0.2 past it
+        (_msg(1), 2.000005, 2.1),  # waits at once after its own receive's post (within the typical hop): 0.1
+        (_msg(2), 3.5, 3.50001),  # came long after: the message was there, no hop shows
+        (_msg(3), 4.3, 4.4),  # came after a typical message would have arrived: no hop shows
+        (_msg(9), 0.0, 1.0),  # never posted here (another host's half): left out
+    ]
+    assert _hops(posted, waits) == pytest.approx([0.2, 0.1])
+    assert _hops(posted, []) == []
+
+
+def test_step_figures_are_means_over_every_rank_and_their_median_over_steps():
+    def timings(host, oversleeps, hop):
+        t = _Timings(host=host, oversleeps=oversleeps)
+        t.posted[(True, _msg(0))] = t.posted[(False, _msg(0))] = 1.0
+        t.waits.append((_msg(0), 0.5, 1.0 + hop))
+        return t
+
+    quiet = [timings({"FWD": [1.0, 3.0]}, [0.1], 0.2), timings({"FWD": [2.0], "OPT": [5.0]}, [0.3], 0.2)]
+    figures = _step_figures(quiet, one_host=True)
+    assert figures == pytest.approx({"FWD": 2.0, "OPT": 5.0, "oversleep_s": 0.2, "latency_s": 0.2, "hops": 2})
+    assert "latency_s" not in _step_figures(quiet, one_host=False)  # clocks of two hosts do not compare
+    stalled = [timings({"FWD": [900.0]}, [90.0], 50.0), timings({"FWD": [2.0]}, [0.1], 0.2)]
+    again = [timings({"FWD": [2.5]}, [0.2], 0.3), timings({"FWD": [2.5]}, [0.2], 0.3)]
+    steps = [_step_figures(s, one_host=True) for s in (quiet, stalled, again)]
+    median = _medians(steps)
+    assert median["FWD"] == pytest.approx(2.5) and median["oversleep_s"] == pytest.approx(0.2)
+    assert median["latency_s"] == pytest.approx(0.3)  # the stalled step's 25 s hop moves nothing
+
+
+def test_the_probe_times_every_post_and_every_receive_of_the_plan():
+    """In-process ranks: each probe step keeps each post's return and each receive's wait by message, so the
+    hops pair up across ranks; every one is non-negative and at most one per message."""
+    from pipec.runtime.executor import Executor
+    from pipec.runtime.transport import FakeWorld
+
+    plan = compile_plan(num_ranks=2, num_microbatches=4, schedule="1f1b").plan
+    world = FakeWorld(2, timeout=30)
+
+    def rank(p):
+        return _handler_times(Executor(plan, pp_rank=p, dp_rank=0, transport=world.transport(p), emulate=0.001),
+                              steps=2)
+
+    with ThreadPoolExecutor(2) as pool:  # a rank's exception is raised here
+        got = list(pool.map(rank, range(2)))
+    num_messages = sum(i.op.value.startswith("SEND") for r in plan.program.ranks for i in r)
+    for step in range(2):
+        ts = [got[p][step] for p in range(2)]
+        posted = {k: v for t in ts for k, v in t.posted.items()}
+        assert len(posted) == 2 * num_messages and {k[1][0] for k in posted} == {step}
+        waits = [w for t in ts for w in t.waits]
+        assert len(waits) == num_messages  # every receive is waited for once, by the compute that uses it
+        hops = _hops(posted, waits)
+        assert 0 < len(hops) <= num_messages and all(h >= 0 for h in hops)
+        assert all(len(t.oversleeps) == sum(i.op.value in ("FWD", "BWD") for i in plan.program.ranks[p])
+                   for p, t in enumerate(ts))
