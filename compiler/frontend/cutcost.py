@@ -149,7 +149,15 @@ def _names_stable(nodes: Sequence[Node]) -> bool:
 
 def node_table(traced: Traced) -> NodeTable | None:
     """The table of ``traced`` (annotated by :func:`~.trace.propagate`), or None where a cost-only cut
-    could differ from the full one (see the module docstring)."""
+    could differ from the full one (see the module docstring), or where the graph holds what the table
+    cannot name (a marker's value read, a parameter that is not the model's): the full cut then says."""
+    try:
+        return _node_table(traced)
+    except (KeyError, AttributeError):
+        return None
+
+
+def _node_table(traced: Traced) -> NodeTable | None:
     gm = traced.gm
     nodes = [n for n in gm.graph.nodes if not is_pipe_split(n)]
     if nodes[-1].op != "output" or any(n.op == "output" for n in nodes[:-1]):
