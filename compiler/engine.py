@@ -59,6 +59,7 @@ splitting them would put attribute lookups across modules on the fastest path.
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -69,8 +70,8 @@ from pipec.compiler.timeline import Event
 from pipec.errors import PipecError
 from pipec.schedules.timing import Cost
 
-__all__ = ["BUFFERED", "IN_ORDER", "MODELS", "OPTIM_GROUP", "WAIT_PREFIX", "CostModel", "Deadlock", "Execution",
-           "Decoded", "decode", "execute", "group_members"]
+__all__ = ["BUFFERED", "IN_ORDER", "MODELS", "OPTIM_GROUP", "WAIT_PREFIX", "COMPUTE_JITTER", "TRANSFER_JITTER",
+           "CostModel", "Deadlock", "Execution", "Decoded", "decode", "drawn", "execute", "group_members"]
 
 BUFFERED = "buffered"
 IN_ORDER = "in_order"
@@ -82,6 +83,10 @@ OPTIM_GROUP = "pp"
 WAIT_PREFIX = "~"
 """An event whose op is ``~`` + an instruction's text is time that instruction spent waiting (inside a collective:
 for its rank's posts and all-reduces, or for a peer); the executor names its waits the same way."""
+
+COMPUTE_JITTER = "compute"
+TRANSFER_JITTER = "transfer"
+"""The :attr:`CostModel.jitter` kinds beside the opcode names."""
 
 # decoded opcodes
 _COMPUTE, _SEND, _RECV, _AR, _OPT, _SHARD = range(6)
@@ -121,6 +126,11 @@ class CostModel:
     grad_norm: bool = True
     """Whether ``OPT`` holds the grad-norm collective over the pp ranks (the run clips gradients). False: ``OPT``
     waits only for its own rank's posts and all-reduces (``--emulate`` runs no optimizer, so no collective)."""
+    jitter: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    """Measured spread, per kind a tuple of samples as deviations from the fixed cost: an opcode name (the host
+    overhead of one instruction of it), :data:`COMPUTE_JITTER` (a compute's duration, one that takes time),
+    :data:`TRANSFER_JITTER` (a message's transfer). Empty: every cost is fixed. Only an :func:`execute` given a
+    ``random.Random`` draws from them (each instruction instance, each message apart); otherwise ignored."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -298,6 +308,35 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
                     scatters.clear()
         out.append(tuple(dec))
     return Decoded(tuple(out), keys)
+
+
+def drawn(decoded: Decoded, program: Program, jitter: Mapping[str, Sequence[float]], rng: random.Random) -> Decoded:
+    """A copy of ``decoded`` with one draw from ``jitter`` (:attr:`CostModel.jitter`) added to each cost it
+    covers: every instruction's host overhead (by its opcode), every compute's duration (a compute that takes
+    time), every message's transfer (one draw per message, the same on its send and its receive). Draws are
+    taken in program order, rank by rank, so a seeded ``rng`` gives the same copy every time."""
+    compute, transfer = jitter.get(COMPUTE_JITTER), jitter.get(TRANSFER_JITTER)
+    choice = rng.choice
+    hops: dict[int, float] = {}
+    ranks = []
+    for instrs, dec in zip(program.ranks, decoded.ranks):
+        out = []
+        for ins, d in zip(instrs, dec):
+            code, host = d[0], jitter.get(ins.op.value)
+            h = 6 if code == _COMPUTE or code == _AR or code == _OPT else 4  # where the host overhead is
+            d = list(d)
+            if host:
+                d[h] += choice(host)
+            if code == _COMPUTE and compute and d[2] > 0:
+                d[2] += choice(compute)
+            elif (code == _SEND or code == _RECV) and transfer:
+                hop = hops.get(d[1])
+                if hop is None:
+                    hop = hops[d[1]] = choice(transfer)
+                d[2] += hop
+            out.append(tuple(d))
+        ranks.append(tuple(out))
+    return Decoded(tuple(ranks), decoded.keys)
 
 
 class _Buffered:
@@ -811,10 +850,14 @@ def execute(
     ties: Sequence[Tie] = (),
     decoded: Decoded | None = None,
     record_events: bool = True,
+    rng: random.Random | None = None,
 ) -> Execution:
-    """Run the event loop; raises :class:`Deadlock` if the program cannot finish."""
+    """Run the event loop; raises :class:`Deadlock` if the program cannot finish. With ``rng``, each cost
+    :attr:`CostModel.jitter` covers is drawn from its samples (:func:`drawn`); without, every cost is fixed."""
     if model not in _COMM_MODELS:
         raise ValueError(f"unknown comm model {model!r}; expected one of {', '.join(MODELS)}")
     if decoded is None:
         decoded = decode(program, placement=placement, num_microbatches=num_microbatches, edges=edges, costs=costs)
+    if rng is not None and costs.jitter:
+        decoded = drawn(decoded, program, costs.jitter, rng)
     return _Engine(program, decoded, placement, ties, model, record_events).run()

@@ -8,27 +8,32 @@ execution into the Timeline that views and report.json share.
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from pipec.compiler.engine import (
     BUFFERED,
+    COMPUTE_JITTER,
     IN_ORDER,
     MODELS,
+    TRANSFER_JITTER,
     CostModel,
     Deadlock,
     Execution,
+    decode,
     execute,
     group_members,
 )
-from pipec.compiler.ir import Op
-from pipec.compiler.plan import UNIT_COST, Link, Plan, chain_edges
+from pipec.compiler.ir import Op, Program
+from pipec.compiler.plan import UNIT_COST, Edge, Link, Plan, Tie, chain_edges
 from pipec.compiler.timeline import Timeline
 
 __all__ = [
     "BUFFERED", "IN_ORDER", "MODELS", "CostModel", "Deadlock", "Execution",
     "execute", "simulate", "plan_costs", "Pricing", "NODE_SIDES", "link_sides", "emulated_costs", "simulate_costs",
+    "simulate_draws", "execute_draws", "DRAWS", "OVERSLEEP", "HOP",
     "timeline_of", "chain_edges", "group_members",
 ]
 
@@ -173,12 +178,27 @@ def link_sides(plan: Plan) -> dict[str, dict[str, int]]:
     return out
 
 
+OVERSLEEP = "oversleep"
+HOP = "hop"
+"""The kinds of measured samples :func:`emulated_costs` takes beside the opcode names (host seconds): a sleep's
+excess, a message's hop."""
+DRAWS = 15
+"""How many drawn steps :func:`simulate_draws` runs; the median step's is the prediction."""
+SEED = 0
+
+
 def emulated_costs(plan: Plan, *, seconds_per_unit: float, latency_s: float, collective_s: float,
-                   overhead: Mapping[str, float], oversleep_s: float = 0.0) -> CostModel:
+                   overhead: Mapping[str, float], oversleep_s: float = 0.0,
+                   jitter: Mapping[str, Sequence[float]] | None = None) -> CostModel:
     """What ``pipec run --emulate`` pays, in seconds: each compute sleeps its cost x ``seconds_per_unit``
     (plus the ``oversleep_s`` a sleep takes beyond what it asks), every message is a placeholder of one
     element per tensor (``latency_s``), every all-reduce and shard collective a one-element all-reduce
-    (``collective_s``), the optimizer step is empty, and each instruction costs the host ``overhead``."""
+    (``collective_s``), the optimizer step is empty, and each instruction costs the host ``overhead``.
+
+    ``jitter``: the measured samples behind those figures, per opcode name (host seconds of one instruction),
+    :data:`OVERSLEEP` and :data:`HOP`; they become the cost model's :attr:`CostModel.jitter` (each as its
+    deviation from the fixed figure), which :func:`simulate_draws` draws from. The fixed costs are the same
+    with or without them."""
     base = plan_costs(plan)
 
     def scaled(c):
@@ -201,7 +221,42 @@ def emulated_costs(plan: Plan, *, seconds_per_unit: float, latency_s: float, col
         overhead=dict(overhead),
         time_unit="s",
         grad_norm=False,  # no optimizer runs, so OPT holds no grad-norm collective
+        jitter=_deviations(jitter or {}, overhead, oversleep_s, latency_s),
     )
+
+
+def _deviations(samples: Mapping[str, Sequence[float]], overhead: Mapping[str, float], oversleep_s: float,
+                latency_s: float) -> dict[str, tuple[float, ...]]:
+    """Measured samples as :attr:`CostModel.jitter`'s deviations from the fixed figures they replace."""
+    fixed = {**{op: (op, v) for op, v in overhead.items()},
+             OVERSLEEP: (COMPUTE_JITTER, oversleep_s), HOP: (TRANSFER_JITTER, latency_s)}
+    return {fixed[k][0]: tuple(x - fixed[k][1] for x in xs) for k, xs in samples.items() if xs and k in fixed}
+
+
+def simulate_draws(plan: Plan, costs: CostModel, model: str = BUFFERED, *, draws: int = DRAWS,
+                   seed: int = SEED) -> Timeline:
+    """The Timeline of the median step of ``draws`` runs of the event loop, each drawing every cost
+    :attr:`CostModel.jitter` covers from its samples (one ``random.Random(seed)`` for all, so the same every
+    time). A step is the longest of many near-critical paths, each paying its own stalls, so the fixed mean
+    costs fall short of it; the drawn median does not. Without jitter: :func:`simulate_costs`."""
+    if not costs.jitter:
+        return simulate_costs(plan, costs, model)
+    return timeline_of(execute_draws(plan.program, placement=plan.placement, num_microbatches=plan.num_microbatches,
+                                     edges=plan.edges, costs=costs, model=model, ties=plan.ties, draws=draws,
+                                     seed=seed), costs)
+
+
+def execute_draws(program: Program, *, placement: Sequence[int], num_microbatches: int, edges: Sequence[Edge],
+                  costs: CostModel, model: str = BUFFERED, ties: Sequence[Tie] = (), draws: int = DRAWS,
+                  seed: int = SEED) -> Execution:
+    """The median step's :class:`Execution` of ``draws`` runs of the event loop, each drawing from
+    :attr:`CostModel.jitter` (one ``random.Random(seed)`` for all; of an even count, the upper middle)."""
+    rng = random.Random(seed)
+    decoded = decode(program, placement=placement, num_microbatches=num_microbatches, edges=edges, costs=costs)
+    runs = sorted((execute(program, placement=placement, num_microbatches=num_microbatches, edges=edges,
+                           costs=costs, model=model, ties=ties, decoded=decoded, rng=rng)
+                   for _ in range(draws)), key=lambda ex: ex.step_time)
+    return runs[len(runs) // 2]
 
 
 def _shard_costs(plan: Plan, allreduce: dict[tuple[str, int], float],

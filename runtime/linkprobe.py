@@ -51,6 +51,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from pipec.compiler.simulate import DRAWS, HOP, OVERSLEEP
+
 __all__ = ["Emulation", "measure_emulation", "host_overhead", "probe", "main"]
 
 LAPS = 5
@@ -88,9 +90,22 @@ class Emulation:
     """How many of a probe step's messages ``latency_s`` is the mean of (the median over steps); 0: the ranks span
     hosts (their clocks do not compare) or no receiver waited, so it is a token's median lap (:func:`_token_hop`)."""
 
+    samples: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    """The median probe step's raw samples over every rank (:func:`_step_samples`): per opcode name the host
+    seconds of each instruction, ``"oversleep"`` each compute's, ``"hop"`` each message's (absent when
+    ``hops`` is 0); the re-simulation draws from them (compiler/simulate.py ``simulate_draws``)."""
+
+    @property
+    def draws(self) -> int:
+        """How many drawn steps the re-simulation's median is of (0: one simulation at the fixed figures)."""
+        return DRAWS if self.samples else 0
+
     def to_json(self) -> dict[str, Any]:
+        """report.json's ``emulation``: the figures, and of the samples only their counts and summary."""
         return {"latency_s": self.latency_s, "collective_s": self.collective_s, "oversleep_s": self.oversleep_s,
-                "overhead": dict(self.overhead), "backend": self.backend, "hops": self.hops}
+                "overhead": dict(self.overhead), "backend": self.backend, "hops": self.hops, "draws": self.draws,
+                "samples": {k: {"count": len(xs), "mean": statistics.fmean(xs), "median": statistics.median(xs),
+                                "max": max(xs)} for k, xs in self.samples.items() if xs}}
 
 
 def _now_iso() -> str:
@@ -257,23 +272,38 @@ def _hops(posted: Mapping[tuple[bool, Key], float], waits: Sequence[tuple[Key, f
     return [b - ready for ready, a, b in timed if a < ready + typical]
 
 
-def _pooled(values: Sequence[Mapping[str, Sequence[float]]]) -> dict[str, float]:
-    """Per key, the mean over every rank's samples of it."""
-    keys = dict.fromkeys(k for v in values for k, xs in v.items() if xs)
-    return {k: statistics.fmean(x for v in values for x in v.get(k, ())) for k in sorted(keys)}
+def _step_samples(step: Sequence[_Timings], one_host: bool) -> dict[str, list[float]]:
+    """One probe step's samples over every rank: per opcode name its instructions' host seconds,
+    :data:`OVERSLEEP` each compute's, :data:`HOP` each hop of the plan's messages (:func:`_hops`; none when the
+    ranks span hosts)."""
+    out: dict[str, list[float]] = {}
+    for t in step:
+        for op, xs in t.host.items():
+            out.setdefault(op, []).extend(xs)
+    out[OVERSLEEP] = [x for t in step for x in t.oversleeps]
+    out[HOP] = _hops({k: v for t in step for k, v in t.posted.items()}, [w for t in step for w in t.waits]) \
+        if one_host else []
+    return {k: xs for k, xs in out.items() if xs}
 
 
 def _step_figures(step: Sequence[_Timings], one_host: bool) -> dict[str, float]:
-    """One probe step's figures over every rank (each a mean over its samples): ``latency_s`` (absent when no
-    hop shows, or the ranks span hosts), ``oversleep_s``, and each opcode's host seconds."""
-    out = _pooled([t.host for t in step])
-    hops = _hops({k: v for t in step for k, v in t.posted.items()}, [w for t in step for w in t.waits]) \
-        if one_host else []
+    """One probe step's figures over every rank (each a mean over its samples, :func:`_step_samples`):
+    ``latency_s`` (absent when no hop shows, or the ranks span hosts), ``oversleep_s``, and each opcode's host
+    seconds."""
+    samples = _step_samples(step, one_host)
+    hops, oversleeps = samples.pop(HOP, []), samples.pop(OVERSLEEP, [])
+    out = {k: statistics.fmean(xs) for k, xs in sorted(samples.items())}
     if hops:
         out["latency_s"], out["hops"] = statistics.fmean(hops), len(hops)
-    oversleeps = [x for t in step for x in t.oversleeps]
     out["oversleep_s"] = max(0.0, statistics.fmean(oversleeps)) if oversleeps else 0.0
     return out
+
+
+def _median_step(steps: Sequence[Mapping[str, Sequence[float]]]) -> dict[str, tuple[float, ...]]:
+    """Of the probe steps' samples (:func:`_step_samples`), the median step's by its stalls in all (the sum of
+    every sample), each sample not below 0 (a sleep or a hop takes no less than nothing)."""
+    ranked = sorted(steps, key=lambda s: sum(x for xs in s.values() for x in xs))
+    return {k: tuple(max(0.0, x) for x in xs) for k, xs in ranked[(len(ranked) - 1) // 2].items()} if ranked else {}
 
 
 def measure_emulation(executor, backend: str, sleep_s: float) -> Emulation:
@@ -285,21 +315,25 @@ def measure_emulation(executor, backend: str, sleep_s: float) -> Emulation:
     median of its steps' (a stall of the whole host in one step moves none), the same on every rank; then a
     one-element all-reduce. A step's length is the sum of what its critical path pays, so a figure is a mean,
     not a median: a stall the run pays now and then (a post or a hop held up for milliseconds on a loaded
-    host) is in it as often as it happens."""
+    host) is in it as often as it happens. The median step's raw samples are kept too (``samples``): a step is
+    the longest of many near-critical paths, so the re-simulation draws each cost from them."""
     timings = _handler_times(executor, PROBE_STEPS)  # the plan's steps first: they warm up what the run uses
     pause = min(max(sleep_s, PAUSE_S[0]), PAUSE_S[1])
     world = dist.get_world_size()
     got = _gathered((socket.gethostname(), timings))
     one_host = len({host for host, _ in got}) == 1
-    figures = _medians([_step_figures([ts[i] for _, ts in got], one_host) for i in range(len(timings))])
+    steps = [[ts[i] for _, ts in got] for i in range(len(timings))]
+    figures = _medians([_step_figures(step, one_host) for step in steps])
+    samples = _median_step([_step_samples(step, one_host) for step in steps])
     if "latency_s" not in figures:
+        samples.pop(HOP, None)  # no hop showed in some step: the hop is a token's, fixed
         figures["latency_s"] = _token_hop(LAPS, pause)
     one = torch.zeros(1)
     coll = _timed(ROUNDS, lambda: dist.all_reduce(one), pause) if world > 1 else 0.0
     scalars = ("latency_s", "oversleep_s", "hops")
     return Emulation(latency_s=max(0.0, figures["latency_s"]), collective_s=statistics.median(_gathered(coll)),
                      oversleep_s=figures["oversleep_s"], overhead={k: v for k, v in figures.items() if k not in scalars},
-                     backend=backend, hops=int(figures.get("hops", 0)))
+                     backend=backend, hops=int(figures.get("hops", 0)), samples=samples)
 
 
 def _gathered(value: Any) -> list[Any]:

@@ -261,16 +261,19 @@ class Trainer:
         return measure_emulation(probe, dist.get_backend(), shortest * self.executor.emulate)
 
     def resimulated(self):
-        """The plan's program simulated under what ``--emulate`` measured (None when it measured nothing)."""
+        """The plan's program simulated under what ``--emulate`` measured (None when it measured nothing): the
+        median step of runs drawing each instruction's host time, each sleep's excess and each hop from the
+        probe's samples (report.json's ``emulation.draws``)."""
         if self.emulation is None:
             return None
-        from pipec.compiler.simulate import BUFFERED, IN_ORDER, emulated_costs, simulate_costs
+        from pipec.compiler.simulate import BUFFERED, IN_ORDER, emulated_costs, simulate_draws
 
         e = self.emulation
         costs = emulated_costs(self.plan, seconds_per_unit=self.options.unit_time if self.plan.unit_costs else 1.0,
                                latency_s=e.latency_s, collective_s=e.collective_s, overhead=e.overhead,
-                               oversleep_s=e.oversleep_s)
-        return simulate_costs(self.plan, costs, IN_ORDER if e.backend == "nccl" else BUFFERED)
+                               oversleep_s=e.oversleep_s, jitter=e.samples)
+        # the median of e.draws steps drawn from the probe's samples (one at the fixed figures without them)
+        return simulate_draws(self.plan, costs, IN_ORDER if e.backend == "nccl" else BUFFERED)
 
     def restore(self) -> int:
         """The step to start at: 0, or that of the checkpoint resumed from (``--resume``, or after a restart)."""

@@ -8,11 +8,20 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pipec.compiler.driver import compile_plan
-from pipec.runtime.linkprobe import _handler_times, _hops, _medians, _step_figures, _Timings
+from pipec.runtime.linkprobe import (Emulation, _handler_times, _hops, _median_step, _medians, _step_figures,
+                                     _step_samples, _Timings)
 
 
 def _msg(i: int) -> tuple:
     return (0, 0, "A", 0, 1, i)
+
+
+def _timings(host, oversleeps, hop) -> _Timings:
+    """One rank's probe step: its host samples, oversleeps, and one message waited for ``hop`` past its posts."""
+    t = _Timings(host=host, oversleeps=oversleeps)
+    t.posted[(True, _msg(0))] = t.posted[(False, _msg(0))] = 1.0
+    t.waits.append((_msg(0), 0.5, 1.0 + hop))
+    return t
 
 
 def test_a_hop_is_what_a_waiting_receiver_waits_past_both_posts():
@@ -31,18 +40,12 @@ def test_a_hop_is_what_a_waiting_receiver_waits_past_both_posts():
 
 
 def test_step_figures_are_means_over_every_rank_and_their_median_over_steps():
-    def timings(host, oversleeps, hop):
-        t = _Timings(host=host, oversleeps=oversleeps)
-        t.posted[(True, _msg(0))] = t.posted[(False, _msg(0))] = 1.0
-        t.waits.append((_msg(0), 0.5, 1.0 + hop))
-        return t
-
-    quiet = [timings({"FWD": [1.0, 3.0]}, [0.1], 0.2), timings({"FWD": [2.0], "OPT": [5.0]}, [0.3], 0.2)]
+    quiet = [_timings({"FWD": [1.0, 3.0]}, [0.1], 0.2), _timings({"FWD": [2.0], "OPT": [5.0]}, [0.3], 0.2)]
     figures = _step_figures(quiet, one_host=True)
     assert figures == pytest.approx({"FWD": 2.0, "OPT": 5.0, "oversleep_s": 0.2, "latency_s": 0.2, "hops": 2})
     assert "latency_s" not in _step_figures(quiet, one_host=False)  # clocks of two hosts do not compare
-    stalled = [timings({"FWD": [900.0]}, [90.0], 50.0), timings({"FWD": [2.0]}, [0.1], 0.2)]
-    again = [timings({"FWD": [2.5]}, [0.2], 0.3), timings({"FWD": [2.5]}, [0.2], 0.3)]
+    stalled = [_timings({"FWD": [900.0]}, [90.0], 50.0), _timings({"FWD": [2.0]}, [0.1], 0.2)]
+    again = [_timings({"FWD": [2.5]}, [0.2], 0.3), _timings({"FWD": [2.5]}, [0.2], 0.3)]
     steps = [_step_figures(s, one_host=True) for s in (quiet, stalled, again)]
     median = _medians(steps)
     assert median["FWD"] == pytest.approx(2.5) and median["oversleep_s"] == pytest.approx(0.2)
@@ -75,3 +78,25 @@ def test_the_probe_times_every_post_and_every_receive_of_the_plan():
         assert 0 < len(hops) <= num_messages and all(h >= 0 for h in hops)
         assert all(len(t.oversleeps) == sum(i.op.value in ("FWD", "BWD") for i in plan.program.ranks[p])
                    for p, t in enumerate(ts))
+
+
+def _same(got, want):
+    assert set(got) == set(want) and all(list(got[k]) == pytest.approx(list(v)) for k, v in want.items())
+
+
+def test_the_median_steps_raw_samples_are_kept_and_reported_in_summary():
+    step = [_timings({"FWD": [1.0, 3.0]}, [0.1], 0.2), _timings({"FWD": [2.0], "OPT": [5.0]}, [-0.3], 0.4)]
+    samples = _step_samples(step, one_host=True)
+    _same(samples, {"FWD": [1.0, 3.0, 2.0], "OPT": [5.0], "oversleep": [0.1, -0.3], "hop": [0.2, 0.4]})
+    assert "hop" not in _step_samples(step, one_host=False)
+    stalled = {"FWD": [900.0]}
+    quiet = {"FWD": [1.0], "oversleep": [0.5]}
+    # the median step by its stalls in all; a negative sample (a clock's noise) counts as none
+    _same(_median_step([stalled, samples, quiet]),
+          {"FWD": (1.0, 3.0, 2.0), "OPT": (5.0,), "oversleep": (0.1, 0.0), "hop": (0.2, 0.4)})
+    emu = Emulation(latency_s=0.3, collective_s=0.0, oversleep_s=0.0, overhead={"FWD": 2.0}, backend="gloo",
+                    samples={"FWD": (1.0, 3.0, 2.0), "hop": (0.2, 0.4)})
+    got = emu.to_json()
+    assert got["draws"] == 15 and got["samples"]["FWD"] == {"count": 3, "mean": 2.0, "median": 2.0, "max": 3.0}
+    assert Emulation(latency_s=0.3, collective_s=0.0, oversleep_s=0.0, overhead={}, backend="gloo").to_json()[
+        "draws"] == 0
