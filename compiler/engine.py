@@ -45,6 +45,11 @@ If no rank can move while some have instructions left, the program
 deadlocks: :class:`Deadlock` carries the cycle of waiting instructions, one
 line per rank.
 
+A cost model may carry measured spread (:attr:`CostModel.jitter`); only a run
+given a seeded ``random.Random`` draws from it (:func:`drawn`: each
+instruction's host overhead, each compute, each message's transfer), so every
+compile-time prediction stays deterministic.
+
 Internally every instruction is decoded once into a tuple and every thing an
 instruction can wait for is an integer key, which keeps the loop fast enough
 for the 780K-instruction plans of the compile benchmark.
