@@ -6,7 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable, Hashable, Iterable
 
 import pytest
 
@@ -24,6 +26,14 @@ def run_cli(*args: str, cwd: str | os.PathLike | None = None, timeout: float = 1
         timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+def on_threads(rank: Callable, keys: Iterable[Hashable]) -> dict:
+    """``rank(*key)`` for every key at once, one thread each (ranks over the fake transport); the results
+    by key. A rank's exception is raised here."""
+    keys = list(keys)
+    with ThreadPoolExecutor(len(keys)) as pool:
+        return dict(zip(keys, pool.map(lambda k: rank(*k), keys)))
 
 
 def run_in_session(cmd: list[str], timeout: float, cwd: str | os.PathLike | None = None,

@@ -12,13 +12,13 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from conftest import on_threads
 from test_runtime import reference_step, tiny_gpt
 
 from pipec.compiler.config import TrainingConfig
@@ -62,44 +62,33 @@ def run_steps(plan, num_steps: int, *, emulate: float | None = None, executor_ho
     if emulate is None:
         config = TrainingConfig.from_spec(plan.spec)
         data, loss_fn = make_data(config, plan), make_loss(config.loss)
-    out, errors = {}, []
 
-    def rank(p: int, d: int) -> None:
-        try:
-            posted: list[list[torch.Tensor]] = []
-            grads: list[dict] = []
+    def rank(p: int, d: int) -> SimpleNamespace:
+        posted: list[list[torch.Tensor]] = []
+        grads: list[dict] = []
 
-            def optimizer_step() -> None:
-                grads.append({n: q.grad.clone() for m in mods[(p, d)].values() for n, q in m.canonical_params().items()})
-                for m in mods[(p, d)].values():
-                    m.zero_grad(set_to_none=True)
+        def optimizer_step() -> None:
+            grads.append({n: q.grad.clone() for m in mods[(p, d)].values() for n, q in m.canonical_params().items()})
+            for m in mods[(p, d)].values():
+                m.zero_grad(set_to_none=True)
 
-            ex = Executor(plan, pp_rank=p, dp_rank=d, emulate=emulate, modules=mods[(p, d)],
-                          transport=RecordingTransport(world.transport(plan.mesh.global_rank(p, d)), posted),
-                          loss_fn=None if emulate is not None else loss_fn,
-                          optimizer_step=optimizer_step if emulate is None else None)
-            if executor_hook is not None:
-                executor_hook(ex)
-            results = []
-            for step in range(num_steps):
-                if emulate is None:
-                    x, y = data(step, d, D)
-                    results.append(ex.run_step(split_microbatches(x, plan.num_microbatches, "x", ["tokens"]),
-                                               split_microbatches(y, plan.num_microbatches, "y")))
-                else:
-                    results.append(ex.run_step(None, None))
-            out[(p, d)] = SimpleNamespace(posted=posted, results=results, grads=grads)
-        except Exception as e:  # surfaced below
-            errors.append(e)
+        ex = Executor(plan, pp_rank=p, dp_rank=d, emulate=emulate, modules=mods[(p, d)],
+                      transport=RecordingTransport(world.transport(plan.mesh.global_rank(p, d)), posted),
+                      loss_fn=None if emulate is not None else loss_fn,
+                      optimizer_step=optimizer_step if emulate is None else None)
+        if executor_hook is not None:
+            executor_hook(ex)
+        results = []
+        for step in range(num_steps):
+            if emulate is None:
+                x, y = data(step, d, D)
+                results.append(ex.run_step(split_microbatches(x, plan.num_microbatches, "x", ["tokens"]),
+                                           split_microbatches(y, plan.num_microbatches, "y")))
+            else:
+                results.append(ex.run_step(None, None))
+        return SimpleNamespace(posted=posted, results=results, grads=grads)
 
-    threads = [threading.Thread(target=rank, args=(p, d)) for p in range(P) for d in range(D)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out
+    return on_threads(rank, [(p, d) for p in range(P) for d in range(D)])
 
 
 # ----------------------------------------------------------------------------- buffers once per plan

@@ -22,14 +22,13 @@ import json
 import re
 import signal
 import subprocess
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import PYTHON, run_in_session
+from conftest import PYTHON, on_threads, run_in_session
 
 from pipec.compiler.config import TrainingConfig
 from pipec.compiler.driver import compile_spec
@@ -72,28 +71,17 @@ def run_in_process(plan, step: int = 0, on_modules=None, emulate: float | None =
     if emulate is None:
         config = TrainingConfig.from_spec(plan.spec)
         data, loss_fn = make_data(config, plan), make_loss(config.loss)
-    results, errors = {}, []
 
-    def rank(p: int, d: int) -> None:
-        try:
-            ex = Executor(plan, pp_rank=p, dp_rank=d, transport=world.transport(plan.mesh.global_rank(p, d)),
-                          modules=modules[(p, d)], loss_fn=None if emulate else loss_fn, emulate=emulate)
-            if emulate:
-                results[(p, d)] = ex.run_step(None, None)
-                return
-            x, y = data(step, d, D)
-            results[(p, d)] = ex.run_step(split_microbatches(x, plan.num_microbatches, "x", ["tokens"]),
-                                          split_microbatches(y, plan.num_microbatches, "y"))
-        except Exception as e:  # surfaced below
-            errors.append(e)
+    def rank(p: int, d: int):
+        ex = Executor(plan, pp_rank=p, dp_rank=d, transport=world.transport(plan.mesh.global_rank(p, d)),
+                      modules=modules[(p, d)], loss_fn=None if emulate else loss_fn, emulate=emulate)
+        if emulate:
+            return ex.run_step(None, None)
+        x, y = data(step, d, D)
+        return ex.run_step(split_microbatches(x, plan.num_microbatches, "x", ["tokens"]),
+                           split_microbatches(y, plan.num_microbatches, "y"))
 
-    threads = [threading.Thread(target=rank, args=(p, d)) for p in range(P) for d in range(D)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    results = on_threads(rank, [(p, d) for p in range(P) for d in range(D)])
     return results, modules
 
 
