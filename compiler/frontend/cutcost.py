@@ -45,6 +45,7 @@ from pipec.compiler.frontend.costs import StageCost, with_recompute
 from pipec.compiler.frontend.partition import StagePart, _foldable
 from pipec.compiler.frontend.trace import Traced, dtype_name, is_pipe_split
 from pipec.compiler.plan import UNIT_COST, Cost, Edge, Signature, Tie
+from pipec.errors import PipecError
 
 __all__ = ["NodeTable", "CostSplit", "node_table", "cost_split", "cut_costs", "FAST_COSTS"]
 
@@ -209,8 +210,9 @@ def _node_table(traced: Traced) -> NodeTable | None:
     )
 
 
-class _Declined(Exception):
-    """The full cut would refuse this partition (or do what the table does not model)."""
+class _Declined(PipecError):
+    """The full cut would refuse this partition (or do what the table does not model): always caught
+    here (the full cut then runs and reports any mistake itself), never a user's message."""
 
 
 @dataclass(slots=True)
