@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import copy
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 import torch
 
-from conftest import PYTHON, run_in_session
+from conftest import PYTHON, on_threads, run_in_session
 
 from pipec.compiler.config import TrainingConfig
 from pipec.compiler.driver import compile_spec
@@ -84,12 +82,11 @@ def run_recorded(plan) -> dict[tuple[int, int], tuple[list, RecordingShards, obj
     modules = {(p, d): build_stages(plan, [s for s, r in enumerate(plan.placement) if r == p], seed=0)
                for p, d in keys}  # one after another: tracing is not thread-safe
 
-    def rank(key: tuple[int, int]) -> tuple[list, RecordingShards, object]:
-        p, d = key
+    def rank(p: int, d: int) -> tuple[list, RecordingShards, object]:
         log: list = []
         shards = RecordingShards(log)
         ex = Executor(plan, pp_rank=p, dp_rank=d, transport=world.transport(plan.mesh.global_rank(p, d)),
-                      modules=modules[key], loss_fn=loss_fn, sharding=shards,
+                      modules=modules[(p, d)], loss_fn=loss_fn, sharding=shards,
                       optimizer_step=lambda: log.append(("step", None)),
                       fail_hook=lambda i, ins: log.append(("run", ins.text())))
         x, y = data(0, d, D)
@@ -97,8 +94,7 @@ def run_recorded(plan) -> dict[tuple[int, int], tuple[list, RecordingShards, obj
                            split_microbatches(y, plan.num_microbatches, "y"))
         return log, shards, step
 
-    with ThreadPoolExecutor(len(keys)) as pool:  # a rank's exception is raised here
-        return dict(zip(keys, pool.map(rank, keys)))
+    return on_threads(rank, keys)
 
 
 def test_the_reduce_scatter_is_waited_in_opt_after_the_backwards_that_follow_it():
