@@ -375,26 +375,31 @@ class _Buffered:
         self.eng.resolve(key, start + dur)
 
     def post(self, r: int, dec: tuple, pc: int, clock: float) -> tuple[int, float]:
-        """Post instruction ``pc`` of rank r after its host overhead; returns the next pc and the clock."""
-        d = dec[pc]
-        clock += d[4]
-        key, is_send = d[1], d[0] == _SEND
-        other = self.posted.pop((key, not is_send), None)
-        self.outstanding[r] += 1
-        if other is None:
-            self.posted[(key, is_send)] = (r, clock)
-            return pc + 1, clock
-        q, t_other = other
-        done_t = (clock if clock > t_other else t_other) + d[2]
-        resolve = self.eng.resolve
-        resolve(key, done_t)
-        for x in (r, q):
-            self.outstanding[x] -= 1
-            if done_t > self.comm_done[x]:
-                self.comm_done[x] = done_t
-            if self.outstanding[x] == 0:
-                resolve(("D", x), self.comm_done[x])
-        return pc + 1, clock
+        """Post instruction ``pc`` of rank r and the sends and receives right after it, each after its host
+        overhead (posts never block); returns the next pc and the clock."""
+        posted, outstanding, comm_done, resolve = self.posted, self.outstanding, self.comm_done, self.eng.resolve
+        n = len(dec)
+        while True:
+            d = dec[pc]
+            pc += 1
+            clock += d[4]
+            key, is_send = d[1], d[0] == _SEND
+            other = posted.pop((key, not is_send), None)
+            outstanding[r] += 1
+            if other is None:
+                posted[(key, is_send)] = (r, clock)
+            else:
+                q, t_other = other
+                done_t = (clock if clock > t_other else t_other) + d[2]
+                resolve(key, done_t)
+                for x in (r, q):
+                    outstanding[x] -= 1
+                    if done_t > comm_done[x]:
+                        comm_done[x] = done_t
+                    if outstanding[x] == 0:
+                        resolve(("D", x), comm_done[x])
+            if pc >= n or (dec[pc][0] != _SEND and dec[pc][0] != _RECV):
+                return pc, clock
 
     def ready(self, r: int, clock: float, is_opt: bool) -> float | None:
         """When rank r reaches a collective; None: it first waits (``OPT`` for its posts) and is blocked."""

@@ -166,31 +166,47 @@ def transient_bytes(plan: Plan) -> list[tuple[int, int]]:
     return out
 
 
+_WATCHED = {  # params_sharded -> the opcodes that change what a rank holds (the rest leave it as is)
+    False: frozenset((Op.ALLREDUCE, Op.OPTIM_STEP)),
+    True: frozenset((Op.UNSHARD, Op.RESHARD, Op.BWD, Op.BWD_I, Op.BWD_W, Op.REDUCE_SCATTER, Op.ALLREDUCE,
+                     Op.OPTIM_STEP)),
+}
+
+
 def _transient(instrs, params_sharded: bool, full: Mapping[int, int], held_by: Mapping[str, Mapping[int, int]],
                ties: Mapping[str, int]) -> tuple[int, int]:
-    """(unsharded, buffers) of one rank's program at its most held (see :func:`transient_bytes`)."""
+    """(unsharded, buffers) of one rank's program at its most held (see :func:`transient_bytes`); of
+    points holding the same sum, the first. Only the opcodes of :data:`_WATCHED` change what is held, so
+    only they are looked at."""
     params: set[int] = set()
     grads: set[int] = set()
     scatters: dict[int, int] = {}  # stage -> its posted reduce-scatter's input bytes
     reductions: list[int] = []  # the posted all-reduces' flat buffers
     unsharded = buffers = 0
-    best = (0, 0)
-    backward = (Op.BWD, Op.BWD_I, Op.BWD_W)
+    best, best_sum = (0, 0), 0
+    watched = _WATCHED[params_sharded]
     for ins in instrs:
-        op, s = ins.op, ins.stage
-        if op is Op.UNSHARD and params_sharded and s not in params:
+        op = ins.op
+        if op not in watched:
+            continue
+        s = ins.stage
+        if op is Op.UNSHARD:
+            if s in params:
+                continue
             params.add(s)
             unsharded += full[s]
-        elif op is Op.RESHARD and s in params:
+        elif op is Op.RESHARD:
+            if s not in params:
+                continue
             params.discard(s)
             unsharded -= full[s]
-        elif op in backward and params_sharded and s not in grads:
-            grads.add(s)
-            unsharded += full[s]
-        elif op is Op.REDUCE_SCATTER and s in grads:
+        elif op is Op.REDUCE_SCATTER:
+            if s not in grads:
+                continue
             scatters[s] = held_by["RS"][s]  # the unsharded grads copied in (both held here), then freed
             buffers += scatters[s]
-            best = max(best, (unsharded, buffers), key=sum)
+            if unsharded + buffers > best_sum:
+                best, best_sum = (unsharded, buffers), unsharded + buffers
             grads.discard(s)
             unsharded -= full[s]
         elif op is Op.ALLREDUCE:
@@ -207,7 +223,13 @@ def _transient(instrs, params_sharded: bool, full: Mapping[int, int], held_by: M
             buffers = 0
             scatters.clear()
             reductions.clear()
-        best = max(best, (unsharded, buffers), key=sum)
+        else:  # a backward: the stage's unsharded gradients from its first
+            if s in grads:
+                continue
+            grads.add(s)
+            unsharded += full[s]
+        if unsharded + buffers > best_sum:
+            best, best_sum = (unsharded, buffers), unsharded + buffers
     return best
 
 
@@ -238,10 +260,10 @@ def check_memory(plan: Plan, device_memory: int) -> None:
     """Raise :class:`MemoryBudgetError` (key ``device_memory``) naming the first pp rank whose predicted
     peak exceeds ``device_memory`` bytes, with what makes it up and the fixes. A plan whose prediction has
     no memory (schedule-only) passes."""
-    rows = breakdown(plan)
     for rt in plan.prediction.per_rank if plan.prediction else ():
         if rt.peak_memory_bytes is None or rt.peak_memory_bytes <= device_memory:
             continue
+        rows = breakdown(plan)  # only to say what makes the peak up
         assert rows is not None, "a predicted peak needs the stages' parameter counts"
         m = rows[rt.rank]
         mesh = plan.mesh

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Mapping, Sequence
 
 from pipec.compiler.engine import (
@@ -27,7 +28,7 @@ from pipec.compiler.engine import (
     group_members,
 )
 from pipec.compiler.ir import Op, Program
-from pipec.compiler.plan import UNIT_COST, Edge, Link, Plan, Tie, chain_edges
+from pipec.compiler.plan import UNIT_COST, Edge, Link, Mesh, Plan, Tie, chain_edges
 from pipec.compiler.timeline import Timeline
 
 __all__ = [
@@ -276,12 +277,9 @@ def _shard_costs(plan: Plan, allreduce: dict[tuple[str, int], float],
     link = plan.links.get("shard", plan.links.get("dp", plan.links["pp"]))
     elem = COMPUTE_BYTES.get(str(plan.spec.get("dtype", "float32")), 4) if mesh.params_sharded else 4
 
-    def groups(group: str, pp: int) -> list[tuple[int, ...]]:
-        return list(dict.fromkeys(mesh.group_ranks(group, g) for g in mesh.replicas(pp)))
-
     for st in plan.stages:
         padded = padded_params(st, n)
-        ring = price.ring(mesh.shard_group, link, groups(mesh.shard_group, st.rank), padded * elem,
+        ring = price.ring(mesh.shard_group, link, _dp_groups(mesh, mesh.shard_group, st.rank), padded * elem,
                           factor=1.0) if n > 1 else 0.0
         if mesh.shard == "optimizer":
             out[("OPTIM_STEP", st.stage)] = ring
@@ -289,9 +287,17 @@ def _shard_costs(plan: Plan, allreduce: dict[tuple[str, int], float],
         out[(Op.UNSHARD.value, st.stage)] = out[(Op.REDUCE_SCATTER.value, st.stage)] = ring
         if mesh.hybrid:
             allreduce[("dp.replicate", st.stage)] = price.ring(
-                "dp.replicate", link, groups("dp.replicate", st.rank), padded // n * elem)
+                "dp.replicate", link, _dp_groups(mesh, "dp.replicate", st.rank), padded // n * elem)
         allreduce.pop(("dp", st.stage), None)
     return out
+
+
+@lru_cache(maxsize=4096)
+def _dp_groups(mesh: Mesh, group: str, pp: int) -> tuple[tuple[int, ...], ...]:
+    """The distinct groups ``group`` (``dp.shard``, ``dp.replicate``) splits pp rank ``pp``'s replicas into,
+    in dp order. Cached on its arguments, all it reads (``pipec tune`` prices thousands of candidates on
+    a few dozen meshes)."""
+    return tuple(dict.fromkeys(mesh.group_ranks(group, g) for g in mesh.replicas(pp)))
 
 
 def timeline_of(ex: Execution, costs: CostModel, static_bytes: Sequence[int] | None = None,
