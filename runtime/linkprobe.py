@@ -67,6 +67,10 @@ PROBE_STEPS = 3
 as in the run; each figure is the median of its steps' (a stall of the whole host, hundreds of ms, in one step
 moves none)."""
 
+STALLED = 2.0
+"""A probe step whose samples sum to more than this times the median step's is left out of the pooled samples
+(:func:`_pooled`): the whole host stalled in it."""
+
 Key = tuple
 """A message of one step: (step, dp rank, "A" | "G", src stage, dst stage, microbatch), as both ends name it."""
 
@@ -91,7 +95,7 @@ class Emulation:
     hosts (their clocks do not compare) or no receiver waited, so it is a token's median lap (:func:`_token_hop`)."""
 
     samples: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
-    """The median probe step's raw samples over every rank (:func:`_step_samples`): per opcode name the host
+    """The probe steps' raw samples over every rank, pooled (:func:`_pooled`): per opcode name the host
     seconds of each instruction, ``"oversleep"`` each compute's, ``"hop"`` each message's (absent when
     ``hops`` is 0); the re-simulation draws from them (compiler/simulate.py ``simulate_draws``)."""
 
@@ -299,11 +303,21 @@ def _step_figures(step: Sequence[_Timings], one_host: bool) -> dict[str, float]:
     return out
 
 
-def _median_step(steps: Sequence[Mapping[str, Sequence[float]]]) -> dict[str, tuple[float, ...]]:
-    """Of the probe steps' samples (:func:`_step_samples`), the median step's by its stalls in all (the sum of
-    every sample), each sample not below 0 (a sleep or a hop takes no less than nothing)."""
-    ranked = sorted(steps, key=lambda s: sum(x for xs in s.values() for x in xs))
-    return {k: tuple(max(0.0, x) for x in xs) for k, xs in ranked[(len(ranked) - 1) // 2].items()} if ranked else {}
+def _pooled(steps: Sequence[Mapping[str, Sequence[float]]]) -> dict[str, tuple[float, ...]]:
+    """The probe steps' samples (:func:`_step_samples`) pooled, each not below 0 (a sleep or a hop takes no less
+    than nothing), but for a step whose stalls in all (the sum of its samples) pass :data:`STALLED` times the
+    median step's: a stall of the whole host (hundreds of ms) the run would not pay in its median step. Pooled,
+    the draws see each kind's tail at the rate the steps saw it, not one step's luck."""
+    totals = [sum(x for xs in s.values() for x in xs) for s in steps]
+    if not totals:
+        return {}
+    bound = STALLED * statistics.median(totals)
+    out: dict[str, list[float]] = {}
+    for step, total in zip(steps, totals):
+        if total <= bound:
+            for k, xs in step.items():
+                out.setdefault(k, []).extend(max(0.0, x) for x in xs)
+    return {k: tuple(xs) for k, xs in out.items()}
 
 
 def measure_emulation(executor, backend: str, sleep_s: float) -> Emulation:
@@ -315,8 +329,8 @@ def measure_emulation(executor, backend: str, sleep_s: float) -> Emulation:
     median of its steps' (a stall of the whole host in one step moves none), the same on every rank; then a
     one-element all-reduce. A step's length is the sum of what its critical path pays, so a figure is a mean,
     not a median: a stall the run pays now and then (a post or a hop held up for milliseconds on a loaded
-    host) is in it as often as it happens. The median step's raw samples are kept too (``samples``): a step is
-    the longest of many near-critical paths, so the re-simulation draws each cost from them."""
+    host) is in it as often as it happens. The probe steps' raw samples are kept too, pooled (``samples``): a
+    step is the longest of many near-critical paths, so the re-simulation draws each cost from them."""
     timings = _handler_times(executor, PROBE_STEPS)  # the plan's steps first: they warm up what the run uses
     pause = min(max(sleep_s, PAUSE_S[0]), PAUSE_S[1])
     world = dist.get_world_size()
@@ -324,7 +338,7 @@ def measure_emulation(executor, backend: str, sleep_s: float) -> Emulation:
     one_host = len({host for host, _ in got}) == 1
     steps = [[ts[i] for _, ts in got] for i in range(len(timings))]
     figures = _medians([_step_figures(step, one_host) for step in steps])
-    samples = _median_step([_step_samples(step, one_host) for step in steps])
+    samples = _pooled([_step_samples(step, one_host) for step in steps])
     if "latency_s" not in figures:
         samples.pop(HOP, None)  # no hop showed in some step: the hop is a token's, fixed
         figures["latency_s"] = _token_hop(LAPS, pause)

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pipec.compiler.driver import compile_plan
-from pipec.runtime.linkprobe import (Emulation, _handler_times, _hops, _median_step, _medians, _step_figures,
+from pipec.runtime.linkprobe import (STALLED, Emulation, _handler_times, _hops, _medians, _pooled, _step_figures,
                                      _step_samples, _Timings)
 
 
@@ -84,16 +84,20 @@ def _same(got, want):
     assert set(got) == set(want) and all(list(got[k]) == pytest.approx(list(v)) for k, v in want.items())
 
 
-def test_the_median_steps_raw_samples_are_kept_and_reported_in_summary():
+def test_the_probe_steps_raw_samples_are_pooled_and_reported_in_summary():
     step = [_timings({"FWD": [1.0, 3.0]}, [0.1], 0.2), _timings({"FWD": [2.0], "OPT": [5.0]}, [-0.3], 0.4)]
     samples = _step_samples(step, one_host=True)
     _same(samples, {"FWD": [1.0, 3.0, 2.0], "OPT": [5.0], "oversleep": [0.1, -0.3], "hop": [0.2, 0.4]})
     assert "hop" not in _step_samples(step, one_host=False)
     stalled = {"FWD": [900.0]}
     quiet = {"FWD": [1.0], "oversleep": [0.5]}
-    # the median step by its stalls in all; a negative sample (a clock's noise) counts as none
-    _same(_median_step([stalled, samples, quiet]),
-          {"FWD": (1.0, 3.0, 2.0), "OPT": (5.0,), "oversleep": (0.1, 0.0), "hop": (0.2, 0.4)})
+    # totals 11.4, 1.5 and 900: the median 11.4, so the stalled step (past STALLED x 11.4) is left out; the
+    # rest pooled in step order, a negative sample (a clock's noise) as none
+    assert 1.5 < 11.4 * STALLED < 900.0
+    _same(_pooled([samples, stalled, quiet]),
+          {"FWD": (1.0, 3.0, 2.0, 1.0), "OPT": (5.0,), "oversleep": (0.1, 0.0, 0.5), "hop": (0.2, 0.4)})
+    _same(_pooled([quiet, quiet]), {"FWD": (1.0, 1.0), "oversleep": (0.5, 0.5)})  # none stalled: all kept
+    assert _pooled([]) == {}
     emu = Emulation(latency_s=0.3, collective_s=0.0, oversleep_s=0.0, overhead={"FWD": 2.0}, backend="gloo",
                     samples={"FWD": (1.0, 3.0, 2.0), "hop": (0.2, 0.4)})
     got = emu.to_json()
