@@ -251,8 +251,8 @@ def emulate(cases, runs: int, steps: int, work: Path) -> list[tuple[str, list[fl
             flags += ["--virtual", str(virtual)]
         sh(pipec(*flags))
         measured, predicted = [], []
-        for _ in range(runs):
-            report = work / "emu_report.json"
+        for i in range(runs):
+            report = work / f"emu_{schedule}_{ranks}_{mbs}_run{i}.json"  # kept under --work for pipec show
             sh(pipec("run", str(plan), "--nproc", str(ranks), "--emulate", "--unit-time", str(unit), "--steps",
                      str(steps), "--report", str(report), "--quiet"), env=quiet_env())
             r = json.loads(report.read_text())
@@ -356,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=["speed", "emulate", "demo"], help="one part only")
     p.add_argument("--cases", default="host,compute", help="comma-separated, of " + ", ".join(CASES))
     p.add_argument("--emulate-ranks", default="4,8", help="rank counts for the emulated fidelity (default 4,8)")
+    p.add_argument("--emulate-schedules", default=",".join(EMULATED_CHUNKS),
+                   help="comma-separated schedules for the emulated fidelity, of " + ", ".join(EMULATED_CHUNKS))
     p.add_argument("--quick", action="store_true", help="one run of 6 steps, 2 ranks, 1F1B; emulation at 4 ranks")
     p.add_argument("--work", help="folder for plans and reports (default: a temporary one)")
     args = p.parse_args(argv)
@@ -378,7 +380,11 @@ def main(argv: list[str] | None = None) -> int:
             results = speed(configs, args.runs, args.steps, work)
         if args.only in (None, "emulate"):
             ranks = {int(r) for r in args.emulate_ranks.split(",")}
-            cases = [c for c in EMULATED if c[1] in ranks]
+            schedules = args.emulate_schedules.split(",")
+            for s in schedules:
+                if s not in EMULATED_CHUNKS:
+                    p.error(f"--emulate-schedules: {s!r} is not one of {', '.join(EMULATED_CHUNKS)}")
+            cases = [c for c in EMULATED if c[1] in ranks and c[0] in schedules]
             if args.quick:
                 cases = cases[:1]
             rows = emulate(cases, args.runs, EMULATED_STEPS, work)
