@@ -13,6 +13,7 @@ only to report a deadlock cycle; torch only when a model is traced).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any, Sequence
 
 import pipec
@@ -131,12 +132,19 @@ def schedule_order(req: CompileRequest) -> tuple[ComputeOrder, list[Diagnostic]]
         return policy_order(req.policy, num_ranks=P, num_microbatches=M, num_chunks=v), []
     info = get_schedule(req.schedule)
     warnings: list[Diagnostic] = list(check_rules(info.name, num_ranks=P, num_microbatches=M, num_chunks=v))
-    order = info.build(num_ranks=P, num_microbatches=M, num_chunks=v)
+    order = _named_order(info.name, P, M, v)
     if req.placement is not None and req.placement != order.placement:
         raise ScheduleError(f"{info.name} needs placement {info.placement}, got {_placement_text(req.placement, P)}",
                             rule=f"{info.name}.placement", key="placement",
                             hints=(f"use placement {info.placement}, or an explicit order for another placement",))
     return order, warnings
+
+
+@lru_cache(maxsize=64)
+def _named_order(name: str, num_ranks: int, num_microbatches: int, num_chunks: int) -> ComputeOrder:
+    """A named schedule's compute order, cached: a generator is a pure function of these integers and an
+    order is immutable (``pipec tune`` compiles hundreds of candidates on a few dozen orders)."""
+    return get_schedule(name).build(num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks)
 
 
 def _placement_text(placement: tuple[int, ...], num_ranks: int) -> str:

@@ -233,6 +233,11 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
     host = {op: costs.overhead.get(op.value, 0.0) for op in Op}
     fwd_done, bwd_done = keys.fwd_done, keys.bwd_done
     deps_cache: dict[tuple[Op, int, int], tuple[int, ...]] = {}
+    # a message's (code, key at microbatch 0, transfer) per (opcode, stage, stage at the other end)
+    message_cache: dict[tuple[Op, int, int], tuple[int, int, float]] = {}
+    # the opcodes as locals: an enum member's attribute lookup (Op.FWD) costs more than the rest of a test
+    FWD, BWD, BWD_I, BWD_W, UNSHARD, REDUCE_SCATTER, ALLREDUCE = (
+        Op.FWD, Op.BWD, Op.BWD_I, Op.BWD_W, Op.UNSHARD, Op.REDUCE_SCATTER, Op.ALLREDUCE)
     opt_group = OPTIM_GROUP if costs.grad_norm else None  # None: a collective of the rank alone
     out = []
     for r, instrs in enumerate(program.ranks):
@@ -244,14 +249,14 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
         scatters: dict[int, tuple] = {}  # stage -> the key of its REDUCE_SCATTER posted and not yet waited for
         for pc, ins in enumerate(instrs):
             op = ins.op
-            if op is Op.FWD or op is Op.BWD or op is Op.BWD_I or op is Op.BWD_W:
+            if op is FWD or op is BWD or op is BWD_I or op is BWD_W:
                 s, m = ins.stage, ins.microbatch
                 base = deps_cache.get((op, s, r))
                 if base is None:
                     # dependency keys at microbatch 0; microbatch m adds m
-                    if op is Op.FWD:
+                    if op is FWD:
                         base = tuple(fwd_done + p * M if placement[p] == r else keys.act(p, s, 0) for p in producers[s])
-                    elif op is Op.BWD_W:
+                    elif op is BWD_W:
                         base = (bwd_done + s * M,)
                     else:
                         base = (fwd_done + s * M,) + tuple(
@@ -264,24 +269,29 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
                         deps.append(un)
                 c = stage_costs[s]
                 h = host[op]
-                if op is Op.FWD:
+                if op is FWD:
                     dec.append((_COMPUTE, deps, c.fwd, fwd_done + s * M + m, 1, act_bytes[s], h))
-                elif op is Op.BWD:
+                elif op is BWD:
                     dec.append((_COMPUTE, deps, c.bwd, bwd_done + s * M + m, -1, -act_bytes[s], h))
-                elif op is Op.BWD_I:
+                elif op is BWD_I:
                     dec.append((_COMPUTE, deps, c.bwd_i, bwd_done + s * M + m, 0, 0, h))
                 else:
                     dec.append((_COMPUTE, deps, c.bwd_w, -1, -1, -act_bytes[s], h))
             elif op in COMM_OPS:
-                is_act, src, dst = message_edge(ins)
-                key = keys.act(src, dst, ins.microbatch) if is_act else keys.gradk(src, dst, ins.microbatch)
-                dec.append((_SEND if op in SEND_OPS else _RECV, key, transfer.get((src, dst), 0.0), ins.batch,
-                            host[op]))
+                other = ins.to_stage if op in SEND_OPS else ins.from_stage
+                message = message_cache.get((op, ins.stage, other))
+                if message is None:
+                    is_act, src, dst = message_edge(ins)
+                    message = message_cache[(op, ins.stage, other)] = (
+                        _SEND if op in SEND_OPS else _RECV, keys.act(src, dst, 0) if is_act else keys.gradk(src, dst, 0),
+                        transfer.get((src, dst), 0.0))
+                code, key, seconds = message
+                dec.append((code, key + ins.microbatch, seconds, ins.batch, host[op]))
             elif op in SHARD_OPS:
                 key = ("S", r, pc)
-                if op is Op.UNSHARD:
+                if op is UNSHARD:
                     unsharded[ins.stage] = key
-                elif op is Op.REDUCE_SCATTER:
+                elif op is REDUCE_SCATTER:
                     scatters[ins.stage] = key
                 last_shard = key
                 dec.append((_SHARD, ins.group, costs.shard.get((op.value, ins.stage), 0.0), key, host[op]))
@@ -289,11 +299,11 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
                 # a collective: (code, group, its duration, the optimizer step, what the host waits for before it
                 # arrives: (under in_order: shard instructions only, under buffered: all-reduces too), its key,
                 # host overhead)
-                group = ins.group if op is Op.ALLREDUCE else opt_group
+                group = ins.group if op is ALLREDUCE else opt_group
                 k = calls.get(group, 0)
                 calls[group] = k + 1
                 ckey = ("C", group, k)
-                if op is Op.ALLREDUCE:
+                if op is ALLREDUCE:
                     dur = costs.allreduce.get((ins.group, ins.stage), 0.0)
                     if ins.group.startswith("tie."):
                         # the executor sums a tie's dp-reduced copies: it waits for every reduction in flight first

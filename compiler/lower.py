@@ -43,7 +43,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Sequence
 
-from pipec.compiler.ir import GROUP_OPS, Instruction, Op, Program
+from pipec.compiler.ir import GROUP_OPS, SEND_OPS, Instruction, Op, Program
 from pipec.compiler.plan import Edge, Mesh, Tie
 from pipec.compiler.engine import CostModel
 from pipec.schedules.timing import list_schedule
@@ -96,7 +96,9 @@ def lower(
     # (key, op, stage, microbatch, other stage, peer) until their batch is known
     slots: list[list[list[tuple]]] = [[[] for _ in range(len(order.ranks[r]) + 1)] for r in range(P)]
     last_backward: dict[int, tuple[int, int]] = {}
-    F, W = Kind.F, Kind.W
+    # enum members as locals: their attribute lookup (Kind.B, Op.SEND_ACT) costs more than the rest of a test
+    F, B, W = Kind.F, Kind.B, Kind.W
+    forward_ops, backward_ops = (Op.SEND_ACT, Op.RECV_ACT), (Op.SEND_GRAD, Op.RECV_GRAD)
     for r, actions in enumerate(order.ranks):
         fin = finish[r]
         mine = slots[r]
@@ -104,15 +106,15 @@ def lower(
             s, m, kind = a.stage, a.microbatch, a.kind
             if kind is F:
                 others = consumers[s]
-                send_op, recv_op = Op.SEND_ACT, Op.RECV_ACT
+                send_op, recv_op = forward_ops
             elif kind is W:
                 last_backward[s] = (r, i)
                 continue
             else:
-                if kind is Kind.B:
+                if kind is B:
                     last_backward[s] = (r, i)
                 others = producers[s]
-                send_op, recv_op = Op.SEND_GRAD, Op.RECV_GRAD
+                send_op, recv_op = backward_ops
             f = fin[i]
             for j, other in enumerate(others):
                 q = placement[other]
@@ -214,7 +216,7 @@ def _flush(run: list[tuple], out: list[Instruction], batch: int) -> int:
         return batch
     b = batch if len(run) > 1 else None
     for _key, op, s, m, other, peer in run:
-        if op is Op.SEND_ACT or op is Op.SEND_GRAD:
+        if op in SEND_OPS:
             out.append(Instruction(op, s, m, to_stage=other, peer=peer, batch=b))
         else:
             out.append(Instruction(op, s, m, from_stage=other, peer=peer, batch=b))
