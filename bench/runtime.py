@@ -37,6 +37,7 @@ Prints figures, asserts nothing (issue 5, "Benchmarks"). Three tables:
     .venv/bin/python bench/runtime.py --quick          # 1 run of 6 steps, 2 ranks, 1F1B; a short emulation
     .venv/bin/python bench/runtime.py --only speed --schedules 1f1b,gpipe
     .venv/bin/python bench/runtime.py --only emulate
+    .venv/bin/python bench/runtime.py --only emulate --emulate-schedules looped_bfs --emulate-ranks 8 --work /tmp/emu
     .venv/bin/python bench/runtime.py --only speed --cases host --runs 3
     .venv/bin/python bench/runtime.py --only demo
 
