@@ -66,9 +66,10 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
+from pipec.compiler.contention import ITERATIONS, TOLERANCE, Sharing
 from pipec.compiler.ir import COMM_OPS, DP_GROUPS, SEND_OPS, SHARD_OPS, Op, Program, message_edge
 from pipec.compiler.plan import Edge, Tie
 from pipec.compiler.timeline import Event
@@ -136,6 +137,10 @@ class CostModel:
     overhead of one instruction of it), :data:`COMPUTE_JITTER` (a compute's duration, one that takes time),
     :data:`TRANSFER_JITTER` (a message's transfer). Empty: every cost is fixed. Only an :func:`execute` given a
     ``random.Random`` draws from them (each instruction instance, each message apart); otherwise ignored."""
+    sharing: Sharing | None = None
+    """Ranks that share a host's cores (``costs profile`` timed the stages in a crowd): every run prices each
+    compute at the share of the cores it gets (:mod:`pipec.compiler.contention`). None: each compute takes its
+    cost."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -880,4 +885,29 @@ def execute(
         decoded = decode(program, placement=placement, num_microbatches=num_microbatches, edges=edges, costs=costs)
     if rng is not None and costs.jitter:
         decoded = drawn(decoded, program, costs.jitter, rng)
-    return _Engine(program, decoded, placement, ties, model, record_events).run()
+    sharing = costs.sharing
+    ex = _Engine(program, decoded, placement, ties, model, record_events or sharing is not None).run()
+    return ex if sharing is None else _shared(program, decoded, placement, ties, model, record_events, sharing, ex)
+
+
+def _shared(program: Program, decoded: Decoded, placement: Sequence[int], ties: Sequence[Tie], model: str,
+            record_events: bool, sharing: Sharing, ex: Execution) -> Execution:
+    """The run under processor sharing (:mod:`pipec.compiler.contention`): the loop re-run with every compute's
+    duration scaled until the scales settle (``ex``: the run at the costs as they are)."""
+    where = [(r, pc) for r, dec in enumerate(decoded.ranks) for pc, d in enumerate(dec) if d[0] == _COMPUTE and d[2] > 0]
+    texts = [(r, program.ranks[r][pc].text()) for r, pc in where]
+    ops = [program.ranks[r][pc].op.value for r, pc in where]
+    scales = [1.0] * len(where)
+    for _ in range(ITERATIONS):
+        span = {(e.rank, e.op): (e.start, e.end) for e in ex.events}
+        new = sharing.scales([(r, op, *span[key]) for (r, _), op, key in zip(where, ops, texts)], scales)
+        settled = all(abs(a - b) <= TOLERANCE * b for a, b in zip(new, scales))
+        scales = new
+        ranks = [list(dec) for dec in decoded.ranks]
+        for (r, pc), f in zip(where, scales):
+            d = ranks[r][pc]
+            ranks[r][pc] = d[:2] + (d[2] * f,) + d[3:]
+        ex = _Engine(program, Decoded(tuple(map(tuple, ranks)), decoded.keys), placement, ties, model, True).run()
+        if settled:
+            break
+    return ex if record_events else replace(ex, events=())

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Mapping, Sequence
 
+from pipec.compiler.contention import sharing_of
 from pipec.compiler.engine import (
     BUFFERED,
     COMPUTE_JITTER,
@@ -65,6 +66,7 @@ def plan_costs(plan: Plan) -> CostModel:
         overhead={} if unit or plan.overhead is None else dict(plan.overhead.seconds),
         time_unit="unit" if unit else "s",
         grad_norm=plan.spec.get("grad_clip") is not None,
+        sharing=None if unit else sharing_of((plan.model or {}).get("profile"), plan.mesh),
     )
 
 

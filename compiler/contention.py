@@ -1,0 +1,129 @@
+"""Ranks that share a host's cores: processor sharing in the simulation.
+
+``costs profile`` times each stage alone and then with as many processes at once as the run has ranks on
+the machine (``model["profile"]``: ``concurrent_ranks`` K, a ``slowdown`` s per part); every stage's cost is
+its time alone times s. That is right while all K ranks compute, and wrong in the fill and the drain of a
+pipeline, or wherever a rank waits: with more ranks than cores (4 ranks on 2 cores) the ranks that do
+compute then get more of the CPU than the profile's crowd gave them. This module prices that: a compute
+at a moment when k of its host's ranks compute (itself among them) runs at ``min(s, K / k)`` times the rate
+its cost assumes (``K / k`` is the share of the cores it gets relative to K computing at once; never more
+than its rate alone, ``s``). With s <= 1 (the crowd cost nothing: a rank per core, a device per rank) the
+rate is its cost's, always.
+
+The event loop (compiler/engine.py) is a dataflow over times, not a clock, so the sharing is a fixed point:
+run the loop, read which computes overlapped on each host, stretch or shrink every compute so that the work
+it does over its interval at the shared rate equals its cost (:meth:`Sharing.scales`), run again, until the
+durations settle (:data:`TOLERANCE`, at most :data:`ITERATIONS` runs; each step moves halfway, so it does
+not oscillate between two crowds). Deterministic; only plans whose profile measured a crowd pay for it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from pipec.compiler.plan import Mesh
+
+__all__ = ["Sharing", "sharing_of", "ITERATIONS", "TOLERANCE"]
+
+ITERATIONS = 24
+"""The most runs of the event loop the fixed point takes."""
+TOLERANCE = 1e-3
+"""The fixed point stops once no compute's duration moves by more than this share of it."""
+
+_PART = {"FWD": "fwd", "BWD": "bwd", "BWD_I": "bwd_i", "BWD_W": "bwd"}
+"""Which part of the profile's slowdown prices a compute instruction (a weight backward is a backward's)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sharing:
+    """Which pp ranks' computes share which host's cores, and the crowd the stage costs were timed in."""
+
+    hosts: tuple[tuple[int, ...], ...]
+    """Per pp rank: how many of its dp replicas sit on each host (all run the same program at once)."""
+    at_once: int
+    """K: the processes the profile timed at once (the run's ranks on one host)."""
+    slowdown: Mapping[str, float]
+    """Per opcode name of a compute (``FWD``, ``BWD``, ``BWD_I``, ``BWD_W``): the slowdown s measured with K at once."""
+
+    def rate_cap(self, op: str) -> float:
+        return max(1.0, self.slowdown.get(op, 1.0))
+
+    def scales(self, computes: Sequence[tuple[int, str, float, float]], previous: Sequence[float]) -> list[float]:
+        """Each compute's duration over its cost, next (halfway from ``previous`` to the fixed point's
+        estimate). ``computes``: (pp rank, opcode name, start, end) as the last run placed them."""
+        crowd = _Crowds(self.hosts, computes)
+        out = []
+        for (rank, op, start, end), prev in zip(computes, previous):
+            cap = self.rate_cap(op)
+            if end <= start or cap <= 1.0:
+                out.append(prev)
+                continue
+            # the work done over [start, end] at the shared rate, per second of the cost's rate
+            work = crowd.work(rank, start, end, cap, self.at_once)
+            # the duration whose shared work equals the cost, over the cost: (end - start) / work at a steady crowd
+            out.append(0.5 * prev + 0.5 * (end - start) / work)
+        return out
+
+
+class _Crowds:
+    """Per host, how many ranks compute at each moment (a step function over the run's computes)."""
+
+    def __init__(self, hosts: Sequence[Sequence[int]], computes: Sequence[tuple[int, str, float, float]]) -> None:
+        self.hosts = hosts
+        num_hosts = len(hosts[0]) if hosts else 0
+        self.times: list[list[float]] = []
+        self.counts: list[list[int]] = []
+        for h in range(num_hosts):
+            deltas: dict[float, int] = {}
+            for rank, _, start, end in computes:
+                n = hosts[rank][h]
+                if n and end > start:
+                    deltas[start] = deltas.get(start, 0) + n
+                    deltas[end] = deltas.get(end, 0) - n
+            times, counts, k = [], [], 0
+            for t in sorted(deltas):
+                k += deltas[t]
+                times.append(t)
+                counts.append(k)
+            self.times.append(times)
+            self.counts.append(counts)
+
+    def work(self, rank: int, start: float, end: float, cap: float, at_once: int) -> float:
+        """Seconds of the cost's rate a compute of ``rank`` gets over [start, end], on its most crowded host."""
+        return min(self._work(h, start, end, cap, at_once) for h, n in enumerate(self.hosts[rank]) if n)
+
+    def _work(self, h: int, start: float, end: float, cap: float, at_once: int) -> float:
+        times, counts = self.times[h], self.counts[h]
+        i = max(bisect.bisect_right(times, start) - 1, 0)
+        total, t = 0.0, start
+        while t < end:
+            nxt = times[i + 1] if i + 1 < len(times) else end
+            upto = min(nxt, end)
+            k = max(counts[i], 1)
+            total += (upto - t) * min(cap, at_once / k)
+            t = upto
+            i += 1
+        return total
+
+
+def sharing_of(profile: Mapping[str, Any] | None, mesh: Mesh) -> Sharing | None:
+    """The sharing a plan's ``model["profile"]`` measured, or None when its costs carry no crowd (no profile, one
+    rank at once, every part's slowdown at most 1). Hosts hold ``mesh.devices_per_node`` consecutive global
+    ranks, else the K the profile timed at once (torchrun's local ranks are consecutive)."""
+    if not profile or not profile.get("slowdown"):
+        return None
+    at_once = int(profile.get("concurrent_ranks", 1))
+    slowdown = {op: float(profile["slowdown"].get(part, 1.0)) for op, part in _PART.items()}
+    if at_once <= 1 or max(slowdown.values()) <= 1.0:
+        return None
+    per_host = mesh.devices_per_node or at_once
+    num_hosts = -(-mesh.world_size // per_host)
+    hosts = []
+    for p in range(mesh.pp):
+        row = [0] * num_hosts
+        for d in range(mesh.dp):
+            row[mesh.global_rank(p, d) // per_host] += 1
+        hosts.append(tuple(row))
+    return Sharing(hosts=tuple(hosts), at_once=at_once, slowdown=slowdown)
