@@ -7,6 +7,15 @@ posts that go out together (one ``batch``), each with what its handler needs
 resolved (peers as global ranks, signatures, groups, parameters), so the
 per-instruction path only calls handlers.
 
+Receives go out early where the transport allows it (``Transport.buffered``:
+gloo and the in-process fake, not NCCL, and not under ``emulate``, whose
+probe measures the plan's own posts): every receive of a step is posted, in
+program order, when the step starts, into its buffer made once per plan, so a
+message moves as soon as its sender posts it, and the instruction that uses it
+finds it there instead of paying the handshake then. The order of posts
+between any two ranks, which the verifier proves matches, is the program's
+still; a receive instruction is then nothing to do, and a batch only sends.
+
 Stage boundaries are cut: a stage's float inputs are leaves that require grad,
 so every stage runs its own backward and hands the input grads on (over the
 wire, or directly to a local producer stage). Every compute instruction and
@@ -222,6 +231,10 @@ class Executor:
             **prepare, **dict.fromkeys(_COMM, self.messages), Op.ALLREDUCE: self.reduction,
             **dict.fromkeys(SHARD_OPS, self.shard_job)}
         """Opcodes whose handler takes a value resolved once (the rest take the instruction itself)."""
+        self.early = emulate is None and getattr(transport, "buffered", False)
+        """Post every receive of a step when the step starts (see the module doc)."""
+        self.early_receives: list[Message] = []
+        """What :attr:`early` posts at a step's start, in program order."""
         self.local_ties = [self.tied_params(t.name) for t in plan.ties
                            if emulate is None and plan.tie_ranks(t.name) == (pp_rank,) and len(t.stages) > 1]
         """Tie groups held entirely by this rank: their copies' grads are summed here, without a collective."""
@@ -250,6 +263,11 @@ class Executor:
                 raise RunError(f"{self.where(i, ins)}: no handler for opcode {ins.op}")
             prepare = self.prepare.get(ins.op)
             arg = ins if prepare is None else prepare(instrs[i:j])
+            if self.early and ins.op in _COMM:  # the receives go out at the step's start; the sends stay here
+                self.early_receives.extend(m for m in arg if not m.send)
+                arg = tuple(m for m in arg if m.send)
+                if not arg:
+                    handler = _posted
             if fail_hook is not None:
                 handler = _hooked(fail_hook, i, ins, handler)
             units.append((i, handler, arg))
@@ -368,6 +386,8 @@ class Executor:
         """Inside ``OPT``: the instruction and when its work (since its last wait) started."""
         index = 0
         try:
+            if self.early_receives:
+                self.post(self.early_receives)
             for index, handler, arg in self.units:
                 handler(arg)
         except Exception as e:  # name the rank and instruction, keep the cause
@@ -729,6 +749,10 @@ class Executor:
         self.waits.append((t, end))
         self.wait_spans.append((ins, t, end))
         self.opt = (ins, end)
+
+
+def _posted(receives: Sequence[Message]) -> None:
+    """A unit of receives only, posted when the step started (``Executor.early``): nothing is left to do."""
 
 
 def _hooked(hook: Callable[[int, Instruction], None], index: int, ins: Instruction,

@@ -62,7 +62,8 @@ class Trainer:
         self.layout = ShardLayout.of(plan.mesh, env.rank)
         self.sharding: ParamShards | None = None
         self.state_bytes: dict[str, int] | None = None
-        """What this rank held after its last optimizer step (params, grads, optimizer state), in bytes."""
+        """What this rank held after its optimizer step (params, grads, optimizer state), in bytes: measured at the
+        first step of this run (the sizes stay the same in every later one)."""
         self.check_pending = options.check
         self.check_result: dict[str, Any] | None = None
         self.emulation = None
@@ -121,7 +122,8 @@ class Trainer:
         if self.config.grad_clip is not None:
             self.clip_grads(self.config.grad_clip)
         self.optimizer.step()
-        self.state_bytes = state_bytes((p for s in self.own for p in self.modules[s].parameters()), self.optimizer)
+        if self.state_bytes is None:  # what is held does not change after the first step: measured once, not every OPT
+            self.state_bytes = state_bytes((p for s in self.own for p in self.modules[s].parameters()), self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
 
     def clip_grads(self, max_norm: float) -> None:

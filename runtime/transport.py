@@ -44,6 +44,9 @@ class Work(Protocol):
 
 class Transport(Protocol):
     rank: int
+    buffered: bool
+    """Posts never block and a receive may be posted any time before its use (gloo, the fake; not NCCL, whose
+    posts complete in the order posted): the executor then posts a step's receives when the step starts."""
 
     def post(self, ops: Sequence[P2P]) -> list[Work]: ...
 
@@ -97,6 +100,7 @@ class TorchTransport:
         # gloo has no coalescing: batch_isend_irecv would post the ops one by one anyway, after per-op checks
         # that cost more than the post itself; so post straight to the world group (its ranks are global ranks)
         self.direct = dist.get_backend() == "gloo"
+        self.buffered = self.direct
 
     def post(self, ops: Sequence[P2P]) -> list[Work]:
         if self.direct:
@@ -213,6 +217,7 @@ class _FakeCollective:
 
 class FakeTransport:
     shard_mesh = None  # no DeviceMesh in-process: sharded plans run here only under emulate
+    buffered = True
 
     def __init__(self, world: FakeWorld, rank: int) -> None:
         self.world = world

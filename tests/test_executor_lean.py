@@ -24,6 +24,7 @@ from test_runtime import reference_step, tiny_gpt
 from pipec.compiler.config import TrainingConfig
 from pipec.compiler.driver import compile_plan
 from pipec.compiler.frontend.stages import build_stages
+from pipec.compiler.ir import Op
 from pipec.runtime import clock as clock_mod
 from pipec.runtime.clock import CudaClock
 from pipec.runtime.executor import WAIT_PREFIX, Executor
@@ -33,13 +34,16 @@ from pipec.runtime.transport import CommStream, FakeWorld
 
 
 class RecordingTransport:
-    """A fake transport that remembers every receive buffer posted, per step."""
+    """A fake transport that remembers every receive buffer posted, per step, and each post call's ops;
+    ``buffered``: whether it lets the executor post a step's receives early (the fake's own does)."""
 
-    def __init__(self, inner, steps: list[list[torch.Tensor]]) -> None:
+    def __init__(self, inner, steps: list[list[torch.Tensor]], calls: list[list], *, buffered: bool) -> None:
         self.inner, self.steps, self.rank, self.shard_mesh = inner, steps, inner.rank, None
+        self.calls, self.buffered = calls, buffered
 
     def post(self, ops):
         self.steps[-1].extend(op.tensor for op in ops if not op.send)
+        self.calls[-1].append(list(ops))
         return self.inner.post(ops)
 
     def all_reduce(self, tensor, group, *, average=False):
@@ -47,13 +51,14 @@ class RecordingTransport:
 
     def barrier(self):
         self.steps.append([])
+        self.calls.append([])
         self.inner.barrier()
 
 
-def run_steps(plan, num_steps: int, *, emulate: float | None = None, executor_hook=None):
+def run_steps(plan, num_steps: int, *, emulate: float | None = None, executor_hook=None, buffered: bool = False):
     """Every rank on a thread over the fake transport, ``num_steps`` steps on the same executors; returns per rank
-    the receive buffers posted per step, the step results and, per step, the grads the optimizer step saw (then
-    cleared, as an optimizer's ``zero_grad`` does)."""
+    the receive buffers posted per step, each step's post calls, the step results and, per step, the grads the
+    optimizer step saw (then cleared, as an optimizer's ``zero_grad`` does)."""
     P, D = plan.mesh.pp, plan.mesh.dp
     world = FakeWorld(P * D, timeout=60)
     mods = {(p, d): {} if emulate is not None else
@@ -65,6 +70,7 @@ def run_steps(plan, num_steps: int, *, emulate: float | None = None, executor_ho
 
     def rank(p: int, d: int) -> SimpleNamespace:
         posted: list[list[torch.Tensor]] = []
+        calls: list[list] = []
         grads: list[dict] = []
 
         def optimizer_step() -> None:
@@ -73,7 +79,8 @@ def run_steps(plan, num_steps: int, *, emulate: float | None = None, executor_ho
                 m.zero_grad(set_to_none=True)
 
         ex = Executor(plan, pp_rank=p, dp_rank=d, emulate=emulate, modules=mods[(p, d)],
-                      transport=RecordingTransport(world.transport(plan.mesh.global_rank(p, d)), posted),
+                      transport=RecordingTransport(world.transport(plan.mesh.global_rank(p, d)), posted, calls,
+                                                   buffered=buffered),
                       loss_fn=None if emulate is not None else loss_fn,
                       optimizer_step=optimizer_step if emulate is None else None)
         if executor_hook is not None:
@@ -86,7 +93,7 @@ def run_steps(plan, num_steps: int, *, emulate: float | None = None, executor_ho
                                            split_microbatches(y, plan.num_microbatches, "y")))
             else:
                 results.append(ex.run_step(None, None))
-        return SimpleNamespace(posted=posted, results=results, grads=grads)
+        return SimpleNamespace(posted=posted, calls=calls, results=results, grads=grads)
 
     return on_threads(rank, [(p, d) for p in range(P) for d in range(D)])
 
@@ -94,12 +101,14 @@ def run_steps(plan, num_steps: int, *, emulate: float | None = None, executor_ho
 # ----------------------------------------------------------------------------- buffers once per plan
 
 
+@pytest.mark.parametrize("buffered", [False, True], ids=["posted in place", "posted early"])
 @pytest.mark.parametrize("schedule, virtual, pp, dp", [("1f1b", 1, 2, 1), ("zb_h1", 1, 2, 2), ("interleaved_1f1b", 2, 2, 1)])
-def test_receive_buffers_are_made_once_and_every_step_stays_exact(schedule, virtual, pp, dp):
+def test_receive_buffers_are_made_once_and_every_step_stays_exact(schedule, virtual, pp, dp, buffered):
     """Steps after the first allocate no receive buffer (they post into the first step's tensors), and the second
-    step's loss and every gradient still equal one unpartitioned step on its batch (a reused leaf keeps no grad)."""
+    step's loss and every gradient still equal one unpartitioned step on its batch (a reused leaf keeps no grad),
+    whether the receives go out where the plan puts them or all at the step's start."""
     plan = tiny_gpt(schedule, virtual, pp, dp)
-    ranks = run_steps(plan, 3)
+    ranks = run_steps(plan, 3, buffered=buffered)
     for r in ranks.values():
         first, *later = r.posted
         assert first and len({id(t) for t in first}) == len(first)  # one buffer per (edge, microbatch, tensor)
@@ -112,6 +121,25 @@ def test_receive_buffers_are_made_once_and_every_step_stays_exact(schedule, virt
         for name, g in r.grads[1].items():
             ref = ref_grads[name]
             assert (g - ref).abs().max().item() <= 1e-4 * (ref.abs().max().item() + 1e-12), (schedule, name)
+
+
+@pytest.mark.parametrize("buffered", [False, True])
+def test_a_buffered_transport_gets_every_receive_of_a_step_when_the_step_starts(buffered):
+    """Over a transport whose posts never block (gloo, the fake), a step's first post is every receive of the
+    rank's program, in program order, and every later post only sends; otherwise (NCCL) each receive goes out
+    where the plan puts it."""
+    plan = tiny_gpt("1f1b", 1, 2, 1)
+    ranks = run_steps(plan, 2, buffered=buffered)
+    for (p, d), r in ranks.items():
+        program = plan.program.ranks[p]
+        receives = [(i.op, i.microbatch) for i in program if i.op in (Op.RECV_ACT, Op.RECV_GRAD)]
+        first, *rest = r.calls[1]
+        if buffered:
+            assert all(not op.send for op in first) and len(first) == len(receives) > 0
+            assert all(op.send for ops in rest for op in ops)
+        else:
+            assert sum(not op.send for ops in r.calls[1] for op in ops) == len(receives)
+            assert sum(any(not op.send for op in ops) for ops in r.calls[1]) > 1  # receives spread over the step
 
 
 def test_emulated_posts_move_the_same_placeholders_every_step():
