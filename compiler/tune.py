@@ -325,9 +325,10 @@ def _budget(treq: TuneRequest) -> int | None:
 
 class _Graphs:
     """The front end, cached: one trace per microbatch shape (the first one's fx graph annotated again at
-    each other shape), one cut per (stages, microbatch shape, balance), recompute and the data record
-    derived per candidate. Cuts are cost-only (read off the trace's nodes, the same StageGraph without
-    the stage modules); the winner's is confirmed the full way (:meth:`confirm`)."""
+    each other shape), one cut per (stages, microbatch shape, balance), the data record per (microbatch
+    shape, microbatches, dp) and recompute derived from them, each graph built once (:attr:`graphs`).
+    Cuts are cost-only (read off the trace's nodes, the same StageGraph without the stage modules); the
+    winner's is confirmed the full way (:meth:`confirm`)."""
 
     cost_only = True
 
@@ -336,6 +337,9 @@ class _Graphs:
         self.traces: dict[int, Any] = {}
         self.cuts: dict[tuple[int, int, str | None], Any] = {}
         self.data: dict[tuple[int, int, int], Any] = {}
+        self.graphs: dict[tuple, Any] = {}
+        """(cut key, data key, recompute) -> the candidate's StageGraph: all :meth:`graph` reads of a candidate
+        (the bisection on recompute asks for the same graphs from every schedule and shard mode)."""
 
     def _request(self, c: Candidate):
         from pipec.compiler.driver import model_request
@@ -344,11 +348,17 @@ class _Graphs:
 
     def graph(self, c: Candidate):
         """The candidate's StageGraph, or None when the model cannot be cut that way."""
+        mb = self.batch // c.dp // c.num_microbatches
+        key, data_key = (c.num_stages, mb, c.partition_by), (mb, c.num_microbatches, c.dp)
+        whole = (key, data_key, c.recompute)
+        if whole not in self.graphs:
+            self.graphs[whole] = self._graph(c, key, data_key, mb)
+        return self.graphs[whole]
+
+    def _graph(self, c: Candidate, key: tuple, data_key: tuple, mb: int):
         from pipec.compiler.frontend import (FrontendError, cut_stage_graph, trace_request, with_data,
                                              with_recompute_stages)
 
-        mb = self.batch // c.dp // c.num_microbatches
-        key, data_key = (c.num_stages, mb, c.partition_by), (mb, c.num_microbatches, c.dp)
         mreq = None
         if key not in self.cuts or data_key not in self.data:
             mreq = self._request(c)
@@ -410,7 +420,13 @@ def _pareto(scored: Iterable[Scored]) -> tuple[Scored, ...]:
 
 def tune(treq: TuneRequest) -> TuneResult:
     """Search the space; the best fitting candidate and the table (see the module docstring)."""
-    t0 = time.perf_counter()
+    # the plans compiled are millions of acyclic objects: collections would only rescan them, and one as the
+    # collector resumes would scan them all, so it resumes once the search (all but the result) is freed
+    with gc_paused():
+        return _tune(treq, time.perf_counter())
+
+
+def _tune(treq: TuneRequest, t0: float) -> TuneResult:
     batch = _global_batch(treq)
     space = candidates(treq)
     if not space:
@@ -418,10 +434,9 @@ def tune(treq: TuneRequest) -> TuneResult:
                         f"({', '.join(sorted(treq.keep)) or 'none'}) leave no layout whose replicas split the "
                         "batch; keep fewer keys or choose another --global-batch")
     search = _Search(treq, batch)
-    with gc_paused():  # the kept plans are many acyclic objects: collections would only rescan them
-        for c in space:
-            search.add(c)
-        search.run(lambda j: treq.progress and treq.progress(min(j, len(space)), len(space)))
+    for c in space:
+        search.add(c)
+    search.run(lambda j: treq.progress and treq.progress(min(j, len(space)), len(space)))
     if not search.fits:
         raise TuneError(_no_fit(treq, batch, search.refused, search.graphs), key="device_memory")
     ranked = sorted(search.fits, key=Scored.rank_key)

@@ -68,13 +68,16 @@ def peak_activations(order: ComputeOrder, act: Sequence[int]) -> list[int]:
     """Per rank: the most activation bytes held at once, as the simulator counts them (a forward saves
     its stage's bytes per microbatch, a ``B`` or ``W`` frees them) in the rank's compute order."""
     out = []
+    F, I = Kind.F, Kind.I  # locals: an enum member's attribute lookup costs more than the test
     for actions in order.ranks:
         held = peak = 0
         for a in actions:
-            if a.kind is Kind.F:
+            kind = a.kind
+            if kind is F:
                 held += act[a.stage]
-                peak = max(peak, held)
-            elif a.kind is not Kind.I:
+                if held > peak:
+                    peak = held
+            elif kind is not I:
                 held -= act[a.stage]
         out.append(peak)
     return out
