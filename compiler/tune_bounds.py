@@ -12,7 +12,7 @@ torch-free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from pipec.compiler.engine import CostModel
@@ -27,7 +27,7 @@ from pipec.schedules.order import ComputeOrder, Kind
 if TYPE_CHECKING:
     from pipec.compiler.tune import Candidate
 
-__all__ = ["Frame", "order_cache", "candidate_frame", "peak_activations", "memory_bound", "bounds", "step_bound"]
+__all__ = ["Frame", "order_cache", "candidate_frame", "peak_activations", "memory_bound", "bounds", "step_bound", "uncrowded"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +61,19 @@ def candidate_frame(req: CompileRequest, graph, order: ComputeOrder) -> Frame:
 
     plan = bare_plan(req, graph, order.placement)
     measured = req.model.costs == "profile" and req.origin("links").kind == "default"
-    return Frame(plan, plan_costs(plan), order, priced=not measured)
+    return Frame(plan, uncrowded(plan_costs(plan)), order, priced=not measured)
+
+
+def uncrowded(costs: CostModel) -> CostModel:
+    """The costs a bound may take under processor sharing (:mod:`pipec.compiler.contention`): a compute runs
+    at most at its rate alone, its cost over the slowdown the crowd measured, however few ranks compute with it."""
+    sharing = costs.sharing
+    if sharing is None:
+        return costs
+    f, b, i, w = (sharing.rate_cap(op) for op in ("FWD", "BWD", "BWD_I", "BWD_W"))
+    stages = tuple(replace(c, fwd=c.fwd / f, bwd=c.bwd / b, bwd_i=c.bwd_i / i, bwd_w=c.bwd_w / w)
+                   for c in costs.stages)
+    return replace(costs, stages=stages, sharing=None)
 
 
 def peak_activations(order: ComputeOrder, act: Sequence[int]) -> list[int]:

@@ -109,3 +109,43 @@ def test_the_fixed_point_is_deterministic():
     a = _step("1f1b", 4, 8, _sharing(ranks=4, at_once=4, s=2.0))[1]
     b = _step("1f1b", 4, 8, _sharing(ranks=4, at_once=4, s=2.0))[1]
     assert a == b
+
+
+TUNE_SMALL = '''model "pipec.examples.gpt:build" (layers=4, dim=32, heads=2, vocab=64, seq=8)
+input tokens: int64[4, 8]
+schedule 1f1b
+pp 2  dp 1  microbatches 2
+costs flops  peak_flops 1TFLOP/s
+'''
+
+
+def test_tunes_bounds_hold_when_the_host_is_shared(tmp_path, monkeypatch):
+    """Every candidate on 4 devices of one crowded host (K = 4, each part 2x slower in the crowd): the step bound
+    never exceeds the simulated step, which sharing makes shorter than the crowd's costs say."""
+    from dataclasses import replace as _replace
+
+    import pipec.compiler.simulate as simulate
+    from pipec.compiler.driver import compile_request, model_request, schedule_order
+    from pipec.compiler.frontend import build_stage_graph
+    from pipec.compiler.tune import TuneRequest, candidate_request, candidates
+    from pipec.compiler.tune_bounds import bounds, candidate_frame
+    from pipec.dsl import load_spec
+
+    crowd = {**PROFILE, "slowdown": {"fwd": 2.0, "bwd_i": 2.0, "bwd": 2.0, "optim": 1.0}}
+    monkeypatch.setattr(simulate, "sharing_of", lambda profile, mesh: real(crowd, mesh))
+    real = sharing_of
+    path = tmp_path / "small.pipe"
+    path.write_text(TUNE_SMALL)
+    treq = TuneRequest(base=load_spec(str(path), {}).request, num_devices=4)
+    graphs, shorter = {}, 0
+    for cand in candidates(treq):
+        req = candidate_request(treq, cand)
+        key = repr(model_request(req))
+        if key not in graphs:
+            graphs[key] = build_stage_graph(model_request(req))
+        plan = compile_request(req, graph=graphs[key], verify=False).plan
+        step, _, _ = bounds(cand, candidate_frame(req, graphs[key], schedule_order(req)[0]))
+        assert step <= plan.prediction.step_time * (1 + 1e-9), cand
+        crowded = simulate.simulate_costs(plan, _replace(simulate.plan_costs(plan), sharing=None)).step_time
+        shorter += plan.prediction.step_time < crowded * (1 - 1e-6)
+    assert shorter > 0
