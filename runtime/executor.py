@@ -60,6 +60,7 @@ from pipec.runtime.clock import CudaClock, HostClock
 from pipec.runtime.deferred import WeightGradStash, defer_weight_grads
 from pipec.runtime.sharding import local_grad
 from pipec.runtime.transport import P2P, Transport
+from pipec.schedules.order import gc_paused
 
 __all__ = ["RunError", "PlanMismatch", "RankStep", "Executor", "WAIT_PREFIX"]
 
@@ -386,10 +387,13 @@ class Executor:
         """Inside ``OPT``: the instruction and when its work (since its last wait) started."""
         index = 0
         try:
-            if self.early_receives:
-                self.post(self.early_receives)
-            for index, handler, arg in self.units:
-                handler(arg)
+            # no cyclic collection inside a step: one stalls this rank and every rank that waits for it (it runs
+            # at the first allocation after the step, where no peer waits on this rank's messages)
+            with gc_paused():
+                if self.early_receives:
+                    self.post(self.early_receives)
+                for index, handler, arg in self.units:
+                    handler(arg)
         except Exception as e:  # name the rank and instruction, keep the cause
             raise self.located(index, e) from e
         self.finish_accounting(self.now())

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from types import SimpleNamespace
 
@@ -140,6 +141,21 @@ def test_a_buffered_transport_gets_every_receive_of_a_step_when_the_step_starts(
         else:
             assert sum(not op.send for ops in r.calls[1] for op in ops) == len(receives)
             assert sum(any(not op.send for op in ops) for ops in r.calls[1]) > 1  # receives spread over the step
+
+
+def test_no_cyclic_collection_runs_inside_a_step():
+    """The collector is off for every instruction of a step (a collection there stalls the rank and its peers)
+    and back on after it, as it was."""
+    plan = tiny_gpt("gpipe", 1, 1, 1)  # one rank: the collector is the process's, and ranks on threads share it
+    seen: list[bool] = []
+
+    def hook(ex):
+        ex.units = [(i, (lambda arg, h=h: (seen.append(gc.isenabled()), h(arg))), arg) for i, h, arg in ex.units]
+
+    assert gc.isenabled()
+    run_steps(plan, 2, executor_hook=hook)
+    assert seen and not any(seen)
+    assert gc.isenabled()
 
 
 def test_emulated_posts_move_the_same_placeholders_every_step():
