@@ -23,14 +23,15 @@ from pipec.compiler.lower import lower
 from pipec.compiler.memory import breakdown, check_memory
 from pipec.compiler.plan import DEFAULT_LINKS, Link, Mesh, Plan, Stage, check_limits, check_nodes, check_shard
 from pipec.compiler.request import CompileRequest, ModelSpec
-from pipec.compiler.simulate import BUFFERED, chain_edges, execute, plan_costs, timeline_of
+from pipec.compiler.simulate import BUFFERED, CostModel, Execution, chain_edges, execute, plan_costs, timeline_of
 from pipec.compiler.verify import verify
 from pipec.errors import Diagnostic, PipecError
 from pipec.schedules import check_rules, get_schedule, loop_placement, v_placement
 from pipec.schedules.order import ComputeOrder, ScheduleError, gc_paused, validate_order
 from pipec.schedules.policy import policy_order
 
-__all__ = ["Compiled", "compile_request", "compile_plan", "compile_spec", "schedule_order", "prove_and_predict", "bare_plan"]
+__all__ = ["Compiled", "compile_request", "compile_plan", "compile_spec", "schedule_order", "prove_and_predict",
+           "with_timeline", "bare_plan"]
 
 BUBBLE_WARNING = 0.5
 """A predicted bubble above this fraction gets a warning."""
@@ -44,17 +45,18 @@ class Compiled:
     from the driver, located ones (``str()`` renders them) from :func:`compile_spec`."""
 
 
-def compile_request(req: CompileRequest, *, graph=None, verify: bool = True) -> Compiled:
+def compile_request(req: CompileRequest, *, graph=None, verify: bool = True, events: bool = True) -> Compiled:
     """Compile a request into a verified, predicted plan (see the module docstring). ``graph``: the
     model's :class:`~pipec.compiler.graph.StageGraph` when the caller already built it for this request
     (``pipec tune`` cuts one trace many times); None: the front end builds it. ``verify=False``: the
-    plan is predicted but not proven (``pipec tune`` proves only the plans it keeps, with
-    :func:`~pipec.compiler.verify.verify`); the prediction is the same."""
+    plan is predicted but not proven; ``events=False``: its timeline has no events (``pipec tune``
+    proves only the plans it keeps and predicts their events then, with :func:`prove_and_predict`); the
+    rest of the prediction is the same."""
     with gc_paused():  # hundreds of thousands of acyclic objects: collections would only rescan them
-        return _compile(req, graph, verify)
+        return _compile(req, graph, verify, events)
 
 
-def _compile(req: CompileRequest, graph=None, verify: bool = True) -> Compiled:
+def _compile(req: CompileRequest, graph=None, verify: bool = True, events: bool = True) -> Compiled:
     check_limits(pp=req.pp, num_stages=req.num_stages, num_microbatches=req.num_microbatches)  # refuse what is too big
     mesh = _mesh(req)
     check_shard(mesh)                                            # a sharding that can work
@@ -77,7 +79,7 @@ def _compile(req: CompileRequest, graph=None, verify: bool = True) -> Compiled:
     program = lower(order, edges=plan.edges, costs=costs, mesh=mesh, ties=plan.ties)  # comm and collectives
     check_limits(pp=req.pp, num_stages=plan.num_stages, num_microbatches=req.num_microbatches,
                  instructions=program.num_instructions)
-    plan = prove_and_predict(replace(plan, program=program), prove=verify)  # the four proofs, then the timeline
+    plan = prove_and_predict(replace(plan, program=program), prove=verify, events=events)  # the proofs, the timeline
     if plan.prediction.bubble_fraction > BUBBLE_WARNING:
         diagnostics.append(Diagnostic(
             "warning", f"the predicted bubble is {plan.prediction.bubble_fraction:.0%} of the step; more "
@@ -200,20 +202,28 @@ def compile_spec(spec, *, trace: bool = True) -> Compiled:
     return replace(compiled, diagnostics=(*spec.warnings, *(spec.locate(d) for d in compiled.diagnostics)))
 
 
-def prove_and_predict(plan: Plan, *, prove: bool = True) -> Plan:
+def prove_and_predict(plan: Plan, *, prove: bool = True, events: bool = True) -> Plan:
     """Verify a plan (all four proofs, both comm models) and attach its predicted timeline; ``prove=False``:
-    only the timeline (the buffered execution the proof would have made)."""
+    only the timeline (the buffered execution the proof would have made), without its events when
+    ``events=False`` (the rest of it the same)."""
     costs = plan_costs(plan)
     if prove:
         with gc_paused():
             ex = verify(plan).executions[BUFFERED]
     else:
         ex = execute(plan.program, placement=plan.placement, num_microbatches=plan.num_microbatches,
-                     edges=plan.edges, costs=costs, model=BUFFERED, ties=plan.ties)
+                     edges=plan.edges, costs=costs, model=BUFFERED, ties=plan.ties, record_events=events)
+    return with_timeline(plan, ex, costs)
+
+
+def with_timeline(plan: Plan, ex: Execution, costs: CostModel | None = None) -> Plan:
+    """The plan with the predicted timeline of ``ex``, a buffered execution of its program (``costs``: the
+    plan's, :func:`~pipec.compiler.simulate.plan_costs`, when the caller has them); ``pipec tune`` gives a
+    kept plan the timeline of its proof's execution, events and all."""
     rows = breakdown(plan)
     state = None if rows is None else [m.state for m in rows]
     static = None if rows is None else [m.state + m.transient for m in rows]
-    return replace(plan, prediction=timeline_of(ex, costs, static, state))
+    return replace(plan, prediction=timeline_of(ex, costs or plan_costs(plan), static, state))
 
 
 def _placed(stages: Sequence[Stage], placement: Sequence[int]) -> tuple[Stage, ...]:

@@ -43,7 +43,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 from pipec.compiler.config import TrainingConfig
-from pipec.compiler.engine import Deadlock
+from pipec.compiler.driver import compile_request, with_timeline
+from pipec.compiler.engine import BUFFERED, Deadlock
 from pipec.compiler.memory import MemoryBudgetError, bytes_per_param
 from pipec.compiler.plan import SHARD_MODES, Mesh, Plan
 from pipec.compiler.request import CompileRequest, InputTensor, PartitionRequest
@@ -439,14 +440,15 @@ def _tune(treq: TuneRequest, t0: float) -> TuneResult:
     search.run(lambda j: treq.progress and treq.progress(min(j, len(space)), len(space)))
     if not search.fits:
         raise TuneError(_no_fit(treq, batch, search.refused, search.graphs), key="device_memory")
-    ranked = sorted(search.fits, key=Scored.rank_key)
+    ranked = [search.proven(s) for s in search.ranked()[:treq.num_top]]   # proven by search.run
     search.graphs.confirm(ranked[0].candidate)   # the plan written (a run checks its own cut: frontend.stages)
     frontier = search.proven_frontier()
     start = _start(treq)
-    start_scored = next((s for s in search.fits if _same_base(s.candidate, start) and search.proven(s)), None)
+    start_scored = next((kept for s in search.fits if _same_base(s.candidate, start)
+                         and (kept := search.proven(s)) is not None), None)
     if start_scored is None and start is not None and any(_same_base(c, start) for c in space):
         start_scored = search.settle(start)     # pruned: compiled anyway, the winner is compared with it
-    return TuneResult(best=ranked[0], top=tuple(ranked[:treq.num_top]), frontier=frontier, start=start,
+    return TuneResult(best=ranked[0], top=tuple(ranked), frontier=frontier, start=start,
                       start_scored=start_scored, global_batch=batch, num_devices=treq.num_devices,
                       device_memory=search.budget, peak_flops=search.peak_flops, num_candidates=len(space),
                       num_compiled=search.num_compiled, num_over_budget=len(search.refused),
@@ -574,7 +576,7 @@ class _Search:
         """Search until nothing queued can enter the table, prove the table; again while a proof fails."""
         while True:
             self._search(progress)
-            failed = [s for s in sorted(self.fits, key=Scored.rank_key)[:self.treq.num_top] if not self.proven(s)]
+            failed = [s for s in self.ranked()[:self.treq.num_top] if self.proven(s) is None]
             if not failed:
                 return
             for s in failed:
@@ -601,14 +603,13 @@ class _Search:
                 bisect.insort(self._times, s.step_time)
 
     def _compile(self, c: Candidate, graph) -> Plan | None | bool:
-        """The candidate's plan, predicted but not proven; None when it is over budget, False when it
-        cannot run (the simulator found a deadlock: a plan no proof would pass)."""
-        from pipec.compiler.driver import compile_request
-
+        """The candidate's plan, predicted but not proven, its timeline without events (:meth:`proven` gives a
+        kept plan its own); None when it is over budget, False when it cannot run (the simulator found a
+        deadlock: a plan no proof would pass)."""
         self.num_compiled += 1
         try:
             return compile_request(candidate_request(self.treq, c, global_batch=self.batch), graph=graph,
-                                   verify=False).plan
+                                   verify=False, events=False).plan
         except MemoryBudgetError:
             return None
         except Deadlock:
@@ -629,35 +630,40 @@ class _Search:
             if plan is False:
                 return None
             if plan is not None:
-                s = _score(cand, plan, self.tokens, self.peak_flops, self.treq.num_devices)
-                return s if self.proven(s) else None
+                return self.proven(_score(cand, plan, self.tokens, self.peak_flops, self.treq.num_devices))
             k = None if keep or k >= c.num_stages else k + 1
         return None
 
-    def proven(self, s: Scored) -> bool:
-        """Whether the candidate's plan passes the verifier (proven once)."""
-        got = self._proofs.get(s.candidate)
-        if got is None:
+    def proven(self, s: Scored) -> Scored | None:
+        """The candidate as kept: its plan proven by the verifier and given the timeline of the proof's buffered
+        execution, events and all (the search predicts without them; the rest is the same); None when the plan
+        fails its proof. Proven once."""
+        if s.candidate not in self._proofs:
             try:
-                verify(s.plan)
-                got = True
+                plan = with_timeline(s.plan, verify(s.plan).executions[BUFFERED])
+                assert replace(plan.prediction, events=()) == s.plan.prediction, "a proof predicts what the search did"
+                self._proofs[s.candidate] = replace(s, plan=plan)
             except VerifyError:
-                got = False
+                self._proofs[s.candidate] = None
                 self.num_unproven += 1
-            self._proofs[s.candidate] = got
-        return got
+        return self._proofs[s.candidate]
 
     def _drop(self, s: Scored) -> None:
         self.fits.remove(s)
         self._times.pop(bisect.bisect_left(self._times, s.step_time))
 
+    def ranked(self) -> list[Scored]:
+        """The compiled candidates that fit, fastest first (:meth:`Scored.rank_key`)."""
+        return sorted(self.fits, key=Scored.rank_key)
+
     def proven_frontier(self) -> tuple[Scored, ...]:
-        """The Pareto set of the compiled candidates whose plans are proven (one that fails is dropped)."""
+        """The Pareto set of the compiled candidates whose plans are proven (one that fails is dropped), as
+        kept (:meth:`proven`)."""
         while True:
-            frontier = _pareto(self.fits)
-            failed = [s for s in frontier if not self.proven(s)]
+            frontier = [(s, self.proven(s)) for s in _pareto(self.fits)]
+            failed = [s for s, kept in frontier if kept is None]
             if not failed:
-                return frontier
+                return tuple(kept for _, kept in frontier)
             for s in failed:
                 self._drop(s)
 

@@ -187,3 +187,20 @@ def test_only_proven_plans_are_kept(small, budget, tmp_path, monkeypatch, capsys
     assert main(["tune", small, "--devices", "2", "--device-memory", str(budget), "-o", plan_path]) == 0
     capsys.readouterr()
     assert read_plan(plan_path).program == got.best.plan.program != bad
+
+
+def test_kept_plans_predict_what_a_full_compile_predicts(small, budget):
+    """The search predicts its candidates without events and gives the plans it keeps (the table, the
+    frontier, the file's own) the timeline of their proof: each the prediction, events and all, of
+    compiling and proving the candidate alone."""
+    treq = _request(small, device_memory=budget, num_top=4)
+    got = tune(treq)
+    kept = {s.candidate: s for s in (*got.top, *got.frontier, got.start_scored) if s is not None}
+    assert got.best in got.top and len(kept) > 4
+    for c, s in kept.items():
+        req = candidate_request(treq, c)
+        want = compile_request(req).plan
+        assert s.plan.program == want.program, c
+        assert s.plan.prediction == want.prediction and want.prediction.events, c
+        bare = compile_request(req, verify=False, events=False).plan.prediction
+        assert bare == replace(want.prediction, events=()) != want.prediction, c
