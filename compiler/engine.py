@@ -373,8 +373,11 @@ class _Buffered:
     def __init__(self, eng: _Engine) -> None:
         self.eng = eng
         P = eng.P
-        self.posted: dict = {}
-        """(key, is_send) -> (rank, time) of a post whose other end is not posted yet."""
+        self.posted: dict[int, tuple[int, float]] = {}
+        """2 x message key + (1 for a send, 0 for a receive) -> (rank, time) of a post whose other end is not
+        posted yet (an integer: no tuple made per post)."""
+        self.drained = [("D", r) for r in range(P)]
+        """Per rank: the key that resolves when its posts have all completed."""
         self.outstanding = [0] * P
         self.comm_done = [0.0] * P
         """Per rank: when its last completed post completed."""
@@ -392,28 +395,42 @@ class _Buffered:
     def post(self, r: int, dec: tuple, pc: int, clock: float) -> tuple[int, float]:
         """Post instruction ``pc`` of rank r and the sends and receives right after it, each after its host
         overhead (posts never block); returns the next pc and the clock."""
-        posted, outstanding, comm_done, resolve = self.posted, self.outstanding, self.comm_done, self.eng.resolve
+        # the hottest path of a search: the engine's resolve inlined, the two ends' bookkeeping unrolled
+        eng = self.eng
+        done, waiters, runnable = eng.done, eng.waiters, eng.runnable
+        outstanding, comm_done, drained = self.outstanding, self.comm_done, self.drained
+        posted = self.posted
         n = len(dec)
+        d = dec[pc]
         while True:
-            d = dec[pc]
             pc += 1
             clock += d[4]
-            key, is_send = d[1], d[0] == _SEND
-            other = posted.pop((key, not is_send), None)
-            outstanding[r] += 1
+            key = d[1]
+            side = key + key
+            other = posted.pop(side if d[0] == _SEND else side + 1, None)
             if other is None:
-                posted[(key, is_send)] = (r, clock)
+                outstanding[r] += 1
+                posted[side + 1 if d[0] == _SEND else side] = (r, clock)
             else:
                 q, t_other = other
                 done_t = (clock if clock > t_other else t_other) + d[2]
-                resolve(key, done_t)
-                for x in (r, q):
-                    outstanding[x] -= 1
-                    if done_t > comm_done[x]:
-                        comm_done[x] = done_t
-                    if outstanding[x] == 0:
-                        resolve(("D", x), comm_done[x])
-            if pc >= n or (dec[pc][0] != _SEND and dec[pc][0] != _RECV):
+                done[key] = done_t
+                ws = waiters.pop(key, None)
+                if ws:
+                    runnable.extend(ws)
+                if done_t > comm_done[r]:   # r's own post completes at once: outstanding[r] is as it was
+                    comm_done[r] = done_t
+                if outstanding[r] == 0:
+                    eng.resolve(drained[r], comm_done[r])
+                outstanding[q] -= 1
+                if done_t > comm_done[q]:
+                    comm_done[q] = done_t
+                if outstanding[q] == 0:
+                    eng.resolve(drained[q], comm_done[q])
+            if pc >= n:
+                return pc, clock
+            d = dec[pc]
+            if d[0] != _SEND and d[0] != _RECV:
                 return pc, clock
 
     def ready(self, r: int, clock: float, is_opt: bool) -> float | None:
@@ -459,9 +476,9 @@ class _Buffered:
         at_end = key is None and eng.pc[r] >= len(eng.dec[r]) and self.outstanding[r]
         if not at_end and not (isinstance(key, tuple) and key[0] == "D"):
             return None
-        for (k, is_send), (x, _t) in self.posted.items():
+        for side, (x, _t) in self.posted.items():
             if x == r:
-                text, other = eng.message_text(k, is_send)
+                text, other = eng.message_text(side >> 1, bool(side & 1))
                 if at_end:
                     return f"posted {text}, which rank {other} never matches", other
                 return f"{here} waits for {text} to complete, which rank {other} never matches", other
@@ -683,14 +700,20 @@ class _Engine:
     # ------------------------------------------------------------------ the rank loop
 
     def advance(self, r: int) -> None:
+        # the hottest loop of the simulator: the rank's running sums are locals, written back whenever it stops
+        # (_park); resolving a compute's completion is inlined
         dec = self.dec[r]
         n = len(dec)
         pc = self.pc[r]
         clock = self.clock[r]
-        done = self.done
+        done, waiters, runnable = self.done, self.waiters, self.runnable
         comm = self.comm
         post = comm.post
         waits_index = comm.waits_index
+        record = self.record_events
+        wait, compute = self.wait[r], self.compute[r]
+        held, held_bytes = self.in_flight[r], self.in_flight_bytes[r]
+        peak, peak_bytes = self.peak[r], self.peak_bytes[r]
         while pc < n:
             d = dec[pc]
             code = d[0]
@@ -699,26 +722,30 @@ class _Engine:
                 for key in d[1]:
                     t = done.get(key)
                     if t is None:
-                        self.pc[r], self.clock[r] = pc, clock
+                        self._park(r, pc, clock, wait, compute, held, held_bytes, peak, peak_bytes)
                         self.block(r, key)
                         return
                     if t > start:
                         start = t
-                self.wait[r] += start - clock
+                wait += start - clock
                 start += d[6]  # the host's own time, once the inputs are in
                 end = start + d[2]
-                if d[3] >= 0:
-                    self.resolve(d[3], end)
+                key = d[3]
+                if key >= 0:
+                    done[key] = end
+                    ws = waiters.pop(key, None)
+                    if ws:
+                        runnable.extend(ws)
                 if d[4]:
-                    self.in_flight[r] += d[4]
-                    self.in_flight_bytes[r] += d[5]
+                    held += d[4]
+                    held_bytes += d[5]
                     if d[4] > 0:
-                        if self.in_flight[r] > self.peak[r]:
-                            self.peak[r] = self.in_flight[r]
-                        if self.in_flight_bytes[r] > self.peak_bytes[r]:
-                            self.peak_bytes[r] = self.in_flight_bytes[r]
-                self.compute[r] += d[2]
-                if self.record_events:
+                        if held > peak:
+                            peak = held
+                        if held_bytes > peak_bytes:
+                            peak_bytes = held_bytes
+                compute += d[2]
+                if record:
                     self.events.append(Event(r, self.program.ranks[r][pc].text(), start, end))
                 clock = end
                 pc += 1
@@ -727,7 +754,7 @@ class _Engine:
             elif code == _SHARD:  # posted after the host's own time; the host goes on
                 clock += d[4]
                 comm.shard(r, d[3], d[2], clock)
-                if self.record_events:
+                if record:
                     self.events.append(Event(r, self.program.ranks[r][pc].text(), clock, clock))
                 pc += 1
             else:  # a collective: ALLREDUCE, or OPT (its grad-norm collective, or its rank's alone)
@@ -737,7 +764,7 @@ class _Engine:
                 for key in d[4][waits_index]:
                     t = done.get(key)
                     if t is None:
-                        self.pc[r], self.clock[r] = pc, clock
+                        self._park(r, pc, clock, wait, compute, held, held_bytes, peak, peak_bytes)
                         self.block(r, key)
                         return
                     if t > ready:
@@ -746,7 +773,7 @@ class _Engine:
                 if not self.arrived[r]:
                     arrive = comm.ready(r, ready, is_opt)
                     if arrive is None:  # blocked before it can arrive
-                        self.pc[r], self.clock[r] = pc, clock
+                        self._park(r, pc, clock, wait, compute, held, held_bytes, peak, peak_bytes)
                         return
                     arrive += d[6]  # the host's own time before it arrives
                     self.arrived[r] = True
@@ -755,32 +782,40 @@ class _Engine:
                         # posted: the host goes on at once
                         self.arrived[r] = False
                         self.blocked_on[r] = None
-                        self.wait[r] += arrive - d[6] - clock
-                        if self.record_events:
+                        wait += arrive - d[6] - clock
+                        if record:
                             self.event(r, pc, arrive, arrive, clock + d[6])
                         clock = arrive
                         pc += 1
                         continue
                 t = done.get(ckey)
                 if t is None:
-                    self.pc[r], self.clock[r] = pc, clock
+                    self._park(r, pc, clock, wait, compute, held, held_bytes, peak, peak_bytes)
                     self.block(r, ckey)
                     return
                 self.arrived[r] = False
                 self.blocked_on[r] = None
                 # from clock to end the rank waits, but for its own time (the host's, not a wait)
                 end = t if t > clock + d[6] else clock + d[6]
-                self.wait[r] += end - clock - d[6]
+                wait += end - clock - d[6]
                 start = end
                 if is_opt:  # the optimizer step itself is compute
-                    self.compute[r] += d[3]
+                    compute += d[3]
                     end += d[3]
-                if self.record_events:
+                if record:
                     self.event(r, pc, start, end, clock + d[6])
                 clock = end
                 pc += 1
-        self.pc[r], self.clock[r] = pc, clock
+        self._park(r, pc, clock, wait, compute, held, held_bytes, peak, peak_bytes)
         self.blocked_on[r] = None
+
+    def _park(self, r: int, pc: int, clock: float, wait: float, compute: float, held: int, held_bytes: int,
+              peak: int, peak_bytes: int) -> None:
+        """Where rank r stopped and its running sums (:meth:`advance` keeps them in locals)."""
+        self.pc[r], self.clock[r] = pc, clock
+        self.wait[r], self.compute[r] = wait, compute
+        self.in_flight[r], self.in_flight_bytes[r] = held, held_bytes
+        self.peak[r], self.peak_bytes[r] = peak, peak_bytes
 
     def run(self) -> Execution:
         runnable = self.runnable
