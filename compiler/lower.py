@@ -43,7 +43,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Sequence
 
-from pipec.compiler.ir import GROUP_OPS, SEND_OPS, Instruction, Op, Program
+from pipec.compiler.ir import Instruction, Op, Program
 from pipec.compiler.plan import Edge, Mesh, Tie
 from pipec.compiler.engine import CostModel
 from pipec.schedules.timing import list_schedule
@@ -64,9 +64,58 @@ def schedule_times(order: ComputeOrder, producers: Sequence[Sequence[int]], cons
                    costs: CostModel) -> tuple[tuple[float, ...], ...]:
     """Finish time of every action of every rank under the costs (buffered comm); see
     :func:`pipec.schedules.timing.list_schedule`, which raises a ``ScheduleError`` when the order
-    cannot run."""
-    return list_schedule(order, producers=producers, consumers=consumers, durations=costs.stages,
-                         transfer=costs.transfer, min_duration=_MIN_DURATION).finishes
+    cannot run. Cached per (order, stage graph, stage costs, transfers), all it reads (``pipec tune``
+    lowers one order under one cost model for every shard mode)."""
+    key = (tuple(map(tuple, producers)), tuple(map(tuple, consumers)), costs.stages, tuple(costs.transfer.items()))
+    got = _FINISHES.get(order, key)
+    if got is None:
+        got = _FINISHES.put(order, key, list_schedule(
+            order, producers=producers, consumers=consumers, durations=costs.stages, transfer=costs.transfer,
+            min_duration=_MIN_DURATION).finishes)
+    return got
+
+
+class _PerOrder:
+    """A small cache of values per compute order (by identity: hashing an order walks all its actions; an
+    order is immutable and the entry holds it, so its id is not reused) and a key; the oldest order is
+    dropped past ``size`` orders."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: dict[int, tuple[ComputeOrder, dict]] = {}
+
+    def get(self, order: ComputeOrder, key):
+        entry = self.entries.get(id(order))
+        return None if entry is None or entry[0] is not order else entry[1].get(key)
+
+    def put(self, order: ComputeOrder, key, value):
+        entry = self.entries.get(id(order))
+        if entry is None or entry[0] is not order:
+            if len(self.entries) >= self.size:
+                del self.entries[next(iter(self.entries))]
+            entry = self.entries[id(order)] = (order, {})
+        if len(entry[1]) >= self.size:
+            entry[1].clear()
+        entry[1][key] = value
+        return value
+
+
+_FINISHES = _PerOrder(64)
+"""(order, stage graph and costs) -> :func:`schedule_times`."""
+_COMPUTES = _PerOrder(64)
+"""order -> per rank, its compute instructions (the same in every program lowered from the order)."""
+
+_new = tuple.__new__
+"""``_new(Instruction, fields)``: an instruction from all its fields at once (a quarter of the cost of the keyword
+constructor; lowering builds millions)."""
+
+
+def _computes(order: ComputeOrder) -> tuple[tuple[Instruction, ...], ...]:
+    got = _COMPUTES.get(order, None)
+    if got is None:
+        got = _COMPUTES.put(order, None, tuple(tuple(Instruction(_COMPUTE_OP[a.kind], a.stage, a.microbatch)
+                                                     for a in actions) for actions in order.ranks))
+    return got
 
 
 def lower(
@@ -92,8 +141,9 @@ def lower(
         consumers[e.src_stage].append(e.dst_stage)
     finish = schedule_times(order, producers, consumers, costs)
 
-    # slots[r][i + 1]: posts after compute i of rank r (slot 0: before the first), as
-    # (key, op, stage, microbatch, other stage, peer) until their batch is known
+    # slots[r][i + 1]: posts after compute i of rank r (slot 0: before the first), each its sort key and the
+    # instruction's fields but its batch: (key, op, stage, microbatch, to_stage, from_stage, peer) for a p2p
+    # post, (key, op, stage, group) for a group one. Keys are unique, so a slot sorts as its keys do.
     slots: list[list[list[tuple]]] = [[[] for _ in range(len(order.ranks[r]) + 1)] for r in range(P)]
     last_backward: dict[int, tuple[int, int]] = {}
     # enum members as locals: their attribute lookup (Kind.B, Op.SEND_ACT) costs more than the rest of a test
@@ -121,32 +171,33 @@ def lower(
                 if q == r:
                     continue
                 key = (f, r, i, j)
-                mine[i + 1].append((key, send_op, s, m, other, q))
-                slots[q][bisect_right(finish[q], f)].append((key, recv_op, other, m, s, r))
+                mine[i + 1].append((key, send_op, s, m, other, None, q))
+                slots[q][bisect_right(finish[q], f)].append((key, recv_op, other, m, None, s, r))
     if mesh.params_sharded:
         _place_shard_ops(order, finish, slots, last_backward, mesh)
     elif dp > 1:
         for s, (r, i) in last_backward.items():
-            slots[r][i + 1].append(((finish[r][i], r, i, _END, 0), Op.ALLREDUCE, s, None, "dp", None))
+            slots[r][i + 1].append(((finish[r][i], r, i, _END, 0), Op.ALLREDUCE, s, "dp"))
 
+    computes = _computes(order)
     ranks = []
     for r, actions in enumerate(order.ranks):
         out: list[Instruction] = []
         batch = 0
+        mine, work = slots[r], computes[r]
         for i in range(len(actions) + 1):
             if i:
-                a = actions[i - 1]
-                out.append(Instruction(_COMPUTE_OP[a.kind], a.stage, a.microbatch))
-            posts = slots[r][i]
+                out.append(work[i - 1])
+            posts = mine[i]
             if not posts:
                 continue
             if len(posts) > 1:
-                posts.sort(key=_first)
+                posts.sort()
             run: list[tuple] = []
             for post in posts:
-                if post[1] in GROUP_OPS:
+                if len(post) == 4:  # a group op
                     batch = _flush(run, out, batch)
-                    out.append(Instruction(post[1], post[2], group=post[4]))
+                    out.append(_new(Instruction, (post[1], post[2], None, None, None, None, post[3], None)))
                 else:
                     run.append(post)
             batch = _flush(run, out, batch)
@@ -194,17 +245,15 @@ def _place_shard_ops(order: ComputeOrder, finish, slots, last_backward: dict[int
         fin = finish[r]
         for s, a, b in unshard_windows([x.stage for x in actions], mesh.shard):
             k = max(a - PREFETCH, 0)  # slot k: after compute k - 1
-            slots[r][k].append(((fin[k - 1] if k else -1.0, r, k - 1, _END, 3), Op.UNSHARD, s, None, group, None))
+            # windows come in order of their first compute a; two whose UNSHARDs both go before the first
+            # compute (k = 0) keep that order by it
+            slots[r][k].append(((fin[k - 1] if k else -1.0, r, k - 1, _END, 3, a), Op.UNSHARD, s, group))
             end = (fin[b], r, b, _END)
             if last_backward.get(s) == (r, b):
-                slots[r][b + 1].append((end + (0,), Op.REDUCE_SCATTER, s, None, group, None))
+                slots[r][b + 1].append((end + (0,), Op.REDUCE_SCATTER, s, group))
                 if mesh.hybrid:
-                    slots[r][b + 1].append((end + (1,), Op.ALLREDUCE, s, None, "dp.replicate", None))
-            slots[r][b + 1].append((end + (2,), Op.RESHARD, s, None, group, None))
-
-
-def _first(post: tuple) -> tuple:
-    return post[0]
+                    slots[r][b + 1].append((end + (1,), Op.ALLREDUCE, s, "dp.replicate"))
+            slots[r][b + 1].append((end + (2,), Op.RESHARD, s, group))
 
 
 _COMPUTE_OP = {Kind.F: Op.FWD, Kind.B: Op.BWD, Kind.I: Op.BWD_I, Kind.W: Op.BWD_W}
@@ -214,11 +263,12 @@ def _flush(run: list[tuple], out: list[Instruction], batch: int) -> int:
     """Append a run of p2p posts: a lone post as is, several as one batch."""
     if not run:
         return batch
-    b = batch if len(run) > 1 else None
-    for _key, op, s, m, other, peer in run:
-        if op in SEND_OPS:
-            out.append(Instruction(op, s, m, to_stage=other, peer=peer, batch=b))
-        else:
-            out.append(Instruction(op, s, m, from_stage=other, peer=peer, batch=b))
+    if len(run) == 1:
+        _key, op, s, m, to, frm, peer = run[0]
+        out.append(_new(Instruction, (op, s, m, to, frm, peer, None, None)))
+        run.clear()
+        return batch
+    for _key, op, s, m, to, frm, peer in run:
+        out.append(_new(Instruction, (op, s, m, to, frm, peer, None, batch)))
     run.clear()
-    return batch if b is None else batch + 1
+    return batch + 1
