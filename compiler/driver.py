@@ -79,7 +79,7 @@ def _compile(req: CompileRequest, graph=None, verify: bool = True, events: bool 
     program = lower(order, edges=plan.edges, costs=costs, mesh=mesh, ties=plan.ties)  # comm and collectives
     check_limits(pp=req.pp, num_stages=plan.num_stages, num_microbatches=req.num_microbatches,
                  instructions=program.num_instructions)
-    plan = prove_and_predict(replace(plan, program=program), prove=verify, events=events)  # the proofs, the timeline
+    plan = prove_and_predict(replace(plan, program=program), prove=verify, events=events, costs=costs)  # then predict
     if plan.prediction.bubble_fraction > BUBBLE_WARNING:
         diagnostics.append(Diagnostic(
             "warning", f"the predicted bubble is {plan.prediction.bubble_fraction:.0%} of the step; more "
@@ -202,11 +202,12 @@ def compile_spec(spec, *, trace: bool = True) -> Compiled:
     return replace(compiled, diagnostics=(*spec.warnings, *(spec.locate(d) for d in compiled.diagnostics)))
 
 
-def prove_and_predict(plan: Plan, *, prove: bool = True, events: bool = True) -> Plan:
+def prove_and_predict(plan: Plan, *, prove: bool = True, events: bool = True, costs: CostModel | None = None) -> Plan:
     """Verify a plan (all four proofs, both comm models) and attach its predicted timeline; ``prove=False``:
     only the timeline (the buffered execution the proof would have made), without its events when
-    ``events=False`` (the rest of it the same)."""
-    costs = plan_costs(plan)
+    ``events=False`` (the rest of it the same). ``costs``: the plan's (:func:`plan_costs`), when the caller
+    has them."""
+    costs = costs or plan_costs(plan)
     if prove:
         with gc_paused():
             ex = verify(plan).executions[BUFFERED]

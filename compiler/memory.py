@@ -48,6 +48,7 @@ No torch (nor networkx) here: the driver runs it on every compile.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Mapping
 
 from pipec.compiler.ir import Op
@@ -115,8 +116,15 @@ def padded_params(stage: Stage, num_shards: int) -> int:
         return stage.num_params or 0
     if not stage.param_shapes:
         return -(-(stage.num_params or 0) // n) * n
+    return _padded_shapes(stage.param_shapes, n)
+
+
+@lru_cache(maxsize=4096)
+def _padded_shapes(shapes: tuple[tuple[int, ...], ...], n: int) -> int:
+    """:func:`padded_params` of parameters of these shapes, cached (a plan's memory and its shard costs ask
+    for every stage's, and ``pipec tune`` prices the same stages on many meshes)."""
     total = 0
-    for shape in stage.param_shapes:
+    for shape in shapes:
         rows = shape[0] if shape else 1
         rest = 1
         for d in shape[1:]:
