@@ -291,3 +291,24 @@ def test_the_vectorised_balancer_gives_the_same_cuts_bit_for_bit():
                    float(rng.randint(0, 10**17)) if kind == "large" else rng.random() for _ in range(n)]
         stages = rng.randint(1, n)
         assert balance(weights, stages) == _balance_one_j_at_a_time(weights, stages)
+
+
+def test_tune_with_profile_costs_confirms_no_cut_it_made_the_full_way(tmp_path, monkeypatch):
+    """A profile cut is timed, so cutting it again would not repeat its costs: tune's winner is confirmed only
+    where its cut was cost-only, and a search with ``costs profile`` runs to its end."""
+    from pipec.compiler.tune import TuneRequest, tune
+    from pipec.dsl import load_spec
+
+    req = _req(MLP, stages=2, costs="profile")
+    tm = trace_request(req)
+    graph = cut_stage_graph(tm, req, runnable=False)
+    recut = []
+    real = frontend.cut_stage_graph
+    monkeypatch.setattr(frontend, "cut_stage_graph", lambda *a, **k: recut.append(1) or real(*a, **k))
+    frontend.confirm_cut(tm, req, graph)
+    assert not recut
+    path = tmp_path / "mlp.pipe"
+    path.write_text('model "pipec.examples.mlp:build" (layers=4, dim=8)\ninput x: float32[4, 8]\n'
+                    "schedule 1f1b\npp 2  dp 1  microbatches 2\ncosts profile\n")
+    got = tune(TuneRequest(base=load_spec(str(path), {}).request, num_devices=2, num_top=2))
+    assert got.best.plan.model["profile"]["concurrent_ranks"] == 2
