@@ -238,8 +238,9 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
     host = {op: costs.overhead.get(op.value, 0.0) for op in Op}
     fwd_done, bwd_done = keys.fwd_done, keys.bwd_done
     deps_cache: dict[tuple[Op, int, int], tuple[int, ...]] = {}
-    # a message's (code, key at microbatch 0, transfer) per (opcode, stage, stage at the other end)
-    message_cache: dict[tuple[Op, int, int], tuple[int, int, float]] = {}
+    # a message's (code, key at microbatch 0, transfer, host overhead) per (opcode, stage, stage at the other end)
+    message_cache: dict[int, tuple[int, int, float, float]] = {}
+    op_index = {op: k for k, op in enumerate(Op)}
     # the opcodes as locals: an enum member's attribute lookup (Op.FWD) costs more than the rest of a test
     FWD, BWD, BWD_I, BWD_W, UNSHARD, REDUCE_SCATTER, ALLREDUCE = (
         Op.FWD, Op.BWD, Op.BWD_I, Op.BWD_W, Op.UNSHARD, Op.REDUCE_SCATTER, Op.ALLREDUCE)
@@ -253,9 +254,8 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
         in_flight: list[tuple] = []  # keys of the all-reduces posted since the host last waited for them
         scatters: dict[int, tuple] = {}  # stage -> the key of its REDUCE_SCATTER posted and not yet waited for
         for pc, ins in enumerate(instrs):
-            op = ins.op
+            op, s, m, to_stage, from_stage, _peer, _group, batch = ins
             if op is FWD or op is BWD or op is BWD_I or op is BWD_W:
-                s, m = ins.stage, ins.microbatch
                 base = deps_cache.get((op, s, r))
                 if base is None:
                     # dependency keys at microbatch 0; microbatch m adds m
@@ -267,11 +267,11 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
                         base = (fwd_done + s * M,) + tuple(
                             bwd_done + c * M if placement[c] == r else keys.gradk(s, c, 0) for c in consumers[s])
                     deps_cache[(op, s, r)] = base
-                deps = [k + m for k in base]
+                deps = (base[0] + m,) if len(base) == 1 else tuple([k + m for k in base])
                 if unsharded:
                     un = unsharded.get(s)
                     if un is not None:
-                        deps.append(un)
+                        deps += (un,)
                 c = stage_costs[s]
                 h = host[op]
                 if op is FWD:
@@ -283,15 +283,16 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
                 else:
                     dec.append((_COMPUTE, deps, c.bwd_w, -1, -1, -act_bytes[s], h))
             elif op in COMM_OPS:
-                other = ins.to_stage if op in SEND_OPS else ins.from_stage
-                message = message_cache.get((op, ins.stage, other))
+                # (opcode, stage, the stage at the other end) as one integer: no tuple made per post
+                mkey = (op_index[op] * S + s) * S + (from_stage if to_stage is None else to_stage)
+                message = message_cache.get(mkey)
                 if message is None:
                     is_act, src, dst = message_edge(ins)
-                    message = message_cache[(op, ins.stage, other)] = (
+                    message = message_cache[mkey] = (
                         _SEND if op in SEND_OPS else _RECV, keys.act(src, dst, 0) if is_act else keys.gradk(src, dst, 0),
-                        transfer.get((src, dst), 0.0))
-                code, key, seconds = message
-                dec.append((code, key + ins.microbatch, seconds, ins.batch, host[op]))
+                        transfer.get((src, dst), 0.0), host[op])
+                code, key, seconds, h = message
+                dec.append((code, key + m, seconds, batch, h))
             elif op in SHARD_OPS:
                 key = ("S", r, pc)
                 if op is UNSHARD:

@@ -41,7 +41,7 @@ communication each compute needs and the collectives of the step:
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import Sequence
+from typing import Any, Hashable, Sequence
 
 from pipec.compiler.ir import Instruction, Op, Program
 from pipec.compiler.plan import Edge, Mesh, Tie
@@ -49,7 +49,7 @@ from pipec.compiler.engine import CostModel
 from pipec.schedules.timing import list_schedule
 from pipec.schedules.order import ComputeOrder, Kind
 
-__all__ = ["lower", "schedule_times", "unshard_windows", "PREFETCH"]
+__all__ = ["lower", "schedule_times", "unshard_windows", "PREFETCH", "PerOrder"]
 
 PREFETCH = 1
 """Computes an ``UNSHARD`` is posted ahead of its window's first compute."""
@@ -75,34 +75,31 @@ def schedule_times(order: ComputeOrder, producers: Sequence[Sequence[int]], cons
     return got
 
 
-class _PerOrder:
-    """A small cache of values per compute order (by identity: hashing an order walks all its actions; an
-    order is immutable and the entry holds it, so its id is not reused) and a key; the oldest order is
-    dropped past ``size`` orders."""
+class PerOrder:
+    """A small cache of values per (compute order, key): the order by identity (hashing one walks all its
+    actions; an order is immutable and its entries hold it, so its id is not reused while they last); past
+    ``size`` entries the oldest is dropped."""
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.entries: dict[int, tuple[ComputeOrder, dict]] = {}
+        self.entries: dict[tuple[int, Any], tuple[ComputeOrder, Any]] = {}
 
-    def get(self, order: ComputeOrder, key):
-        entry = self.entries.get(id(order))
-        return None if entry is None or entry[0] is not order else entry[1].get(key)
+    def get(self, order: ComputeOrder, key: Hashable) -> Any:
+        """The value kept for (order, key), or None."""
+        entry = self.entries.get((id(order), key))
+        return entry[1] if entry is not None and entry[0] is order else None
 
-    def put(self, order: ComputeOrder, key, value):
-        entry = self.entries.get(id(order))
-        if entry is None or entry[0] is not order:
-            if len(self.entries) >= self.size:
-                del self.entries[next(iter(self.entries))]
-            entry = self.entries[id(order)] = (order, {})
-        if len(entry[1]) >= self.size:
-            entry[1].clear()
-        entry[1][key] = value
+    def put(self, order: ComputeOrder, key: Hashable, value: Any) -> Any:
+        """Keep ``value`` for (order, key); returns it."""
+        if len(self.entries) >= self.size:
+            del self.entries[next(iter(self.entries))]
+        self.entries[(id(order), key)] = (order, value)
         return value
 
 
-_FINISHES = _PerOrder(64)
+_FINISHES = PerOrder(256)
 """(order, stage graph and costs) -> :func:`schedule_times`."""
-_COMPUTES = _PerOrder(64)
+_COMPUTES = PerOrder(64)
 """order -> per rank, its compute instructions (the same in every program lowered from the order)."""
 
 _new = tuple.__new__

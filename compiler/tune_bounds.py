@@ -17,12 +17,14 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from pipec.compiler.engine import CostModel
 from pipec.compiler.ir import Op
+from pipec.compiler.lower import PerOrder
 from pipec.compiler.memory import breakdown
 from pipec.compiler.plan import Mesh, Plan
 from pipec.compiler.request import CompileRequest
 from pipec.compiler.simulate import plan_costs
 from pipec.schedules import SCHEDULES
 from pipec.schedules.order import ComputeOrder, Kind
+from pipec.schedules.timing import Cost
 
 if TYPE_CHECKING:
     from pipec.compiler.tune import Candidate
@@ -95,6 +97,16 @@ def peak_activations(order: ComputeOrder, act: Sequence[int]) -> list[int]:
     return out
 
 
+def _peaks(order: ComputeOrder, act: tuple[int, ...]) -> list[int]:
+    """:func:`peak_activations`, cached per (order, bytes per stage): the bisection on recompute asks for the same
+    ones from every layout and shard mode."""
+    got = _PEAKS.get(order, act)
+    return _PEAKS.put(order, act, peak_activations(order, act)) if got is None else got
+
+
+_PEAKS = PerOrder(1024)
+
+
 def memory_bound(frame: Frame, stages) -> tuple[int, int]:
     """(peak, state) lower bounds of a plan with these stages (their activations): per rank its state
     at rest (padded shards, exact) plus its activations at their peak in its order (exact); the
@@ -103,7 +115,7 @@ def memory_bound(frame: Frame, stages) -> tuple[int, int]:
     if any(st.activation_bytes is None for st in stages):
         return 0, 0
     state = [m.state for m in breakdown(frame.plan) or ()] or [0] * frame.plan.mesh.pp
-    act = peak_activations(frame.order, [st.activation_bytes for st in stages])
+    act = _peaks(frame.order, tuple(st.activation_bytes for st in stages))
     return max(s + a for s, a in zip(state, act)), max(state)
 
 
@@ -150,7 +162,7 @@ def step_bound(c: Candidate, frame: Frame) -> float:
                 reduce[s] = max(reduce[s], allreduce.get((f"tie.{tie.name}", s), 0.0))
     chain = {(e.src_stage, e.dst_stage) for e in plan.edges} == {(s, s + 1) for s in range(S - 1)}
     hop = [transfer.get((s, s + 1), 0.0) if placement[s] != placement[s + 1] else 0.0 for s in range(S - 1)]
-    back = _backward_in_chain(order, stages)
+    computes, back = _computes(order, stages)
     head, tail = [0.0], [0.0]
     for s in range(S - 1):
         head.append(head[-1] + stages[s].fwd + hop[s])
@@ -160,12 +172,8 @@ def step_bound(c: Candidate, frame: Frame) -> float:
     for r, actions in enumerate(order.ranks):
         f = min((s for s in range(S) if placement[s] == r), default=0)
         start = head[f] if chain else 0.0
-        done, last_backward = 0.0, {}
-        for a in actions:
-            done += stages[a.stage].of(a.kind)
-            if a.kind is not Kind.F:
-                last_backward[a.stage] = done
-        arrival = max(start + done, lane[r], *(start + t + reduce[s] for s, t in last_backward.items()))
+        done, last_backward = computes[r]
+        arrival = max(start + done, lane[r], *(start + t + reduce[s] for s, t in last_backward))
         last = actions[-1] if actions else None
         if chain and last is not None and last.kind in (Kind.B, Kind.I) and last.stage == f and f > 0:
             arrival = max(arrival, start + done + tail[f] + after0)
@@ -183,6 +191,29 @@ def _stage_reductions(mesh: Mesh, allreduce, s: int) -> float:
     if mesh.params_sharded:
         return allreduce.get(("dp.replicate", s), 0.0) if mesh.hybrid else 0.0
     return allreduce.get(("dp", s), 0.0) if mesh.dp > 1 else 0.0
+
+
+def _computes(order: ComputeOrder, stages: tuple[Cost, ...]) -> tuple[list, list[float]]:
+    """What :func:`step_bound` reads of the order under the stages' costs, cached per (order, costs):
+    per rank (its computes' total, (stage, the total at its last backward part) per stage), and
+    :func:`_backward_in_chain`."""
+    got = _COMPUTES.get(order, stages)
+    if got is None:
+        ranks = []
+        for actions in order.ranks:
+            done, last_backward = 0.0, {}
+            for a in actions:
+                done += stages[a.stage].of(a.kind)
+                if a.kind is not Kind.F:
+                    last_backward[a.stage] = done
+            ranks.append((done, tuple(last_backward.items())))
+        got = _COMPUTES.put(order, stages, (ranks, _backward_in_chain(order, stages)))
+    return got
+
+
+_COMPUTES = PerOrder(256)
+"""(order, stage costs) -> :func:`_computes` (the layouts, shard modes and microbatch shapes of a search share
+an order; the shard modes and dp of one cut share its costs)."""
 
 
 def _backward_in_chain(order: ComputeOrder, stages) -> list[float]:
