@@ -138,10 +138,12 @@ def lower(
         consumers[e.src_stage].append(e.dst_stage)
     finish = schedule_times(order, producers, consumers, costs)
 
-    # slots[r][i + 1]: posts after compute i of rank r (slot 0: before the first), each its sort key and the
-    # instruction's fields but its batch: (key, op, stage, microbatch, to_stage, from_stage, peer) for a p2p
-    # post, (key, op, stage, group) for a group one. Keys are unique, so a slot sorts as its keys do.
+    # slots[r][i + 1]: p2p posts after compute i of rank r (slot 0: before the first), each its sort key and
+    # the instruction's fields but its batch: (key, op, stage, microbatch, to_stage, from_stage, peer);
+    # groups[r][i + 1]: the group ops there, (key, op, stage, group). Keys are unique, so a slot sorts as
+    # its keys do.
     slots: list[list[list[tuple]]] = [[[] for _ in range(len(order.ranks[r]) + 1)] for r in range(P)]
+    groups = [_Slots() for _ in range(P)]
     last_backward: dict[int, tuple[int, int]] = {}
     # enum members as locals: their attribute lookup (Kind.B, Op.SEND_ACT) costs more than the rest of a test
     F, B, W = Kind.F, Kind.B, Kind.W
@@ -171,33 +173,31 @@ def lower(
                 mine[i + 1].append((key, send_op, s, m, other, None, q))
                 slots[q][bisect_right(finish[q], f)].append((key, recv_op, other, m, None, s, r))
     if mesh.params_sharded:
-        _place_shard_ops(order, finish, slots, last_backward, mesh)
+        _place_shard_ops(order, finish, groups, last_backward, mesh)
     elif dp > 1:
         for s, (r, i) in last_backward.items():
-            slots[r][i + 1].append(((finish[r][i], r, i, _END, 0), Op.ALLREDUCE, s, "dp"))
+            groups[r][i + 1].append(((finish[r][i], r, i, _END, 0), Op.ALLREDUCE, s, "dp"))
 
     computes = _computes(order)
     ranks = []
     for r, actions in enumerate(order.ranks):
         out: list[Instruction] = []
         batch = 0
-        mine, work = slots[r], computes[r]
+        mine, work, grouped = slots[r], computes[r], groups[r]
         for i in range(len(actions) + 1):
             if i:
                 out.append(work[i - 1])
             posts = mine[i]
-            if not posts:
-                continue
-            if len(posts) > 1:
+            if grouped and i in grouped:
+                batch = _merged(posts + grouped[i], out, batch)
+            elif len(posts) == 1:  # a lone post (the common slots inlined: lowering's hottest loop)
+                _key, op, s, m, to, frm, peer = posts[0]
+                out.append(_new(Instruction, (op, s, m, to, frm, peer, None, None)))
+            elif posts:
                 posts.sort()
-            run: list[tuple] = []
-            for post in posts:
-                if len(post) == 4:  # a group op
-                    batch = _flush(run, out, batch)
-                    out.append(_new(Instruction, (post[1], post[2], None, None, None, None, post[3], None)))
-                else:
-                    run.append(post)
-            batch = _flush(run, out, batch)
+                for _key, op, s, m, to, frm, peer in posts:
+                    out.append(_new(Instruction, (op, s, m, to, frm, peer, None, batch)))
+                batch += 1
         for tie in sorted(ties, key=lambda t: t.name):
             mine = sorted(s for s in tie.stages if placement[s] == r)
             if mine and len(tie.ranks(placement)) > 1:
@@ -234,26 +234,60 @@ def unshard_windows(stages: Sequence[int], mode: str) -> list[tuple[int, int, in
     return [tuple(w) for w in out]
 
 
-def _place_shard_ops(order: ComputeOrder, finish, slots, last_backward: dict[int, tuple[int, int]],
-                     mesh: Mesh) -> None:
-    """UNSHARD, RESHARD and REDUCE_SCATTER (and HSDP's replicate all-reduce) into the slots."""
+def _place_shard_ops(order: ComputeOrder, finish, groups: list[_Slots],
+                     last_backward: dict[int, tuple[int, int]], mesh: Mesh) -> None:
+    """UNSHARD, RESHARD and REDUCE_SCATTER (and HSDP's replicate all-reduce) into the slots' group ops."""
     group = mesh.shard_group
-    for r, actions in enumerate(order.ranks):
+    for r in range(order.num_ranks):
         fin = finish[r]
-        for s, a, b in unshard_windows([x.stage for x in actions], mesh.shard):
+        slots = groups[r]
+        for s, a, b in _windows(order, r, mesh.shard):
             k = max(a - PREFETCH, 0)  # slot k: after compute k - 1
             # windows come in order of their first compute a; two whose UNSHARDs both go before the first
             # compute (k = 0) keep that order by it
-            slots[r][k].append(((fin[k - 1] if k else -1.0, r, k - 1, _END, 3, a), Op.UNSHARD, s, group))
+            slots[k].append(((fin[k - 1] if k else -1.0, r, k - 1, _END, 3, a), Op.UNSHARD, s, group))
             end = (fin[b], r, b, _END)
             if last_backward.get(s) == (r, b):
-                slots[r][b + 1].append((end + (0,), Op.REDUCE_SCATTER, s, group))
+                slots[b + 1].append((end + (0,), Op.REDUCE_SCATTER, s, group))
                 if mesh.hybrid:
-                    slots[r][b + 1].append((end + (1,), Op.ALLREDUCE, s, "dp.replicate"))
-            slots[r][b + 1].append((end + (2,), Op.RESHARD, s, group))
+                    slots[b + 1].append((end + (1,), Op.ALLREDUCE, s, "dp.replicate"))
+            slots[b + 1].append((end + (2,), Op.RESHARD, s, group))
 
 
 _COMPUTE_OP = {Kind.F: Op.FWD, Kind.B: Op.BWD, Kind.I: Op.BWD_I, Kind.W: Op.BWD_W}
+
+
+class _Slots(dict):
+    """One rank's group ops by slot, a slot's list made when first asked for."""
+
+    def __missing__(self, k: int) -> list[tuple]:
+        got = self[k] = []
+        return got
+
+
+def _windows(order: ComputeOrder, r: int, mode: str) -> list[tuple[int, int, int]]:
+    """:func:`unshard_windows` of rank r of the order, cached per (order, rank, mode)."""
+    got = _WINDOWS.get(order, (r, mode))
+    if got is None:
+        got = _WINDOWS.put(order, (r, mode), unshard_windows([x.stage for x in order.ranks[r]], mode))
+    return got
+
+
+_WINDOWS = PerOrder(1024)
+
+
+def _merged(posts: list[tuple], out: list[Instruction], batch: int) -> int:
+    """Append a slot's p2p posts and group ops in key order: each run of p2p posts between group ops as
+    :func:`_flush` appends it."""
+    posts.sort()
+    run: list[tuple] = []
+    for post in posts:
+        if len(post) == 4:  # a group op
+            batch = _flush(run, out, batch)
+            out.append(_new(Instruction, (post[1], post[2], None, None, None, None, post[3], None)))
+        else:
+            run.append(post)
+    return _flush(run, out, batch)
 
 
 def _flush(run: list[tuple], out: list[Instruction], batch: int) -> int:
