@@ -237,7 +237,6 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
     transfer = costs.transfer
     host = {op: costs.overhead.get(op.value, 0.0) for op in Op}
     fwd_done, bwd_done = keys.fwd_done, keys.bwd_done
-    deps_cache: dict[tuple[Op, int, int], tuple[int, ...]] = {}
     # a message's (code, key at microbatch 0, transfer, host overhead) per (opcode, stage, stage at the other end)
     message_cache: dict[int, tuple[int, int, float, float]] = {}
     op_index = {op: k for k, op in enumerate(Op)}
@@ -248,6 +247,7 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
     out = []
     for r, instrs in enumerate(program.ranks):
         dec = []
+        deps_cache: dict[int, tuple[int, ...]] = {}  # (opcode, stage) -> the compute's waits at microbatch 0
         unsharded: dict[int, tuple] = {}  # stage -> the key of its last UNSHARD so far
         last_shard = None
         calls: dict[str | None, int] = {}  # group -> collectives of it so far: the k of key ("C", group, k)
@@ -256,7 +256,8 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
         for pc, ins in enumerate(instrs):
             op, s, m, to_stage, from_stage, _peer, _group, batch = ins
             if op is FWD or op is BWD or op is BWD_I or op is BWD_W:
-                base = deps_cache.get((op, s, r))
+                dkey = op_index[op] * S + s  # (opcode, stage) as one integer
+                base = deps_cache.get(dkey)
                 if base is None:
                     # dependency keys at microbatch 0; microbatch m adds m
                     if op is FWD:
@@ -266,7 +267,7 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
                     else:
                         base = (fwd_done + s * M,) + tuple(
                             bwd_done + c * M if placement[c] == r else keys.gradk(s, c, 0) for c in consumers[s])
-                    deps_cache[(op, s, r)] = base
+                    deps_cache[dkey] = base
                 deps = (base[0] + m,) if len(base) == 1 else tuple([k + m for k in base])
                 if unsharded:
                     un = unsharded.get(s)
