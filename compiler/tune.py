@@ -21,10 +21,11 @@ arrival), and the peak memory (the state at rest plus the activations at their p
 candidate's compute order, exact unless parameters are sharded). A candidate over the budget by
 its bound is refused uncompiled; once the top table is full and the next bound cannot beat its last
 row, the rest are pruned. Candidates are compiled by the driver as ``pipec compile`` would
-(:func:`~pipec.compiler.driver.compile_request`) but without the proof, which only the plans kept
-need: the table, the frontier and the file's own candidate are proven
-(:func:`~pipec.compiler.verify.verify`); one that fails is dropped and the search goes on, so
-every plan tune reports or writes is a verified plan. The table and the winner are so exactly what
+(:func:`~pipec.compiler.driver.compile_request`) but without the proof and the timeline's events,
+which only the plans kept need: the table, the frontier and the file's own candidate are proven
+(:func:`~pipec.compiler.verify.verify`) and given the timeline of the proof's execution, events and
+all; one that fails is dropped and the search goes on, so every plan tune reports or writes is a
+verified plan. The table and the winner are so exactly what
 compiling and proving every candidate would give; the time-memory frontier is the Pareto set of the
 candidates compiled, exact for steps below the table's last row (slower, smaller ones may be
 missing).
