@@ -137,6 +137,10 @@ class CostModel:
     overhead of one instruction of it), :data:`COMPUTE_JITTER` (a compute's duration, one that takes time),
     :data:`TRANSFER_JITTER` (a message's transfer). Empty: every cost is fixed. Only an :func:`execute` given a
     ``random.Random`` draws from them (each instruction instance, each message apart); otherwise ignored."""
+    early_receives: bool = False
+    """Whether the run posts every receive of a step when the step starts (the executor does over gloo, whose posts
+    never block): a message then moves once its send is posted. False: each receive is posted where the program
+    puts it. Only the buffered model reads it (NCCL keeps the plan's positions)."""
     sharing: Sharing | None = None
     """Ranks that share a host's cores (``costs profile`` timed the stages in a crowd): every run prices each
     compute at the share of the cores it gets (:mod:`pipec.compiler.contention`). None: each compute takes its
@@ -216,6 +220,8 @@ class Decoded:
 
     ranks: tuple[tuple[tuple, ...], ...]
     keys: _Keys
+    early_receives: bool = False
+    """:attr:`CostModel.early_receives` of the costs decoded."""
 
 
 def decode(program: Program, *, placement: Sequence[int], num_microbatches: int, edges: Sequence[Edge],
@@ -329,7 +335,7 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
                     in_flight.clear()
                     scatters.clear()
         out.append(tuple(dec))
-    return Decoded(tuple(out), keys)
+    return Decoded(tuple(out), keys, costs.early_receives)
 
 
 def drawn(decoded: Decoded, program: Program, jitter: Mapping[str, Sequence[float]], rng: random.Random) -> Decoded:
@@ -358,7 +364,7 @@ def drawn(decoded: Decoded, program: Program, jitter: Mapping[str, Sequence[floa
                 d[2] += hop
             out.append(tuple(d))
         ranks.append(tuple(out))
-    return Decoded(tuple(ranks), decoded.keys)
+    return replace(decoded, ranks=tuple(ranks))
 
 
 class _Buffered:
@@ -387,6 +393,8 @@ class _Buffered:
         """Collective key -> [members still to arrive, latest arrival, the members arrived]."""
         self.lane = [0.0] * P
         """Per rank: when its dp lane (the shard instructions, one after another) is free."""
+        self.early = eng.early_receives
+        """Every receive counts as posted when the step starts (:attr:`CostModel.early_receives`)."""
 
     def shard(self, r: int, key: tuple, dur: float, t: float) -> None:
         """A shard instruction posted at t: it runs on rank r's dp lane once the lane is free."""
@@ -401,7 +409,7 @@ class _Buffered:
         eng = self.eng
         done, waiters, runnable = eng.done, eng.waiters, eng.runnable
         outstanding, comm_done, drained = self.outstanding, self.comm_done, self.drained
-        posted = self.posted
+        posted, early = self.posted, self.early
         n = len(dec)
         d = dec[pc]
         while True:
@@ -410,12 +418,13 @@ class _Buffered:
             key = d[1]
             side = key + key
             other = posted.pop(side if d[0] == _SEND else side + 1, None)
+            at = 0.0 if early and d[0] == _RECV else clock  # when this end counts as posted
             if other is None:
                 outstanding[r] += 1
-                posted[side + 1 if d[0] == _SEND else side] = (r, clock)
+                posted[side + 1 if d[0] == _SEND else side] = (r, at)
             else:
                 q, t_other = other
-                done_t = (clock if clock > t_other else t_other) + d[2]
+                done_t = (at if at > t_other else t_other) + d[2]
                 done[key] = done_t
                 ws = waiters.pop(key, None)
                 if ws:
@@ -647,6 +656,7 @@ class _Engine:
         self.program = program
         self.dec = decoded.ranks
         self.keys = decoded.keys
+        self.early_receives = decoded.early_receives
         self.placement = placement
         self.ties = ties
         self.record_events = record_events
@@ -944,7 +954,7 @@ def _shared(program: Program, decoded: Decoded, placement: Sequence[int], ties: 
         for (r, pc), f in zip(where, scales):
             d = ranks[r][pc]
             ranks[r][pc] = d[:2] + (d[2] * f,) + d[3:]
-        ex = _Engine(program, Decoded(tuple(map(tuple, ranks)), decoded.keys), placement, ties, model, True).run()
+        ex = _Engine(program, replace(decoded, ranks=tuple(map(tuple, ranks))), placement, ties, model, True).run()
         if settled:
             break
     return ex if record_events else replace(ex, events=())

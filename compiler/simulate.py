@@ -34,7 +34,7 @@ from pipec.compiler.timeline import Timeline
 
 __all__ = [
     "BUFFERED", "IN_ORDER", "MODELS", "CostModel", "Deadlock", "Execution",
-    "execute", "simulate", "plan_costs", "Pricing", "NODE_SIDES", "link_sides", "emulated_costs", "simulate_costs",
+    "execute", "simulate", "plan_costs", "on_gloo", "Pricing", "NODE_SIDES", "link_sides", "emulated_costs", "simulate_costs",
     "simulate_draws", "execute_draws", "DRAWS", "OVERSLEEP", "HOP",
     "timeline_of", "chain_edges", "group_members",
 ]
@@ -66,8 +66,15 @@ def plan_costs(plan: Plan) -> CostModel:
         overhead={} if unit or plan.overhead is None else dict(plan.overhead.seconds),
         time_unit="unit" if unit else "s",
         grad_norm=plan.spec.get("grad_clip") is not None,
+        early_receives=not unit and on_gloo(plan),
         sharing=None if unit else sharing_of((plan.model or {}).get("profile"), plan.mesh),
     )
+
+
+def on_gloo(plan: Plan) -> bool:
+    """Whether the plan's links were measured on gloo (``costs profile`` on CPU), the backend over which the
+    executor posts every receive of a step when the step starts (:attr:`CostModel.early_receives`)."""
+    return any(link.measured is not None and link.measured.backend == "gloo" for link in plan.links.values())
 
 
 def _priced(plan: Plan, price: Pricing) -> tuple[dict, dict, dict]:
