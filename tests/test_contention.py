@@ -111,14 +111,6 @@ def test_the_fixed_point_is_deterministic():
     assert a == b
 
 
-TUNE_SMALL = '''model "pipec.examples.gpt:build" (layers=4, dim=32, heads=2, vocab=64, seq=8)
-input tokens: int64[4, 8]
-schedule 1f1b
-pp 2  dp 1  microbatches 2
-costs flops  peak_flops 1TFLOP/s
-'''
-
-
 def test_tunes_bounds_hold_when_the_host_is_shared(tmp_path, monkeypatch):
     """Every candidate on 4 devices of one crowded host (K = 4, each part 2x slower in the crowd): the step bound
     never exceeds the simulated step, which sharing makes shorter than the crowd's costs say."""
@@ -130,12 +122,13 @@ def test_tunes_bounds_hold_when_the_host_is_shared(tmp_path, monkeypatch):
     from pipec.compiler.tune import TuneRequest, candidate_request, candidates
     from pipec.compiler.tune_bounds import bounds, candidate_frame
     from pipec.dsl import load_spec
+    from test_tune import SMALL
 
     crowd = {**PROFILE, "slowdown": {"fwd": 2.0, "bwd_i": 2.0, "bwd": 2.0, "optim": 1.0}}
     monkeypatch.setattr(simulate, "sharing_of", lambda profile, mesh: real(crowd, mesh))
     real = sharing_of
     path = tmp_path / "small.pipe"
-    path.write_text(TUNE_SMALL)
+    path.write_text(SMALL)
     treq = TuneRequest(base=load_spec(str(path), {}).request, num_devices=4)
     graphs, shorter = {}, 0
     for cand in candidates(treq):
