@@ -48,6 +48,8 @@ class Sharing:
     """Per opcode name of a compute (``FWD``, ``BWD``, ``BWD_I``, ``BWD_W``): the slowdown s measured with K at once."""
 
     def rate_cap(self, op: str) -> float:
+        """The most a compute of ``op`` speeds up over its cost, alone on its host: the slowdown the crowd
+        measured (at least 1: a crowd that cost nothing gives nothing back)."""
         return max(1.0, self.slowdown.get(op, 1.0))
 
     def scales(self, computes: Sequence[tuple[int, str, float, float]], previous: Sequence[float]) -> list[float]:
