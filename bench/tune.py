@@ -2,7 +2,7 @@
 
 (a) Here, 4 ranks, the example GPT with costs profile: every feasible candidate of a small grid
     (layouts x schedules x microbatches) compiled and run under ``pipec run`` (``--rounds`` times, in
-    alternating order, the mean of the rounds' median steps); predicted beside measured per candidate,
+    alternating order, the median of all their steps but each run's warm-up); predicted beside measured per candidate,
     beside what the stages timed alone predict (the profile before it timed the run's ranks at once) and
     what the crowd's costs predict without processor sharing (every compute at its cost with all ranks
     computing, last session's model), the prediction-only pick against the best measured (goal: within 5%), the Spearman rank
@@ -11,12 +11,13 @@
 (b) The note's 13B GPT on 64 devices of 80 GB (meta tracing, costs flops at 989 TFLOP/s): the whole
     search's time (goal <= 60 s) and why it picks what it picks.
 
-    python bench/tune.py [--part a|b|both] [--steps 4] [--rounds 2] [--out DIR]
+    python bench/tune.py [--part a|b|both] [--steps 10] [--rounds 3] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -115,22 +116,36 @@ def _crowd(plan: Plan) -> float:
     return simulate_costs(plan, replace(plan_costs(plan), sharing=None)).step_time
 
 
-def _measured(scored: list[Scored], folder: str, steps: int, rounds: int) -> dict[Candidate, list[float]]:
-    """Every candidate's measured median step per round; rounds alternate the order (forwards, backwards, ...)
-    so a drift in the machine's load does not favour the candidates run first."""
-    out: dict[Candidate, list[float]] = {s.candidate: [] for s in scored}
+def _measured(scored: list[Scored], folder: str, steps: int, rounds: int) -> dict[Candidate, list[list[float]]]:
+    """Every candidate's measured steps (the warm-up step left out), per round; rounds alternate the order
+    (forwards, backwards, ...) so a drift in the machine's load does not favour the candidates run first."""
+    out: dict[Candidate, list[list[float]]] = {s.candidate: [] for s in scored}
     for r in range(rounds):
         order = scored if r % 2 == 0 else scored[::-1]
         print(f"  round {r + 1}/{rounds} ({'forwards' if r % 2 == 0 else 'backwards'}), load average "
               f"{os.getloadavg()[0]:.2f}", flush=True)
-        got, notes = run_candidates(order, workdir=os.path.join(folder, f"grid{r}"), steps=steps)
+        workdir = os.path.join(folder, f"grid{r}")
+        got, notes = run_candidates(order, workdir=workdir, steps=steps)
         for n in notes:
             print("  note:", n)
-        for s in got:
+        for i, s in enumerate(got):
             if s.measured_step is not None:
-                out[s.candidate].append(s.measured_step)
+                with open(os.path.join(workdir, f"candidate{i}.report.json"), encoding="utf-8") as f:
+                    out[s.candidate].append([x["step_time"] for x in json.load(f)["steps"][1:]])
     print(f"  done, load average {os.getloadavg()[0]:.2f}")
     return out
+
+
+def _repeatability(runs: dict[Candidate, list[list[float]]]) -> float:
+    """The mean Spearman correlation between two rounds' median steps over the candidates: how well the
+    measurement ranks the candidates against itself, the most any prediction can reach."""
+    kept = [c for c, rs in runs.items() if len(rs) == max(map(len, runs.values()))]
+    n = len(runs[kept[0]]) if kept else 0
+    pairs = [(a, b) for a in range(n) for b in range(a + 1, n)]
+    if not pairs:
+        return float("nan")
+    return statistics.fmean(spearman([statistics.median(runs[c][a]) for c in kept],
+                                     [statistics.median(runs[c][b]) for c in kept]) for a, b in pairs)
 
 
 def part_a(folder: str, steps: int, rounds: int) -> None:
@@ -147,17 +162,19 @@ def part_a(folder: str, steps: int, rounds: int) -> None:
     prof = scored[0].plan.model.get("profile", {})
     print(f"  compiled in {time.perf_counter() - t0:.1f} s; profile: {prof}")
     runs = _measured(scored, folder, steps, rounds)
-    rows = [(s, _alone(s.plan), statistics.fmean(runs[s.candidate]), _crowd(s.plan)) for s in scored
-            if runs[s.candidate]]
+    rows = [(s, _alone(s.plan), statistics.median(x for r in runs[s.candidate] for x in r), _crowd(s.plan))
+            for s in scored if runs[s.candidate]]
     print(f"  {'layout':<7} {'schedule':<17} {'v':>2} {'M':>3} {'alone':>9} {'crowd':>9} {'predicted':>10} "
           f"{'measured':>9} {'pred/meas':>9}  rounds")
     for s, alone, meas, crowd in sorted(rows, key=lambda r: r[0].rank_key()):
         c = s.candidate
-        each = " ".join(f"{x * 1e3:.0f}" for x in runs[c])
+        each = " ".join(f"{statistics.median(r) * 1e3:.0f}" for r in runs[c])
         print(f"  {c.layout:<7} {c.schedule:<17} {c.num_chunks:>2} {c.num_microbatches:>3} {alone * 1e3:>7.1f}ms "
               f"{crowd * 1e3:>7.1f}ms {s.step_time * 1e3:>8.1f}ms {meas * 1e3:>7.1f}ms {s.step_time / meas:>9.2f}  "
               f"{each}")
     best = min(rows, key=lambda r: r[2])
+    print(f"  the measurement against itself: Spearman between rounds {_repeatability(runs):.3f} (the most a "
+          f"prediction can reach)")
     for name, at in (("predicted", lambda r: r[0].step_time), ("crowd", lambda r: r[3]), ("alone", lambda r: r[1])):
         pick = min(rows, key=lambda r: (at(r), r[0].rank_key()))
         rho = spearman([at(r) for r in rows], [r[2] for r in rows])
@@ -207,8 +224,8 @@ def part_b(folder: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=("a", "b", "both"), default="both")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=2, help="runs of every grid candidate, in alternating order")
+    ap.add_argument("--steps", type=int, default=10, help="steps of every run (the first, a warm-up, left out)")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of every grid candidate, in alternating order")
     ap.add_argument("--out", default=None, help="folder for the plans and reports (default: a temporary one)")
     args = ap.parse_args()
     folder = args.out or tempfile.mkdtemp(prefix="pipec-bench-tune-")

@@ -27,7 +27,7 @@ def max_ranks() -> int:
     return min(16, 4 * (os.cpu_count() or 1))
 
 
-def run_candidates(scored: Sequence[Scored], *, workdir: str, steps: int = 4, timeout: float = 600,
+def run_candidates(scored: Sequence[Scored], *, workdir: str, steps: int = 10, timeout: float = 600,
                    progress: Callable[[int, int], None] | None = None) -> tuple[list[Scored], list[str]]:
     """Each of ``scored`` run here in turn, with its ``measured_step`` where the run succeeded; the notes say
     what was skipped or failed."""
@@ -69,7 +69,7 @@ def run_candidates(scored: Sequence[Scored], *, workdir: str, steps: int = 4, ti
     return out, notes
 
 
-def measure(result: TuneResult, k: int, *, workdir: str, steps: int = 4, timeout: float = 600,
+def measure(result: TuneResult, k: int, *, workdir: str, steps: int = 10, timeout: float = 600,
             progress: Callable[[int, int], None] | None = None) -> tuple[TuneResult, list[str]]:
     """The result with the top ``k`` measured (``measured_step``) and re-ranked: measured ones by
     their measured step first, then the rest as predicted; the notes say what was skipped or failed."""

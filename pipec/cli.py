@@ -466,7 +466,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--peak-flops", metavar="RATE", help="FLOP/s per device (default: the file's peak_flops)")
     t.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     t.add_argument("--measure", type=int, default=0, metavar="K", help="run the top K here and re-rank by measured step")
-    t.add_argument("--measure-steps", type=int, default=4, help="steps of each --measure run (default 4)")
+    t.add_argument("--measure-steps", type=int, default=10,
+                   help="steps of each --measure run; its median but the first (a warm-up) counts (default 10)")
     t.add_argument("--measure-dir", default="pipec-tune", help="folder for --measure's plans and reports")
     t.add_argument("--json", action="store_true", help="print the result as JSON (fields: docs/reference.md)")
     t.add_argument("--pipe", metavar="FILE", help="also write the winner as a complete schedule file")
