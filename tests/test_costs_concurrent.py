@@ -41,6 +41,18 @@ def test_slowdown_is_the_concurrent_time_over_the_same_samples_alone():
     assert costs._slowdown({0: (0.0,) * 4}, [{0: [(0.0,) * 4]}]) == (1.0,) * 4
 
 
+def test_the_slowdown_is_the_median_of_the_crowds_repeats(monkeypatch):
+    """A window in which the whole host ran slow is one repeat's slowdown, not every stage's price."""
+    assert costs._median_slowdown([(2.0, 1.0, 2.2, 1.0), (3.7, 3.9, 3.5, 3.4), (2.1, 2.3, 2.0, 2.4)]) == (
+        2.1, 2.3, 2.2, 2.4)
+    calls = []
+    real = costs._at_once
+    monkeypatch.setattr(costs, "_at_once", lambda num, work: calls.append(num) or real(num, work))
+    monkeypatch.setattr(costs, "_SLOWDOWN", {})
+    build_stage_graph(_mlp(local_ranks=2))
+    assert calls == [2] * costs.CROWD_REPEATS
+
+
 def test_a_profile_of_two_local_ranks_times_them_at_once_and_says_so():
     before = torch.get_num_threads()
     sg = build_stage_graph(_mlp(local_ranks=2))
@@ -48,6 +60,7 @@ def test_a_profile_of_two_local_ranks_times_them_at_once_and_says_so():
     assert not mp.active_children(), "the forked profilers are joined"
     rec = sg.model["profile"]
     assert rec["concurrent_ranks"] == 2 and rec["threads_per_rank"] == 1 and rec["reps"] == 2
+    assert rec["cores"] == costs.usable_cores() and rec["crowd_repeats"] == costs.CROWD_REPEATS
     assert set(rec["slowdown"]) == {"fwd", "bwd_i", "bwd", "optim"} and all(v > 0 for v in rec["slowdown"].values())
     for st in sg.stages:
         c = st.cost
