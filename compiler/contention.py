@@ -5,10 +5,15 @@ the machine (``model["profile"]``: ``concurrent_ranks`` K, a ``slowdown`` s per 
 its time alone times s. That is right while all K ranks compute, and wrong in the fill and the drain of a
 pipeline, or wherever a rank waits: with more ranks than cores (4 ranks on 2 cores) the ranks that do
 compute then get more of the CPU than the profile's crowd gave them. This module prices that: a compute
-at a moment when k of its host's ranks compute (itself among them) runs at ``min(s, K / k)`` times the rate
-its cost assumes (``K / k`` is the share of the cores it gets relative to K computing at once; never more
-than its rate alone, ``s``). With s <= 1 (the crowd cost nothing: a rank per core, a device per rank) the
-rate is its cost's, always.
+at a moment when k of its host's ranks compute (itself among them) runs at ``s / s(k)`` times the rate its
+cost assumes, ``s(k)`` being the slowdown of k processes at once on the host's cores. Where the profile
+recorded the cores (``cores`` over ``threads_per_rank``: C slots), k <= C processes each have a core,
+``s(k) = 1`` (the rank runs as it does alone), and beyond C the slowdown grows linearly to the crowd's s at
+k = K: the crowd's excess over K / C (the switching and the caches of an oversubscribed host) belongs to the
+oversubscription, not to the ranks that each have a core. Measured here with 1 thread per process on 2
+cores, the example GPT's blocks: s(2) 1.00-1.15, s(3) 1.48-1.79, s(4) 1.93-2.43. Without the cores (an
+older plan), ``s(k) = max(1, s k / K)``: ``s / s(k) = min(s, K / k)``. With s <= 1 (the crowd cost nothing:
+a rank per core, a device per rank) the rate is its cost's, always.
 
 The event loop (compiler/engine.py) is a dataflow over times, not a clock, so the sharing is a fixed point:
 run the loop, read which computes overlapped on each host, stretch or shrink every compute so that the work
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from pipec.compiler.plan import Mesh
 
@@ -46,11 +51,23 @@ class Sharing:
     """K: the processes the profile timed at once (the run's ranks on one host)."""
     slowdown: Mapping[str, float]
     """Per opcode name of a compute (``FWD``, ``BWD``, ``BWD_I``, ``BWD_W``): the slowdown s measured with K at once."""
+    slots: int | None = None
+    """C: processes the host runs at once without sharing a core (its cores over a rank's threads); None where
+    the profile did not record its cores."""
 
     def rate_cap(self, op: str) -> float:
         """The most a compute of ``op`` speeds up over its cost, alone on its host: the slowdown the crowd
         measured (at least 1: a crowd that cost nothing gives nothing back)."""
         return max(1.0, self.slowdown.get(op, 1.0))
+
+    def rate(self, cap: float, k: int) -> float:
+        """The rate over its cost of a compute whose slowdown in the crowd is ``cap`` (s), while k of its host's
+        ranks compute: ``s / s(k)``."""
+        if self.slots is None or self.slots >= self.at_once:
+            return min(cap, self.at_once / k)
+        if k <= self.slots:
+            return cap
+        return cap / (1.0 + (cap - 1.0) * (k - self.slots) / (self.at_once - self.slots))
 
     def scales(self, computes: Sequence[tuple[int, str, float, float]], previous: Sequence[float]) -> list[float]:
         """Each compute's duration over its cost, next (halfway from ``previous`` to the fixed point's
@@ -63,7 +80,7 @@ class Sharing:
                 out.append(prev)
                 continue
             # the work done over [start, end] at the shared rate, per second of the cost's rate
-            work = crowd.work(rank, start, end, cap, self.at_once)
+            work = crowd.work(rank, start, end, lambda k, cap=cap: self.rate(cap, k))
             # the duration whose shared work equals the cost, over the cost: (end - start) / work at a steady crowd
             out.append(0.5 * prev + 0.5 * (end - start) / work)
         return out
@@ -92,19 +109,19 @@ class _Crowds:
             self.times.append(times)
             self.counts.append(counts)
 
-    def work(self, rank: int, start: float, end: float, cap: float, at_once: int) -> float:
-        """Seconds of the cost's rate a compute of ``rank`` gets over [start, end], on its most crowded host."""
-        return min(self._work(h, start, end, cap, at_once) for h, n in enumerate(self.hosts[rank]) if n)
+    def work(self, rank: int, start: float, end: float, rate: Callable[[int], float]) -> float:
+        """Seconds of the cost's rate a compute of ``rank`` gets over [start, end] (``rate(k)`` with k computing),
+        on its most crowded host."""
+        return min(self._work(h, start, end, rate) for h, n in enumerate(self.hosts[rank]) if n)
 
-    def _work(self, h: int, start: float, end: float, cap: float, at_once: int) -> float:
+    def _work(self, h: int, start: float, end: float, rate: Callable[[int], float]) -> float:
         times, counts = self.times[h], self.counts[h]
         i = max(bisect.bisect_right(times, start) - 1, 0)
         total, t = 0.0, start
         while t < end:
             nxt = times[i + 1] if i + 1 < len(times) else end
             upto = min(nxt, end)
-            k = max(counts[i], 1)
-            total += (upto - t) * min(cap, at_once / k)
+            total += (upto - t) * rate(max(counts[i], 1))
             t = upto
             i += 1
         return total
@@ -128,4 +145,6 @@ def sharing_of(profile: Mapping[str, Any] | None, mesh: Mesh) -> Sharing | None:
         for d in range(mesh.dp):
             row[mesh.global_rank(p, d) // per_host] += 1
         hosts.append(tuple(row))
-    return Sharing(hosts=tuple(hosts), at_once=at_once, slowdown=slowdown)
+    cores = profile.get("cores")
+    slots = max(1, int(cores) // max(1, int(profile.get("threads_per_rank", 1)))) if cores else None
+    return Sharing(hosts=tuple(hosts), at_once=at_once, slowdown=slowdown, slots=slots)
