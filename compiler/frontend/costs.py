@@ -276,16 +276,20 @@ def _stage_runner(mod: nn.Module, sigs: Sequence[Any], sources: Sequence[int],
             outs = [o for o in mod(*inputs) if o.requires_grad]
         t1 = time.perf_counter()
         grads = [torch.randn_like(o) for o in outs]
-        t2 = time.perf_counter()
+        bwd_i = 0.0  # none to time (token inputs): exactly 0, not the timer's own microseconds
         if float_inputs and outs:
+            t2 = time.perf_counter()
             torch.autograd.grad(outs, float_inputs, grads, retain_graph=True)
+            bwd_i = time.perf_counter() - t2
         t3 = time.perf_counter()
         if outs:
             torch.autograd.backward(outs, grads, inputs=float_inputs + params)
         t4 = time.perf_counter()
+        optim = 0.0
         if opt is not None:
             opt.step()
-        return t1 - t0, t3 - t2, t4 - t3, time.perf_counter() - t4
+            optim = time.perf_counter() - t4
+        return t1 - t0, bwd_i, t4 - t3, optim
 
     return once
 
@@ -403,13 +407,18 @@ def _least_sample(samples: Sequence[_Sample]) -> _Sample:
 
 
 def _slowdown(alone: Mapping[int, _Sample], at_once: Sequence[Mapping[int, Sequence[_Sample]]]) -> tuple[float, ...]:
-    """Per part: what every concurrent sample took over what the same samples took alone (1 where alone is 0)."""
-    out = []
+    """Per part: what every concurrent sample took over what the same samples took alone. A part none of the
+    samples has (the input backward of a cut whose stages take only tokens, the optimizer of stages with no
+    parameters) takes the backward's slowdown (the forward's without one; 1 without either): the slowdown is
+    measured once per process, on its first cut, and prices every later cut's parts, which may have it."""
+    out: list[float | None] = []
     for k in range(4):
         slow = sum(x[k] for one in at_once for samples in one.values() for x in samples)
         base = sum(alone[s][k] * len(samples) for one in at_once for s, samples in one.items())
-        out.append(slow / base if base > 0 else 1.0)
-    return tuple(out)
+        out.append(slow / base if base > 0 else None)
+    fwd, _, bwd, _ = out
+    fallback = bwd if bwd is not None else fwd if fwd is not None else 1.0
+    return tuple(fallback if x is None else x for x in out)
 
 
 def _cost(sample: Sequence[float]) -> Cost:
