@@ -99,9 +99,8 @@ def _alone(plan: Plan) -> float:
     f = (sd["fwd"] + sd["bwd"]) / 2
 
     def cost(c: Cost) -> Cost:
-        bwd, bwd_i = c.bwd / sd["bwd"], c.bwd_i / sd["bwd_i"]
-        return Cost(fwd=c.fwd / sd["fwd"], bwd=bwd, bwd_i=bwd_i, bwd_w=bwd - bwd_i if bwd_i else bwd,
-                    optim=c.optim / sd["optim"])
+        return Cost(fwd=c.fwd / sd["fwd"], bwd=c.bwd / sd["bwd"], bwd_i=c.bwd_i / sd["bwd_i"],
+                    bwd_w=c.bwd_w / sd["bwd"], optim=c.optim / sd["optim"])
 
     links = {k: replace(v, latency_s=v.latency_s / f, bandwidth_Bps=v.bandwidth_Bps * f)
              if v.measured and v.measured.backend == "gloo" else v for k, v in plan.links.items()}

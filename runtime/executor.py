@@ -57,7 +57,7 @@ from pipec.compiler.plan import UNIT_COST, Plan, Signature
 from pipec.compiler.timeline import Event
 from pipec.errors import EXIT_RUN, PipecError, RunFailed
 from pipec.runtime.clock import CudaClock, HostClock
-from pipec.runtime.deferred import WeightGradStash, defer_weight_grads
+from pipec.compiler.frontend.deferred import WeightGradStash, defer_weight_grads
 from pipec.runtime.sharding import local_grad
 from pipec.runtime.transport import P2P, Transport
 from pipec.schedules.order import gc_paused

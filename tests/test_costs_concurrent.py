@@ -10,6 +10,7 @@ import torch
 from pipec.compiler.frontend import InputSpec, ModelRequest, build_stage_graph
 from pipec.compiler.frontend import costs
 from pipec.compiler.frontend.trace import FrontendError
+from pipec.compiler.plan import Cost
 
 X = InputSpec("x", "float32", (8, 16))
 
@@ -53,32 +54,32 @@ def test_a_part_the_first_cut_lacks_takes_the_backwards_slowdown():
 
 
 class _Head(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dim: int = 64) -> None:
         super().__init__()
-        self.emb, self.norm = torch.nn.Embedding(10, 4), torch.nn.LayerNorm(4)
+        self.emb, self.fc = torch.nn.Embedding(10, dim), torch.nn.Linear(dim, dim)
 
     def forward(self, tokens):
-        return (self.norm(self.emb(tokens)),)
+        return (self.fc(self.emb(tokens)),)
 
 
-def test_a_stage_taking_tokens_times_no_input_backward_and_one_without_parameters_no_optimizer():
-    tokens = InputSpec("tokens", "int64", (2, 3))
-    f, bwd_i, bwd, optim = costs._stage_runner(_Head(), [tokens], [-1], None)()
-    assert bwd_i == 0.0 and f > 0 and bwd > 0 and optim > 0
-    _, bwd_i, _, optim = costs._stage_runner(torch.nn.ReLU(), [X], [0], None)()
-    assert bwd_i > 0 and optim == 0.0
+def _least(runner, n=3):
+    runner()
+    return costs._least_sample([runner() for _ in range(n)])
 
 
-def test_the_slowdown_is_the_median_of_the_crowds_repeats(monkeypatch):
-    """A window in which the whole host ran slow is one repeat's slowdown, not every stage's price."""
-    assert costs._median_slowdown([(2.0, 1.0, 2.2, 1.0), (3.7, 3.9, 3.5, 3.4), (2.1, 2.3, 2.0, 2.4)]) == (
-        2.1, 2.3, 2.2, 2.4)
-    calls = []
-    real = costs._at_once
-    monkeypatch.setattr(costs, "_at_once", lambda num, work: calls.append(num) or real(num, work))
-    monkeypatch.setattr(costs, "_SLOWDOWN", {})
-    build_stage_graph(_mlp(local_ranks=2))
-    assert calls == [2] * costs.CROWD_REPEATS
+def test_the_split_backward_is_timed_as_the_runs_zero_bubble_stages_run_it():
+    # fc's weight grad waits in the stash for the weight half; the input half still finds its grads, so a
+    # stage fed by tokens splits too
+    tokens = InputSpec("tokens", "int64", (64, 16))
+    f, bwd_i, bwd, optim, bwd_w = _least(costs._stage_runner(_Head(), [tokens], [-1], None))
+    assert min(f, bwd_i, bwd, optim, bwd_w) > 0
+    mlp = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(4)))
+    x = InputSpec("x", "float32", (256, 512))
+    _, bwd_i, bwd, _, bwd_w = _least(costs._stage_runner(mlp, [x], [0], None))
+    assert 0.2 * bwd < bwd_w < bwd and 0.2 * bwd < bwd_i < bwd  # the matmuls split about evenly
+    assert costs._cost((1.0, 0.5, 1.2, 0.1, 0.9)) == Cost(fwd=1.0, bwd=1.2, bwd_i=0.5, bwd_w=0.9, optim=0.1)
+    _, _, _, optim, _ = _least(costs._stage_runner(torch.nn.ReLU(), [x], [0], None))
+    assert optim == 0.0  # no parameters, no optimizer step
 
 
 def test_a_profile_of_two_local_ranks_times_them_at_once_and_says_so():
@@ -93,7 +94,6 @@ def test_a_profile_of_two_local_ranks_times_them_at_once_and_says_so():
     for st in sg.stages:
         c = st.cost
         assert c.fwd > 0 and c.bwd > 0 and c.bwd_w >= 0
-        assert c.bwd == pytest.approx(c.bwd_i + c.bwd_w)
     assert sg.stages[0].cost.bwd_i == 0
 
 

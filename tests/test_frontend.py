@@ -312,9 +312,9 @@ def test_profile_costs_are_measured_with_the_rank_thread_count():
     assert torch.get_num_threads() == before
     for st in sg.stages:
         c = st.cost
-        assert c.fwd > 0 and c.bwd > 0 and c.bwd_w >= 0
-        assert c.bwd == pytest.approx(c.bwd_i + c.bwd_w)
+        assert c.fwd > 0 and c.bwd > 0 and c.bwd_w > 0  # the split halves timed as the run does them
     assert sg.stages[0].cost.bwd_i == 0  # stage 0's input needs no gradient
+    assert sg.stages[1].cost.bwd_i > 0
 
 
 def _compiled(device_memory=None) -> Plan:

@@ -142,8 +142,9 @@ def with_recompute(cost: Cost) -> Cost:
 
 
 def _no_input_grad(cost: Cost) -> Cost:
-    """A stage fed only by model inputs sends no gradient: its whole backward is the weight half."""
-    return replace(cost, bwd_i=0.0, bwd_w=cost.bwd)
+    """A stage fed only by model inputs sends no gradient: its whole backward is the weight half (both halves
+    of a split it was timed with)."""
+    return replace(cost, bwd_i=0.0, bwd_w=cost.bwd_i + cost.bwd_w)
 
 
 # ----------------------------------------------------------------------------- balancer weights
@@ -255,32 +256,35 @@ def _random_inputs(sigs: Sequence[Any], sources: Sequence[int]) -> list[torch.Te
     return out
 
 
-_Sample = tuple[float, float, float, float]
-"""One timed repetition of a stage: forward, input backward, full backward, optimizer step (seconds)."""
+_Sample = tuple[float, float, float, float, float]
+"""One timed repetition of a stage: forward, input backward, full backward, optimizer step, weight backward
+(seconds; the two halves of the split backward as the run's zero-bubble stages do them)."""
 
 
 def _stage_runner(mod: nn.Module, sigs: Sequence[Any], sources: Sequence[int],
                   autocast: str | None) -> Callable[[], _Sample]:
-    """One repetition of the stage as a rank runs it: forward, input backward (``autograd.grad`` w.r.t. the
-    stage inputs), full backward into ``.grad`` (accumulating, as over microbatches), one AdamW step (the
-    default optimizer, once per training step), each timed."""
+    """One repetition of the stage as a rank runs it, each part timed: its forward, its full backward into
+    ``.grad`` (accumulating, as over microbatches) and one AdamW step (the default optimizer, once per
+    training step); then its backward split as a zero-bubble schedule runs it (compiler/frontend/deferred.py):
+    the forward again with the linear layers' weight grads deferred, the input half (``BWD_I``: every grad
+    but those, and the extra the deferring forward took over the plain one) and the weight half (``BWD_W``).
+    A stage fed by token inputs splits too (its input half finds the grads the weight half needs)."""
+    from pipec.compiler.frontend.deferred import WeightGradStash, defer_weight_grads
+
     inputs = _random_inputs(sigs, sources)
     float_inputs = [x for x in inputs if x.requires_grad]
     params = [p for p in mod.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-9) if params else None
 
+    def context():
+        return torch.autocast("cpu", dtype=to_dtype(autocast)) if autocast else torch.autocast("cpu", enabled=False)
+
     def once() -> _Sample:
-        ctx = torch.autocast("cpu", dtype=to_dtype(autocast)) if autocast else torch.autocast("cpu", enabled=False)
         t0 = time.perf_counter()
-        with ctx:
+        with context():
             outs = [o for o in mod(*inputs) if o.requires_grad]
         t1 = time.perf_counter()
         grads = [torch.randn_like(o) for o in outs]
-        bwd_i = 0.0  # none to time (token inputs): exactly 0, not the timer's own microseconds
-        if float_inputs and outs:
-            t2 = time.perf_counter()
-            torch.autograd.grad(outs, float_inputs, grads, retain_graph=True)
-            bwd_i = time.perf_counter() - t2
         t3 = time.perf_counter()
         if outs:
             torch.autograd.backward(outs, grads, inputs=float_inputs + params)
@@ -289,7 +293,19 @@ def _stage_runner(mod: nn.Module, sigs: Sequence[Any], sources: Sequence[int],
         if opt is not None:
             opt.step()
             optim = time.perf_counter() - t4
-        return t1 - t0, bwd_i, t4 - t3, optim
+        bwd_i = bwd_w = 0.0
+        if outs:
+            stash = WeightGradStash()
+            t5 = time.perf_counter()
+            with context(), defer_weight_grads(stash):
+                split = [o for o in mod(*inputs) if o.requires_grad]
+            t6 = time.perf_counter()
+            torch.autograd.backward(split, grads)
+            t7 = time.perf_counter()
+            stash.run()
+            bwd_w = time.perf_counter() - t7
+            bwd_i = t7 - t6 + max(0.0, (t6 - t5) - (t1 - t0))
+        return t1 - t0, bwd_i, t4 - t3, optim, bwd_w
 
     return once
 
@@ -403,7 +419,7 @@ def _least_sample(samples: Sequence[_Sample]) -> _Sample:
     """Per part, the least of a stage's repetitions alone: on a machine others share, their work only adds to a
     repetition's time, so the least is the one they disturbed least (the cuts a search compares, each timed at
     another moment, are then compared on their own work)."""
-    return tuple(min(x[k] for x in samples) for k in range(4))  # type: ignore[return-value]
+    return tuple(min(x[k] for x in samples) for k in range(len(samples[0])))  # type: ignore[return-value]
 
 
 def _slowdown(alone: Mapping[int, _Sample], at_once: Sequence[Mapping[int, Sequence[_Sample]]]) -> tuple[float, ...]:
@@ -422,9 +438,10 @@ def _slowdown(alone: Mapping[int, _Sample], at_once: Sequence[Mapping[int, Seque
 
 
 def _cost(sample: Sequence[float]) -> Cost:
-    fwd, bwd_i, bwd, optim = sample
-    bwd_i = min(bwd_i, bwd)
-    return Cost(fwd=fwd, bwd=bwd, bwd_i=bwd_i, bwd_w=bwd - bwd_i, optim=optim)
+    fwd, bwd_i, bwd, optim, bwd_w = sample
+    if not bwd_i and not bwd_w:  # nothing to split (no output needing a grad)
+        bwd_w = bwd
+    return Cost(fwd=fwd, bwd=bwd, bwd_i=bwd_i, bwd_w=bwd_w, optim=optim)
 
 
 class _Together:
@@ -571,5 +588,5 @@ def _profile(split: Split, profile: Profiling, *, autocast: str | None, target: 
         slowdown = _SLOWDOWN.get(key)
     finally:
         restore()
-    factor = slowdown or (1.0,) * 4
+    factor = (*slowdown, slowdown[2]) if slowdown else (1.0,) * 5  # the weight half is a backward's
     return [_cost([x * f for x, f in zip(alone[s], factor)]) for s in range(split.num_stages)], slowdown
