@@ -266,8 +266,9 @@ def _stage_runner(mod: nn.Module, sigs: Sequence[Any], sources: Sequence[int],
     """One repetition of the stage as a rank runs it, each part timed: its forward, its full backward into
     ``.grad`` (accumulating, as over microbatches) and one AdamW step (the default optimizer, once per
     training step); then its backward split as a zero-bubble schedule runs it (compiler/frontend/deferred.py):
-    the forward again with the linear layers' weight grads deferred, the input half (``BWD_I``: every grad
-    but those, and the extra the deferring forward took over the plain one) and the weight half (``BWD_W``).
+    the forward again with the linear layers' weight grads deferred (untimed: it costs the plain forward's
+    time and a few percent, and the difference of two samples taken in a crowd is noise), the input half
+    (``BWD_I``: every grad but those) and the weight half (``BWD_W``).
     A stage fed by token inputs splits too (its input half finds the grads the weight half needs)."""
     from pipec.compiler.frontend.deferred import WeightGradStash, defer_weight_grads
 
@@ -296,7 +297,6 @@ def _stage_runner(mod: nn.Module, sigs: Sequence[Any], sources: Sequence[int],
         bwd_i = bwd_w = 0.0
         if outs:
             stash = WeightGradStash()
-            t5 = time.perf_counter()
             with context(), defer_weight_grads(stash):
                 split = [o for o in mod(*inputs) if o.requires_grad]
             t6 = time.perf_counter()
@@ -304,7 +304,7 @@ def _stage_runner(mod: nn.Module, sigs: Sequence[Any], sources: Sequence[int],
             t7 = time.perf_counter()
             stash.run()
             bwd_w = time.perf_counter() - t7
-            bwd_i = t7 - t6 + max(0.0, (t6 - t5) - (t1 - t0))
+            bwd_i = t7 - t6
         return t1 - t0, bwd_i, t4 - t3, optim, bwd_w
 
     return once
