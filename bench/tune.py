@@ -8,15 +8,19 @@
     computing, last session's model), the prediction-only pick against the best measured (goal: within 5%), the Spearman rank
     correlation of predicted and measured (goal >= 0.8), tune's own pick over its whole space and its
     ``--measure 3`` pick.
+    ``--pool DIR ...`` runs nothing: it reads the grids of earlier ``--part a --out DIR`` runs (the same
+    runtime) and compares each run's predictions with every run's measured steps pooled, a measurement
+    with a third of one run's noise, beside how one run's measurement ranks against the others'.
 (b) The note's 13B GPT on 64 devices of 80 GB (meta tracing, costs flops at 989 TFLOP/s): the whole
     search's time (goal <= 60 s) and why it picks what it picks.
 
-    python bench/tune.py [--part a|b|both] [--steps 10] [--rounds 3] [--out DIR]
+    python bench/tune.py [--part a|b|both] [--steps 10] [--rounds 3] [--out DIR] | --pool DIR ...
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import statistics
@@ -195,6 +199,38 @@ def part_a(folder: str, steps: int, rounds: int) -> None:
     print(f"  --measure 3 pick: {_name(top3.best.candidate)}")
 
 
+def _grid_key(spec: dict) -> tuple:
+    return (spec["pp"], spec["dp"], spec["schedule"], spec["virtual"], spec["microbatches"])
+
+
+def pooled(folders: list[str]) -> None:
+    """Each earlier run's predictions against every run's measured steps pooled (see the module's text)."""
+    steps: dict[str, dict[tuple, list[float]]] = {}
+    pred: dict[str, dict[tuple, float]] = {}
+    for d in folders:
+        for path in glob.glob(os.path.join(d, "grid*", "candidate*.report.json")):
+            with open(path, encoding="utf-8") as f:
+                report = json.load(f)
+            with open(path.replace(".report.json", ".json"), encoding="utf-8") as f:
+                plan = json.load(f)
+            key = _grid_key(plan["spec"])
+            steps.setdefault(d, {}).setdefault(key, []).extend(x["step_time"] for x in report["steps"][1:])
+            pred.setdefault(d, {})[key] = plan["prediction"]["step_time"]
+    keys = sorted(set.intersection(*(set(v) for v in steps.values())))
+    truth = {k: statistics.median(x for d in folders for x in steps[d][k]) for k in keys}
+    best = min(keys, key=truth.get)
+    print(f"pooled: {len(folders)} runs, {len(keys)} candidates, best measured {' '.join(map(str, best))} "
+          f"{truth[best] * 1e3:.1f} ms")
+    for d in folders:
+        pick = min(keys, key=lambda k: pred[d][k])
+        others = [statistics.median(x for e in folders if e != d for x in steps[e][k]) for k in keys]
+        own = [statistics.median(steps[d][k]) for k in keys]
+        print(f"  {d}: its predictions against the pooled: pick {' '.join(map(str, pick))} "
+              f"{truth[pick] / truth[best] - 1:.1%} over the best, Spearman "
+              f"{spearman([pred[d][k] for k in keys], [truth[k] for k in keys]):.3f}; its measurement against "
+              f"the others' pooled: Spearman {spearman(own, others):.3f}")
+
+
 def _name(c: Candidate) -> str:
     return f"{c.layout} {c.schedule} v {c.num_chunks} M {c.num_microbatches}"
 
@@ -226,7 +262,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10, help="steps of every run (the first, a warm-up, left out)")
     ap.add_argument("--rounds", type=int, default=3, help="runs of every grid candidate, in alternating order")
     ap.add_argument("--out", default=None, help="folder for the plans and reports (default: a temporary one)")
+    ap.add_argument("--pool", nargs="+", metavar="DIR", help="compare earlier --part a runs' folders; runs nothing")
     args = ap.parse_args()
+    if args.pool:
+        pooled(args.pool)
+        return 0
     folder = args.out or tempfile.mkdtemp(prefix="pipec-bench-tune-")
     os.makedirs(folder, exist_ok=True)
     if args.part in ("b", "both"):
