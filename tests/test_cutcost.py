@@ -104,6 +104,16 @@ def test_a_cost_only_cut_equals_the_full_cut(model, stages, partition, kw, monke
     assert fast == full
 
 
+def test_a_stage_taking_tokens_is_priced_as_the_cost_only_cut_prices_it_to_the_bit():
+    from pipec.compiler.frontend import costs
+    from pipec.compiler.plan import Cost
+
+    flops = Cost(fwd=1.0, bwd=0.3, bwd_i=0.1, bwd_w=0.2)  # 0.1 + 0.2 is not 0.3 in floating point
+    assert costs._no_input_grad(flops).bwd_w == 0.3  # the 13B tune's winner failed its cut's confirmation
+    timed = Cost(fwd=1.0, bwd=0.3, bwd_i=0.125, bwd_w=0.25)  # costs profile timed the split on its own
+    assert costs._no_input_grad(timed, timed_split=True) == Cost(fwd=1.0, bwd=0.3, bwd_i=0.0, bwd_w=0.375)
+
+
 def test_every_kind_of_crossing_on_random_cuts():
     """Random valid cuts of each model, compared part by part and cost by cost."""
     rng = random.Random(0)

@@ -141,10 +141,10 @@ def with_recompute(cost: Cost) -> Cost:
     return replace(cost, bwd=cost.bwd + cost.fwd, bwd_i=cost.bwd_i + cost.fwd)
 
 
-def _no_input_grad(cost: Cost) -> Cost:
+def _no_input_grad(cost: Cost, *, timed_split: bool = False) -> Cost:
     """A stage fed only by model inputs sends no gradient: its whole backward is the weight half (both halves
-    of a split it was timed with)."""
-    return replace(cost, bwd_i=0.0, bwd_w=cost.bwd_i + cost.bwd_w)
+    of the split ``costs profile`` timed; else its backward, to the bit, as the cost-only cut prices it)."""
+    return replace(cost, bwd_i=0.0, bwd_w=cost.bwd_i + cost.bwd_w if timed_split else cost.bwd)
 
 
 # ----------------------------------------------------------------------------- balancer weights
@@ -545,7 +545,7 @@ def stage_costs(
     out = []
     for s in range(num):
         if source != "unit" and all(src < 0 for src in split.parts[s].sources):
-            base[s] = _no_input_grad(base[s])
+            base[s] = _no_input_grad(base[s], timed_split=source == "profile")
         full = stage_activation_bytes(split, s)
         if s in recompute:
             cost, act = with_recompute(base[s]), sum(x.num_bytes for x in split.parts[s].inputs)
