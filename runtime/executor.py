@@ -201,12 +201,15 @@ class Executor:
         here = plan.placement
         self.remote_producers = {s: [p for p in ps if here[p] != pp_rank] for s, ps in self.producers.items()}
         self.remote_consumers = {s: [c for c in cs if here[c] != pp_rank] for s, cs in self.consumers.items()}
-        self.split = {ins.stage for ins in self.instructions if ins.op is Op.BWD_I}
+        self.split = {ins.stage for ins in self.instructions if ins.op is Op.BWD_I and self.producers.get(ins.stage)}
+        """Stages whose backward is split: input grads at ``BWD_I``, the linear layers' weight grads at ``BWD_W``. A
+        stage fed only by the model's inputs sends no gradient: its ``BWD_I`` does nothing and its ``BWD_W`` is its
+        whole backward, as the plan prices it (torch's rule for the zero-bubble split)."""
         self.recompute = set(plan.spec.get("recompute") or ())
         """Stages that save only their inputs and run their forward again in the backward."""
         self.clock = CudaClock(self.device) if self.device.type == "cuda" else HostClock()
         compute: dict[Op, Callable[[Any], None]] = {
-            Op.FWD: self.forward, Op.BWD: self.backward, Op.BWD_I: self.backward, Op.BWD_W: self.backward_weight}
+            Op.FWD: self.forward, Op.BWD: self.backward, Op.BWD_I: self.backward_input, Op.BWD_W: self.backward_weight}
         payload: dict[Op, Callable[[Message], Sequence[torch.Tensor]]]
         if emulate is None:
             missing = [s for s, r in enumerate(here) if r == pp_rank and s not in self.modules]
@@ -613,7 +616,16 @@ class Executor:
             self.stashes.pop((s, m)).run()
         self.record(ins, start)
 
+    def backward_input(self, ins: Instruction) -> None:
+        if ins.stage in self.split:
+            self.backward(ins)
+        else:  # no input gradient to send: the whole backward waits for BWD_W
+            self.record(ins, self.now())
+
     def backward_weight(self, ins: Instruction) -> None:
+        if ins.stage not in self.split:
+            self.backward(ins)
+            return
         if self.unshards:
             self.gathered(ins.stage)
         start = self.now()

@@ -110,8 +110,8 @@ def test_a_stage_taking_tokens_is_priced_as_the_cost_only_cut_prices_it_to_the_b
 
     flops = Cost(fwd=1.0, bwd=0.3, bwd_i=0.1, bwd_w=0.2)  # 0.1 + 0.2 is not 0.3 in floating point
     assert costs._no_input_grad(flops).bwd_w == 0.3  # the 13B tune's winner failed its cut's confirmation
-    timed = Cost(fwd=1.0, bwd=0.3, bwd_i=0.125, bwd_w=0.25)  # costs profile timed the split on its own
-    assert costs._no_input_grad(timed, timed_split=True) == Cost(fwd=1.0, bwd=0.3, bwd_i=0.0, bwd_w=0.375)
+    timed = Cost(fwd=1.0, bwd=0.3, bwd_i=0.125, bwd_w=0.25)  # costs profile timed the split: the run does not split it
+    assert costs._no_input_grad(timed) == Cost(fwd=1.0, bwd=0.3, bwd_i=0.0, bwd_w=0.3)
 
 
 def test_every_kind_of_crossing_on_random_cuts():

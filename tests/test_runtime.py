@@ -130,6 +130,23 @@ def test_zero_bubble_split_defers_weight_grads():
         assert {"F", "I", "W"} <= kinds and "B" not in kinds
 
 
+def test_the_first_stage_runs_its_whole_backward_at_w_as_its_cost_says(monkeypatch):
+    """Stage 0 sends no gradient: its I does nothing and its W is its whole backward, unsplit (the plan prices
+    it so under flops and profile costs: bwd_i 0, bwd_w the full backward); the other stages split."""
+    plan = tiny_gpt("zb_h1", 1, 2)
+    made = []
+    real = Executor.__init__
+
+    def init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(Executor, "__init__", init)
+    results, _ = run_in_process(plan)
+    assert sorted(tuple(sorted(ex.split)) for ex in made) == [(), (1,)]
+    assert all(not ex.stashes for ex in made)  # every deferred weight grad was run
+
+
 def test_emulate_runs_every_kind_of_instruction_and_measures_the_predicted_bubble():
     """--emulate's own table entries: compute sleeps its cost, one-element placeholders travel, collectives and
     the optimizer step run; at unit cost the measured bubble is the predicted one."""

@@ -18,7 +18,7 @@ Sources, most trusted first (DESIGN, *Cost model*):
 
 A stage fed only by model inputs (stage 0) sends no gradient, so its input
 backward is 0 and its weight backward is the whole backward (torch's rule for
-the zero-bubble split).
+the zero-bubble split; the runtime runs that stage's whole backward at ``BWD_W``).
 
 With recompute on for a stage, the forward is run again before the backward:
 input backward (and so the full backward) gains one forward, and the saved
@@ -141,10 +141,10 @@ def with_recompute(cost: Cost) -> Cost:
     return replace(cost, bwd=cost.bwd + cost.fwd, bwd_i=cost.bwd_i + cost.fwd)
 
 
-def _no_input_grad(cost: Cost, *, timed_split: bool = False) -> Cost:
-    """A stage fed only by model inputs sends no gradient: its whole backward is the weight half (both halves
-    of the split ``costs profile`` timed; else its backward, to the bit, as the cost-only cut prices it)."""
-    return replace(cost, bwd_i=0.0, bwd_w=cost.bwd_i + cost.bwd_w if timed_split else cost.bwd)
+def _no_input_grad(cost: Cost) -> Cost:
+    """A stage fed only by model inputs sends no gradient: its ``BWD_I`` does nothing and its ``BWD_W`` is its whole
+    backward, unsplit (the runtime runs it so), to the bit as the cost-only cut prices it."""
+    return replace(cost, bwd_i=0.0, bwd_w=cost.bwd)
 
 
 # ----------------------------------------------------------------------------- balancer weights
@@ -269,7 +269,7 @@ def _stage_runner(mod: nn.Module, sigs: Sequence[Any], sources: Sequence[int],
     the forward again with the linear layers' weight grads deferred (untimed: it costs the plain forward's
     time and a few percent, and the difference of two samples taken in a crowd is noise), the input half
     (``BWD_I``: every grad but those) and the weight half (``BWD_W``).
-    A stage fed by token inputs splits too (its input half finds the grads the weight half needs)."""
+    A stage fed by token inputs is timed split too (the runtime does not split it: its cost is the full backward)."""
     from pipec.compiler.frontend.deferred import WeightGradStash, defer_weight_grads
 
     inputs = _random_inputs(sigs, sources)
@@ -545,7 +545,7 @@ def stage_costs(
     out = []
     for s in range(num):
         if source != "unit" and all(src < 0 for src in split.parts[s].sources):
-            base[s] = _no_input_grad(base[s], timed_split=source == "profile")
+            base[s] = _no_input_grad(base[s])
         full = stage_activation_bytes(split, s)
         if s in recompute:
             cost, act = with_recompute(base[s]), sum(x.num_bytes for x in split.parts[s].inputs)
