@@ -55,18 +55,20 @@ def test_half_overlap_prices_each_part_at_its_crowd():
     assert got == [pytest.approx(0.5 + 0.5 / work)] * 2
 
 
-def test_ranks_that_each_have_a_core_run_as_alone_and_the_excess_belongs_to_the_oversubscription():
+def test_ranks_share_the_cores_and_the_oversubscribed_hosts_excess_stays():
     # K = 4 at once on C = 2 cores timed at s = 2.5 (0.5 over 4 / 2: the oversubscribed host's switching)
     sh = Sharing(hosts=((1,),) * 4, at_once=4, slowdown={"FWD": 2.5}, slots=2)
-    assert sh.rate(2.5, 1) == sh.rate(2.5, 2) == 2.5  # a core each: the rate alone
-    assert sh.rate(2.5, 3) == pytest.approx(2.5 / 1.75)  # halfway from 1 to s
+    assert sh.rate(2.5, 1) == sh.rate(2.5, 2) == 2.0  # a core each: twice the crowd's share, not the rate alone
+    assert sh.rate(2.5, 3) == pytest.approx(4 / 3)  # 2 cores 3 ways
     assert sh.rate(2.5, 4) == pytest.approx(1.0)  # the crowd the profile timed: its cost
-    # without the cores, the crowd's slowdown is spread over every rank that computes
-    old = Sharing(hosts=((1,),) * 4, at_once=4, slowdown={"FWD": 2.5})
-    assert [old.rate(2.5, k) for k in (1, 2, 3, 4)] == [2.5, 2.0, pytest.approx(4 / 3), 1.0]
-    # two computes at once on two cores: each at its rate alone, half its cost
+    assert sh.rate(1.5, 1) == 1.5  # never faster than alone
+    # a slot per process, or no cores recorded: the crowd's slowdown is spread over every rank that computes
+    for many in (Sharing(hosts=((1,),) * 4, at_once=4, slowdown={"FWD": 2.5}),
+                 Sharing(hosts=((1,),) * 4, at_once=4, slowdown={"FWD": 2.5}, slots=4)):
+        assert [many.rate(2.5, k) for k in (1, 2, 3, 4)] == [2.5, 2.0, pytest.approx(4 / 3), 1.0]
+    # two computes at once on two cores: each at twice the crowd's rate, half its cost
     got = sh.scales([(0, "FWD", 0.0, 1.0), (1, "FWD", 0.0, 1.0)], [1.0, 1.0])
-    assert got == [pytest.approx(0.5 + 0.5 / 2.5)] * 2
+    assert got == [pytest.approx(0.5 + 0.5 / 2.0)] * 2
 
 
 @pytest.mark.parametrize("profile, slots", [
