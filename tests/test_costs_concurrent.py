@@ -153,8 +153,47 @@ def test_gloo_links_and_overhead_slow_down_as_the_profiled_ranks_did():
         assert _under_load(SimpleNamespace(model=model), links, overhead) == (links, overhead, 1.0)
 
 
-def test_the_slowdown_is_measured_once_per_process_and_ranks():
-    first = build_stage_graph(_mlp(local_ranks=3, stages=2)).model["profile"]["slowdown"]
-    assert [round(x, 4) for x in costs._SLOWDOWN[(3, 1)]] == [first[k] for k in costs._PARTS]
-    again = build_stage_graph(_mlp(local_ranks=3, stages=4)).model["profile"]["slowdown"]
-    assert again == first, "a second cut is priced under the same measured contention"
+def test_every_cut_is_timed_in_its_own_crowd_one_fork_for_all_its_repeats(monkeypatch):
+    calls = []
+    real = costs._at_once
+
+    def counting(num, work):
+        got = real(num, work)
+        calls.append((num, [len(repeats) for repeats in got]))
+        return got
+
+    monkeypatch.setattr(costs, "_at_once", counting)
+    two = build_stage_graph(_mlp(local_ranks=3, stages=2)).model["profile"]
+    four = build_stage_graph(_mlp(local_ranks=3, stages=4)).model["profile"]
+    assert calls == [(3, [costs.CROWD_REPEATS] * 3)] * 2  # a crowd per cut, each process timing every repeat
+    assert set(two["slowdown"]) == set(four["slowdown"]) == set(costs._PARTS)
+    assert not mp.active_children()
+
+
+def test_a_process_done_first_keeps_the_crowd_at_every_repeat():
+    import time as _time
+
+    def work(rank, together):
+        loads = []
+        for _ in range(3):
+            together.start()
+            _time.sleep(0.05 * rank)  # rank 0 is done first in every round
+            count = [0]
+            together.finish(lambda: (count.__setitem__(0, count[0] + 1), _time.sleep(0.001)))
+            loads.append(count[0])
+        return loads
+
+    got = costs._at_once(3, work)
+    assert all(n > 0 for n in got[0]), got  # it ran its load until the others were done, every round
+
+
+def test_every_cut_is_priced_at_the_host_speed_of_the_first_profile(monkeypatch):
+    monkeypatch.setattr(costs, "_HOST_BASELINE", {})
+    speed = iter([1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 1.0, 1.0, 4.0])  # the reference's time before each round
+    monkeypatch.setattr(costs, "_reference", lambda threads: lambda: next(speed))
+    prof = costs.Profiling(reps=3)
+    first = prof.alone({0: lambda: (1.0, 0.5, 2.0, 0.1, 1.5)})
+    later = prof.alone({0: lambda: (2.0, 1.0, 4.0, 0.2, 3.0)})  # the host runs at half its speed for a whole cut
+    assert first == later == {0: (1.0, 0.5, 2.0, 0.1, 1.5)}
+    samples = iter([(9.0,) * 5, (1.2,) * 5, (1.1,) * 5, (6.0,) * 5])  # a warm-up, then rounds at speed 1, 1, 4
+    assert prof.alone({0: lambda: next(samples)}) == {0: (1.1,) * 5}  # the slow round is 1.5 at the first speed

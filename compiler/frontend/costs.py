@@ -325,11 +325,6 @@ of the repeats'. Five compiles in a row on a quiet 2-core machine, 4 processes, 
 slowdowns 2.84, 2.69, 2.40, 3.68, 2.18 (one window the whole host ran slow in: every process at 3.7x)."""
 
 SYNC_TIMEOUT_S = 600.0
-
-_SLOWDOWN: dict[tuple[int, int], tuple[float, ...]] = {}
-"""The slowdown this process measured, by (ranks, threads): measured once, as the links are (links.py), so
-every cut a process profiles (``pipec tune``'s, a test session's) is priced under one measured contention and
-their ranking is not the machine's load drifting between two cuts."""
 """How long a profiling process waits for the others to start before giving up."""
 
 
@@ -337,8 +332,8 @@ their ranking is not the machine's load drifting between two cuts."""
 class Profiling:
     """How ``costs profile`` times the stages: the way the run will run them (plan.json ``model["profile"]``).
 
-    Each stage is timed alone first (this process, ``threads`` intra-op threads, ``reps`` repetitions after a
-    warm-up, the least of them): that gives the stages' costs relative to each other with little noise. With more
+    Each stage is timed alone first (this process, ``threads`` intra-op threads, ``reps`` rounds after a
+    warm-up, the stages in turn, the least of each: :meth:`alone`): that gives the stages' costs relative to each other with little noise. With more
     than one rank here, ``num_ranks`` processes (the run's ranks on this machine, :data:`MAX_PROFILE_RANKS` at
     most) then time the stages all at once, as the run's ranks compute at once, each with ``threads``
     threads: the stages are dealt out round them (:meth:`share`), they start together, each keeps timing
@@ -350,8 +345,12 @@ class Profiling:
     every stage's cost is its cost alone times it: one factor per part, since which process the scheduler
     favours over a short window is luck the run does not repeat. The processes do that ``crowd_repeats``
     times and the slowdown is the median of the repeats' (a window in which the whole host ran slow is one
-    repeat, not the price of every stage). The slowdown is measured once per process (:data:`_SLOWDOWN`),
-    on the first cut it profiles."""
+    repeat, not the price of every stage); the processes are forked and build their stages once for all the
+    repeats. The slowdown is measured for every cut: it is the cut's own (on 2 cores, 4 processes, the example
+    GPT: 1.8-2.2 for the whole model at one sequence a microbatch, 2.0-2.1 for four stages at four, 2.4-2.7 for
+    two stages at two), and a stage's alone time and its slowdown are measured from the same stage, so a noisy
+    alone time is corrected by its crowd's (their product, the cost, repeats within 5% where each factor moved by
+    up to 30%: a slowdown measured once and applied to other cuts carried every other cut's alone noise)."""
 
     num_ranks: int = 1
     """Processes timing the stages at once (this one and ``num_ranks - 1`` forked from it)."""
@@ -379,6 +378,31 @@ class Profiling:
             out.append(once())
         return out
 
+    def alone(self, runners: Mapping[int, Callable[[], _Sample]]) -> dict[int, _Sample]:
+        """Every stage timed alone, in turn: a warm-up of each, then ``reps`` rounds of one sample of each, the least
+        per part (:func:`_least_sample`), at the host's speed when this process first profiled.
+
+        In turn, a window in which the host runs slow costs every stage a sample rather than one stage all of its
+        own (timed one stage after another, one cut of the example GPT had its first stage at 9.6 ms and the other
+        three at 16-19; 12 ms each in the next compile). And a window lasts seconds: a virtual machine's host runs
+        every stage 20-30% slower for a while (its neighbours, its clock), so the cuts ``pipec tune`` compares,
+        each profiled at another moment, would be ranked by the moment. Each round also times a fixed reference
+        (:func:`_reference`); a sample is scaled by the reference's median time in this process's first profile
+        (:data:`_HOST_BASELINE`) over its time in the sample's round, so every cut is priced at one host speed (the
+        crowd's samples too, by the reference timed just before each repeat). One cut compiled four times in a
+        row: predicted steps 581-617 ms (563-740 before)."""
+        reference = _reference(self.threads)
+        for once in runners.values():
+            once()
+        got: dict[int, list[_Sample]] = {s: [] for s in runners}
+        speed: list[float] = []
+        for _ in range(self.reps):
+            speed.append(reference())
+            for s, once in runners.items():
+                got[s].append(once())
+        _HOST_BASELINE.setdefault(self.threads, statistics.median(speed))
+        return {s: _least_sample([_steady(x, r, self.threads) for x, r in zip(xs, speed)]) for s, xs in got.items()}
+
     def record(self, slowdown: Sequence[float] | None) -> dict[str, Any]:
         """plan.json's ``model["profile"]``: this, and the slowdown measured (forward, input backward,
         backward, optimizer)."""
@@ -392,6 +416,35 @@ class Profiling:
 
 
 _PARTS = ("fwd", "bwd_i", "bwd", "optim")
+
+_HOST_BASELINE: dict[int, float] = {}
+"""By threads per rank: the reference's median time in this process's first profile (:meth:`Profiling.alone`)."""
+
+
+def _steady(sample: _Sample, reference_s: float, threads: int) -> _Sample:
+    """A sample taken while the reference took ``reference_s``, at the host's speed of :data:`_HOST_BASELINE`."""
+    f = _HOST_BASELINE[threads] / reference_s
+    return tuple(x * f for x in sample)  # type: ignore[return-value]
+
+
+def _reference(threads: int) -> Callable[[], float]:
+    """A fixed piece of work like a transformer block's MLP (two linear layers and a GELU on a 256 x 256 input,
+    about 0.27 GFLOP): the seconds of the faster of two runs, to tell how fast the host runs now."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 256, generator=gen)
+    w1, w2 = torch.randn(1024, 256, generator=gen) * 0.05, torch.randn(256, 1024, generator=gen) * 0.05
+
+    def once() -> float:
+        best = float("inf")
+        with torch.no_grad():
+            for _ in range(2):
+                t0 = time.perf_counter()
+                torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(x, w1)), w2)
+                best = min(best, time.perf_counter() - t0)
+        return best
+
+    once()
+    return once
 
 
 def profiling(*, local_ranks: int, threads: int, reps: int) -> Profiling:
@@ -425,8 +478,8 @@ def _least_sample(samples: Sequence[_Sample]) -> _Sample:
 def _slowdown(alone: Mapping[int, _Sample], at_once: Sequence[Mapping[int, Sequence[_Sample]]]) -> tuple[float, ...]:
     """Per part: what every concurrent sample took over what the same samples took alone. A part none of the
     samples has (the input backward of a cut whose stages take only tokens, the optimizer of stages with no
-    parameters) takes the backward's slowdown (the forward's without one; 1 without either): the slowdown is
-    measured once per process, on its first cut, and prices every later cut's parts, which may have it."""
+    parameters) takes the backward's slowdown (the forward's without one; 1 without either): it prices nothing
+    of the cut, but the record and the processor sharing have every part."""
     out: list[float | None] = []
     for k in range(4):
         slow = sum(x[k] for one in at_once for samples in one.values() for x in samples)
@@ -451,18 +504,20 @@ class _Together:
         self.num = num
         self.barrier = ctx.Barrier(num, timeout=SYNC_TIMEOUT_S) if num > 1 else None
         self.done = ctx.Value("i", 0) if num > 1 else None
+        self.rounds = 0
 
     def start(self) -> None:
         if self.barrier is not None:
             self.barrier.wait()
 
     def finish(self, load: Callable[[], Any]) -> None:
-        """This process is done: keep ``load`` running until every process is."""
+        """This process is done with this round: keep ``load`` running until every process is."""
         if self.done is None:
             return
+        self.rounds += 1  # this process's own count (each has its copy): rounds done by all = done / num
         with self.done.get_lock():
             self.done.value += 1
-        while self.done.value < self.num and not self.barrier.broken:  # broken: one failed (it says why)
+        while self.done.value < self.num * self.rounds and not self.barrier.broken:  # broken: one failed (it says why)
             load()
 
     def abort(self) -> None:
@@ -570,22 +625,32 @@ def _profile(split: Split, profile: Profiling, *, autocast: str | None, target: 
         return {s: _stage_runner(materialize(split, s, {c: values[c] for c in split.parts[s].params}, buffers, "cpu"),
                                  split.parts[s].inputs, split.parts[s].sources, autocast) for s in stages}
 
-    def at_once(rank: int, together: _Together) -> dict[int, list[_Sample]]:
+    def at_once(rank: int, together: _Together) -> list[tuple[float, dict[int, list[_Sample]]]]:
+        """This process's samples of its stages per repeat of the crowd, each with the reference's time just before
+        it (process 0 times it, alone: the others wait at the start)."""
         torch.set_num_threads(profile.threads)
         mine = runners(profile.share(rank, split.num_stages))
-        together.start()  # every process built its stages: time them together
-        out = {s: profile.samples(once, profile.min_time_s) for s, once in mine.items()}
-        together.finish(mine[max(mine)])
+        reference = _reference(profile.threads) if rank == 0 else None
+        out = []
+        for _ in range(max(1, profile.crowd_repeats)):
+            speed = reference() if reference else 0.0
+            together.start()  # every process built its stages (and finished the last repeat): time them together
+            out.append((speed, {s: profile.samples(once, profile.min_time_s) for s, once in mine.items()}))
+            together.finish(mine[max(mine)])
         return out
+
+    def repeat(by_rank: list, r: int) -> list[dict[int, list[_Sample]]]:
+        """The crowd's samples of repeat r, at the host's speed of the alone samples."""
+        speed = by_rank[0][r][0]
+        return [{s: [_steady(x, speed, profile.threads) for x in xs] for s, xs in mine[r][1].items()} for mine in by_rank]
 
     restore = _threads(profile.threads)
     try:
-        alone = {s: _least_sample(profile.samples(runners([s])[s])) for s in range(split.num_stages)}  # one at a time
-        key = (profile.num_ranks, profile.threads)
-        if profile.num_ranks > 1 and key not in _SLOWDOWN:
-            _SLOWDOWN[key] = _median_slowdown([_slowdown(alone, _at_once(profile.num_ranks, at_once))
-                                               for _ in range(max(1, profile.crowd_repeats))])
-        slowdown = _SLOWDOWN.get(key)
+        alone = profile.alone(runners(range(split.num_stages)))
+        slowdown = None
+        if profile.num_ranks > 1:
+            by_rank = _at_once(profile.num_ranks, at_once)
+            slowdown = _median_slowdown([_slowdown(alone, repeat(by_rank, r)) for r in range(len(by_rank[0]))])
     finally:
         restore()
     factor = (*slowdown, slowdown[2]) if slowdown else (1.0,) * 5  # the weight half is a backward's
