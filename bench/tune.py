@@ -8,13 +8,15 @@
     computing, last session's model), the prediction-only pick against the best measured (goal: within 5%), the Spearman rank
     correlation of predicted and measured (goal >= 0.8), tune's own pick over its whole space and its
     ``--measure 3`` pick.
+    ``--against DIR ...`` compiles the grid now and scores its predictions against the measured steps of
+    earlier runs pooled (a change to the model, scored without running the grid again).
     ``--pool DIR ...`` runs nothing: it reads the grids of earlier ``--part a --out DIR`` runs (the same
     runtime) and compares each run's predictions with every run's measured steps pooled, a measurement
     with a third of one run's noise, beside how one run's measurement ranks against the others'.
 (b) The note's 13B GPT on 64 devices of 80 GB (meta tracing, costs flops at 989 TFLOP/s): the whole
     search's time (goal <= 60 s) and why it picks what it picks.
 
-    python bench/tune.py [--part a|b|both] [--steps 10] [--rounds 3] [--out DIR] | --pool DIR ...
+    python bench/tune.py [--part a|b|both] [--steps 10] [--rounds 3] [--out DIR] | --pool DIR ... | --against DIR ...
 """
 
 from __future__ import annotations
@@ -151,19 +153,27 @@ def _repeatability(runs: dict[Candidate, list[list[float]]]) -> float:
                                      [statistics.median(runs[c][b]) for c in kept]) for a, b in pairs)
 
 
-def part_a(folder: str, steps: int, rounds: int) -> None:
+def _grid(folder: str) -> tuple[TuneRequest, list[Scored]]:
+    """The grid's candidates compiled through tune's own front end (one trace per microbatch shape, one cut
+    and one profile per distinct cut)."""
     path = _write(folder, "gpt_small.pipe", SMALL)
     treq = TuneRequest(base=load_spec(path, {}).request, num_devices=4)
     grid = [c for c in candidates(treq) if _in_grid(c)]
-    print(f"(a) {len(grid)} grid candidates on 4 ranks, global batch 16, costs profile, {steps} steps each, "
-          f"{rounds} rounds; {os.cpu_count()} cores")
     t0 = time.perf_counter()
-    scored, graphs = [], _Graphs(treq, 16)  # tune's front end: one trace per microbatch shape, one cut per stages
+    scored, graphs = [], _Graphs(treq, 16)
     for c in grid:
         plan = compile_request(candidate_request(treq, c, global_batch=16), graph=graphs.graph(c)).plan
         scored.append(_score(c, plan, 16 * 128, None, 4))
-    prof = scored[0].plan.model.get("profile", {})
-    print(f"  compiled in {time.perf_counter() - t0:.1f} s; profile: {prof}")
+    slowdowns = sorted({s.plan.model["profile"]["slowdown"]["fwd"] for s in scored})
+    print(f"  {len(grid)} grid candidates compiled in {time.perf_counter() - t0:.1f} s; the crowd's forward "
+          f"slowdown per cut {', '.join(f'{x:.2f}' for x in slowdowns)}")
+    return treq, scored
+
+
+def part_a(folder: str, steps: int, rounds: int) -> None:
+    print(f"(a) the grid on 4 ranks, global batch 16, costs profile, {steps} steps each, {rounds} rounds; "
+          f"{os.cpu_count()} cores")
+    treq, scored = _grid(folder)
     runs = _measured(scored, folder, steps, rounds)
     rows = [(s, _alone(s.plan), statistics.median(x for r in runs[s.candidate] for x in r), _crowd(s.plan))
             for s in scored if runs[s.candidate]]
@@ -231,6 +241,31 @@ def pooled(folders: list[str]) -> None:
               f"the others' pooled: Spearman {spearman(own, others):.3f}")
 
 
+def against(folders: list[str]) -> None:
+    """The grid's predictions made now (this checkout's model, a fresh profile) against earlier runs' measured
+    steps pooled: a change to the model scored without running the grid again."""
+    _, scored = _grid(tempfile.mkdtemp(prefix="pipec-bench-tune-"))
+    steps: dict[tuple, list[float]] = {}
+    for d in folders:
+        for path in glob.glob(os.path.join(d, "grid*", "candidate*.report.json")):
+            with open(path, encoding="utf-8") as f:
+                report = json.load(f)
+            with open(path.replace(".report.json", ".json"), encoding="utf-8") as f:
+                key = _grid_key(json.load(f)["spec"])
+            steps.setdefault(key, []).extend(x["step_time"] for x in report["steps"][1:])
+    rows = [(s, statistics.median(steps[k])) for s in scored if (k := _grid_key(s.plan.spec)) in steps]
+    for s, meas in sorted(rows, key=lambda r: r[1]):
+        print(f"  {_name(s.candidate):<32} predicted {s.step_time * 1e3:7.1f} ms  measured {meas * 1e3:7.1f} ms  "
+              f"{s.step_time / meas:5.2f}")
+    best = min(m for _, m in rows)
+    pick = min(rows, key=lambda r: (r[0].step_time, r[0].rank_key()))
+    err = statistics.fmean(abs(s.step_time / m - 1) for s, m in rows)
+    print(f"  {len(rows)} candidates against {len(folders)} runs' steps: pick {_name(pick[0].candidate)} "
+          f"{pick[1] / best - 1:.1%} over the best measured (goal <= 5%); Spearman "
+          f"{spearman([s.step_time for s, _ in rows], [m for _, m in rows]):.3f} (goal >= 0.8); "
+          f"mean |pred/meas - 1| {err:.0%}")
+
+
 def _name(c: Candidate) -> str:
     return f"{c.layout} {c.schedule} v {c.num_chunks} M {c.num_microbatches}"
 
@@ -263,9 +298,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="runs of every grid candidate, in alternating order")
     ap.add_argument("--out", default=None, help="folder for the plans and reports (default: a temporary one)")
     ap.add_argument("--pool", nargs="+", metavar="DIR", help="compare earlier --part a runs' folders; runs nothing")
+    ap.add_argument("--against", nargs="+", metavar="DIR",
+                    help="predict the grid now and score it against earlier --part a runs' measured steps")
     args = ap.parse_args()
     if args.pool:
         pooled(args.pool)
+        return 0
+    if args.against:
+        against(args.against)
         return 0
     folder = args.out or tempfile.mkdtemp(prefix="pipec-bench-tune-")
     os.makedirs(folder, exist_ok=True)
