@@ -85,7 +85,7 @@ class Timeline:
         per_rank = []
         bubble_total = 0.0
         for rank in sorted(busy):
-            compute, comm_wait = busy[rank]
+            compute, comm_wait = (max(0.0, x) for x in busy[rank])  # sums of differences: -1e-20 is a rounded 0
             idle = max(0.0, step_time - compute - comm_wait)
             bubble = comm_wait + idle
             bubble_total += bubble

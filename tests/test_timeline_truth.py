@@ -50,3 +50,18 @@ def test_a_simulated_plan_keeps_its_waits_in_every_view():
     x = [e for e in trace_events(tl)["traceEvents"] if e["ph"] == "X"]
     assert len(x) == len(tl.events)  # nothing split twice
     assert sum(e["dur"] for e in x if e["name"] == "~OPT") == sum((e.end - e.start) * 1e3 for e in waits)
+
+
+def test_a_rounded_zero_wait_is_zero_and_the_plan_reads_back(tmp_path):
+    # the simulator's waits are sums of differences; under processor sharing one came out -1e-20, and every
+    # rank refused the plan the compiler had written (a Hugging Face Llama, 2 ranks, costs profile)
+    from dataclasses import replace
+
+    from pipec.compiler.plan import read_plan, write_plan
+
+    t = Timeline.build(step_time=1.0, busy={0: (0.9, -1.0164395367051604e-20), 1: (0.5, 0.25)})
+    assert [r.comm_wait for r in t.per_rank] == [0.0, 0.25] and abs(t.per_rank[0].idle - 0.1) < 1e-12
+    path = str(tmp_path / "plan.json")
+    plan = compile_plan(num_ranks=2, num_microbatches=4, schedule="1f1b").plan
+    write_plan(replace(plan, prediction=t), path)
+    assert read_plan(path).prediction.per_rank[0].comm_wait == 0.0
