@@ -627,14 +627,16 @@ def _profile(split: Split, profile: Profiling, *, autocast: str | None, target: 
 
     def at_once(rank: int, together: _Together) -> list[tuple[float, dict[int, list[_Sample]]]]:
         """This process's samples of its stages per repeat of the crowd, each with the reference's time just before
-        it (process 0 times it, alone: the others wait at the start)."""
+        it (process 0 times it alone: the others have built their stages, or finished the last repeat, and wait at
+        the start)."""
         torch.set_num_threads(profile.threads)
         mine = runners(profile.share(rank, split.num_stages))
         reference = _reference(profile.threads) if rank == 0 else None
+        together.start()
         out = []
         for _ in range(max(1, profile.crowd_repeats)):
             speed = reference() if reference else 0.0
-            together.start()  # every process built its stages (and finished the last repeat): time them together
+            together.start()  # time them together
             out.append((speed, {s: profile.samples(once, profile.min_time_s) for s, once in mine.items()}))
             together.finish(mine[max(mine)])
         return out
