@@ -159,11 +159,15 @@ def test_stop_and_resume_under_shard_full_is_bit_identical(ckpt_plans):
 
 
 def assert_close_models(a: Path, b: Path) -> None:
+    """Equal to within rounding across layouts: another layout runs the kernels on other buffers (FSDP2's gathered
+    parameters), and Adam's normalised step turns a rounding difference in a near-zero gradient into part of a
+    whole step (lr 3e-4; on this machine 2.3e-6 and 1.2e-5 on 1-2 of 48 elements after four steps, in two runs
+    of the same test), so the absolute tolerance is 1e-4, a third of a step; the losses are checked to 1e-6."""
     got, _, _ = load_model_state(a)
     want, _, _ = load_model_state(b)
     assert sorted(got) == sorted(want)
     for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.timeout(400)
