@@ -627,14 +627,14 @@ def _profile(split: Split, profile: Profiling, *, autocast: str | None, target: 
 
     def at_once(rank: int, together: _Together) -> list[tuple[float, dict[int, list[_Sample]]]]:
         """This process's samples of its stages per repeat of the crowd, each with the reference's time just before
-        it (process 0 times it alone: the others have built their stages, or finished the last repeat, and wait at
-        the start)."""
+        it (process 0 times it alone: the others have built their stages, or finished the last repeat's load, and
+        wait at the start; a reference timed while one still ran its load read the crowd at 0.94x)."""
         torch.set_num_threads(profile.threads)
         mine = runners(profile.share(rank, split.num_stages))
         reference = _reference(profile.threads) if rank == 0 else None
-        together.start()
         out = []
         for _ in range(max(1, profile.crowd_repeats)):
+            together.start()  # every process is idle
             speed = reference() if reference else 0.0
             together.start()  # time them together
             out.append((speed, {s: profile.samples(once, profile.min_time_s) for s, once in mine.items()}))
