@@ -9,8 +9,8 @@ at a moment when k of its host's ranks compute (itself among them) runs at ``s /
 cost assumes, ``s(k)`` being the slowdown of k processes at once on the host's cores. Where the profile
 recorded the cores (``cores`` over ``threads_per_rank``: C slots, fewer than K), the crowd shared them K ways
 and k processes share them max(k, C) ways, so ``s(k) = s max(k, C) / K`` and the rate is ``K / max(k, C)``,
-never above s (a process does not run faster than alone). The crowd's excess over K / C (the switching and the caches of an
-oversubscribed host) stays with every k: in the run a rank is never alone the way the profile's is (the
+never above s (a process does not run faster than alone). The crowd's excess over K / C (the switching and
+the caches of an oversubscribed host) stays with every k: in the run a rank is never alone the way the profile's is (the
 others' work has just left the caches, its inputs just arrived). Measured in 60 runs of 20 layouts of the
 example GPT, 4 ranks on 2 cores, each compute's time over the profile's time alone against the ranks
 computing over it: 1.47 at k = 1, 1.52 at 2, 2.10 at 3, 2.75 at 4 (the rates 1.81, 1.31, 1 of k = 4's, where

@@ -209,7 +209,8 @@ class Executor:
         """Stages that save only their inputs and run their forward again in the backward."""
         self.clock = CudaClock(self.device) if self.device.type == "cuda" else HostClock()
         compute: dict[Op, Callable[[Any], None]] = {
-            Op.FWD: self.forward, Op.BWD: self.backward, Op.BWD_I: self.backward_input, Op.BWD_W: self.backward_weight}
+            Op.FWD: self.forward, Op.BWD: self.backward, Op.BWD_I: self.backward_input,
+            Op.BWD_W: self.backward_weight}
         payload: dict[Op, Callable[[Message], Sequence[torch.Tensor]]]
         if emulate is None:
             missing = [s for s, r in enumerate(here) if r == pp_rank and s not in self.modules]

@@ -333,8 +333,9 @@ class Profiling:
     """How ``costs profile`` times the stages: the way the run will run them (plan.json ``model["profile"]``).
 
     Each stage is timed alone first (this process, ``threads`` intra-op threads, ``reps`` rounds after a
-    warm-up, the stages in turn, the least of each: :meth:`alone`): that gives the stages' costs relative to each other with little noise. With more
-    than one rank here, ``num_ranks`` processes (the run's ranks on this machine, :data:`MAX_PROFILE_RANKS` at
+    warm-up, the stages in turn, the least of each: :meth:`alone`): that gives the stages' costs relative to
+    each other with little noise. With more than one rank here, ``num_ranks``
+    processes (the run's ranks on this machine, :data:`MAX_PROFILE_RANKS` at
     most) then time the stages all at once, as the run's ranks compute at once, each with ``threads``
     threads: the stages are dealt out round them (:meth:`share`), they start together, each keeps timing
     until it has ``reps`` samples of each of its stages taking ``min_time_s`` in all (so the samples span the
@@ -517,7 +518,8 @@ class _Together:
         self.rounds += 1  # this process's own count (each has its copy): rounds done by all = done / num
         with self.done.get_lock():
             self.done.value += 1
-        while self.done.value < self.num * self.rounds and not self.barrier.broken:  # broken: one failed (it says why)
+        # broken: one failed (it says why)
+        while self.done.value < self.num * self.rounds and not self.barrier.broken:
             load()
 
     def abort(self) -> None:
@@ -644,7 +646,8 @@ def _profile(split: Split, profile: Profiling, *, autocast: str | None, target: 
     def repeat(by_rank: list, r: int) -> list[dict[int, list[_Sample]]]:
         """The crowd's samples of repeat r, at the host's speed of the alone samples."""
         speed = by_rank[0][r][0]
-        return [{s: [_steady(x, speed, profile.threads) for x in xs] for s, xs in mine[r][1].items()} for mine in by_rank]
+        return [{s: [_steady(x, speed, profile.threads) for x in xs] for s, xs in mine[r][1].items()}
+                for mine in by_rank]
 
     restore = _threads(profile.threads)
     try:
