@@ -5,7 +5,7 @@ compiled by the driver as ``pipec compile`` does: build the example GPT on
 meta, trace, propagate shapes/FLOPs/saved bytes, balance into 8 stages by
 FLOPs, split with torch.fx, cost by FLOPs, then lower 1F1B, verify and
 simulate, which predicts each pp rank's peak memory (the one memory model,
-:mod:`pipec.compiler.memory`). Prints seconds (import of torch and pipec
+:mod:`pipec.compiler.passes.memory`). Prints seconds (import of torch and pipec
 apart) and peak RSS, and checks that the 13B plan's state at pp=8 is 16 bytes
 per held parameter copy (goal: 13B in <= 10 s and <= 2 GB RSS).
 
@@ -37,9 +37,9 @@ def one(name: str) -> dict:
     import torch  # noqa: F401
 
     from pipec.compiler.driver import compile_request
-    from pipec.compiler.memory import state_bytes
+    from pipec.compiler.passes.memory import state_bytes
     from pipec.compiler.request import CompileRequest, InputTensor, ModelSpec, PartitionRequest
-    from pipec.compiler.views.stage_table import stage_table
+    from pipec.views.stage_table import stage_table
 
     t1 = time.perf_counter()
     cfg = CONFIGS[name]

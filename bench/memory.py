@@ -56,8 +56,8 @@ def measured(reports: dict[tuple[str, int], str], mode: str, dp: int) -> list[di
 
 
 def table(reports: dict[tuple[str, int], str], write: str | None) -> None:
-    from pipec.compiler.memory import breakdown
-    from pipec.compiler.plan import write_plan
+    from pipec.compiler.passes.memory import breakdown
+    from pipec.compiler.ir.plan import write_plan
 
     print(f"GPT {SMALL} at pp 2, float32 AdamW; predicted state per rank (MiB), measured where given")
     print(f"{'mode':>9} {'dp':>3} {'rank':>4} {'params':>8} {'grads':>8} {'optim':>8} {'state':>8} "
@@ -81,7 +81,7 @@ def table(reports: dict[tuple[str, int], str], write: str | None) -> None:
 
 def run_all(folder: str, steps: int) -> tuple[dict[tuple[str, int], str], dict[tuple[str, int], float]]:
     """Compile (``costs profile``) and run every (mode, dp) plan; their reports, and each predicted step time."""
-    from pipec.compiler.plan import write_plan
+    from pipec.compiler.ir.plan import write_plan
 
     os.makedirs(folder, exist_ok=True)
     reports, predicted = {}, {}
@@ -117,7 +117,7 @@ def step_times(reports: dict[tuple[str, int], str], predicted: dict[tuple[str, i
 
 def thirteen_b() -> None:
     """The note's worked example: 16 bytes x 12.85B parameters, then sharded over N_d = 8."""
-    from pipec.compiler.memory import state_bytes
+    from pipec.compiler.passes.memory import state_bytes
 
     for mode in ("none", "full"):
         plan = compile_one(GPT_13B, pp=1, dp=8, shard=mode, batch=8, microbatches=8)

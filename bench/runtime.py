@@ -177,8 +177,8 @@ def resimulate(plan_path: Path, events: list) -> float:
     """
     from dataclasses import replace
 
-    from pipec.compiler.plan import read_plan
-    from pipec.compiler.simulate import simulate
+    from pipec.compiler.ir.plan import read_plan
+    from pipec.compiler.sim.simulate import simulate
 
     plan = read_plan(str(plan_path))
     times: dict[tuple[str, int], list[float]] = {}

@@ -31,12 +31,12 @@ import time
 from dataclasses import replace
 
 from pipec.compiler.driver import compile_request
-from pipec.compiler.plan import Cost, Plan
-from pipec.compiler.simulate import plan_costs, simulate_costs
-from pipec.compiler.tune import (Candidate, Scored, TuneRequest, _Graphs, _score, candidate_request, candidates,
+from pipec.compiler.ir.plan import Cost, Plan
+from pipec.compiler.sim.simulate import plan_costs, simulate_costs
+from pipec.tune.search import (Candidate, Scored, TuneRequest, _Graphs, _score, candidate_request, candidates,
                                  tune)
-from pipec.compiler.tune_measure import measure, run_candidates
-from pipec.compiler.tune_report import pipe_lines, why
+from pipec.tune.measure import measure, run_candidates
+from pipec.tune.report import pipe_lines, why
 from pipec.dsl import load_spec
 
 SMALL = """model "pipec.examples.gpt:build" (layers=8, dim=256, heads=4, vocab=1000, seq=128)

@@ -6,7 +6,7 @@ checkpoints, initial weights). Its field defaults are the defaults: the
 language's key table (:mod:`pipec.dsl.keys`) takes these keys' defaults from
 :data:`DEFAULTS`, and the runtime reads plan.json's ``spec`` with
 :meth:`TrainingConfig.from_spec`, which checks every field with the schema
-reader (a malformed one is a :class:`~pipec.compiler.schema.SchemaError`
+reader (a malformed one is a :class:`~pipec.compiler.ir.schema.SchemaError`
 naming it, ``plan.spec.lr: ...``) and fills in the fields an older plan lacks.
 
 Torch-free, like the rest of the compiler outside ``compiler/frontend/``; the
@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
-from pipec.compiler.schema import Reader, SchemaError
+from pipec.compiler.ir.schema import Reader, SchemaError
 
 __all__ = [
     "TrainingConfig",

@@ -18,13 +18,13 @@ from typing import Any, Sequence
 
 import pipec
 from pipec.compiler.config import TrainingConfig
-from pipec.compiler.ir import Program
-from pipec.compiler.lower import lower
-from pipec.compiler.memory import breakdown, check_memory
-from pipec.compiler.plan import DEFAULT_LINKS, Link, Mesh, Plan, Stage, check_limits, check_nodes, check_shard
+from pipec.compiler.ir.program import Program
+from pipec.compiler.passes.lower import lower
+from pipec.compiler.passes.memory import breakdown, check_memory
+from pipec.compiler.ir.plan import DEFAULT_LINKS, Link, Mesh, Plan, Stage, check_limits, check_nodes, check_shard
 from pipec.compiler.request import CompileRequest, ModelSpec
-from pipec.compiler.simulate import BUFFERED, CostModel, Execution, chain_edges, execute, plan_costs, timeline_of
-from pipec.compiler.verify import verify
+from pipec.compiler.sim.simulate import BUFFERED, CostModel, Execution, chain_edges, execute, plan_costs, timeline_of
+from pipec.compiler.passes.verify import verify
 from pipec.errors import Diagnostic, PipecError
 from pipec.schedules import check_rules, get_schedule, loop_placement, v_placement
 from pipec.schedules.order import ComputeOrder, ScheduleError, gc_paused, validate_order
@@ -47,7 +47,7 @@ class Compiled:
 
 def compile_request(req: CompileRequest, *, graph=None, verify: bool = True, events: bool = True) -> Compiled:
     """Compile a request into a verified, predicted plan (see the module docstring). ``graph``: the
-    model's :class:`~pipec.compiler.graph.StageGraph` when the caller already built it for this request
+    model's :class:`~pipec.compiler.ir.graph.StageGraph` when the caller already built it for this request
     (``pipec tune`` cuts one trace many times); None: the front end builds it. ``verify=False``: the
     plan is predicted but not proven; ``events=False``: its timeline has no events (``pipec tune``
     proves only the plans it keeps and predicts their events then, with :func:`prove_and_predict`); the
@@ -96,7 +96,7 @@ def _mesh(req: CompileRequest) -> Mesh:
 
 def bare_plan(req: CompileRequest, graph, placement: tuple[int, ...], mesh: Mesh | None = None) -> Plan:
     """The request's plan but its program and prediction: mesh, stages placed, edges, ties, links and the
-    resolved spec (``pipec tune`` prices its bounds on it with :func:`~pipec.compiler.simulate.plan_costs`)."""
+    resolved spec (``pipec tune`` prices its bounds on it with :func:`~pipec.compiler.sim.simulate.plan_costs`)."""
     training = req.training
     if graph is not None and training is not None and "init" in graph.model:  # the front end resolved `init auto`
         training = replace(training, init=graph.model["init"])
@@ -219,7 +219,7 @@ def prove_and_predict(plan: Plan, *, prove: bool = True, events: bool = True, co
 
 def with_timeline(plan: Plan, ex: Execution, costs: CostModel | None = None) -> Plan:
     """The plan with the predicted timeline of ``ex``, a buffered execution of its program (``costs``: the
-    plan's, :func:`~pipec.compiler.simulate.plan_costs`, when the caller has them); ``pipec tune`` gives a
+    plan's, :func:`~pipec.compiler.sim.simulate.plan_costs`, when the caller has them); ``pipec tune`` gives a
     kept plan the timeline of its proof's execution, events and all."""
     rows = breakdown(plan)
     state = None if rows is None else [m.state for m in rows]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from pipec.compiler.config import TrainingConfig
-from pipec.compiler.plan import DEFAULT_LINKS, Link
+from pipec.compiler.ir.plan import DEFAULT_LINKS, Link
 from pipec.schedules.order import Action
 from pipec.schedules.policy import Policy
 
@@ -143,7 +143,7 @@ class CompileRequest:
     pp: int
     dp: int = 1
     shard: str = "none"
-    """How the dp replicas share each stage's state (key ``shard``; :data:`~pipec.compiler.plan.SHARD_MODES`)."""
+    """How the dp replicas share each stage's state (key ``shard``; :data:`~pipec.compiler.ir.plan.SHARD_MODES`)."""
     shard_size: int | None = None
     """Replicas per shard group (key ``shard_size``); None: all of dp."""
     devices_per_node: int | None = None

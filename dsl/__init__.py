@@ -31,7 +31,7 @@ from pipec.dsl.fmt import format_file
 from pipec.dsl.keys import KEYS, Key
 from pipec.dsl.parse import parse_source
 from pipec.dsl.spec import Origin, Spec
-from pipec.compiler.plan import Link  # the compiler's: links resolve straight into it
+from pipec.compiler.ir.plan import Link  # the compiler's: links resolve straight into it
 from pipec.dsl.values import (
     Links,
     LRSchedule,

@@ -17,7 +17,7 @@ from typing import Any
 
 from pipec.compiler.config import DEFAULTS as TRAINING
 from pipec.compiler.config import INITS, RUN_DTYPES, TOKEN_DTYPES
-from pipec.compiler.plan import SHARD_MODES
+from pipec.compiler.ir.plan import SHARD_MODES
 from pipec.dsl import kinds as k
 from pipec.dsl import structured as sk
 from pipec.dsl.values import Links, Partition

@@ -13,7 +13,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from pipec.compiler.config import LR_SCHEDULES, OPTIMIZER_SETTINGS, TOKEN_DTYPES, TokenData
-from pipec.compiler.plan import Link
+from pipec.compiler.ir.plan import Link
 from pipec.dsl import ast
 from pipec.dsl.errors import did_you_mean
 from pipec.dsl.expr import ExprError, compile_int

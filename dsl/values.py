@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from pipec.compiler.config import LRSchedule, Optimizer  # the training config owns them
-from pipec.compiler.plan import Link
+from pipec.compiler.ir.plan import Link
 from pipec.dsl.expr import ExprError, IntExpr
 from pipec.schedules.order import Action
 
@@ -112,7 +112,7 @@ def _rate_text(bps: float) -> str:
 @dataclass(frozen=True, slots=True)
 class Links:
     """Link costs per mesh axis (``pp``: activations and grads between stages;
-    ``dp``: the gradient all-reduce), each the compiler's :class:`~pipec.compiler.plan.Link`; and,
+    ``dp``: the gradient all-reduce), each the compiler's :class:`~pipec.compiler.ir.plan.Link`; and,
     optionally, per side of a node boundary (``intra``: within a node, ``inter``: across nodes), which
     with ``devices_per_node`` price each hop and collective by where its ranks sit."""
 

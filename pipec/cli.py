@@ -54,8 +54,8 @@ def _report(diagnostics) -> None:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from pipec.compiler.driver import compile_spec
-    from pipec.compiler.plan import write_plan
-    from pipec.compiler.views.terminal import format_time
+    from pipec.compiler.ir.plan import write_plan
+    from pipec.views.terminal import format_time
 
     compiled = compile_spec(_spec(args))
     _report(compiled.diagnostics)
@@ -73,7 +73,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 def _links_line(plan) -> str | None:
     """``links (4 devices per node, 2 nodes): pp hops 1 intra, 2 inter; dp groups 2 intra``: which link priced
     each axis's hops and collectives; None when the plan is not priced by node."""
-    from pipec.compiler.simulate import NODE_SIDES, link_sides
+    from pipec.compiler.sim.simulate import NODE_SIDES, link_sides
 
     sides = link_sides(plan)
     if not sides:
@@ -86,8 +86,8 @@ def _links_line(plan) -> str | None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     if args.file.endswith(".json"):
-        from pipec.compiler.plan import read_plan
-        from pipec.compiler.verify import verify
+        from pipec.compiler.ir.plan import read_plan
+        from pipec.compiler.passes.verify import verify
 
         plan = read_plan(args.file)
         verify(plan)
@@ -135,8 +135,8 @@ def _load_measured(path: str):
     ``planned``; None when it has no ``planned`` (its ``predicted`` is the plan's)."""
     import json
 
-    from pipec.compiler.schema import SchemaError
-    from pipec.compiler.timeline import Timeline
+    from pipec.compiler.ir.schema import SchemaError
+    from pipec.compiler.ir.timeline import Timeline
 
     try:
         with open(path, encoding="utf-8") as f:
@@ -157,7 +157,7 @@ def _load_measured(path: str):
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from pipec.compiler.plan import read_plan
+    from pipec.compiler.ir.plan import read_plan
 
     plan = read_plan(args.file)
     if args.text:
@@ -168,7 +168,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
         plan = prove_and_predict(plan)
     measured, dp, resim = _load_measured(args.measured) if args.measured else (None, None, None)
-    from pipec.compiler.views.terminal import render_image, show
+    from pipec.views.terminal import render_image, show
 
     title = args.file
     predicted = plan.prediction
@@ -178,7 +178,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     show(predicted, measured=measured, dp=dp, title=title)
     if (line := _links_line(plan)) is not None:
         print(line)
-    from pipec.compiler.views.stage_table import stage_table
+    from pipec.views.stage_table import stage_table
 
     table = stage_table(plan)
     if table is not None:
@@ -186,14 +186,14 @@ def cmd_show(args: argparse.Namespace) -> int:
 
         Console().print(table)
     if args.graph:
-        from pipec.compiler.views.graph import render_graph
+        from pipec.views.graph import render_graph
 
         print(render_graph(plan, args.graph))
     for path in filter(None, (args.svg, args.png)):
         render_image(predicted, path, measured=measured, dp=dp, title=title)
         print(f"wrote {path}")
     if args.trace:
-        from pipec.compiler.views.perfetto import write_perfetto
+        from pipec.views.perfetto import write_perfetto
 
         write_perfetto(predicted, args.trace, measured=measured, dp=dp)
         print(f"wrote {args.trace} (open it at https://ui.perfetto.dev)")
@@ -210,8 +210,8 @@ def _check_flag(check, *args) -> None:
 
 def cmd_import(args: argparse.Namespace) -> int:
     from pipec.compiler.driver import compile_plan, prove_and_predict
-    from pipec.compiler.plan import Mesh, Plan, Stage, check_shard, write_plan
-    from pipec.compiler.torch_csv import read_torch_csv
+    from pipec.compiler.ir.plan import Mesh, Plan, Stage, check_shard, write_plan
+    from pipec.compiler.ir.torch_csv import read_torch_csv
 
     sched = read_torch_csv(args.file)
     mesh = Mesh(pp=sched.num_ranks, dp=args.dp, shard=args.shard, shard_size=args.shard_size)
@@ -241,9 +241,9 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from pipec.compiler.plan import read_plan
-    from pipec.compiler.torch_csv import write_torch_csv
-    from pipec.compiler.verify import verify
+    from pipec.compiler.ir.plan import read_plan
+    from pipec.compiler.ir.torch_csv import write_torch_csv
+    from pipec.compiler.passes.verify import verify
 
     plan = read_plan(args.file)
     verify(plan)  # never hand on a plan that fails its proofs
@@ -264,8 +264,8 @@ def cmd_export_checkpoint(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Launch the plan's ranks with torch's own launcher (torchrun), after proving the plan here."""
-    from pipec.compiler.plan import read_plan
-    from pipec.compiler.verify import verify
+    from pipec.compiler.ir.plan import read_plan
+    from pipec.compiler.passes.verify import verify
     from pipec.runtime.launch import LaunchError, run_flags
 
     plan = read_plan(args.plan)
@@ -303,9 +303,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     """Search layouts, schedules, microbatches, partitions and recompute; write the best plan."""
     import json
 
-    from pipec.compiler.plan import check_node_size, write_plan
-    from pipec.compiler.tune import TuneRequest, tune
-    from pipec.compiler.tune_report import frontier_table, pipe_lines, result_json, table, why
+    from pipec.compiler.ir.plan import check_node_size, write_plan
+    from pipec.tune.search import TuneRequest, tune
+    from pipec.tune.report import frontier_table, pipe_lines, result_json, table, why
     from pipec.dsl import load_spec
     from rich.console import Console
     from rich.progress import Progress
@@ -327,7 +327,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             raise spec.locate(e) from None
         notes: list[str] = []
         if args.measure:
-            from pipec.compiler.tune_measure import measure
+            from pipec.tune.measure import measure
 
             bar.update(task, description=f"measuring the top {args.measure}", completed=0, total=args.measure)
             result, notes = measure(result, args.measure, workdir=args.measure_dir, steps=args.measure_steps,
@@ -364,7 +364,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def _tuned_pipe(path: str, lines: list[str]) -> str:
     """A complete schedule file: the file's statements but the ones tune set, then tune's lines."""
-    from pipec.compiler.tune import TUNED_KEYS
+    from pipec.tune.search import TUNED_KEYS
     from pipec.dsl import format_file
     from pipec.dsl.fmt import statement_text
     from pipec.dsl.parse import parse_source

@@ -11,8 +11,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, Mapping, Sequence
 
-from pipec.compiler.plan import Mesh, Plan
-from pipec.compiler.timeline import Timeline
+from pipec.compiler.ir.plan import Mesh, Plan
+from pipec.compiler.ir.timeline import Timeline
 from pipec.runtime.executor import RankStep
 
 __all__ = ["measured_timeline", "median_step", "stragglers", "state_bytes_report", "build_report", "STRAGGLER_FACTOR"]

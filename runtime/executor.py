@@ -52,9 +52,9 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
-from pipec.compiler.ir import DP_GROUPS, SHARD_OPS, Instruction, Op, message_edge
-from pipec.compiler.plan import UNIT_COST, Plan, Signature
-from pipec.compiler.timeline import Event
+from pipec.compiler.ir.program import DP_GROUPS, SHARD_OPS, Instruction, Op, message_edge
+from pipec.compiler.ir.plan import UNIT_COST, Plan, Signature
+from pipec.compiler.ir.timeline import Event
 from pipec.errors import EXIT_RUN, PipecError, RunFailed
 from pipec.runtime.clock import CudaClock, HostClock
 from pipec.compiler.frontend.deferred import WeightGradStash, defer_weight_grads

@@ -282,8 +282,8 @@ def run(args: argparse.Namespace, env: Env) -> int:
     import torch.distributed as dist
 
     from pipec.compiler.config import TrainingConfig
-    from pipec.compiler.plan import read_plan
-    from pipec.compiler.verify import verify
+    from pipec.compiler.ir.plan import read_plan
+    from pipec.compiler.passes.verify import verify
     from pipec.runtime.executor import RunError
     from pipec.runtime.trainer import Trainer
 

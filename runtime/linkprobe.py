@@ -51,7 +51,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from pipec.compiler.simulate import DRAWS, HOP, OVERSLEEP
+from pipec.compiler.sim.simulate import DRAWS, HOP, OVERSLEEP
 
 __all__ = ["Emulation", "measure_emulation", "host_overhead", "probe", "main"]
 
@@ -97,7 +97,7 @@ class Emulation:
     samples: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     """The probe steps' raw samples over every rank, pooled (:func:`_pooled`): per opcode name the host
     seconds of each instruction, ``"oversleep"`` each compute's, ``"hop"`` each message's (absent when
-    ``hops`` is 0); the re-simulation draws from them (compiler/simulate.py ``simulate_draws``)."""
+    ``hops`` is 0); the re-simulation draws from them (compiler/sim/simulate.py ``simulate_draws``)."""
 
     @property
     def draws(self) -> int:
@@ -196,7 +196,7 @@ def _handler_times(executor, steps: int = 1) -> list[_Timings]:
     step: each call less the waits it does (the executor's ``wait``) is the host's own time, what follows a sleep
     included; a batch of posts is shared by its posts. A compute's sleep is taken after its handler, timed apart
     (the oversleep). Each post's return and each receive's wait are kept with the message's key (:func:`_hops`)."""
-    from pipec.compiler.ir import message_edge
+    from pipec.compiler.ir.program import message_edge
 
     units = executor.units
     ops = [executor.instructions[i].op.value for i, _, _ in units]

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pipec.compiler.config import TrainingConfig
-from pipec.compiler.plan import Plan
+from pipec.compiler.ir.plan import Plan
 from pipec.runtime.executor import Executor, RankStep
 from pipec.runtime.launch import RunOptions
 from pipec.runtime.sharding import ParamShards, ShardLayout, full, local, shard_stages, state_bytes
@@ -268,7 +268,7 @@ class Trainer:
         probe's samples (report.json's ``emulation.draws``)."""
         if self.emulation is None:
             return None
-        from pipec.compiler.simulate import BUFFERED, IN_ORDER, emulated_costs, simulate_draws
+        from pipec.compiler.sim.simulate import BUFFERED, IN_ORDER, emulated_costs, simulate_draws
 
         e = self.emulation
         costs = emulated_costs(self.plan, seconds_per_unit=self.options.unit_time if self.plan.unit_costs else 1.0,
@@ -352,8 +352,8 @@ class Trainer:
             with open(self.options.report, "w", encoding="utf-8") as f:
                 json.dump(report, f, indent=1)
         if self.options.trace:
-            from pipec.compiler.timeline import Timeline
-            from pipec.compiler.views.perfetto import write_perfetto
+            from pipec.compiler.ir.timeline import Timeline
+            from pipec.views.perfetto import write_perfetto
 
             write_perfetto(Timeline.from_json(report["measured"]), self.options.trace, kind="measured",
                            dp=self.plan.mesh.dp)

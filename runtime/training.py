@@ -16,7 +16,7 @@ import torch
 
 from pipec.compiler.config import TokenData, TrainingConfig
 from pipec.compiler.frontend.data import load_function, load_loss
-from pipec.compiler.plan import Plan
+from pipec.compiler.ir.plan import Plan
 from pipec.errors import PipecError, UserCodeError
 from pipec.runtime import data as data_mod
 

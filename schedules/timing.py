@@ -14,7 +14,7 @@ clock, producer completion)) restricted to the chain stage graph and unit
 costs. It is pure Python over integers, for the schedule tests, for quick
 checks, and for the schedules that place work by unit-cost timing
 (:func:`place_weight_grads`, used by ``zb_h1`` and policy schedules with
-``weight_grad="bubbles"``). The compiler's simulator (``compiler/simulate.py``)
+``weight_grad="bubbles"``). The compiler's simulator (``compiler/sim/simulate.py``)
 is the full model: lowered programs, real costs, communication.
 """
 

@@ -8,7 +8,7 @@ cell grammar (:func:`parse_cell`, shared by every reader: the compiler's
 "file.csv"``), the rows of a file, and the compute-only form: F, B, I, W
 per rank, which is a :class:`~pipec.schedules.order.ComputeOrder`
 (:func:`parse_compute_csv`, :func:`format_compute_csv`). The compute+comms
-form, a Program, lives with the IR in ``pipec.compiler.torch_csv``.
+form, a Program, lives with the IR in ``pipec.compiler.ir.torch_csv``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ COMPUTE_TYPES = ("F", "B", "I", "W")
 COMM_TYPES = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 OTHER_TYPES = ("REDUCE_GRAD", "UNSHARD", "RESHARD")
 """torch's ``_ComputationType`` values pipec reads besides compute and comms; OVERLAP_F_B is refused.
-In the compute+comms form (``pipec.compiler.torch_csv``) they are sharded data parallelism's
+In the compute+comms form (``pipec.compiler.ir.torch_csv``) they are sharded data parallelism's
 instructions: ``UNSHARD`` / ``RESHARD`` are ``UN<s>`` / ``RE<s>`` and ``REDUCE_GRAD`` is ``RS<s>`` on a
 mesh that shards parameters (else ``AR<s>:dp``); the compute-only form skips them."""
 

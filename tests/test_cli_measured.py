@@ -10,8 +10,8 @@ import threading
 import pytest
 
 from pipec.compiler.driver import compile_plan
-from pipec.compiler.plan import write_plan
-from pipec.compiler.simulate import emulated_costs, simulate_costs
+from pipec.compiler.ir.plan import write_plan
+from pipec.compiler.sim.simulate import emulated_costs, simulate_costs
 
 UNIT_TIME = 0.002
 
@@ -61,7 +61,7 @@ def emulated(tmp_path_factory):
 
 def _shown(monkeypatch, capsys, *argv):
     """What `pipec show` drew: the predicted Timeline handed to the terminal view, and the trace it wrote."""
-    import pipec.compiler.views.terminal as terminal
+    import pipec.views.terminal as terminal
     from pipec.cli import main
 
     drawn = {}
@@ -91,7 +91,7 @@ def test_show_draws_the_reports_resimulation_beside_the_measured(emulated, monke
 
 
 def test_a_report_without_a_resimulation_is_drawn_beside_the_plans_prediction(emulated, monkeypatch, capsys):
-    from pipec.compiler.plan import read_plan
+    from pipec.compiler.ir.plan import read_plan
 
     plan, _, plain, _ = emulated
     drawn, out = _shown(monkeypatch, capsys, plan, "--measured", plain)

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from pipec.compiler.driver import compile_plan
-from pipec.compiler.engine import execute
-from pipec.compiler.ir import parse_program
-from pipec.compiler.plan import read_plan, write_plan
-from pipec.compiler.simulate import chain_edges, plan_costs
+from pipec.compiler.sim.engine import execute
+from pipec.compiler.ir.program import parse_program
+from pipec.compiler.ir.plan import read_plan, write_plan
+from pipec.compiler.sim.simulate import chain_edges, plan_costs
 from pipec.schedules import SCHEDULES, ScheduleError, check_rules
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -15,7 +15,7 @@ from dataclasses import fields
 import pytest
 
 from pipec.compiler.config import DEFAULTS, LRSchedule, Optimizer, TrainingConfig
-from pipec.compiler.schema import SchemaError
+from pipec.compiler.ir.schema import SchemaError
 from pipec.dsl import load_spec
 from pipec.dsl.keys import KEYS
 from pipec.runtime.launch import LaunchError, RunOptions, run_parser

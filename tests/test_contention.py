@@ -1,9 +1,9 @@
-"""Processor sharing (compiler/contention.py): ranks that share a host's cores, priced in the event loop."""
+"""Processor sharing (compiler/sim/contention.py): ranks that share a host's cores, priced in the event loop."""
 
 import pytest
 
-from pipec.compiler.contention import Sharing, sharing_of
-from pipec.compiler.plan import Mesh
+from pipec.compiler.sim.contention import Sharing, sharing_of
+from pipec.compiler.ir.plan import Mesh
 
 PROFILE = {"concurrent_ranks": 4, "threads_per_rank": 1, "cpu_count": 2,
            "slowdown": {"fwd": 2.0, "bwd_i": 2.0, "bwd": 2.0, "optim": 1.0}}
@@ -95,9 +95,10 @@ def test_other_hosts_do_not_crowd():
 # ----------------------------------------------------------------------------- in the event loop
 
 
-from pipec.compiler.engine import CostModel, execute  # noqa: E402
-from pipec.compiler.lower import lower  # noqa: E402
-from pipec.compiler.plan import chain_edges  # noqa: E402
+from pipec.compiler.sim.cost import CostModel  # noqa: E402
+from pipec.compiler.sim.engine import execute  # noqa: E402
+from pipec.compiler.passes.lower import lower  # noqa: E402
+from pipec.compiler.ir.plan import chain_edges  # noqa: E402
 from pipec.schedules import build_order  # noqa: E402
 from pipec.schedules.timing import Cost  # noqa: E402
 
@@ -142,11 +143,11 @@ def test_tunes_bounds_hold_when_the_host_is_shared(tmp_path, monkeypatch):
     never exceeds the simulated step, which sharing makes shorter than the crowd's costs say."""
     from dataclasses import replace as _replace
 
-    import pipec.compiler.simulate as simulate
+    import pipec.compiler.sim.simulate as simulate
     from pipec.compiler.driver import compile_request, model_request, schedule_order
     from pipec.compiler.frontend import build_stage_graph
-    from pipec.compiler.tune import TuneRequest, candidate_request, candidates
-    from pipec.compiler.tune_bounds import bounds, candidate_frame
+    from pipec.tune.search import TuneRequest, candidate_request, candidates
+    from pipec.tune.bounds import bounds, candidate_frame
     from pipec.dsl import load_spec
     from test_tune import SMALL
 

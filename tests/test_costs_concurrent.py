@@ -10,7 +10,7 @@ import torch
 from pipec.compiler.frontend import InputSpec, ModelRequest, build_stage_graph
 from pipec.compiler.frontend import costs
 from pipec.compiler.frontend.trace import FrontendError
-from pipec.compiler.plan import Cost
+from pipec.compiler.ir.plan import Cost
 
 X = InputSpec("x", "float32", (8, 16))
 
@@ -135,7 +135,7 @@ def test_gloo_links_and_overhead_slow_down_as_the_profiled_ranks_did():
     from types import SimpleNamespace
 
     from pipec.compiler.frontend.links import _under_load
-    from pipec.compiler.plan import Link, Measured, Overhead
+    from pipec.compiler.ir.plan import Link, Measured, Overhead
 
     gloo, nccl = Measured(at="now", backend="gloo"), Measured(at="now", backend="nccl")
     links = {"pp": Link(latency_s=1e-4, bandwidth_Bps=1e9, measured=gloo),

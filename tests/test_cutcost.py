@@ -106,7 +106,7 @@ def test_a_cost_only_cut_equals_the_full_cut(model, stages, partition, kw, monke
 
 def test_a_stage_taking_tokens_is_priced_as_the_cost_only_cut_prices_it_to_the_bit():
     from pipec.compiler.frontend import costs
-    from pipec.compiler.plan import Cost
+    from pipec.compiler.ir.plan import Cost
 
     flops = Cost(fwd=1.0, bwd=0.3, bwd_i=0.1, bwd_w=0.2)  # 0.1 + 0.2 is not 0.3 in floating point
     assert costs._no_input_grad(flops).bwd_w == 0.3  # the 13B tune's winner failed its cut's confirmation
@@ -221,8 +221,8 @@ device_memory 1MB
 
 
 def test_tune_gives_the_same_result_with_cost_only_cuts_and_without(tmp_path, monkeypatch):
-    from pipec.compiler import tune as tune_mod
-    from pipec.compiler.plan import plan_to_json
+    from pipec.tune import search as tune_mod
+    from pipec.compiler.ir.plan import plan_to_json
     from pipec.dsl import load_spec
 
     path = tmp_path / "small.pipe"
@@ -306,7 +306,7 @@ def test_the_vectorised_balancer_gives_the_same_cuts_bit_for_bit():
 def test_tune_with_profile_costs_confirms_no_cut_it_made_the_full_way(tmp_path, monkeypatch):
     """A profile cut is timed, so cutting it again would not repeat its costs: tune's winner is confirmed only
     where its cut was cost-only, and a search with ``costs profile`` runs to its end."""
-    from pipec.compiler.tune import TuneRequest, tune
+    from pipec.tune.search import TuneRequest, tune
     from pipec.dsl import load_spec
 
     req = _req(MLP, stages=2, costs="profile")

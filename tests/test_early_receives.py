@@ -7,10 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from pipec.compiler.engine import CostModel, execute
-from pipec.compiler.ir import parse_program
-from pipec.compiler.plan import Measured, chain_edges
-from pipec.compiler.simulate import on_gloo, plan_costs
+from pipec.compiler.sim.cost import CostModel
+from pipec.compiler.sim.engine import execute
+from pipec.compiler.ir.program import parse_program
+from pipec.compiler.ir.plan import Measured, chain_edges
+from pipec.compiler.sim.simulate import on_gloo, plan_costs
 from pipec.schedules.timing import Cost
 
 # gpipe, 2 ranks, 2 microbatches: rank 1 posts its second receive only after F1.0 (3 long), while rank 0 sent

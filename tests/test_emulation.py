@@ -1,14 +1,14 @@
 """The emulated re-simulation's tail: each kind's probe samples capped at their TAIL quantile before they are drawn
-(compiler/simulate.py ``_deviations``), so a rare stall of the whole host is not paid on every drawn path."""
+(compiler/sim/simulate.py ``_deviations``), so a rare stall of the whole host is not paid on every drawn path."""
 
 from __future__ import annotations
 
 import pytest
 
 from pipec.compiler.driver import compile_plan
-from pipec.compiler.engine import COMPUTE_JITTER, TRANSFER_JITTER
-from pipec.compiler import simulate
-from pipec.compiler.simulate import HOP, OVERSLEEP, TAIL, emulated_costs, simulate_draws
+from pipec.compiler.sim.cost import COMPUTE_JITTER, TRANSFER_JITTER
+from pipec.compiler.sim import simulate
+from pipec.compiler.sim.simulate import HOP, OVERSLEEP, TAIL, emulated_costs, simulate_draws
 
 UNIT = 0.01
 FIXED = {"latency_s": 3e-4, "collective_s": 5e-4, "oversleep_s": 1e-3, "overhead": {"FWD": 1e-4}}

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipec.compiler.engine import CostModel, execute
-from pipec.compiler.ir import parse_program
-from pipec.compiler.plan import Edge, Tie
+from pipec.compiler.sim.cost import CostModel
+from pipec.compiler.sim.engine import execute
+from pipec.compiler.ir.program import parse_program
+from pipec.compiler.ir.plan import Edge, Tie
 from pipec.schedules.timing import Cost
 
 MODELS = ("buffered", "in_order")

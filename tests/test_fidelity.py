@@ -9,9 +9,10 @@ import threading
 import pytest
 
 from pipec.compiler.driver import compile_plan
-from pipec.compiler.engine import BUFFERED, CostModel, execute
-from pipec.compiler.plan import Link, Measured, Overhead, load_plan, plan_to_json, read_plan, write_plan
-from pipec.compiler.simulate import emulated_costs, plan_costs, simulate, simulate_costs
+from pipec.compiler.sim.cost import CostModel
+from pipec.compiler.sim.engine import BUFFERED, execute
+from pipec.compiler.ir.plan import Link, Measured, Overhead, load_plan, plan_to_json, read_plan, write_plan
+from pipec.compiler.sim.simulate import emulated_costs, plan_costs, simulate, simulate_costs
 from pipec.schedules.timing import Cost
 
 H = {"FWD": 0.1, "BWD": 0.2, "SEND_ACT": 0.01, "RECV_ACT": 0.02, "RECV_GRAD": 0.03, "SEND_GRAD": 0.04,
@@ -167,8 +168,8 @@ def test_host_overhead_times_the_real_executor_on_every_kind():
 
 def _hand(text: str, placement, costs: dict[str, float], model: str = BUFFERED, ties=(), grad_norm: bool = True):
     """Run a hand-written program: F=1, B=2 per stage, all-reduces priced by ``costs`` ((group, stage) text)."""
-    from pipec.compiler.ir import parse_program
-    from pipec.compiler.plan import Edge
+    from pipec.compiler.ir.program import parse_program
+    from pipec.compiler.ir.plan import Edge
 
     program = parse_program(text)
     S = len(placement)
@@ -201,7 +202,7 @@ TIED = """
 
 
 def _tie():
-    from pipec.compiler.plan import Tie
+    from pipec.compiler.ir.plan import Tie
 
     return (Tie(name="wte", stages=(0, 1), params=("wte.weight", "head.weight")),)
 
@@ -224,7 +225,7 @@ def test_a_tie_allreduce_waits_for_the_reductions_in_flight_under_buffered():
 
 
 def test_a_tie_member_that_never_posts_is_named_in_the_deadlock():
-    from pipec.compiler.engine import Deadlock
+    from pipec.compiler.sim.engine import Deadlock
 
     text = TIED.replace(" AR1:tie.wte", "")
     with pytest.raises(Deadlock, match=r"rank 0: OPT \(instruction 6\) waits in collective tie.wte #0, which rank 1"):

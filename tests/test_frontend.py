@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from pipec.compiler.frontend import Balanced, FrontendError, InputSpec, ModelRequest, SplitBefore, build_stage_graph
-from pipec.compiler.views.graph import render_graph
-from pipec.compiler.ir import Program
+from pipec.views.graph import render_graph
+from pipec.compiler.ir.program import Program
 from pipec.compiler.driver import compile_request
 from pipec.compiler.request import CompileRequest, InputTensor, ModelSpec, PartitionRequest
-from pipec.compiler.memory import MemoryBudgetError, check_memory, state_bytes
-from pipec.compiler.plan import Mesh, Plan, read_plan, write_plan
+from pipec.compiler.passes.memory import MemoryBudgetError, check_memory, state_bytes
+from pipec.compiler.ir.plan import Mesh, Plan, read_plan, write_plan
 from pipec.compiler.frontend.stages import build_reference, build_stages, module_seed, run_stages
 from pipec.compiler.frontend import weights
 from pipec.errors import PipecError, UserCodeError

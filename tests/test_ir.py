@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pipec.compiler.ir import Instruction, IRError, Op, Program, parse_instruction, parse_program
-from pipec.compiler.plan import (
+from pipec.compiler.ir.program import Instruction, IRError, Op, Program, parse_instruction, parse_program
+from pipec.compiler.ir.plan import (
     LIMITS,
     Cost,
     Edge,
@@ -23,7 +23,7 @@ from pipec.compiler.plan import (
     read_plan,
     write_plan,
 )
-from pipec.compiler.timeline import Event, Timeline
+from pipec.compiler.ir.timeline import Event, Timeline
 
 TEXT = """0: F0.0 [SA0.0>1@1 RG0.0<1@1] B0.0 AR0:dp AR0:tie.wte OPT
 1: RA1.0<0@0 F1.0 I1.0 [SG1.0>0@0] W1.0 AR1:tie.wte OPT"""
@@ -192,7 +192,7 @@ def test_tie_ranks():
 
 
 def test_one_cost_type_from_plan_to_the_event_loop():
-    from pipec.compiler.simulate import plan_costs
+    from pipec.compiler.sim.simulate import plan_costs
     from pipec.schedules import timing
 
     assert Cost is timing.Cost

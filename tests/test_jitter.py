@@ -8,9 +8,10 @@ import random
 import pytest
 
 from pipec.compiler.driver import compile_plan
-from pipec.compiler.engine import COMPUTE_JITTER, TRANSFER_JITTER, CostModel, decode, drawn, execute
-from pipec.compiler.ir import parse_program
-from pipec.compiler.simulate import HOP, OVERSLEEP, emulated_costs, execute_draws, simulate_costs, simulate_draws
+from pipec.compiler.sim.cost import COMPUTE_JITTER, TRANSFER_JITTER, CostModel
+from pipec.compiler.sim.engine import decode, drawn, execute
+from pipec.compiler.ir.program import parse_program
+from pipec.compiler.sim.simulate import HOP, OVERSLEEP, emulated_costs, execute_draws, simulate_costs, simulate_draws
 from pipec.schedules.timing import Cost
 
 UNIT = 0.01

@@ -8,11 +8,11 @@ import pytest
 
 from pipec.cli import main
 from pipec.compiler.driver import compile_spec
-from pipec.compiler.ir import Program
-from pipec.compiler.plan import Edge, Link, Mesh, Plan, Signature, Stage, Tie, load_plan, plan_to_json, read_plan
-from pipec.compiler.simulate import link_sides, plan_costs
-from pipec.compiler.tune import TuneRequest, tune
-from pipec.compiler.tune_report import pipe_lines
+from pipec.compiler.ir.program import Program
+from pipec.compiler.ir.plan import Edge, Link, Mesh, Plan, Signature, Stage, Tie, load_plan, plan_to_json, read_plan
+from pipec.compiler.sim.simulate import link_sides, plan_costs
+from pipec.tune.search import TuneRequest, tune
+from pipec.tune.report import pipe_lines
 from pipec.dsl import DSLError, load_spec, parse_spec
 from pipec.errors import PipecError
 
@@ -165,7 +165,7 @@ def test_plan_json_round_trip_and_old_plans_load(tmp_path):
     assert obj["mesh"] == {"pp": 2, "dp": 2, "devices_per_node": 2}
     assert obj["links"]["inter"] == {"latency_s": 1e-5, "bandwidth_Bps": 1e9}
     path = tmp_path / "plan.json"
-    from pipec.compiler.plan import write_plan
+    from pipec.compiler.ir.plan import write_plan
 
     write_plan(plan, str(path))
     back = read_plan(str(path))

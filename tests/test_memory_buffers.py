@@ -11,9 +11,9 @@ from dataclasses import replace
 import pytest
 
 from pipec.compiler.driver import compile_plan
-from pipec.compiler.ir import parse_program
-from pipec.compiler.memory import breakdown, transient_bytes
-from pipec.compiler.plan import Tie
+from pipec.compiler.ir.program import parse_program
+from pipec.compiler.passes.memory import breakdown, transient_bytes
+from pipec.compiler.ir.plan import Tie
 
 SHAPES = ((10, 3), (5,))
 

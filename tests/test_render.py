@@ -16,7 +16,7 @@ import xml.etree.ElementTree as ET
 import pytest
 from rich.console import Console
 
-from pipec.compiler.views.terminal import (
+from pipec.views.terminal import (
     KINDS,
     OpInfo,
     RenderError,
@@ -28,8 +28,8 @@ from pipec.compiler.views.terminal import (
     render_terminal,
     show,
 )
-from pipec.compiler.timeline import Event, Timeline
-from pipec.compiler.views.perfetto import trace_events, write_perfetto
+from pipec.compiler.ir.timeline import Event, Timeline
+from pipec.views.perfetto import trace_events, write_perfetto
 
 COST = {"F": 1.0, "B": 2.0}
 
@@ -360,9 +360,9 @@ def test_views_do_not_import_matplotlib_or_torch_until_a_picture_is_drawn():
     code = (
         "import sys, io\n"
         "from rich.console import Console\n"
-        "from pipec.compiler.timeline import Timeline, Event\n"
-        "from pipec.compiler.views.terminal import show\n"
-        "from pipec.compiler.views.perfetto import trace_events\n"
+        "from pipec.compiler.ir.timeline import Timeline, Event\n"
+        "from pipec.views.terminal import show\n"
+        "from pipec.views.perfetto import trace_events\n"
         "tl = Timeline.build(step_time=1, busy={0: (1, 0)}, events=[Event(0, 'F0.0', 0, 1)])\n"
         "show(tl, console=Console(file=io.StringIO()))\n"
         "trace_events(tl)\n"

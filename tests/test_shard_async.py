@@ -27,7 +27,7 @@ from conftest import PYTHON, on_threads, run_in_session
 from pipec.compiler.config import TrainingConfig
 from pipec.compiler.driver import compile_spec
 from pipec.compiler.frontend.stages import build_stages
-from pipec.compiler.ir import Op
+from pipec.compiler.ir.program import Op
 from pipec.dsl import load_spec
 from pipec.runtime.executor import WAIT_PREFIX, Executor
 from pipec.runtime.training import make_data, make_loss, split_microbatches

@@ -9,13 +9,13 @@ from dataclasses import replace
 import pytest
 
 from pipec.compiler.driver import compile_plan, compile_request, compile_spec
-from pipec.compiler.engine import MODELS, execute
-from pipec.compiler.ir import SHARD_OPS, Instruction, Op, Program, parse_program
-from pipec.compiler.memory import breakdown, padded_params, state_bytes
-from pipec.compiler.plan import Mesh, Stage, load_plan, plan_to_json, read_plan, write_plan
+from pipec.compiler.sim.engine import MODELS, execute
+from pipec.compiler.ir.program import SHARD_OPS, Instruction, Op, Program, parse_program
+from pipec.compiler.passes.memory import breakdown, padded_params, state_bytes
+from pipec.compiler.ir.plan import Mesh, Stage, load_plan, plan_to_json, read_plan, write_plan
 from pipec.compiler.request import CompileRequest, InputTensor, ModelSpec, PartitionRequest
-from pipec.compiler.simulate import plan_costs
-from pipec.compiler.verify import VerifyError, verify
+from pipec.compiler.sim.simulate import plan_costs
+from pipec.compiler.passes.verify import VerifyError, verify
 from pipec.dsl import DSLError, parse_spec
 from pipec.errors import PipecError
 
@@ -196,8 +196,8 @@ def test_shard_group_collectives_in_different_orders_are_rejected():
     """A tied weight's copies on two pp ranks, sharded: its all-reduce runs on the gradient shards, so each
     member issues it after its RS; a member that issues it before (on its full gradients) reduces another
     tensor than the others."""
-    from pipec.compiler.lower import lower
-    from pipec.compiler.plan import Tie
+    from pipec.compiler.passes.lower import lower
+    from pipec.compiler.ir.plan import Tie
     from pipec.schedules import build_order
 
     base = _plan("1f1b", 1, "grads")

@@ -5,10 +5,10 @@ splits it."""
 from __future__ import annotations
 
 from pipec.compiler.driver import compile_plan
-from pipec.compiler.simulate import simulate
-from pipec.compiler.timeline import Event, Timeline
-from pipec.compiler.views.perfetto import trace_events
-from pipec.compiler.views.terminal import lanes, render_terminal
+from pipec.compiler.sim.simulate import simulate
+from pipec.compiler.ir.timeline import Event, Timeline
+from pipec.views.perfetto import trace_events
+from pipec.views.terminal import lanes, render_terminal
 from rich.console import Console
 
 
@@ -57,7 +57,7 @@ def test_a_rounded_zero_wait_is_zero_and_the_plan_reads_back(tmp_path):
     # rank refused the plan the compiler had written (a Hugging Face Llama, 2 ranks, costs profile)
     from dataclasses import replace
 
-    from pipec.compiler.plan import read_plan, write_plan
+    from pipec.compiler.ir.plan import read_plan, write_plan
 
     t = Timeline.build(step_time=1.0, busy={0: (0.9, -1.0164395367051604e-20), 1: (0.5, 0.25)})
     assert [r.comm_wait for r in t.per_rank] == [0.0, 0.25] and abs(t.per_rank[0].idle - 0.1) < 1e-12

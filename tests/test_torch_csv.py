@@ -17,11 +17,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipec.compiler.ir import Instruction, Op, Program, parse_program
-from pipec.compiler.lower import lower
-from pipec.compiler.plan import Mesh, Plan
-from pipec.compiler.simulate import chain_edges, plan_costs
-from pipec.compiler.torch_csv import (
+from pipec.compiler.ir.program import Instruction, Op, Program, parse_program
+from pipec.compiler.passes.lower import lower
+from pipec.compiler.ir.plan import Mesh, Plan
+from pipec.compiler.sim.simulate import chain_edges, plan_costs
+from pipec.compiler.ir.torch_csv import (
     TorchAction,
     TorchCsvError,
     format_torch_csv,
@@ -29,7 +29,7 @@ from pipec.compiler.torch_csv import (
     read_torch_csv,
     write_torch_csv,
 )
-from pipec.compiler.verify import verify
+from pipec.compiler.passes.verify import verify
 from pipec.schedules import build_order
 from pipec.schedules.order import ComputeOrder, validate_order
 from pipec.schedules.torch_csv import CellError, format_compute_csv, parse_cell, parse_compute_csv
@@ -416,5 +416,5 @@ def test_compute_only_reader_refuses_comms_at_the_cell():
 
 
 def test_library_module_does_not_import_torch():
-    code = "import sys, pipec.compiler.torch_csv, pipec.schedules.torch_csv\nassert 'torch' not in sys.modules\n"
+    code = "import sys, pipec.compiler.ir.torch_csv, pipec.schedules.torch_csv\nassert 'torch' not in sys.modules\n"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -11,11 +11,11 @@ import pytest
 from pipec.cli import main
 from pipec.compiler.driver import compile_request, model_request, schedule_order
 from pipec.compiler.frontend import build_stage_graph
-from pipec.compiler.memory import MemoryBudgetError
-from pipec.compiler.plan import read_plan
-from pipec.compiler.tune import TuneError, TuneRequest, _pareto, _score, candidate_request, candidates, tune
-from pipec.compiler.tune_bounds import bounds, candidate_frame
-from pipec.compiler.verify import verify
+from pipec.compiler.passes.memory import MemoryBudgetError
+from pipec.compiler.ir.plan import read_plan
+from pipec.tune.search import TuneError, TuneRequest, _pareto, _score, candidate_request, candidates, tune
+from pipec.tune.bounds import bounds, candidate_frame
+from pipec.compiler.passes.verify import verify
 from pipec.dsl import load_spec
 
 SMALL = '''model "pipec.examples.gpt:build" (layers=4, dim=32, heads=2, vocab=64, seq=8)
@@ -165,8 +165,8 @@ def test_the_bounds_hold_for_every_candidate_and_price_communication(tmp_path):
 def test_only_proven_plans_are_kept(small, budget, tmp_path, monkeypatch, capsys):
     """The search compiles without proofs and proves what it keeps: a plan that fails its proof is
     dropped and the next takes its place, in the table, the frontier and the written plan."""
-    import pipec.compiler.tune as tune_module
-    from pipec.compiler.verify import VerifyError
+    import pipec.tune.search as tune_module
+    from pipec.compiler.passes.verify import VerifyError
 
     treq = _request(small, device_memory=budget, num_top=4)
     first = tune(treq)

@@ -8,11 +8,12 @@ from dataclasses import replace
 
 import pytest
 
-from pipec.compiler import driver, simulate
+from pipec.compiler import driver
+from pipec.compiler.sim import simulate
 from pipec.compiler.driver import compile_request
 from pipec.compiler.frontend import build_stage_graph
-from pipec.compiler.plan import Link
-from pipec.compiler.tune import Candidate, TuneRequest, _Graphs, candidate_request
+from pipec.compiler.ir.plan import Link
+from pipec.tune.search import Candidate, TuneRequest, _Graphs, candidate_request
 from pipec.dsl import load_spec
 from pipec.schedules import SCHEDULES
 

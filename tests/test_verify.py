@@ -15,12 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipec.compiler.driver import compile_plan
-from pipec.compiler.engine import MODELS, Deadlock, execute
-from pipec.compiler.ir import COMPUTE_OPS, COMM_OPS, Op, Program, parse_program
-from pipec.compiler.lower import lower
-from pipec.compiler.plan import Plan, Tie, plan_to_json
-from pipec.compiler.simulate import chain_edges, plan_costs
-from pipec.compiler.verify import VerifyError, verify
+from pipec.compiler.sim.engine import MODELS, Deadlock, execute
+from pipec.compiler.ir.program import COMPUTE_OPS, COMM_OPS, Op, Program, parse_program
+from pipec.compiler.passes.lower import lower
+from pipec.compiler.ir.plan import Plan, Tie, plan_to_json
+from pipec.compiler.sim.simulate import chain_edges, plan_costs
+from pipec.compiler.passes.verify import VerifyError, verify
 from pipec.cli import main
 from pipec.schedules import build_order
 

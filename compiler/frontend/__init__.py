@@ -2,7 +2,7 @@
 
 The driver resolves the schedule file's model keys into a
 :class:`ModelRequest`; this runs the front end's passes in order and returns
-the :class:`~pipec.compiler.graph.StageGraph` that becomes plan.json's
+the :class:`~pipec.compiler.ir.graph.StageGraph` that becomes plan.json's
 ``model``, ``stages``, ``edges`` and ``ties``. The passes, one module each:
 
 - :mod:`.trace`: find the model (:func:`~.trace.locate_model`: the search
@@ -34,9 +34,9 @@ from pipec.compiler.config import TokenData
 from pipec.compiler.frontend import costs as costs_pass
 from pipec.compiler.frontend.cutcost import FAST_COSTS, NodeTable, cost_split, cut_costs, node_table
 from pipec.compiler.frontend.data import data_of
-from pipec.compiler.graph import StageGraph, make_graph
+from pipec.compiler.ir.graph import StageGraph, make_graph
 from pipec.compiler.frontend.partition import Balanced, Markers, SplitBefore, analyse_cuts, assign_stages, split_graph
-from pipec.compiler.plan import Stage
+from pipec.compiler.ir.plan import Stage
 from pipec.compiler.frontend.trace import (
     FrontendError, InputSpec, ModelSource, Traced, at_shapes, example_inputs, instantiate, locate_model, propagate,
     to_dtype, trace_model,

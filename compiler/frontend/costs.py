@@ -41,7 +41,7 @@ from torch import nn
 from torch.fx import Interpreter, Node
 
 from pipec.compiler.frontend.partition import Cuts, Split
-from pipec.compiler.plan import UNIT_COST, Cost
+from pipec.compiler.ir.plan import UNIT_COST, Cost
 from pipec.compiler.frontend.trace import FrontendError, Traced, example_inputs, instantiate, to_dtype, trace_model
 
 __all__ = [

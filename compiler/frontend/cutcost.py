@@ -44,7 +44,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from pipec.compiler.frontend.costs import StageCost, with_recompute
 from pipec.compiler.frontend.partition import StagePart, _foldable
 from pipec.compiler.frontend.trace import Traced, dtype_name, is_pipe_split
-from pipec.compiler.plan import UNIT_COST, Cost, Edge, Signature, Tie
+from pipec.compiler.ir.plan import UNIT_COST, Cost, Edge, Signature, Tie
 from pipec.errors import PipecError
 
 __all__ = ["NodeTable", "CostSplit", "node_table", "cost_split", "cut_costs", "FAST_COSTS"]

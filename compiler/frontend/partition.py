@@ -35,7 +35,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.shape_prop import TensorMetadata
 from torch.fx.passes.split_module import split_module
 
-from pipec.compiler.plan import Edge, Signature, Tie
+from pipec.compiler.ir.plan import Edge, Signature, Tie
 from pipec.compiler.frontend.trace import FrontendError, Traced, compute_nodes, dtype_name, is_pipe_split, module_path, pipe_split
 
 __all__ = [

@@ -30,7 +30,7 @@ from torch.fx import GraphModule
 from torch.utils._pytree import tree_leaves
 
 from pipec.compiler.frontend.partition import Split, split_graph
-from pipec.compiler.plan import Plan
+from pipec.compiler.ir.plan import Plan
 from pipec.compiler.frontend.trace import (
     FrontendError,
     InputSpec,

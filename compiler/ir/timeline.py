@@ -139,7 +139,7 @@ class Timeline:
     @staticmethod
     def from_json(obj: Any, where: str = "timeline") -> "Timeline":
         """Read a Timeline; a malformed one raises ``ValueError`` naming the field."""
-        from pipec.compiler.schema import Reader
+        from pipec.compiler.ir.schema import Reader
 
         rd = Reader(obj, where)
         per_rank = tuple(

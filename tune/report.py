@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from pipec.compiler.graph import human_bytes
-from pipec.compiler.memory import bytes_per_param
-from pipec.compiler.tune import Candidate, Scored, TuneResult
+from pipec.compiler.ir.graph import human_bytes
+from pipec.compiler.passes.memory import bytes_per_param
+from pipec.tune.search import Candidate, Scored, TuneResult
 
 __all__ = ["TUNE_FORMAT", "candidate_json", "result_json", "pipe_lines", "why", "table", "frontier_table"]
 

@@ -2,7 +2,7 @@
 
 Costs come from the plan's stages (seconds, or units for a plan whose costs
 are units); memory is parameters, grads and optimizer state as the rank holds
-them (:mod:`pipec.compiler.memory`: 16 bytes per parameter copy for float32
+them (:mod:`pipec.compiler.passes.memory`: 16 bytes per parameter copy for float32
 AdamW, divided as the mesh's ``shard`` says) plus saved activations per
 microbatch, with the predicted peak per rank from the simulator and, per
 rank, its breakdown: params / grads / optimizer / unsharded / activations.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from pipec.compiler.plan import Plan
+from pipec.compiler.ir.plan import Plan
 
 __all__ = ["stage_table"]
 
@@ -28,7 +28,7 @@ def stage_table(plan: Plan) -> Table | None:
     """The per-stage cost and memory table of a model plan (None for a schedule-only plan)."""
     if plan.model is None or not plan.stages:
         return None
-    from pipec.compiler.memory import breakdown, bytes_per_param, stage_state
+    from pipec.compiler.passes.memory import breakdown, bytes_per_param, stage_state
 
     scale, tname = (1.0, "units") if plan.unit_costs else (1e3, "ms")
     mib = 2.0**20

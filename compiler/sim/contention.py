@@ -19,7 +19,7 @@ this model says 2, 1.33, 1; an earlier one, ``s(k) = 1`` up to C, said 2.55, 1.4
 the rate is its cost's, always. With a slot per process, or without the cores (an older plan), the crowd's
 slowdown is all contention that k of K share: ``min(s, K / k)``.
 
-The event loop (compiler/engine.py) is a dataflow over times, not a clock, so the sharing is a fixed point:
+The event loop (compiler/sim/engine.py) is a dataflow over times, not a clock, so the sharing is a fixed point:
 run the loop, read which computes overlapped on each host, stretch or shrink every compute so that the work
 it does over its interval at the shared rate equals its cost (:meth:`Sharing.scales`), run again, until the
 durations settle (:data:`TOLERANCE`, at most :data:`ITERATIONS` runs; each step moves halfway, so it does
@@ -32,7 +32,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from pipec.compiler.plan import Mesh
+from pipec.compiler.ir.plan import Mesh
 
 __all__ = ["Sharing", "sharing_of", "ITERATIONS", "TOLERANCE"]
 

@@ -15,7 +15,7 @@ and reads it back with ``_load_csv(path, format=...)``. A cell is
   a :class:`~pipec.schedules.order.ComputeOrder`; pipec's lowering turns that
   into a Program.
 - ``compute_comms``: the lowered form, which torch's runtime executes as is.
-  It maps to a :class:`~pipec.compiler.ir.Program` directly.
+  It maps to a :class:`~pipec.compiler.ir.program.Program` directly.
 
 The mapping (DESIGN, "torch.distributed.pipelining CSV"):
 
@@ -66,8 +66,8 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from pipec.compiler.ir import COMM_OPS as _COMM_OPS, COMPUTE_OPS, Instruction, Op, Program
-from pipec.compiler.plan import Mesh
+from pipec.compiler.ir.program import COMM_OPS as _COMM_OPS, COMPUTE_OPS, Instruction, Op, Program
+from pipec.compiler.ir.plan import Mesh
 from pipec.schedules.order import ComputeOrder, Kind
 from pipec.schedules.torch_csv import (
     TorchAction,

@@ -4,7 +4,7 @@ A :class:`StageGraph` holds the plan's ``model``, ``stages``, ``edges`` and
 ``ties``, plus a networkx ``DiGraph`` over stage ids for views and checks. A
 skip connection is a direct edge between non-adjacent stages; a tie group
 (one weight held by several stages) is kept on the graph as
-``graph.graph["ties"]``. Drawing it is :mod:`pipec.compiler.views.graph`.
+``graph.graph["ties"]``. Drawing it is :mod:`pipec.views.graph`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import networkx as nx
 
-from pipec.compiler.plan import Edge, Stage, Tie
+from pipec.compiler.ir.plan import Edge, Stage, Tie
 
 __all__ = ["StageGraph", "make_graph", "human_bytes"]
 

@@ -23,7 +23,7 @@ its bound is refused uncompiled; once the top table is full and the next bound c
 row, the rest are pruned. Candidates are compiled by the driver as ``pipec compile`` would
 (:func:`~pipec.compiler.driver.compile_request`) but without the proof and the timeline's events,
 which only the plans kept need: the table, the frontier and the file's own candidate are proven
-(:func:`~pipec.compiler.verify.verify`) and given the timeline of the proof's execution, events and
+(:func:`~pipec.compiler.passes.verify.verify`) and given the timeline of the proof's execution, events and
 all; one that fails is dropped and the search goes on, so every plan tune reports or writes is a
 verified plan. The table and the winner are so exactly what
 compiling and proving every candidate would give; the time-memory frontier is the Pareto set of the
@@ -45,12 +45,12 @@ from typing import Any, Callable, Iterable, Sequence
 
 from pipec.compiler.config import TrainingConfig
 from pipec.compiler.driver import compile_request, with_timeline
-from pipec.compiler.engine import BUFFERED, Deadlock
-from pipec.compiler.memory import MemoryBudgetError, bytes_per_param
-from pipec.compiler.plan import SHARD_MODES, Mesh, Plan
+from pipec.compiler.sim.engine import BUFFERED, Deadlock
+from pipec.compiler.passes.memory import MemoryBudgetError, bytes_per_param
+from pipec.compiler.ir.plan import SHARD_MODES, Mesh, Plan
 from pipec.compiler.request import CompileRequest, InputTensor, PartitionRequest
-from pipec.compiler.tune_bounds import Frame, candidate_frame, memory_bound, order_cache, step_bound
-from pipec.compiler.verify import VerifyError, verify
+from pipec.tune.bounds import Frame, candidate_frame, memory_bound, order_cache, step_bound
+from pipec.compiler.passes.verify import VerifyError, verify
 from pipec.errors import PipecError
 from pipec.schedules import SCHEDULES, ScheduleError, check_rules
 from pipec.schedules.order import gc_paused
@@ -476,7 +476,7 @@ class _Search:
     bound allows (found by bisection; none: refused), and queued again by its own bounds; popped
     again, it is compiled without its proof. One the compile finds over budget is queued again with
     one stage more recomputed. Once the table is full and the head of the queue cannot beat its last
-    row, the table is proven (:func:`~pipec.compiler.verify.verify`); a plan that fails is dropped and
+    row, the table is proven (:func:`~pipec.compiler.passes.verify.verify`); a plan that fails is dropped and
     the search goes on from the queue, so the table holds proven plans only."""
 
     def __init__(self, treq: TuneRequest, batch: int):
@@ -686,7 +686,7 @@ def _numel(shape: Sequence[int]) -> int:
 def _no_fit(treq: TuneRequest, batch: int, refused: list[tuple[int, Candidate]], graphs: _Graphs) -> str:
     """Why nothing fits, and what would, computed: the least any candidate needs, and the devices,
     recompute and sharding that would bring the state under the budget."""
-    from pipec.compiler.graph import human_bytes
+    from pipec.compiler.ir.graph import human_bytes
 
     budget = _budget(treq)
     if not refused:

@@ -12,7 +12,7 @@
    match a pair's messages first-in, first-out, so another order would deliver
    the wrong tensor silently).
 3. **No deadlock** under the ``buffered`` and the ``in_order`` comm model
-   (see :mod:`pipec.compiler.simulate`); a deadlock is reported as the cycle
+   (see :mod:`pipec.compiler.sim.simulate`); a deadlock is reported as the cycle
    of waiting instructions, one line per rank.
 4. **Collectives.** ``ALLREDUCE`` of a stage comes after its last backward;
    with dp > 1 every stage is reduced over dp exactly once; every tie group
@@ -52,10 +52,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from pipec.compiler.ir import Instruction, Op, Program
-from pipec.compiler.plan import Edge, Mesh, Plan, Stage, Tie
-from pipec.compiler.engine import BUFFERED, MODELS, CostModel, Deadlock, Execution, decode, execute
-from pipec.compiler.simulate import plan_costs
+from pipec.compiler.ir.program import Instruction, Op, Program
+from pipec.compiler.ir.plan import Edge, Mesh, Plan, Stage, Tie
+from pipec.compiler.sim.cost import CostModel
+from pipec.compiler.sim.engine import BUFFERED, MODELS, Deadlock, Execution, decode, execute
+from pipec.compiler.sim.simulate import plan_costs
 from pipec.errors import PipecError
 
 __all__ = ["VerifyError", "Proof", "verify", "verify_program"]

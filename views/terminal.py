@@ -29,10 +29,10 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from pipec.compiler.engine import WAIT_PREFIX
-from pipec.compiler.ir import COMM_OPS, DP_GROUPS, IRError, Op, parse_instruction
-from pipec.compiler.plan import Mesh
-from pipec.compiler.timeline import Event, Timeline
+from pipec.compiler.sim.engine import WAIT_PREFIX
+from pipec.compiler.ir.program import COMM_OPS, DP_GROUPS, IRError, Op, parse_instruction
+from pipec.compiler.ir.plan import Mesh
+from pipec.compiler.ir.timeline import Event, Timeline
 from pipec.errors import PipecError
 
 __all__ = [

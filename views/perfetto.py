@@ -7,7 +7,7 @@ global rank), one complete (``"ph": "X"``) event per Timeline event, named by
 its instruction text (``F0.3``), with ``cat`` its kind (``F``, ``B``, ``I``,
 ``W``, ``comm``, ``AR``, ``OPT``) and its stage and microbatch in ``args``;
 time a rank waits inside a collective is its own ``comm`` event (``~OPT``), as
-the terminal draws it (:func:`~pipec.compiler.views.terminal.split_waits`).
+the terminal draws it (:func:`~pipec.views.terminal.split_waits`).
 ``ts`` and ``dur`` are microseconds: seconds x 1e6, and for a unit-cost
 timeline 1 unit = 1 ms, which the trace's ``otherData`` states.
 """
@@ -18,9 +18,9 @@ import json
 import os
 from typing import Any
 
-from pipec.compiler.plan import Mesh
-from pipec.compiler.views.terminal import RenderError, classify, infer_dp, split_waits
-from pipec.compiler.timeline import Timeline
+from pipec.compiler.ir.plan import Mesh
+from pipec.views.terminal import RenderError, classify, infer_dp, split_waits
+from pipec.compiler.ir.timeline import Timeline
 
 __all__ = ["trace_events", "write_perfetto", "US_PER"]
 

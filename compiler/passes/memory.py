@@ -51,8 +51,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Mapping
 
-from pipec.compiler.ir import Op
-from pipec.compiler.plan import Mesh, Plan, Stage
+from pipec.compiler.ir.program import Op
+from pipec.compiler.ir.plan import Mesh, Plan, Stage
 from pipec.errors import PipecError
 
 __all__ = ["BYTES_PER_PARAM", "COMPUTE_BYTES", "MemoryBudgetError", "RankMemory", "bytes_per_param", "padded_params", "stage_state", "breakdown",

@@ -69,15 +69,15 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
-from pipec.compiler.contention import ITERATIONS, TOLERANCE, Sharing
-from pipec.compiler.ir import COMM_OPS, DP_GROUPS, SEND_OPS, SHARD_OPS, Op, Program, message_edge
-from pipec.compiler.plan import Edge, Tie
-from pipec.compiler.timeline import Event
+from pipec.compiler.sim.contention import ITERATIONS, TOLERANCE
+from pipec.compiler.sim.cost import COMPUTE_JITTER, TRANSFER_JITTER, CostModel
+from pipec.compiler.ir.program import COMM_OPS, DP_GROUPS, SEND_OPS, SHARD_OPS, Op, Program, message_edge
+from pipec.compiler.ir.plan import Edge, Tie
+from pipec.compiler.ir.timeline import Event
 from pipec.errors import PipecError
 from pipec.schedules.timing import Cost
 
-__all__ = ["BUFFERED", "IN_ORDER", "MODELS", "OPTIM_GROUP", "WAIT_PREFIX", "COMPUTE_JITTER", "TRANSFER_JITTER",
-           "CostModel", "Deadlock", "Execution", "Decoded", "decode", "drawn", "execute", "group_members"]
+__all__ = ["BUFFERED", "IN_ORDER", "MODELS", "OPTIM_GROUP", "WAIT_PREFIX", "Deadlock", "Execution", "Decoded", "decode", "drawn", "execute", "group_members"]
 
 BUFFERED = "buffered"
 IN_ORDER = "in_order"
@@ -90,10 +90,6 @@ WAIT_PREFIX = "~"
 """An event whose op is ``~`` + an instruction's text is time that instruction spent waiting (inside a collective:
 for its rank's posts and all-reduces, or for a peer); the executor names its waits the same way."""
 
-COMPUTE_JITTER = "compute"
-TRANSFER_JITTER = "transfer"
-"""The :attr:`CostModel.jitter` kinds beside the opcode names."""
-
 # decoded opcodes
 _COMPUTE, _SEND, _RECV, _AR, _OPT, _SHARD = range(6)
 
@@ -105,46 +101,6 @@ class Deadlock(PipecError):
         self.model = model
         self.lines = tuple(lines)
         super().__init__(f"deadlock under the {model} model:\n" + "\n".join("  " + ln for ln in lines))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CostModel:
-    """What everything a program does takes, in seconds (or units)."""
-
-    stages: tuple[Cost, ...]
-    """Per stage: its compute costs and its optimizer step (pipec's one cost type)."""
-    transfer: Mapping[tuple[int, int], float]
-    """Per edge (src_stage, dst_stage): one microbatch's message over the pp link."""
-    allreduce: Mapping[tuple[str, int], float]
-    """Per (group, stage): the all-reduce's duration."""
-    shard: Mapping[tuple[str, int], float] = field(default_factory=dict)
-    """Per (opcode name, stage): an ``UNSHARD``'s all-gather or a ``REDUCE_SCATTER``'s duration;
-    ``("OPTIM_STEP", stage)``: the gather of the stage's updated parameters inside ``OPT``
-    (``shard optimizer``). Missing: free."""
-    activation_bytes: tuple[int, ...] = ()
-    """Per stage: bytes saved per microbatch in flight (empty when unknown)."""
-    overhead: Mapping[str, float] = field(default_factory=dict)
-    """Per opcode name (``"FWD"``, ``"SEND_ACT"``, ...): the host's own seconds per instruction (the
-    executor's dispatch and bookkeeping), on top of the work. Missing: free. How the loop charges it: a
-    compute starts that long after its inputs are in; a post, a shard instruction or a collective's
-    arrival happens that long after the rank's clock (the host is busy, neither computing nor waiting)."""
-    time_unit: str = "s"
-    grad_norm: bool = True
-    """Whether ``OPT`` holds the grad-norm collective over the pp ranks (the run clips gradients). False: ``OPT``
-    waits only for its own rank's posts and all-reduces (``--emulate`` runs no optimizer, so no collective)."""
-    jitter: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
-    """Measured spread, per kind a tuple of samples as deviations from the fixed cost: an opcode name (the host
-    overhead of one instruction of it), :data:`COMPUTE_JITTER` (a compute's duration, one that takes time),
-    :data:`TRANSFER_JITTER` (a message's transfer). Empty: every cost is fixed. Only an :func:`execute` given a
-    ``random.Random`` draws from them (each instruction instance, each message apart); otherwise ignored."""
-    early_receives: bool = False
-    """Whether the run posts every receive of a step when the step starts (the executor does over gloo, whose posts
-    never block): a message then moves once its send is posted. False: each receive is posted where the program
-    puts it. Only the buffered model reads it (NCCL keeps the plan's positions)."""
-    sharing: Sharing | None = None
-    """Ranks that share a host's cores (``costs profile`` timed the stages in a crowd): every run prices each
-    compute at the share of the cores it gets (:mod:`pipec.compiler.contention`). None: each compute takes its
-    cost."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -939,7 +895,7 @@ def execute(
 
 def _shared(program: Program, decoded: Decoded, placement: Sequence[int], ties: Sequence[Tie], model: str,
             record_events: bool, sharing: Sharing, ex: Execution) -> Execution:
-    """The run under processor sharing (:mod:`pipec.compiler.contention`): the loop re-run with every compute's
+    """The run under processor sharing (:mod:`pipec.compiler.sim.contention`): the loop re-run with every compute's
     duration scaled until the scales settle (``ex``: the run at the costs as they are)."""
     where = [(r, pc) for r, dec in enumerate(decoded.ranks) for pc, d in enumerate(dec) if d[0] == _COMPUTE and d[2] > 0]
     texts = [(r, program.ranks[r][pc].text()) for r, pc in where]

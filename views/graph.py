@@ -13,8 +13,8 @@ import shutil
 
 import graphviz
 
-from pipec.compiler.graph import StageGraph, human_bytes
-from pipec.compiler.plan import Plan
+from pipec.compiler.ir.graph import StageGraph, human_bytes
+from pipec.compiler.ir.plan import Plan
 from pipec.errors import PipecError
 
 __all__ = ["graph_source", "render_graph", "RENDER_FORMATS"]

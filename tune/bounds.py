@@ -2,8 +2,8 @@
 
 A candidate is bounded on its :class:`Frame`: the plan the driver would build but the program
 (:func:`~pipec.compiler.driver.bare_plan`: stages placed, state sharded, links priced by
-:func:`~pipec.compiler.simulate.plan_costs`) and its compute order. Each bound follows what the
-simulator's buffered model charges (:mod:`pipec.compiler.engine`), so it holds for the predicted
+:func:`~pipec.compiler.sim.simulate.plan_costs`) and its compute order. Each bound follows what the
+simulator's buffered model charges (:mod:`pipec.compiler.sim.engine`), so it holds for the predicted
 step of any program the lowering makes from that order (tests/test_tune.py checks it for every
 candidate of a small space); the search prunes on them (:mod:`.tune`).
 
@@ -15,19 +15,19 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from pipec.compiler.engine import CostModel
-from pipec.compiler.ir import Op
-from pipec.compiler.lower import PerOrder
-from pipec.compiler.memory import breakdown
-from pipec.compiler.plan import Mesh, Plan
+from pipec.compiler.sim.cost import CostModel
+from pipec.compiler.ir.program import Op
+from pipec.compiler.passes.lower import PerOrder
+from pipec.compiler.passes.memory import breakdown
+from pipec.compiler.ir.plan import Mesh, Plan
 from pipec.compiler.request import CompileRequest
-from pipec.compiler.simulate import plan_costs
+from pipec.compiler.sim.simulate import plan_costs
 from pipec.schedules import SCHEDULES
 from pipec.schedules.order import ComputeOrder, Kind
 from pipec.schedules.timing import Cost
 
 if TYPE_CHECKING:
-    from pipec.compiler.tune import Candidate
+    from pipec.tune.search import Candidate
 
 __all__ = ["Frame", "order_cache", "candidate_frame", "peak_activations", "memory_bound", "bounds", "step_bound", "uncrowded"]
 
@@ -67,7 +67,7 @@ def candidate_frame(req: CompileRequest, graph, order: ComputeOrder) -> Frame:
 
 
 def uncrowded(costs: CostModel) -> CostModel:
-    """The costs a bound may take under processor sharing (:mod:`pipec.compiler.contention`): a compute runs
+    """The costs a bound may take under processor sharing (:mod:`pipec.compiler.sim.contention`): a compute runs
     at most at its rate alone, its cost over the slowdown the crowd measured, however few ranks compute with it."""
     sharing = costs.sharing
     if sharing is None:

@@ -16,8 +16,8 @@ import sys
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from pipec.compiler.plan import write_plan
-from pipec.compiler.tune import Scored, TuneResult
+from pipec.compiler.ir.plan import write_plan
+from pipec.tune.search import Scored, TuneResult
 
 __all__ = ["max_ranks", "measure", "run_candidates"]
 

@@ -19,9 +19,9 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
-from pipec.compiler.ir import DP_GROUPS, FIELDS, GROUP_OPS, IRError, Instruction, Op, Program
-from pipec.compiler.schema import Reader, SchemaError
-from pipec.compiler.timeline import Timeline
+from pipec.compiler.ir.program import DP_GROUPS, FIELDS, GROUP_OPS, IRError, Instruction, Op, Program
+from pipec.compiler.ir.schema import Reader, SchemaError
+from pipec.compiler.ir.timeline import Timeline
 from pipec.errors import PipecError
 from pipec.schedules.order import gc_paused
 from pipec.schedules.timing import UNIT, Cost
@@ -169,7 +169,7 @@ class Link:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Overhead:
     """The executor's own host time per instruction, by opcode name (plan.json ``overhead``): what the
-    simulator charges on top of each instruction's work (:class:`~pipec.compiler.engine.CostModel`)."""
+    simulator charges on top of each instruction's work (:class:`~pipec.compiler.sim.engine.CostModel`)."""
 
     seconds: Mapping[str, float]
     """Opcode name (``"FWD"``, ``"SEND_ACT"``, ...) -> seconds per instruction; a missing opcode is free."""
@@ -342,7 +342,7 @@ class Plan:
     """Per axis: ``pp`` (point to point), ``dp`` (dp all-reduce, sharding's collectives), optionally ``tie``
     (the tie all-reduces; absent: ``pp``), ``shard`` (all-gather / reduce-scatter; absent: ``dp``), and
     ``intra`` / ``inter`` (within a node / across nodes: with ``mesh.devices_per_node`` they price each
-    hop and collective by where its ranks sit, :func:`pipec.compiler.simulate.plan_costs`)."""
+    hop and collective by where its ranks sit, :func:`pipec.compiler.sim.simulate.plan_costs`)."""
     overhead: Overhead | None = None
     """The executor's host time per instruction kind (None: free, as in plans before it was measured)."""
     spec: Mapping[str, Any] = field(default_factory=dict)

@@ -1,7 +1,7 @@
 """Predicted Timelines: a plan's cost model, run through the event loop.
 
 The event loop itself (both comm models, deadlock reports) lives in
-:mod:`pipec.compiler.engine`; this module turns a plan into its costs (each
+:mod:`pipec.compiler.sim.engine`; this module turns a plan into its costs (each
 hop and collective on its axis's link, or by node: :class:`Pricing`) and an
 execution into the Timeline that views and report.json share.
 """
@@ -14,23 +14,12 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Mapping, Sequence
 
-from pipec.compiler.contention import sharing_of
-from pipec.compiler.engine import (
-    BUFFERED,
-    COMPUTE_JITTER,
-    IN_ORDER,
-    MODELS,
-    TRANSFER_JITTER,
-    CostModel,
-    Deadlock,
-    Execution,
-    decode,
-    execute,
-    group_members,
-)
-from pipec.compiler.ir import Op, Program
-from pipec.compiler.plan import UNIT_COST, Edge, Link, Mesh, Plan, Tie, chain_edges
-from pipec.compiler.timeline import Timeline
+from pipec.compiler.ir.plan import UNIT_COST, Edge, Link, Mesh, Plan, Tie, chain_edges
+from pipec.compiler.ir.program import Op, Program
+from pipec.compiler.ir.timeline import Timeline
+from pipec.compiler.sim.contention import sharing_of
+from pipec.compiler.sim.cost import COMPUTE_JITTER, TRANSFER_JITTER, CostModel
+from pipec.compiler.sim.engine import BUFFERED, IN_ORDER, MODELS, Deadlock, Execution, decode, execute, group_members
 
 __all__ = [
     "BUFFERED", "IN_ORDER", "MODELS", "CostModel", "Deadlock", "Execution",
@@ -288,7 +277,7 @@ def _shard_costs(plan: Plan, allreduce: dict[tuple[str, int], float],
     and a ``REDUCE_SCATTER`` of the stage's padded parameters (in the compute dtype, as FSDP2's mixed
     precision moves them), ``OPT``'s gather of the updated parameters (``shard optimizer``, float32);
     HSDP's replicate all-reduce of the shards (bytes / n) over the dp / n groups goes into ``allreduce``."""
-    from pipec.compiler.memory import COMPUTE_BYTES, padded_params
+    from pipec.compiler.passes.memory import COMPUTE_BYTES, padded_params
 
     mesh = plan.mesh
     n = mesh.num_shards

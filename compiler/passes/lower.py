@@ -43,9 +43,9 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Any, Hashable, Sequence
 
-from pipec.compiler.ir import Instruction, Op, Program
-from pipec.compiler.plan import Edge, Mesh, Tie
-from pipec.compiler.engine import CostModel
+from pipec.compiler.ir.program import Instruction, Op, Program
+from pipec.compiler.ir.plan import Edge, Mesh, Tie
+from pipec.compiler.sim.cost import CostModel
 from pipec.schedules.timing import list_schedule
 from pipec.schedules.order import ComputeOrder, Kind
 
