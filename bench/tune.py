@@ -33,8 +33,8 @@ from dataclasses import replace
 from pipec.compiler.driver import compile_request
 from pipec.compiler.ir.plan import Cost, Plan
 from pipec.compiler.sim.simulate import plan_costs, simulate_costs
-from pipec.tune.search import (Candidate, Scored, TuneRequest, _Graphs, _score, candidate_request, candidates,
-                                 tune)
+from pipec.tune.search import Scored, _Graphs, _score, tune
+from pipec.tune.space import Candidate, TuneRequest, candidate_request, candidates
 from pipec.tune.measure import measure, run_candidates
 from pipec.tune.report import pipe_lines, why
 from pipec.dsl import load_spec

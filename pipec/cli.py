@@ -304,7 +304,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     import json
 
     from pipec.compiler.ir.plan import check_node_size, write_plan
-    from pipec.tune.search import TuneRequest, tune
+    from pipec.tune.search import tune
+    from pipec.tune.space import TuneRequest
     from pipec.tune.report import frontier_table, pipe_lines, result_json, table, why
     from pipec.dsl import load_spec
     from rich.console import Console
@@ -364,7 +365,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def _tuned_pipe(path: str, lines: list[str]) -> str:
     """A complete schedule file: the file's statements but the ones tune set, then tune's lines."""
-    from pipec.tune.search import TUNED_KEYS
+    from pipec.tune.space import TUNED_KEYS
     from pipec.dsl import format_file
     from pipec.dsl.fmt import statement_text
     from pipec.dsl.parse import parse_source

@@ -146,7 +146,7 @@ def test_tunes_bounds_hold_when_the_host_is_shared(tmp_path, monkeypatch):
     import pipec.compiler.sim.simulate as simulate
     from pipec.compiler.driver import compile_request, model_request, schedule_order
     from pipec.compiler.frontend import build_stage_graph
-    from pipec.tune.search import TuneRequest, candidate_request, candidates
+    from pipec.tune.space import TuneRequest, candidate_request, candidates
     from pipec.tune.bounds import bounds, candidate_frame
     from pipec.dsl import load_spec
     from test_tune import SMALL

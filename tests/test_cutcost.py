@@ -222,6 +222,7 @@ device_memory 1MB
 
 def test_tune_gives_the_same_result_with_cost_only_cuts_and_without(tmp_path, monkeypatch):
     from pipec.tune import search as tune_mod
+    from pipec.tune.space import TuneRequest
     from pipec.compiler.ir.plan import plan_to_json
     from pipec.dsl import load_spec
 
@@ -240,7 +241,7 @@ def test_tune_gives_the_same_result_with_cost_only_cuts_and_without(tmp_path, mo
             return real(req, like=like if fast else None)
 
         monkeypatch.setattr(frontend, "trace_request", trace)
-        r = tune_mod.tune(tune_mod.TuneRequest(base=load_spec(str(path), {}).request, num_devices=4, num_top=6))
+        r = tune_mod.tune(TuneRequest(base=load_spec(str(path), {}).request, num_devices=4, num_top=6))
         rows = [(s.candidate, s.step_time, s.peak_memory, s.bubble, plan_to_json(s.plan))
                 for s in (*r.top, *r.frontier, *([r.start_scored] if r.start_scored else []))]
         counts = (r.num_candidates, r.num_compiled, r.num_pruned, r.num_over_budget, r.num_unbuildable, r.num_traces,
@@ -306,7 +307,8 @@ def test_the_vectorised_balancer_gives_the_same_cuts_bit_for_bit():
 def test_tune_with_profile_costs_confirms_no_cut_it_made_the_full_way(tmp_path, monkeypatch):
     """A profile cut is timed, so cutting it again would not repeat its costs: tune's winner is confirmed only
     where its cut was cost-only, and a search with ``costs profile`` runs to its end."""
-    from pipec.tune.search import TuneRequest, tune
+    from pipec.tune.search import tune
+    from pipec.tune.space import TuneRequest
     from pipec.dsl import load_spec
 
     req = _req(MLP, stages=2, costs="profile")

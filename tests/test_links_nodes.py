@@ -11,7 +11,8 @@ from pipec.compiler.driver import compile_spec
 from pipec.compiler.ir.program import Program
 from pipec.compiler.ir.plan import Edge, Link, Mesh, Plan, Signature, Stage, Tie, load_plan, plan_to_json, read_plan
 from pipec.compiler.sim.simulate import link_sides, plan_costs
-from pipec.tune.search import TuneRequest, tune
+from pipec.tune.search import tune
+from pipec.tune.space import TuneRequest
 from pipec.tune.report import pipe_lines
 from pipec.dsl import DSLError, load_spec, parse_spec
 from pipec.errors import PipecError

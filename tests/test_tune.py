@@ -13,7 +13,8 @@ from pipec.compiler.driver import compile_request, model_request, schedule_order
 from pipec.compiler.frontend import build_stage_graph
 from pipec.compiler.passes.memory import MemoryBudgetError
 from pipec.compiler.ir.plan import read_plan
-from pipec.tune.search import TuneError, TuneRequest, _pareto, _score, candidate_request, candidates, tune
+from pipec.tune.search import _pareto, _score, tune
+from pipec.tune.space import TuneError, TuneRequest, candidate_request, candidates
 from pipec.tune.bounds import bounds, candidate_frame
 from pipec.compiler.passes.verify import verify
 from pipec.dsl import load_spec

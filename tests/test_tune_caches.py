@@ -13,7 +13,8 @@ from pipec.compiler.sim import simulate
 from pipec.compiler.driver import compile_request
 from pipec.compiler.frontend import build_stage_graph
 from pipec.compiler.ir.plan import Link
-from pipec.tune.search import Candidate, TuneRequest, _Graphs, candidate_request
+from pipec.tune.search import _Graphs
+from pipec.tune.space import Candidate, TuneRequest, candidate_request
 from pipec.dsl import load_spec
 from pipec.schedules import SCHEDULES
 

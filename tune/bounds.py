@@ -5,7 +5,7 @@ A candidate is bounded on its :class:`Frame`: the plan the driver would build bu
 :func:`~pipec.compiler.sim.simulate.plan_costs`) and its compute order. Each bound follows what the
 simulator's buffered model charges (:mod:`pipec.compiler.sim.engine`), so it holds for the predicted
 step of any program the lowering makes from that order (tests/test_tune.py checks it for every
-candidate of a small space); the search prunes on them (:mod:`.tune`).
+candidate of a small space); the search prunes on them (:mod:`.search`).
 
 torch-free.
 """
@@ -27,7 +27,7 @@ from pipec.schedules.order import ComputeOrder, Kind
 from pipec.schedules.timing import Cost
 
 if TYPE_CHECKING:
-    from pipec.tune.search import Candidate
+    from pipec.tune.space import Candidate
 
 __all__ = ["Frame", "order_cache", "candidate_frame", "peak_activations", "memory_bound", "bounds", "step_bound", "uncrowded"]
 

@@ -10,7 +10,8 @@ from typing import Any, Callable, Sequence
 
 from pipec.compiler.ir.graph import human_bytes
 from pipec.compiler.passes.memory import bytes_per_param
-from pipec.tune.search import Candidate, Scored, TuneResult
+from pipec.tune.search import Scored, TuneResult
+from pipec.tune.space import Candidate
 
 __all__ = ["TUNE_FORMAT", "candidate_json", "result_json", "pipe_lines", "why", "table", "frontier_table"]
 

@@ -1,11 +1,4 @@
-"""``pipec tune``: the layout, schedule, microbatches, partition and recompute, chosen by simulation.
-
-The search walks the source note's decision tree as a space (:func:`candidates`): every layout
-``pp x dp`` of the devices (and, with ``dp >= 2``, every shard mode and shard size), every named
-schedule with its chunks per rank, every microbatch count that divides one replica's share of the
-fixed global batch, the partition balanced by FLOPs (also by time and memory under ``costs
-profile``), and recompute of none or the first k stages. The policy presets equal the named
-schedules, so they are no extra candidates.
+"""``pipec tune``'s search: the candidates of :mod:`.space` compiled, bounded, pruned and ranked.
 
 The model is traced once per microbatch shape and each distinct cut (stages, microbatch shape,
 balance) is costed once; recompute and the data record are derived from the cut (:class:`_Graphs`).
@@ -15,7 +8,7 @@ recomputed, the least k its bound allows found by bisection (more recompute only
 lowers the peak); one the compile still finds over budget (gathered shards) gets one stage more.
 
 The search is best-first branch and bound (:class:`_Search`) on the lower bounds of
-:mod:`.tune_bounds`: the step, communication included (pp transfers on fill and drain, the
+:mod:`.bounds`: the step, communication included (pp transfers on fill and drain, the
 collectives that block a rank, the shard collectives on its lane, the optimizer step after the last
 arrival), and the peak memory (the state at rest plus the activations at their peak in the
 candidate's compute order, exact unless parameters are sharded). A candidate over the budget by
@@ -31,8 +24,7 @@ candidates compiled, exact for steps below the table's last row (slower, smaller
 missing).
 
 torch-free at import: the front end is loaded only when a model is traced, as the driver does.
-About 650 lines: the space, the front end's cache and the search share the candidate type; the
-bounds are in :mod:`.tune_bounds`, the output (table, reasons, JSON) is in :mod:`.tune_report`, runs in :mod:`.tune_measure`.
+The output (table, reasons, JSON) is in :mod:`.report`, runs in :mod:`.measure`.
 """
 
 from __future__ import annotations
@@ -43,103 +35,17 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
-from pipec.compiler.config import TrainingConfig
 from pipec.compiler.driver import compile_request, with_timeline
-from pipec.compiler.sim.engine import BUFFERED, Deadlock
+from pipec.compiler.ir.plan import Mesh, Plan
 from pipec.compiler.passes.memory import MemoryBudgetError, bytes_per_param
-from pipec.compiler.ir.plan import SHARD_MODES, Mesh, Plan
-from pipec.compiler.request import CompileRequest, InputTensor, PartitionRequest
-from pipec.tune.bounds import Frame, candidate_frame, memory_bound, order_cache, step_bound
 from pipec.compiler.passes.verify import VerifyError, verify
-from pipec.errors import PipecError
-from pipec.schedules import SCHEDULES, ScheduleError, check_rules
+from pipec.compiler.sim.engine import BUFFERED, Deadlock
 from pipec.schedules.order import gc_paused
+from pipec.tune.bounds import Frame, candidate_frame, memory_bound, order_cache, step_bound
+from pipec.tune.space import (Candidate, TuneError, TuneRequest, candidate_request, candidates, memory_budget,
+                              start_candidate, total_batch)
 
-__all__ = ["TUNED_KEYS", "INTERLEAVED_CHUNKS", "TuneError", "TuneRequest", "Candidate", "Scored", "TuneResult",
-           "candidates", "tune", "candidate_request", "divisors"]
-
-TUNED_KEYS = ("pp", "dp", "shard", "shard_size", "schedule", "virtual", "microbatches", "partition", "recompute")
-"""The keys the search sets; ``--keep`` pins any of them to the file's value."""
-
-INTERLEAVED_CHUNKS = (2, 4)
-"""Chunks per rank tried for ``interleaved_1f1b`` and ``looped_bfs`` (zbv takes 2, the rest 1)."""
-
-_CHUNKS = {"gpipe": (1,), "1f1b": (1,), "zb_h1": (1,), "zbv": (2,), "interleaved_1f1b": INTERLEAVED_CHUNKS,
-           "looped_bfs": INTERLEAVED_CHUNKS}
-
-
-class TuneError(PipecError):
-    """The search cannot run as asked, or nothing in its space fits."""
-
-
-def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TuneRequest:
-    """What to search: the file's request (its layout and schedule the starting candidate) on
-    ``num_devices`` devices."""
-
-    base: CompileRequest
-    num_devices: int
-    global_batch: int | None = None
-    """Sequences per optimizer step over all replicas; None: the file's ``input`` batch x its ``dp``."""
-    keep: frozenset[str] = frozenset()
-    """Keys of :data:`TUNED_KEYS` pinned to the file's value."""
-    device_memory: int | None = None
-    """Bytes per device; None: the file's ``device_memory`` (None there too: no budget)."""
-    peak_flops: float | None = None
-    """FLOP/s per device; None: the file's ``peak_flops``."""
-    devices_per_node: int | None = None
-    """Devices per node (``--devices-per-node``); None: the file's ``devices_per_node``. With the file's
-    ``intra`` / ``inter`` links each candidate's hops are priced by where its ranks sit."""
-    num_top: int = 10
-    """Candidates in the table (and kept exactly: pruning never drops one of them)."""
-    progress: Callable[[int, int], None] | None = field(default=None, compare=False)
-    """Called with (candidates done, candidates in all) while searching."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Candidate:
-    """One point of the space."""
-
-    pp: int
-    dp: int
-    shard: str = "none"
-    shard_size: int | None = None
-    schedule: str
-    num_chunks: int
-    num_microbatches: int
-    partition_by: str | None
-    """``balanced(by=...)``; None: the file's own partition (``--keep partition``)."""
-    recompute: frozenset[int] = frozenset()
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp * self.num_chunks
-
-    @property
-    def layout(self) -> str:
-        shard = "" if self.shard == "none" else f" {self.shard}" + (
-            f"/{self.shard_size}" if self.shard_size else "")
-        return f"{self.pp}x{self.dp}{shard}"
-
-    @property
-    def recompute_text(self) -> str:
-        k = len(self.recompute)
-        if not k:
-            return "none"
-        if k == self.num_stages:
-            return "all"
-        return f"stages {', '.join(map(str, sorted(self.recompute)))}" if self.recompute != frozenset(range(k)) \
-            else ("stage 0" if k == 1 else f"stages 0..{k - 1}")
-
-    def sort_key(self) -> tuple:
-        """A total order of the space (ties in predicted time and memory are broken by it)."""
-        return (self.pp, self.dp, SHARD_MODES.index(self.shard), self.shard_size or 0, list(SCHEDULES).index(
-            self.schedule), self.num_chunks, self.num_microbatches, self.partition_by or "", len(self.recompute),
-            tuple(sorted(self.recompute)))
+__all__ = ["Scored", "TuneResult", "tune"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -192,134 +98,6 @@ class TuneResult:
     num_traces: int
     num_cuts: int
     seconds: float
-
-
-# ----------------------------------------------------------------------------- the space
-
-
-def _global_batch(treq: TuneRequest) -> int:
-    base = treq.base
-    if base.model is None or not base.model.inputs:
-        raise TuneError("pipec tune needs a model and its input (keys model and input): it searches by "
-                        "simulating the model's stages", key="model")
-    b = base.model.inputs[0].shape[0]
-    batch = treq.global_batch if treq.global_batch is not None else b * base.dp
-    if batch < 1:
-        raise TuneError(f"the global batch must be at least 1, got {batch}")
-    return batch
-
-
-def _shard_options(dp: int) -> list[tuple[str, int | None]]:
-    if dp < 2:
-        return [("none", None)]
-    sizes = [None, *(n for n in divisors(dp) if 2 <= n < dp)]
-    return [("none", None), *((mode, n) for mode in SHARD_MODES[1:] for n in sizes)]
-
-
-def candidates(treq: TuneRequest) -> list[Candidate]:
-    """Every candidate of the space (see the module docstring), in :meth:`Candidate.sort_key` order;
-    the kept keys at the file's values. A schedule's rules are applied here (counts it refuses are
-    not candidates)."""
-    base, keep, N = treq.base, treq.keep, treq.num_devices
-    bad = sorted(keep - set(TUNED_KEYS))
-    if bad:
-        raise TuneError(f"--keep names {', '.join(bad)}, which tune does not set; keys it sets: "
-                        f"{', '.join(TUNED_KEYS)}")
-    if "schedule" in keep and base.schedule not in SCHEDULES:
-        raise TuneError(f"--keep schedule needs a named schedule, the file has {base.schedule}",
-                        key="schedule", hints=(f"name one of {', '.join(SCHEDULES)}",))
-    batch = _global_batch(treq)
-    costs = base.model.costs
-    bys = (None,) if "partition" in keep else ("flops", "time", "memory") if costs == "profile" else ("flops",)
-    out = []
-    for pp in divisors(N):
-        dp = N // pp
-        if ("pp" in keep and pp != base.pp) or ("dp" in keep and dp != base.dp) or batch % dp:
-            continue
-        for shard, size in _shard_options(dp):
-            if ("shard" in keep and shard != base.shard) or ("shard_size" in keep and size != base.shard_size):
-                continue
-            for name in SCHEDULES:
-                if "schedule" in keep and name != base.schedule:
-                    continue
-                for v in _CHUNKS[name]:
-                    if "virtual" in keep and v != base.num_chunks:
-                        continue
-                    for M in divisors(batch // dp):
-                        if ("microbatches" in keep and M != base.num_microbatches) or not _legal(name, pp, M, v):
-                            continue
-                        recompute = base.model.recompute if "recompute" in keep else frozenset()
-                        out += [Candidate(pp=pp, dp=dp, shard=shard, shard_size=size, schedule=name, num_chunks=v,
-                                          num_microbatches=M, partition_by=by, recompute=frozenset(recompute))
-                                for by in bys]
-    return sorted(out, key=Candidate.sort_key)
-
-
-def _legal(name: str, pp: int, M: int, v: int) -> bool:
-    try:
-        check_rules(name, num_ranks=pp, num_microbatches=M, num_chunks=v)
-    except ScheduleError:
-        return False
-    return True
-
-
-def _start(treq: TuneRequest) -> Candidate | None:
-    """The file's own settings as a candidate (its partition as a balance when it is one)."""
-    b = treq.base
-    if b.schedule not in SCHEDULES or b.pp * b.dp != treq.num_devices:
-        return None
-    part = b.model.partition
-    by = None if "partition" in treq.keep else (part.by if part.method == "balanced" else "flops")
-    return Candidate(pp=b.pp, dp=b.dp, shard=b.shard, shard_size=b.shard_size, schedule=b.schedule,
-                     num_chunks=b.num_chunks, num_microbatches=b.num_microbatches, partition_by=by,
-                     recompute=frozenset(b.model.recompute))
-
-
-def candidate_request(treq: TuneRequest, c: Candidate, *, global_batch: int | None = None) -> CompileRequest:
-    """The compile request of a candidate: the file's request with the candidate's keys (and its
-    ``spec`` saying so), the global batch split over its replicas."""
-    base = treq.base
-    batch = (global_batch or _global_batch(treq)) // c.dp
-    m = base.model
-    inputs = tuple(replace(t, shape=(batch, *t.shape[1:])) for t in m.inputs)
-    targets = tuple(replace(t, shape=(batch, *t.shape[1:])) for t in m.targets)
-    partition = m.partition if c.partition_by is None else PartitionRequest(method="balanced", by=c.partition_by)
-    peak = treq.peak_flops if treq.peak_flops is not None else m.peak_flops
-    model = replace(m, inputs=inputs, targets=targets, partition=partition, recompute=c.recompute, peak_flops=peak)
-    training = replace(base.training or TrainingConfig(), recompute=tuple(sorted(c.recompute)))
-    budget = _budget(treq)
-    placement = "v" if SCHEDULES[c.schedule].placement == "v" else "loop"
-    spec = {**base.spec, "schedule": c.schedule, "pp": c.pp, "dp": c.dp, "shard": c.shard,
-            "shard_size": c.shard_size, "virtual": c.num_chunks, "stages": c.num_stages, "placement": placement,
-            "microbatches": c.num_microbatches, "policy": None, "order": None,
-            "input": [_tensor_json(t) for t in inputs], "partition": _partition_json(partition),
-            "device_memory": budget, "peak_flops": peak}
-    if targets:
-        spec["targets"] = [_tensor_json(t) for t in targets]
-    nodes = treq.devices_per_node if treq.devices_per_node is not None else base.devices_per_node
-    if nodes is not None:
-        spec["devices_per_node"] = nodes
-    return replace(base, schedule=c.schedule, policy=None, order=None, pp=c.pp, dp=c.dp, shard=c.shard,
-                   shard_size=c.shard_size, devices_per_node=nodes, num_chunks=c.num_chunks, placement=None,
-                   num_microbatches=c.num_microbatches, model=model, device_memory=budget, training=training,
-                   spec=spec)
-
-
-def _tensor_json(t: InputTensor) -> dict[str, Any]:
-    return {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)}
-
-
-def _partition_json(p: PartitionRequest) -> dict[str, Any]:
-    out: dict[str, Any] = {"method": p.method}
-    if p.by is not None:
-        out["by"] = p.by
-    if p.split_before:
-        out["split_before"] = list(p.split_before)
-    return out
-
-
-def _budget(treq: TuneRequest) -> int | None:
-    return treq.device_memory if treq.device_memory is not None else treq.base.device_memory
 
 
 # ----------------------------------------------------------------------------- traces and cuts
@@ -429,7 +207,7 @@ def tune(treq: TuneRequest) -> TuneResult:
 
 
 def _tune(treq: TuneRequest, t0: float) -> TuneResult:
-    batch = _global_batch(treq)
+    batch = total_batch(treq)
     space = candidates(treq)
     if not space:
         raise TuneError(f"no candidate: {treq.num_devices} devices, global batch {batch} and the kept keys "
@@ -444,7 +222,7 @@ def _tune(treq: TuneRequest, t0: float) -> TuneResult:
     ranked = [search.proven(s) for s in search.ranked()[:treq.num_top]]   # proven by search.run
     search.graphs.confirm(ranked[0].candidate)   # the plan written (a run checks its own cut: frontend.stages)
     frontier = search.proven_frontier()
-    start = _start(treq)
+    start = start_candidate(treq)
     start_scored = next((kept for s in search.fits if _same_base(s.candidate, start)
                          and (kept := search.proven(s)) is not None), None)
     if start_scored is None and start is not None and any(_same_base(c, start) for c in space):
@@ -483,7 +261,7 @@ class _Search:
         self.treq, self.batch = treq, batch
         self.graphs = _Graphs(treq, batch)
         self.order = order_cache()
-        self.budget = _budget(treq)
+        self.budget = memory_budget(treq)
         self.peak_flops = treq.peak_flops if treq.peak_flops is not None else treq.base.model.peak_flops
         self.tokens = batch * _numel(treq.base.model.inputs[0].shape[1:])
         self.queue: list[tuple[float, tuple, int, Candidate, Any]] = []
@@ -688,7 +466,7 @@ def _no_fit(treq: TuneRequest, batch: int, refused: list[tuple[int, Candidate]],
     recompute and sharding that would bring the state under the budget."""
     from pipec.compiler.ir.graph import human_bytes
 
-    budget = _budget(treq)
+    budget = memory_budget(treq)
     if not refused:
         return "no candidate could be cut into its stages: the model has too few places to cut for these layouts"
     least_mem, least = min(refused, key=lambda x: (x[0], x[1].sort_key()))
