@@ -210,7 +210,7 @@ def validate(path: str | os.PathLike) -> Manifest:
 
 def model_layout(target: str, kwargs: Mapping[str, Any]) -> tuple[dict[str, list[str]], set[str]]:
     """Tied aliases (canonical -> other names) and persistent buffer names of the unpartitioned model."""
-    from pipec.compiler.frontend.trace import instantiate
+    from pipec.compiler.frontend.load import instantiate
 
     model, _ = instantiate(target, kwargs, mode="meta")
     first: dict[int, str] = {}

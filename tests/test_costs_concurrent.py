@@ -9,7 +9,7 @@ import torch
 
 from pipec.compiler.frontend import InputSpec, ModelRequest, build_stage_graph
 from pipec.compiler.frontend import costs
-from pipec.compiler.frontend.trace import FrontendError
+from pipec.compiler.frontend.tensors import FrontendError
 from pipec.compiler.ir.plan import Cost
 
 X = InputSpec("x", "float32", (8, 16))

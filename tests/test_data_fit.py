@@ -17,7 +17,7 @@ from pipec.compiler.config import TrainingConfig
 from pipec.compiler.driver import compile_spec
 from pipec.compiler.frontend.data import describe_data
 from pipec.compiler.frontend.stages import build_reference
-from pipec.compiler.frontend.trace import FrontendError, InputSpec
+from pipec.compiler.frontend.tensors import FrontendError, InputSpec
 from pipec.dsl import load_spec
 from pipec.errors import PipecError
 from pipec.runtime.training import make_data, make_loss

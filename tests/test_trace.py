@@ -6,15 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from pipec.compiler.frontend.trace import (
-    FrontendError,
-    InputSpec,
-    example_inputs,
-    instantiate,
-    is_pipe_split,
-    propagate,
-    trace_model,
-)
+from pipec.compiler.frontend.annotate import propagate
+from pipec.compiler.frontend.load import instantiate
+from pipec.compiler.frontend.tensors import FrontendError, InputSpec, example_inputs
+from pipec.compiler.frontend.trace import is_pipe_split, trace_model
 
 GPT = "pipec.examples.gpt:build"
 ARGS = dict(layers=2, dim=16, heads=2, vocab=32, seq=8)

@@ -5,9 +5,11 @@ The driver resolves the schedule file's model keys into a
 the :class:`~pipec.compiler.ir.graph.StageGraph` that becomes plan.json's
 ``model``, ``stages``, ``edges`` and ``ties``. The passes, one module each:
 
-- :mod:`.trace`: find the model (:func:`~.trace.locate_model`: the search
-  path, a model file), build it on meta or fake tensors, trace it (fx or
-  torch.export), annotate shapes, FLOPs and saved bytes;
+- :mod:`.load`: find the model (:func:`~.load.locate_model`: the search
+  path, a model file) and build it on meta or fake tensors;
+- :mod:`.trace`: trace it (fx or torch.export), its :mod:`.fingerprint`;
+- :mod:`.annotate`: shapes, FLOPs and saved bytes on every node;
+- :mod:`.tensors`: what they share (FrontendError, InputSpec, dtypes);
 - :mod:`.weights`: each module's init path, ``init auto`` resolved on meta;
 - :mod:`.partition`: where cuts can go, the partition, the split;
 - :mod:`.costs`: stage costs and saved activations (unit, flops, profile);
@@ -37,10 +39,10 @@ from pipec.compiler.frontend.data import data_of
 from pipec.compiler.ir.graph import StageGraph, make_graph
 from pipec.compiler.frontend.partition import Balanced, Markers, SplitBefore, analyse_cuts, assign_stages, split_graph
 from pipec.compiler.ir.plan import Stage
-from pipec.compiler.frontend.trace import (
-    FrontendError, InputSpec, ModelSource, Traced, at_shapes, example_inputs, instantiate, locate_model, propagate,
-    to_dtype, trace_model,
-)
+from pipec.compiler.frontend.annotate import at_shapes, propagate
+from pipec.compiler.frontend.load import ModelSource, instantiate, locate_model
+from pipec.compiler.frontend.tensors import FrontendError, InputSpec, example_inputs, to_dtype
+from pipec.compiler.frontend.trace import Traced, trace_model
 from pipec.compiler.frontend.weights import EXACT_MAX_PARAMS, INIT_MODES, resolve_init
 
 __all__ = ["ModelRequest", "TracedModel", "InputSpec", "SplitBefore", "Balanced", "Markers", "FrontendError", "INIT_MODES",

@@ -42,7 +42,9 @@ from torch.fx import Interpreter, Node
 
 from pipec.compiler.frontend.partition import Cuts, Split
 from pipec.compiler.ir.plan import UNIT_COST, Cost
-from pipec.compiler.frontend.trace import FrontendError, Traced, example_inputs, instantiate, to_dtype, trace_model
+from pipec.compiler.frontend.load import instantiate
+from pipec.compiler.frontend.tensors import FrontendError, example_inputs, to_dtype
+from pipec.compiler.frontend.trace import Traced, trace_model
 
 __all__ = [
     "COST_SOURCES",

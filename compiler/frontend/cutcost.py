@@ -43,7 +43,8 @@ from torch.fx.passes.shape_prop import TensorMetadata
 
 from pipec.compiler.frontend.costs import StageCost, with_recompute
 from pipec.compiler.frontend.partition import StagePart, _foldable
-from pipec.compiler.frontend.trace import Traced, dtype_name, is_pipe_split
+from pipec.compiler.frontend.tensors import dtype_name
+from pipec.compiler.frontend.trace import Traced, is_pipe_split
 from pipec.compiler.ir.plan import UNIT_COST, Cost, Edge, Signature, Tie
 from pipec.errors import PipecError
 

@@ -36,7 +36,9 @@ from torch import nn
 from torch.fx import Node
 
 from pipec.compiler.config import TOKEN_DTYPES, TokenData
-from pipec.compiler.frontend.trace import FrontendError, InputSpec, Traced, dtype_name, load_factory, to_dtype
+from pipec.compiler.frontend.load import load_factory
+from pipec.compiler.frontend.tensors import FrontendError, InputSpec, dtype_name, to_dtype
+from pipec.compiler.frontend.trace import Traced
 from pipec.errors import PipecError, UserCodeError
 
 __all__ = ["LOSSES", "DataError", "load_function", "load_loss", "describe_data", "data_of", "map_tokens"]

@@ -36,7 +36,8 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from torch.fx.passes.split_module import split_module
 
 from pipec.compiler.ir.plan import Edge, Signature, Tie
-from pipec.compiler.frontend.trace import FrontendError, Traced, compute_nodes, dtype_name, is_pipe_split, module_path, pipe_split
+from pipec.compiler.frontend.tensors import FrontendError, dtype_name
+from pipec.compiler.frontend.trace import Traced, compute_nodes, is_pipe_split, module_path, pipe_split
 
 __all__ = [
     "pipe_split",

@@ -31,15 +31,10 @@ from torch.utils._pytree import tree_leaves
 
 from pipec.compiler.frontend.partition import Split, split_graph
 from pipec.compiler.ir.plan import Plan
-from pipec.compiler.frontend.trace import (
-    FrontendError,
-    InputSpec,
-    Traced,
-    example_inputs,
-    instantiate,
-    propagate,
-    trace_model,
-)
+from pipec.compiler.frontend.annotate import propagate
+from pipec.compiler.frontend.load import instantiate
+from pipec.compiler.frontend.tensors import FrontendError, InputSpec, example_inputs
+from pipec.compiler.frontend.trace import Traced, trace_model
 from pipec.compiler.frontend.weights import INIT_MODES, initial_values, module_seed, resolve_init
 
 __all__ = [
