@@ -3,7 +3,7 @@
     python -m pipec.dsl.reference > docs/reference.md
 
 Every key's type, default, flag, meaning, constraints and example come from
-:data:`pipec.dsl.keys.KEYS`; the schedule table from the schedule registry;
+:data:`pipec.dsl.keys.KEYS`; the schedule table from the schedule registry's rules;
 units, policy settings and the sample error messages from the code that
 uses them. A test checks that the committed page equals this output.
 """
@@ -20,7 +20,7 @@ from pipec.dsl.parse import MAX_DEPTH
 from pipec.schedules import SCHEDULES
 from pipec.schedules.policy import PRESETS
 
-__all__ = ["reference", "main", "MICROBATCH_RULES"]
+__all__ = ["reference", "main"]
 
 _INTRO = """\
 # Schedule files: reference
@@ -242,17 +242,6 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-MICROBATCH_RULES = {
-    "gpipe": "M >= 1 (M < pp warns)",
-    "1f1b": "M >= 1 (M < pp warns)",
-    "interleaved_1f1b": "M a multiple of max(1, M // pp), torch's rule (M < pp warns)",
-    "looped_bfs": "M >= 1 (M < pp warns)",
-    "zb_h1": "M >= 1 (M < pp warns)",
-    "zbv": "M >= 1 (M < 2 pp - 1 warns)",
-}
-"""The microbatch column of the schedule table (a test keeps it in step with the registry)."""
-
-
 def _schedules() -> str:
     rows = ["## Named schedules", "",
             "| schedule | chunks per rank (`virtual`) | placement | microbatches | reference |",
@@ -260,7 +249,7 @@ def _schedules() -> str:
     for info in SCHEDULES.values():
         chunks = (str(info.min_chunks) if info.min_chunks == info.max_chunks
                   else f">= {info.min_chunks} (default {info.default_chunks})")
-        rows.append(f"| `{info.name}` | {chunks} | {info.placement} | {MICROBATCH_RULES.get(info.name, '')} "
+        rows.append(f"| `{info.name}` | {chunks} | {info.placement} | {info.microbatches_doc} "
                     f"| {_cell(info.reference)} |")
     rows += ["", "A broken rule is an error located at the value at fault; a wasteful setting is a warning.", ""]
     return "\n".join(rows)

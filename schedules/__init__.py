@@ -3,7 +3,8 @@
 The registry below is what the compiler and the schedule-file language use:
 :func:`get_schedule` looks a family up by name, :func:`check_rules` applies
 its rules (the "microbatches allowed" and "chunks v" columns of DESIGN's
-schedule table) and :func:`build_order` builds its :class:`ComputeOrder`.
+schedule table, data on its :class:`ScheduleInfo` applied by one check in
+:mod:`pipec.schedules.rules`) and :func:`build_order` builds its :class:`ComputeOrder`.
 
 A broken rule raises :class:`ScheduleError` whose ``rule`` is
 ``"<schedule>.<what>"`` (``ranks``, ``microbatches`` or ``chunks``) and whose
@@ -20,138 +21,70 @@ Importing this package is cheap: pure Python, no torch, no networkx.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
-from typing import Callable
 
 from pipec.schedules import gpipe, interleaved, one_f_one_b, zero_bubble
 from pipec.schedules.order import (
-    Action,
-    ComputeOrder,
-    Kind,
-    ScheduleError,
-    ScheduleWarning,
-    loop_placement,
-    v_placement,
-    validate_order,
+    Action, ComputeOrder, Kind, ScheduleError, ScheduleWarning, loop_placement, v_placement, validate_order,
 )
+from pipec.schedules.rules import SAME, FewMicrobatches, MultipleOf, ScheduleInfo
 
 __all__ = [
-    "Kind",
-    "Action",
-    "ComputeOrder",
-    "ScheduleError",
-    "ScheduleWarning",
-    "validate_order",
-    "loop_placement",
-    "v_placement",
-    "ScheduleInfo",
-    "SCHEDULES",
-    "get_schedule",
-    "build_order",
-    "check_rules",
+    "Kind", "Action", "ComputeOrder", "ScheduleError", "ScheduleWarning", "validate_order", "loop_placement",
+    "v_placement", "ScheduleInfo", "SCHEDULES", "get_schedule", "build_order", "check_rules",
 ]
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ScheduleInfo:
-    """One named schedule family: what it is and how to build it."""
-
-    name: str
-    """Registry name: the ``schedule`` key's value."""
-    placement: str
-    """Stage-to-rank placement: ``"loop"`` (s mod P) or ``"v"``."""
-    default_chunks: int
-    """Chunks per rank when ``--virtual`` is not given."""
-    split_backward: bool
-    """Whether the backward is split into ``I`` and ``W``."""
-    reference: str
-    """One line: what the order equals (a torch class, or a paper)."""
-    min_chunks: int
-    """Fewest chunks per rank the family takes."""
-    max_chunks: int | None
-    """Most chunks per rank the family takes (None: no upper limit)."""
-    build: Callable[..., ComputeOrder]
-    """``build(num_ranks=, num_microbatches=, num_chunks=)`` for counts that ``check`` accepted."""
-    check: Callable[..., list[ScheduleWarning]]
-    """``check(num_ranks=, num_microbatches=, num_chunks=)``: raises on a broken rule, returns warnings."""
-
-    def chunks_allowed(self, num_chunks: int) -> bool:
-        """Whether ``num_chunks`` per rank is within the family's range."""
-        return num_chunks >= self.min_chunks and (self.max_chunks is None or num_chunks <= self.max_chunks)
-
+_FEWER = "{name} with fewer microbatches ({M}) than ranks ({P})"
+"""How most families' warning begins."""
 
 SCHEDULES: dict[str, ScheduleInfo] = {
     info.name: info
     for info in (
         ScheduleInfo(
-            name="gpipe",
-            placement="loop",
-            default_chunks=1,
-            split_backward=False,
+            name="gpipe", build=gpipe.gpipe,
             reference="torch ScheduleGPipe._step_microbatches (the runtime loop); Huang et al. 2019",
-            min_chunks=1,
-            max_chunks=1,
-            build=gpipe.gpipe,
-            check=gpipe.check_gpipe,
+            chunks_note="looped_bfs is its order over several chunks", chunks_instead=(("schedule", "looped_bfs"),),
+            few_microbatches=FewMicrobatches(message=_FEWER + ": every rank idles at least {idle} of {slots} slots"),
         ),
         ScheduleInfo(
-            name="1f1b",
-            placement="loop",
-            default_chunks=1,
-            split_backward=False,
+            name="1f1b", build=one_f_one_b.one_f_one_b,
             reference="torch Schedule1F1B._step_microbatches (the runtime loop; its pipeline_order is wrong)",
-            min_chunks=1,
-            max_chunks=1,
-            build=one_f_one_b.one_f_one_b,
-            check=one_f_one_b.check_one_f_one_b,
+            chunks_instead=(("schedule", "interleaved_1f1b"), ("virtual", SAME)),
+            few_microbatches=FewMicrobatches(
+                message=_FEWER + " never reaches its steady state (torch's Schedule1F1B refuses it)"),
         ),
         ScheduleInfo(
-            name="interleaved_1f1b",
-            placement="loop",
-            default_chunks=2,
-            split_backward=False,
+            name="interleaved_1f1b", build=interleaved.interleaved_1f1b, min_chunks=2, max_chunks=None,
             reference="torch ScheduleInterleaved1F1B.pipeline_order; Narayanan et al. SC 2021 §2.2.2",
-            min_chunks=2,
-            max_chunks=None,
-            build=interleaved.interleaved_1f1b,
-            check=interleaved.check_interleaved_1f1b,
+            chunks_instead=(("schedule", "1f1b"),),
+            microbatches=MultipleOf(
+                of=interleaved.num_rounds, doc="M a multiple of max(1, M // pp), torch's rule",
+                message="{name} needs the microbatches to be a multiple of its rounds, max(1, M // P) = {of} "
+                        "(torch's ScheduleInterleaved1F1B rule)"),
+            few_microbatches=FewMicrobatches(message=_FEWER + " never reaches its steady state"),
         ),
         ScheduleInfo(
-            name="looped_bfs",
-            placement="loop",
-            default_chunks=2,
-            split_backward=False,
+            name="looped_bfs", build=interleaved.looped_bfs, min_chunks=2, max_chunks=None,
             reference="torch ScheduleLoopedBFS.pipeline_order; Lamy-Poirier, MLSys 2023",
-            min_chunks=2,
-            max_chunks=None,
-            build=interleaved.looped_bfs,
-            check=interleaved.check_looped_bfs,
+            chunks_instead=(("schedule", "gpipe"),),
+            few_microbatches=FewMicrobatches(message=_FEWER + " leaves every rank idle between its chunks"),
         ),
         ScheduleInfo(
-            name="zb_h1",
-            placement="loop",
-            default_chunks=1,
-            split_backward=True,
+            name="zb_h1", build=zero_bubble.zb_h1, split_backward=True,
             reference="ZB-H1 of Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024 §3.1",
-            min_chunks=1,
-            max_chunks=1,
-            build=zero_bubble.zb_h1,
-            check=zero_bubble.check_zb_h1,
+            chunks_note="zbv is the two-chunk zero-bubble schedule",
+            chunks_instead=(("schedule", "zbv"), ("virtual", 2)),
+            few_microbatches=FewMicrobatches(message=_FEWER + " has little steady state to fill"),
         ),
         ScheduleInfo(
-            name="zbv",
-            placement="v",
-            default_chunks=2,
-            split_backward=True,
+            name="zbv", build=zero_bubble.zbv, split_backward=True, placement="v", min_chunks=2, max_chunks=2,
             reference="torch ScheduleZBVZeroBubble.pipeline_order; ZB-V of Qi et al., ICLR 2024 §6",
-            min_chunks=2,
-            max_chunks=2,
-            build=zero_bubble.zbv,
-            check=zero_bubble.check_zbv,
+            few_microbatches=FewMicrobatches(
+                per_rank=2, offset=-1, message="{name} fills its pipeline with 2P - 1 = {least} microbatches; "
+                "with {M} its warm-up and cool-down are not overlapped"),
         ),
     )
 }
-"""Every named schedule family, by name."""
+"""Every named schedule family, by name, with its rules (:mod:`pipec.schedules.rules`)."""
 
 
 def get_schedule(name: str) -> ScheduleInfo:
@@ -170,7 +103,7 @@ def get_schedule(name: str) -> ScheduleInfo:
 def check_rules(
     name: str, *, num_ranks: int, num_microbatches: int, num_chunks: int | None = None
 ) -> list[ScheduleWarning]:
-    """Apply the family's rules; raise :class:`ScheduleError` on a broken one.
+    """Apply the family's rules (:meth:`ScheduleInfo.check`); raise :class:`ScheduleError` on a broken one.
 
     ``num_chunks=None`` means the family's default. Returns warnings (each
     with its fix) for legal but wasteful settings.

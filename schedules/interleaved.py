@@ -23,25 +23,9 @@ last chunk down to chunk 0, each in reverse microbatch order.
 
 from __future__ import annotations
 
-from pipec.schedules.order import (
-    Action,
-    ComputeOrder,
-    Kind,
-    ScheduleError,
-    ScheduleWarning,
-    check_counts,
-    gc_paused,
-    loop_placement,
-)
+from pipec.schedules.order import Action, ComputeOrder, Kind, gc_paused, loop_placement
 
-__all__ = [
-    "interleaved_1f1b",
-    "check_interleaved_1f1b",
-    "interleaved_rounds",
-    "interleaved_warmup",
-    "looped_bfs",
-    "check_looped_bfs",
-]
+__all__ = ["interleaved_1f1b", "interleaved_rounds", "num_rounds", "interleaved_warmup", "looped_bfs"]
 
 
 def interleaved_rounds(num_ranks: int, num_microbatches: int) -> tuple[int, int]:
@@ -50,9 +34,9 @@ def interleaved_rounds(num_ranks: int, num_microbatches: int) -> tuple[int, int]
     return rounds, num_microbatches // rounds
 
 
-def _rounds_fit(num_ranks: int, num_microbatches: int) -> bool:
-    rounds, _ = interleaved_rounds(num_ranks, num_microbatches)
-    return num_microbatches % rounds == 0
+def num_rounds(num_ranks: int, num_microbatches: int) -> int:
+    """``max(1, M // P)``: what torch needs the microbatch count to be a multiple of (interleaved's rule)."""
+    return interleaved_rounds(num_ranks, num_microbatches)[0]
 
 
 def interleaved_warmup(rank: int, *, num_ranks: int, num_microbatches: int, num_chunks: int) -> int:
@@ -62,39 +46,8 @@ def interleaved_warmup(rank: int, *, num_ranks: int, num_microbatches: int, num_
     return min((num_chunks - 1) * per_round + 2 * (num_ranks - 1 - rank), num_chunks * num_microbatches)
 
 
-def check_interleaved_1f1b(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> list[ScheduleWarning]:
-    """Interleaved 1F1B's rules: v >= 2; ``M % max(1, M // P) == 0`` (what torch accepts)."""
-    check_counts(
-        "interleaved_1f1b", num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks
-    )
-    if num_chunks < 2:
-        raise ScheduleError(
-            "interleaved_1f1b needs at least 2 chunks per rank", got=(("virtual", num_chunks),),
-            fix=((("virtual", 2),), (("schedule", "1f1b"),)), rule="interleaved_1f1b.chunks", key="virtual",
-        )
-    rounds, _ = interleaved_rounds(num_ranks, num_microbatches)
-    if num_microbatches % rounds:
-        lower = next(m for m in range(num_microbatches - 1, 0, -1) if _rounds_fit(num_ranks, m))
-        upper = next(m for m in range(num_microbatches + 1, 2 * num_microbatches + 1) if _rounds_fit(num_ranks, m))
-        raise ScheduleError(
-            f"interleaved_1f1b needs the microbatches to be a multiple of its rounds, "
-            f"max(1, M // P) = {rounds} (torch's ScheduleInterleaved1F1B rule)",
-            got=(("microbatches", num_microbatches), ("pp", num_ranks)),
-            fix=((("microbatches", lower),), (("microbatches", upper),)),
-            rule="interleaved_1f1b.microbatches", key="microbatches",
-        )
-    warnings = []
-    if num_microbatches < num_ranks:
-        warnings.append(ScheduleWarning(
-            "warning", f"interleaved_1f1b with fewer microbatches ({num_microbatches}) than ranks "
-            f"({num_ranks}) never reaches its steady state",
-            key="microbatches", fix=((("microbatches", f">= {num_ranks}"),),), rule="interleaved_1f1b.microbatches",
-        ))
-    return warnings
-
-
 def interleaved_1f1b(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> ComputeOrder:
-    """The interleaved 1F1B order (see the module docstring; counts checked by :func:`check_interleaved_1f1b`)."""
+    """The interleaved 1F1B order (see the module docstring; counts checked by its rules)."""
     P, M, v = num_ranks, num_microbatches, num_chunks
     _, mpr = interleaved_rounds(P, M)
     F, B = Kind.F, Kind.B
@@ -121,26 +74,8 @@ def interleaved_1f1b(*, num_ranks: int, num_microbatches: int, num_chunks: int =
     )
 
 
-def check_looped_bfs(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> list[ScheduleWarning]:
-    """Looped BFS's rules: v >= 2, any M >= 1."""
-    check_counts("looped_bfs", num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks)
-    if num_chunks < 2:
-        raise ScheduleError(
-            "looped_bfs needs at least 2 chunks per rank", got=(("virtual", num_chunks),),
-            fix=((("virtual", 2),), (("schedule", "gpipe"),)), rule="looped_bfs.chunks", key="virtual",
-        )
-    warnings = []
-    if num_microbatches < num_ranks:
-        warnings.append(ScheduleWarning(
-            "warning", f"looped_bfs with fewer microbatches ({num_microbatches}) than ranks ({num_ranks}) "
-            "leaves every rank idle between its chunks",
-            key="microbatches", fix=((("microbatches", f">= {num_ranks}"),),), rule="looped_bfs.microbatches",
-        ))
-    return warnings
-
-
 def looped_bfs(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> ComputeOrder:
-    """The looped BFS order (see the module docstring; counts checked by :func:`check_looped_bfs`)."""
+    """The looped BFS order (see the module docstring; counts checked by its rules)."""
     P, M, v = num_ranks, num_microbatches, num_chunks
     F, B = Kind.F, Kind.B
     ranks = []

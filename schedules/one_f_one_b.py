@@ -10,42 +10,14 @@ warm-up forwards on rank r, then "1B1F" (a backward, then a forward while
 forwards remain), then the remaining backwards. (Its ``pipeline_order`` is
 wrong on the last rank, see notes/torch-pipelining.md §0.3; the runtime loop
 is the reference.) torch refuses M < P; here M < P is the same loop with
-the warm-up capped at M, and check_one_f_one_b warns about it.
+the warm-up capped at M, and its rules (pipec.schedules) warn about it.
 """
 
 from __future__ import annotations
 
-from pipec.schedules.order import (
-    Action,
-    ComputeOrder,
-    Kind,
-    ScheduleError,
-    ScheduleWarning,
-    check_counts,
-    gc_paused,
-    loop_placement,
-)
+from pipec.schedules.order import Action, ComputeOrder, Kind, gc_paused, loop_placement
 
-__all__ = ["one_f_one_b", "check_one_f_one_b", "one_f_one_b_rank"]
-
-
-def check_one_f_one_b(*, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> list[ScheduleWarning]:
-    """1F1B's rules: one chunk per rank, any M >= 1; M < P warns."""
-    check_counts("1f1b", num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks)
-    if num_chunks != 1:
-        raise ScheduleError(
-            "1f1b runs exactly 1 chunk per rank", got=(("virtual", num_chunks),),
-            fix=((("virtual", 1),), (("schedule", "interleaved_1f1b"), ("virtual", num_chunks))),
-            rule="1f1b.chunks", key="virtual",
-        )
-    warnings = []
-    if num_microbatches < num_ranks:
-        warnings.append(ScheduleWarning(
-            "warning", f"1f1b with fewer microbatches ({num_microbatches}) than ranks ({num_ranks}) never "
-            "reaches its steady state (torch's Schedule1F1B refuses it)",
-            key="microbatches", fix=((("microbatches", f">= {num_ranks}"),),), rule="1f1b.microbatches",
-        ))
-    return warnings
+__all__ = ["one_f_one_b", "one_f_one_b_rank"]
 
 
 def one_f_one_b_rank(kind_b: Kind, stage: int, num_warmup: int, num_microbatches: int) -> list[Action]:
@@ -63,8 +35,8 @@ def one_f_one_b_rank(kind_b: Kind, stage: int, num_warmup: int, num_microbatches
 
 
 def one_f_one_b(*, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> ComputeOrder:
-    """Rank r: ``F`` x min(M, P-r), then ``B, F`` pairs, then the remaining ``B`` (counts checked by
-    :func:`check_one_f_one_b`)."""
+    """Rank r: ``F`` x min(M, P-r), then ``B, F`` pairs, then the remaining ``B`` (counts checked by its
+    rules, :mod:`pipec.schedules.rules`)."""
     M = num_microbatches
     with gc_paused():
         ranks = tuple(

@@ -37,43 +37,14 @@ actions of torch 2.13's ``ScheduleZBVZeroBubble._calculate_single_rank_operation
 from __future__ import annotations
 
 from pipec.schedules.one_f_one_b import one_f_one_b_rank
-from pipec.schedules.order import (
-    Action,
-    ComputeOrder,
-    Kind,
-    ScheduleError,
-    ScheduleWarning,
-    check_counts,
-    gc_paused,
-    loop_placement,
-    v_placement,
-)
+from pipec.schedules.order import Action, ComputeOrder, Kind, gc_paused, loop_placement, v_placement
 from pipec.schedules.timing import place_weight_grads
 
-__all__ = ["zb_h1", "check_zb_h1", "zbv", "check_zbv"]
-
-
-def check_zb_h1(*, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> list[ScheduleWarning]:
-    """ZB-H1's rules: one chunk per rank, any M >= 1; M < P warns."""
-    check_counts("zb_h1", num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks)
-    if num_chunks != 1:
-        raise ScheduleError(
-            "zb_h1 runs exactly 1 chunk per rank (zbv is the two-chunk zero-bubble schedule)",
-            got=(("virtual", num_chunks),), fix=((("virtual", 1),), (("schedule", "zbv"), ("virtual", 2))),
-            rule="zb_h1.chunks", key="virtual",
-        )
-    warnings = []
-    if num_microbatches < num_ranks:
-        warnings.append(ScheduleWarning(
-            "warning", f"zb_h1 with fewer microbatches ({num_microbatches}) than ranks ({num_ranks}) has "
-            "little steady state to fill",
-            key="microbatches", fix=((("microbatches", f">= {num_ranks}"),),), rule="zb_h1.microbatches",
-        ))
-    return warnings
+__all__ = ["zb_h1", "zbv"]
 
 
 def zb_h1(*, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> ComputeOrder:
-    """The ZB-H1 order (see the module docstring; counts checked by :func:`check_zb_h1`)."""
+    """The ZB-H1 order (see the module docstring; counts checked by its rules)."""
     P, M = num_ranks, num_microbatches
     placement = loop_placement(P, P)
     with gc_paused():
@@ -82,24 +53,6 @@ def zb_h1(*, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Comp
     return ComputeOrder(
         num_ranks=P, num_microbatches=M, placement=placement, ranks=tuple(map(tuple, ranks))
     )
-
-
-def check_zbv(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> list[ScheduleWarning]:
-    """ZB-V's rules: exactly 2 chunks per rank, any M >= 1; M < 2P - 1 warns."""
-    check_counts("zbv", num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks)
-    if num_chunks != 2:
-        raise ScheduleError(
-            "zbv needs exactly 2 chunks per rank", got=(("virtual", num_chunks),), fix=((("virtual", 2),),),
-            rule="zbv.chunks", key="virtual",
-        )
-    warnings = []
-    if num_microbatches < 2 * num_ranks - 1:
-        warnings.append(ScheduleWarning(
-            "warning", f"zbv fills its pipeline with 2P - 1 = {2 * num_ranks - 1} microbatches; with "
-            f"{num_microbatches} its warm-up and cool-down are not overlapped",
-            key="microbatches", fix=((("microbatches", f">= {2 * num_ranks - 1}"),),), rule="zbv.microbatches",
-        ))
-    return warnings
 
 
 def _zbv_rank(rank: int, num_ranks: int, num_microbatches: int) -> list:
@@ -160,7 +113,7 @@ def _zbv_rank(rank: int, num_ranks: int, num_microbatches: int) -> list:
 
 
 def zbv(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> ComputeOrder:
-    """The ZB-V order (see the module docstring; counts checked by :func:`check_zbv`)."""
+    """The ZB-V order (see the module docstring; counts checked by its rules)."""
     P, M = num_ranks, num_microbatches
     with gc_paused():
         ranks = tuple(tuple(_zbv_rank(r, P, M)) for r in range(P))

@@ -6,6 +6,7 @@ list-scheduling estimator of pipec.schedules.timing.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from fractions import Fraction
@@ -130,6 +131,75 @@ def test_warnings_for_wasteful_settings():
     assert check_rules("zbv", num_ranks=4, num_microbatches=4)
     assert check_rules("zbv", num_ranks=4, num_microbatches=7) == []
     assert check_rules("interleaved_1f1b", num_ranks=4, num_microbatches=4, num_chunks=3) == []
+
+
+# Each family's rules are data (pipec.schedules.rules); these are the messages they must word, to the letter:
+# the chunk error at pp 4, microbatches 8 (virtual 3, or 1 where the family needs more), then the warning at
+# pp 4, microbatches 2.
+GOLDEN_RULES = {
+    "gpipe": (3, "gpipe runs exactly 1 chunk per rank (looped_bfs is its order over several chunks), got virtual 3; "
+              "use virtual 1, or schedule looped_bfs",
+              "gpipe with fewer microbatches (2) than ranks (4): every rank idles at least 3 of 5 slots; "
+              "use microbatches >= 4"),
+    "1f1b": (3, "1f1b runs exactly 1 chunk per rank, got virtual 3; use virtual 1, or schedule interleaved_1f1b "
+             "virtual 3",
+             "1f1b with fewer microbatches (2) than ranks (4) never reaches its steady state (torch's Schedule1F1B "
+             "refuses it); use microbatches >= 4"),
+    "interleaved_1f1b": (1, "interleaved_1f1b needs at least 2 chunks per rank, got virtual 1; use virtual 2, or "
+                         "schedule 1f1b",
+                         "interleaved_1f1b with fewer microbatches (2) than ranks (4) never reaches its steady state; "
+                         "use microbatches >= 4"),
+    "looped_bfs": (1, "looped_bfs needs at least 2 chunks per rank, got virtual 1; use virtual 2, or schedule gpipe",
+                   "looped_bfs with fewer microbatches (2) than ranks (4) leaves every rank idle between its chunks; "
+                   "use microbatches >= 4"),
+    "zb_h1": (3, "zb_h1 runs exactly 1 chunk per rank (zbv is the two-chunk zero-bubble schedule), got virtual 3; "
+              "use virtual 1, or schedule zbv virtual 2",
+              "zb_h1 with fewer microbatches (2) than ranks (4) has little steady state to fill; "
+              "use microbatches >= 4"),
+    "zbv": (1, "zbv needs exactly 2 chunks per rank, got virtual 1; use virtual 2",
+            "zbv fills its pipeline with 2P - 1 = 7 microbatches; with 2 its warm-up and cool-down are not overlapped; "
+            "use microbatches >= 7"),
+}
+
+
+def test_golden_rule_messages():
+    assert set(GOLDEN_RULES) == set(SCHEDULES)
+    for name, (v, chunks, warning) in GOLDEN_RULES.items():
+        with pytest.raises(ScheduleError) as info:
+            check_rules(name, num_ranks=4, num_microbatches=8, num_chunks=v)
+        assert (str(info.value), info.value.rule, info.value.key) == (chunks, f"{name}.chunks", "virtual")
+        assert info.value.got == (("virtual", v),)
+        (w,) = check_rules(name, num_ranks=4, num_microbatches=2)
+        assert (str(w), w.rule, w.key, w.level) == (warning, f"{name}.microbatches", "microbatches", "warning")
+    with pytest.raises(ScheduleError) as info:
+        check_rules("interleaved_1f1b", num_ranks=3, num_microbatches=7, num_chunks=2)
+    assert str(info.value) == (
+        "interleaved_1f1b needs the microbatches to be a multiple of its rounds, max(1, M // P) = 2 (torch's "
+        "ScheduleInterleaved1F1B rule), got microbatches 7 with pp 3; use microbatches 6 or 8")
+
+
+def _doc_value(expr: str, P: int, M: int) -> int:
+    """A rule as the reference page words it (``2 pp - 1``, ``max(1, M // pp)``), at these counts."""
+    return eval(re.sub(r"(\d) pp", r"\1 * pp", expr), {"max": max}, {"pp": P, "M": M})
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_documented_rules_are_the_checked_ones(name):
+    """The reference page's microbatch column (written from the same data) says what the check does."""
+    doc = SCHEDULES[name].microbatches_doc
+    match = re.fullmatch(r"(?:M >= 1|M a multiple of (.+), torch's rule) \(M < (.+) warns\)", doc)
+    assert match, doc
+    multiple, threshold = match.groups()
+    v = SCHEDULES[name].default_chunks
+    for P in range(1, 6):
+        for M in range(1, 11):
+            try:
+                warnings = check_rules(name, num_ranks=P, num_microbatches=M, num_chunks=v)
+            except ScheduleError as error:
+                assert multiple is not None and M % _doc_value(multiple, P, M), (P, M, error)
+                continue
+            assert multiple is None or M % _doc_value(multiple, P, M) == 0, (P, M)
+            assert bool(warnings) == (M < _doc_value(threshold, P, M)), (P, M)
 
 
 @pytest.mark.parametrize("P", RANKS)
