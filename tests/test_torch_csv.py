@@ -32,7 +32,10 @@ from pipec.compiler.ir.torch_csv import (
 from pipec.compiler.passes.verify import verify
 from pipec.schedules import build_order
 from pipec.schedules.order import ComputeOrder, validate_order
-from pipec.schedules.torch_csv import CellError, format_compute_csv, parse_cell, parse_compute_csv
+from pipec.schedules.order import Action, Kind
+from pipec.schedules.torch_csv import (
+    COMM_TYPES, COMPUTE_TYPES, OTHER_TYPES, CellError, format_compute_csv, parse_cell, parse_compute_csv,
+)
 
 S = pytest.importorskip("torch.distributed.pipelining.schedules")
 
@@ -203,6 +206,9 @@ def test_form_is_checked_when_given(tmp_path):
     with pytest.raises(TorchCsvError, match=r"column 1 \('0UNSHARD'\): a compute_only schedule holds F, B, I and W"):
         parse_torch_csv(COMMS, form="compute_only")
     assert parse_torch_csv("0F0,0B0", form="compute_comms").to_program().text() == "0: F0.0 B0.0 OPT"
+    # on one rank REDUCE_GRAD marks the lowered form: named as the cell at fault (it was a StopIteration)
+    with pytest.raises(TorchCsvError, match=r"column 3 \('0REDUCE_GRAD'\): a compute_only schedule holds"):
+        parse_torch_csv("0F0,0B0,0REDUCE_GRAD", form="compute_only")
     with pytest.raises(TorchCsvError, match="form must be one of"):
         parse_torch_csv("0F0,0B0", form="both")
     with pytest.raises(TorchCsvError, match="cannot read"):
@@ -232,13 +238,19 @@ def test_torch_gpipe_order_with_reduce_grad_reads_as_compute_only():
 # ----------------------------------------------------------------------------- torch's own files
 
 
-@pytest.mark.parametrize("name, P, v, M", TORCH_CASES)
-def test_torch_compute_only_file_imports_as_its_order(tmp_path, name, P, v, M):
+def torch_file(tmp_path, form: str, name: str, P: int, v: int, M: int):
+    """torch's schedule, the file it dumps in ``form``, and that file as pipec reads it (of that form)."""
     sched = torch_schedule(name, P, v, M)
     path = tmp_path / "s.csv"
-    sched._dump_csv(path, format="compute_only")
+    sched._dump_csv(path, format=form)
     t = read_torch_csv(path)
-    assert t.kind == "compute_only"
+    assert t.kind == form
+    return sched, path, t
+
+
+@pytest.mark.parametrize("name, P, v, M", TORCH_CASES)
+def test_torch_compute_only_file_imports_as_its_order(tmp_path, name, P, v, M):
+    sched, _, t = torch_file(tmp_path, "compute_only", name, P, v, M)
     assert (t.num_ranks, t.num_stages, t.num_microbatches) == (P, P * v, M)
     assert t.placement == tuple(sched.stage_index_to_group_rank[s] for s in range(P * v))
     order = t.to_order()
@@ -249,11 +261,7 @@ def test_torch_compute_only_file_imports_as_its_order(tmp_path, name, P, v, M):
 
 @pytest.mark.parametrize("name, P, v, M", TORCH_CASES)
 def test_torch_compute_comms_file_imports_as_a_verified_program(tmp_path, name, P, v, M):
-    sched = torch_schedule(name, P, v, M)
-    path = tmp_path / "s.csv"
-    sched._dump_csv(path, format="compute_comms")
-    t = read_torch_csv(path)
-    assert t.kind == "compute_comms"
+    _, path, t = torch_file(tmp_path, "compute_comms", name, P, v, M)
     order = t.to_order()
     for dp in (1, 2):
         program = t.to_program(dp=dp)
@@ -397,6 +405,20 @@ def test_schedules_compute_only_reader_round_trips_and_agrees_with_the_compiler(
 )
 def test_cell_grammar(cell, got):
     assert parse_cell(cell) == got
+
+
+def test_cell_grammar_both_ways_for_every_type():
+    """Every torch type reads and writes through one grammar; comms know their other stage."""
+    for typ in (*COMPUTE_TYPES, *COMM_TYPES):
+        a = TorchAction(3, typ, 12)
+        assert parse_cell(a.text()) == a and a.text() == f"3{typ}12"
+    for typ in OTHER_TYPES:
+        assert parse_cell(f"3{typ}") == TorchAction(3, typ) and TorchAction(3, typ).text() == f"3{typ}"
+    assert [TorchAction(3, t, 0).other_stage for t in COMM_TYPES] == [4, 2, 2, 4]
+    assert [TorchAction(3, t, 0).is_send for t in COMM_TYPES] == [True, False, True, False]
+    assert TorchAction(3, "F", 0).other_stage is None and TorchAction(3, "REDUCE_GRAD").kind is None
+    assert [TorchAction(0, t, 0).kind.value for t in COMPUTE_TYPES] == list(COMPUTE_TYPES)
+    assert TorchAction.of(Action(Kind.W, 2, 5)).text() == "2W5"
 
 
 @pytest.mark.parametrize(
