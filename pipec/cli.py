@@ -266,7 +266,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Launch the plan's ranks with torch's own launcher (torchrun), after proving the plan here."""
     from pipec.compiler.ir.plan import read_plan
     from pipec.compiler.passes.verify import verify
-    from pipec.runtime.launch import LaunchError, run_flags
+    from pipec.runtime.launch import RENDEZVOUS_FLAGS, LaunchError, RunOptions, start_ranks
 
     plan = read_plan(args.plan)
     verify(plan)  # a plan that fails its proofs is never launched
@@ -277,26 +277,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                           f"use --nproc {world}")
     if plan.model is None and not args.emulate:
         raise LaunchError(f"{args.plan} is a schedule-only plan (no model): it runs only with --emulate")
-    argv = ["--nproc-per-node", str(args.nproc), "--max-restarts", str(args.max_restarts)]
-    if multi_node:
-        for flag in ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "master_addr", "master_port"):
-            value = getattr(args, flag)
-            if value is not None:
-                argv += [f"--{flag.replace('_', '-')}", str(value)]
-    else:
-        argv.append("--standalone")
-    argv += ["-m", "pipec.runtime", args.plan, *run_flags(args)]
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    from pipec.runtime.failures import quiet_launcher, summarise
-
-    try:
-        with quiet_launcher(args.verbose):  # the ranks report their errors here; torchrun's log lines hidden
-            run(parse_args(argv))
-    except ChildFailedError as e:  # every rank's error, keyed by global rank: each message once, causes first
-        return summarise(e.failures, plan.mesh.where)
-    return 0
+    rendezvous = {flag: getattr(args, flag) for flag in RENDEZVOUS_FLAGS} if multi_node else None
+    # the ranks report their errors here (each message once); torchrun's log lines hidden unless --verbose
+    return start_ranks(plan.mesh.where, RunOptions.from_args(args), nproc=args.nproc, max_restarts=args.max_restarts,
+                       rendezvous=rendezvous, verbose=args.verbose)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -444,15 +428,14 @@ def _parser() -> argparse.ArgumentParser:
     x.set_defaults(func=cmd_export_checkpoint)
 
     r = sub.add_parser("run", help="run a plan under torchrun (gloo on CPU, NCCL on GPU)")
-    from pipec.runtime.launch import add_run_flags
+    from pipec.runtime.launch import RENDEZVOUS_FLAGS, add_run_flags
 
     add_run_flags(r)
     r.add_argument("--nproc", type=int, required=True, help="ranks on this node (pp x dp on one node)")
     r.add_argument("--max-restarts", type=int, default=0, help="torchrun's elastic restarts")
     r.add_argument("--verbose", action="store_true", help="also show torchrun's own log lines")
-    for flag in ("--nnodes", "--node-rank", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--master-addr",
-                 "--master-port"):
-        r.add_argument(flag, help="passed to torchrun (multi-node rendezvous)")
+    for flag in RENDEZVOUS_FLAGS:
+        r.add_argument(f"--{flag.replace('_', '-')}", help="passed to torchrun (multi-node rendezvous)")
     r.set_defaults(func=cmd_run)
 
     t = sub.add_parser("tune", help="search layout, schedule, microbatches, partition and recompute; write the best")

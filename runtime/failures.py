@@ -3,7 +3,10 @@
 A rank that ends with an error makes one :class:`RankReport`: its global rank
 and (pp, dp) coordinates, the message, its exit code, and whether it merely
 lost a peer that had failed (gloo's "Connection closed by peer", NCCL's
-"remote process exited"), which is a consequence, not a cause.
+"remote process exited"), which is a consequence, not a cause. An error that
+names its rank (:class:`RunError`, :class:`RankFailed`) keeps the rank apart
+from the message, as data, so a report joins them and never reads one out of
+the other.
 
 - Under torchelastic (``torchrun``, and ``pipec run``, which runs torch's own
   launcher in its process) the report goes to the rank's
@@ -33,11 +36,11 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, TextIO
 
-from pipec.errors import EXIT_CHECK, EXIT_RUN, EXIT_USER, PipecError
+from pipec.errors import EXIT_CHECK, EXIT_RUN, EXIT_USER, PipecError, RunFailed
 
-__all__ = ["COLLECT_ENV", "RankReport", "RankFailed", "deliver", "summarise", "quiet_launcher", "ranks_text", "linger_when_stopped"]
+__all__ = ["COLLECT_ENV", "RankReport", "RankFailed", "RunError", "deliver", "summarise", "quiet_launcher", "ranks_text", "linger_when_stopped"]
 
 COLLECT_ENV = "PIPEC_RUN_COLLECTS_ERRORS"
 """Set by ``pipec run`` for its ranks: report to the launcher only; it prints every rank's error once."""
@@ -70,9 +73,8 @@ class RankReport:
     @classmethod
     def of(cls, err: BaseException, *, rank: int, where: str) -> "RankReport":
         inner = err.detail if isinstance(err, RankFailed) else err
-        text = str(inner)
-        for sep in (": ", ", "):  # a runtime error may already start with the rank
-            text = text.removeprefix(where + sep)
+        # an executor's error names this rank already: the message is the rest of it
+        text = inner.what if isinstance(inner, RunError) and inner.where == where else str(inner)
         if not isinstance(inner, PipecError):
             text = f"{type(inner).__name__}: {text}"
         code = inner.exit_code if isinstance(inner, PipecError) else EXIT_RUN
@@ -83,6 +85,18 @@ class RankReport:
         if self.lost_peer:
             return f"{self.where} lost a peer that failed (its own error says why): {self.message}"
         return f"{self.where}: {self.message}"
+
+
+class RunError(RunFailed):
+    """A failure during execution. One a rank's executor raises is named by the rank, kept apart: ``where``
+    (``global rank G (pp P, dp D)``, as :meth:`Mesh.where` says it) and ``rank``, the global rank; ``what`` is the
+    rest (``instruction 7 (B0.3): ...``), and the message is the two joined."""
+
+    def __init__(self, what: str, *, rank: int | None = None, where: str | None = None) -> None:
+        super().__init__(what if where is None else f"{where}, {what}")
+        self.what = what
+        self.rank = rank
+        self.where = where
 
 
 class RankFailed(PipecError):
@@ -150,8 +164,9 @@ def _how(exitcode: int) -> str:
         return f"signal {-exitcode}"
 
 
-def summarise(failures: Mapping[int, Any], where: Callable[[int], str]) -> int:
-    """Print a failed run's outcome from torchelastic's per-rank failures; return ``pipec run``'s exit code.
+def summarise(failures: Mapping[int, Any], where: Callable[[int], str], file: TextIO | None = None) -> int:
+    """Print a failed run's outcome from torchelastic's per-rank failures (on ``file``, else stderr); return
+    ``pipec run``'s exit code.
 
     Root causes first: each distinct message once, with the ranks that reported
     it (user mistakes, then the rest); then ranks that ended without a report
@@ -160,10 +175,10 @@ def summarise(failures: Mapping[int, Any], where: Callable[[int], str]) -> int:
     already told by rank 0.
     """
     def say(message: str) -> None:
-        print(f"pipec: error: {message}", file=sys.stderr, flush=True)
+        print(f"pipec: error: {message}", file=file or sys.stderr, flush=True)
 
     def note(message: str) -> None:
-        print(f"pipec: note: {message}", file=sys.stderr, flush=True)
+        print(f"pipec: note: {message}", file=file or sys.stderr, flush=True)
 
     reports: dict[int, RankReport] = {}
     bare: dict[int, int] = {}

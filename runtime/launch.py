@@ -1,6 +1,8 @@
-"""The torchrun entry point: ``torchrun --nproc-per-node N -m pipec.runtime plan.json [flags]``.
+"""Launching a run, both sides: the ranks started (:func:`start_ranks`, what ``pipec run`` and ``pipec tune
+--measure`` call) and the torchrun entry point each rank runs: ``torchrun --nproc-per-node N -m pipec.runtime
+plan.json [flags]``.
 
-Each rank reads and proves the plan before it touches the network, joins the
+:func:`start_ranks` runs torch's own launcher in this process; each rank reads and proves the plan before it touches the network, joins the
 process group (every group with an explicit timeout; a per-attempt store
 prefix so that restarted ranks never meet stale addresses), builds only its
 own stages, and runs the steps through the executor. Rank 0 collects every
@@ -11,18 +13,21 @@ measured trace.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import os
 import resource
+import signal
 import sys
 from dataclasses import dataclass, fields
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence, TextIO
+
 from pipec.errors import PipecError
 from pipec.runtime.failures import RankFailed, RankReport, deliver, linger_when_stopped
 
-__all__ = ["main", "run_parser", "add_run_flags", "run_flags", "RunOptions", "LaunchError", "Env",
-           "init_process_group", "plan_transport"]
+__all__ = ["main", "run_parser", "add_run_flags", "RunOptions", "LaunchError", "Env",
+           "init_process_group", "plan_transport", "start_ranks", "RENDEZVOUS_FLAGS", "TimeLimitExceeded"]
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds a rank waits on a peer before the whole job ends (torch's default would be 30 minutes)."""
@@ -31,6 +36,9 @@ DEFAULT_UNIT_TIME = 0.01
 
 LINGER_S = 5.0
 """Seconds a rank the launcher stops (another rank failed) goes on, so that its own error is reported too."""
+
+RENDEZVOUS_FLAGS = ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "master_addr", "master_port")
+"""torchrun's multi-node flags, which ``pipec run`` passes through (:func:`start_ranks`)."""
 
 KNOWN_PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
 """Dense bf16/fp16 tensor-core FLOP/s of known GPUs, by a substring of the device name."""
@@ -64,11 +72,6 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fail-at", metavar="STEP:RANK", help="kill global rank RANK at step STEP (first attempt only)")
     p.add_argument("--peak-flops", type=float, help="device peak FLOP/s for MFU (known GPUs are detected)")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
-
-
-def run_flags(args: argparse.Namespace) -> list[str]:
-    """The run flags of parsed arguments (checked: :class:`RunOptions`), as a command line for the ranks."""
-    return RunOptions.from_args(args).flags()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -332,3 +335,110 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = e.where if isinstance(e, RankFailed) else f"global rank {env.rank}"
         deliver(RankReport.of(e, rank=env.rank, where=where))
         return e.exit_code
+
+
+# ----------------------------------------------------------------------------- the launcher's side
+
+
+class TimeLimitExceeded(Exception):
+    """The ranks :func:`start_ranks` started ran past its ``time_limit`` (they were stopped)."""
+
+
+def start_ranks(where: Callable[[int], str], options: RunOptions, *, nproc: int, max_restarts: int = 0,
+                rendezvous: Mapping[str, Any] | None = None, verbose: bool = False, log_dir: str | None = None,
+                time_limit: float | None = None, errors: TextIO | None = None) -> int:
+    """Start ``nproc`` ranks of the plan ``options.plan`` on this machine with torch's own launcher, in this
+    process; 0, or the exit code of the failure, every rank's error printed once on ``errors``, else stderr
+    (:func:`~pipec.runtime.failures.summarise`, ``where`` naming a global rank: the plan's ``Mesh.where``).
+
+    The caller has read and proven the plan. ``rendezvous``: torchrun's multi-node flags by name
+    (:data:`RENDEZVOUS_FLAGS`, None values left out); none: this machine alone (``--standalone``).
+    ``verbose``: torchrun's own log lines shown. ``log_dir``: the ranks' stdout and stderr go to files
+    under it instead of this process's. ``time_limit``: seconds after which the ranks are stopped and
+    :class:`TimeLimitExceeded` is raised (from the main thread only: a signal interrupts it). The launcher's
+    signal handlers and environment are this process's own again afterwards.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    from pipec.runtime.failures import quiet_launcher, summarise
+
+    argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
+    given = {flag: value for flag, value in (rendezvous or {}).items() if value is not None}
+    if given:
+        for flag, value in given.items():
+            argv += [f"--{flag.replace('_', '-')}", str(value)]
+    else:
+        argv.append("--standalone")
+    if log_dir is not None:
+        argv += ["--redirects", "3", "--log-dir", log_dir]
+    argv += ["-m", "pipec.runtime", options.plan, *options.flags()]
+    try:
+        with _launcher_state_kept(), quiet_launcher(verbose), _time_limit(time_limit):
+            run(parse_args(argv))
+    except ChildFailedError as e:  # every rank's error, keyed by global rank: each message once, causes first
+        return summarise(e.failures, where, errors)
+    return 0
+
+
+_LAUNCHER_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+                          if hasattr(signal, name))
+"""The signals torch's launcher takes over in the main thread (and leaves taken over)."""
+
+
+@contextlib.contextmanager
+def _launcher_state_kept() -> Iterator[None]:
+    """This process's signal handlers and environment as they were before torch's launcher ran (it installs
+    handlers that raise its own exception, and sets ``OMP_NUM_THREADS`` for its ranks in ``os.environ``)."""
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    handlers = {sig: signal.getsignal(sig) for sig in _LAUNCHER_SIGNALS} if main else {}
+    environ = dict(os.environ)
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        for key in set(os.environ) - set(environ):
+            del os.environ[key]
+        for key, value in environ.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise :class:`TimeLimitExceeded` in this, the main, thread once ``seconds`` have passed: raised inside
+    torch's launcher, its agent stops the ranks on the way out. A timer thread signals this one (SIGUSR1, its
+    handler ours meanwhile), so that a wait in the launcher is cut short; SIGALRM and its timer stay the
+    caller's (pytest-timeout's, say)."""
+    if seconds is None:
+        yield
+        return
+    import threading
+
+    armed = threading.Event()
+    main = threading.main_thread().ident
+
+    def expired(signum, frame) -> None:  # noqa: ANN001
+        if armed.is_set():            # not once the block is left (a signal sent just before)
+            armed.clear()
+            raise TimeLimitExceeded(f"the run took over {seconds:.0f} s")
+
+    def ring() -> None:
+        if armed.is_set():
+            signal.pthread_kill(main, signal.SIGUSR1)
+
+    old = signal.signal(signal.SIGUSR1, expired)
+    armed.set()
+    timer = threading.Timer(seconds, ring)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        armed.clear()
+        timer.cancel()
+        timer.join()                  # a signal it sent is handled (and ignored) before the handler is restored
+        signal.signal(signal.SIGUSR1, old)

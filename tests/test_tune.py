@@ -1,9 +1,11 @@
 """pipec tune: the search against brute force over the same space, the budget, determinism, --keep,
-the no-fit error, the written plan and schedule file, --json."""
+the no-fit error, the written plan and schedule file, --json; --measure's runs (torchrun, last)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from dataclasses import replace
 
 import pytest
@@ -13,6 +15,7 @@ from pipec.compiler.driver import compile_request, model_request, schedule_order
 from pipec.compiler.frontend import build_stage_graph
 from pipec.compiler.passes.memory import MemoryBudgetError
 from pipec.compiler.ir.plan import read_plan
+from pipec.tune.measure import measure, run_candidates
 from pipec.tune.search import _pareto, _score, tune
 from pipec.tune.space import TuneError, TuneRequest, candidate_request, candidates
 from pipec.tune.bounds import bounds, candidate_frame
@@ -205,3 +208,44 @@ def test_kept_plans_predict_what_a_full_compile_predicts(small, budget):
         assert s.plan.prediction == want.prediction and want.prediction.events, c
         bare = compile_request(req, verify=False, events=False).plan.prediction
         assert bare == replace(want.prediction, events=()) != want.prediction, c
+
+
+def _rank_processes() -> list[str]:
+    """The command lines of this process's children that run a rank (Linux: /proc)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rpartition(")")[2].split()[1])
+            with open(f"/proc/{pid}/cmdline") as f:
+                cmd = f.read().replace("\0", " ")
+        except (OSError, ValueError, IndexError):
+            continue                    # ended meanwhile
+        if ppid == os.getpid() and "pipec.runtime" in cmd:
+            out.append(cmd)
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the ranks from /proc")
+def test_measure_starts_the_ranks_here_and_notes_a_failed_or_overlong_run(small, tmp_path):
+    """--measure starts each run's ranks from this process (the runtime's launcher, no pipec subprocess): the
+    measured step re-ranks the table; a run that fails is noted with its ranks' error, one past its time limit is
+    stopped, its ranks with it, and noted; the launcher leaves this process's signal handlers and environment as
+    they were."""
+    result = tune(_request(small, num_top=2))
+    kept = ({sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)}, dict(os.environ))
+    got, notes = measure(result, 1, workdir=str(tmp_path / "ok"), steps=3)
+    assert notes == [] and got.best is got.top[0] and got.top[0].measured_step > 0
+    assert [s.candidate for s in got.top] == [s.candidate for s in result.top]
+    top = result.top[0]
+    c = top.candidate
+    lost = replace(top, plan=replace(top.plan, model={**top.plan.model, "target": "pipec_no_such_module:build"}))
+    out, notes = run_candidates([lost], workdir=str(tmp_path / "failed"), steps=3)
+    assert out == [lost] and len(notes) == 1, notes
+    assert notes[0].startswith(f"{c.layout} {c.schedule}: the run failed (pipec: error: ") and \
+        "cannot find module 'pipec_no_such_module'" in notes[0], notes
+    out, notes = run_candidates([top], workdir=str(tmp_path / "slow"), steps=3, timeout=0.2)
+    assert out == [top] and notes == [f"{c.layout} {c.schedule}: not measured: the run took over 0 s"]
+    assert _rank_processes() == []
+    assert ({sig: signal.getsignal(sig) for sig in kept[0]}, dict(os.environ)) == kept
+

@@ -1,22 +1,24 @@
-"""``pipec tune --measure K``: run the top candidates under ``pipec run`` here and re-rank them.
+"""``pipec tune --measure K``: run the top candidates as ``pipec run`` would, here, and re-rank them.
 
 Each of the K fastest predicted candidates is written as a plan and run for a few steps on this
-machine (a subprocess, ``python -m pipec run PLAN --nproc W --steps N --report R``, so the
-compiler never imports the runtime); its measured median step (report.json ``measured``) goes
-beside the prediction. A candidate needing more ranks than this machine can start
-(:func:`max_ranks`) is skipped with a note.
+machine: its ranks started by the runtime's launcher in this process
+(:func:`~pipec.runtime.launch.start_ranks`, as ``pipec run PLAN --nproc W --steps N --report R`` starts
+them), their output in the workdir (``candidateI.logs``); its measured median step (report.json
+``measured``) goes beside the prediction. A candidate needing more ranks than this machine can start
+(:func:`max_ranks`) is skipped with a note, and so is one whose run fails or takes over ``timeout``
+seconds (its ranks are stopped).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
-import subprocess
-import sys
 from dataclasses import replace
 from typing import Callable, Sequence
 
 from pipec.compiler.ir.plan import write_plan
+from pipec.runtime.launch import RunOptions, TimeLimitExceeded, start_ranks
 from pipec.tune.search import Scored, TuneResult
 
 __all__ = ["max_ranks", "measure", "run_candidates"]
@@ -48,16 +50,19 @@ def run_candidates(scored: Sequence[Scored], *, workdir: str, steps: int = 10, t
         plan_path = os.path.join(workdir, f"candidate{i}.json")
         report_path = os.path.join(workdir, f"candidate{i}.report.json")
         write_plan(s.plan, plan_path)
-        cmd = [sys.executable, "-m", "pipec", "run", plan_path, "--nproc", str(world), "--steps", str(steps),
-               "--report", report_path]
+        options = RunOptions(plan=plan_path, steps=steps, report=report_path)
+        said = io.StringIO()            # what pipec run would print on its stderr: each rank's error, once
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
+            code = start_ranks(s.plan.mesh.where, options, nproc=world, time_limit=timeout, errors=said,
+                               log_dir=os.path.join(workdir, f"candidate{i}.logs"))
+        except TimeLimitExceeded:
             notes.append(f"{s.candidate.layout} {s.candidate.schedule}: not measured: the run took over {timeout:.0f} s")
             out.append(s)
             continue
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        except Exception as e:  # noqa: BLE001 - the launcher itself failed (a rendezvous, a port): this run's note
+            code, said = 1, io.StringIO(f"{type(e).__name__}: {e}")
+        if code != 0:
+            last = (said.getvalue().strip().splitlines() or ["no output"])[-1]
             notes.append(f"{s.candidate.layout} {s.candidate.schedule}: the run failed ({last})")
             out.append(s)
             continue
