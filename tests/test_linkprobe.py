@@ -1,8 +1,14 @@
 """runtime/linkprobe.py's emulation probe: the hops of the plan's own messages from the posts' and waits' times,
-each figure a mean over every rank's samples, the median over the probe's steps."""
+each figure a mean over every rank's samples, the median over the probe's steps; the links probe job stopped with
+its ranks when it runs past its time (compiler/frontend/links.py)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -104,3 +110,40 @@ def test_the_probe_steps_raw_samples_are_pooled_and_reported_in_summary():
     assert got["draws"] == 15 and got["samples"]["FWD"] == {"count": 3, "mean": 2.0, "median": 2.0, "max": 3.0}
     assert Emulation(latency_s=0.3, collective_s=0.0, oversleep_s=0.0, overhead={}, backend="gloo").to_json()[
         "draws"] == 0
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` is alive (not ended, nor a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the ranks from /proc")
+def test_a_probe_job_past_its_time_is_stopped_with_its_ranks(tmp_path, monkeypatch):
+    """A links probe job past its time leaves the default links and says why, and leaves no rank behind: torchrun
+    is stopped, not killed outright (its ranks, each in a session of its own, would outlive it)."""
+    from pipec.compiler.frontend import links
+
+    monkeypatch.setattr(links, "PROBE_TIMEOUT_S", 0.5)
+    plan = compile_plan(num_ranks=2, num_microbatches=2, schedule="1f1b").plan
+    assert links._probe(plan, "gloo") == "the probe job took more than 0.5 s"
+    rank = tmp_path / "rank.py"  # a rank that says it started, then hangs
+    rank.write_text("import os, sys, time\nopen(os.path.join(sys.argv[1], str(os.getpid())), 'w').close()\n"
+                    "time.sleep(600)\n")
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            str(rank), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    given_up = time.monotonic() + 120
+    while len(pids) < 2 and time.monotonic() < given_up and job.poll() is None:
+        time.sleep(0.1)
+        pids = [int(f.name) for f in tmp_path.iterdir() if f.name.isdigit()]
+    assert len(pids) == 2, job.poll()
+    links._stop(job)
+    left = [pid for pid in pids if _running(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert job.returncode is not None and left == []
+

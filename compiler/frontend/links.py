@@ -27,6 +27,8 @@ __all__ = ["measure_links", "PROBE_RANKS", "PROBE_TIMEOUT_S"]
 
 PROBE_RANKS = 2
 PROBE_TIMEOUT_S = 120.0
+STOP_S = 30.0
+"""Seconds a probe job past its time is given to stop its ranks after SIGTERM (torchrun's own grace period)."""
 MAX_SIZES = 4
 """Message sizes measured at most (the smallest and largest of the plan's, and some between)."""
 
@@ -65,14 +67,27 @@ def _probe(plan: Plan, backend: str) -> dict | str:
         if plan.mesh.sharded:
             cmd.append("--sharded")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=PROBE_TIMEOUT_S)
+            _, err = job.communicate(timeout=PROBE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
+            _stop(job)
             return f"the probe job took more than {PROBE_TIMEOUT_S:g} s"
-        if done.returncode != 0 or not os.path.exists(out):
-            return "the probe job failed: " + (done.stderr.strip().splitlines() or ["no output"])[-1]
+        if job.returncode != 0 or not os.path.exists(out):
+            return "the probe job failed: " + (err.strip().splitlines() or ["no output"])[-1]
         with open(out, encoding="utf-8") as f:
             return json.load(f)
+
+
+def _stop(job: subprocess.Popen) -> None:
+    """End the probe job, its ranks with it: torchrun stops its ranks on SIGTERM (each in a session of its own,
+    they would outlive a torchrun killed outright), and is killed if it has not ended after :data:`STOP_S`."""
+    job.terminate()
+    try:
+        job.communicate(timeout=STOP_S)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        job.wait()                      # not its pipes: a rank that outlived it may hold them open
 
 
 def measure_links(plan: Plan) -> tuple[Plan, list[str]]:
