@@ -69,7 +69,7 @@ class Trainer:
         self.emulation = None
         """``--emulate``: what was measured at start-up (runtime/linkprobe.py ``Emulation``)."""
         if not options.emulate:
-            from pipec.compiler.frontend.stages import build_stages
+            from pipec.runtime.stages import build_stages
 
             self.modules = build_stages(plan, self.own, seed=config.seed, init=config.init, device=device)
             # sharded data parallelism (runtime/sharding.py): FSDP2 on the stages, or ZeRO-1's optimizer shards
@@ -155,7 +155,7 @@ class Trainer:
 
     def compare_with_reference(self) -> dict[str, Any]:
         """Loss and every gradient of this rank's stages against one unpartitioned step on the global batch."""
-        from pipec.compiler.frontend.stages import build_reference
+        from pipec.runtime.stages import build_reference
 
         ref = build_reference(self.plan, seed=self.config.seed, init=self.config.init)
         batches = [self.data(self.step, d, self.D) for d in range(self.D)]

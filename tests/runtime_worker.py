@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from pipec.compiler.ir.plan import read_plan
-from pipec.compiler.frontend.stages import build_reference
+from pipec.runtime.stages import build_reference
 from pipec.compiler.passes.verify import verify
 from pipec.compiler.config import TrainingConfig
 from pipec.runtime.launch import Env, RunOptions, init_process_group, plan_transport, run_parser

@@ -16,7 +16,7 @@ from torch import nn
 from pipec.compiler.config import TrainingConfig
 from pipec.compiler.driver import compile_spec
 from pipec.compiler.frontend.data import describe_data
-from pipec.compiler.frontend.stages import build_reference
+from pipec.runtime.stages import build_reference
 from pipec.compiler.frontend.tensors import FrontendError, InputSpec
 from pipec.dsl import load_spec
 from pipec.errors import PipecError

@@ -24,7 +24,7 @@ from test_runtime import reference_step, tiny_gpt
 
 from pipec.compiler.config import TrainingConfig
 from pipec.compiler.driver import compile_plan
-from pipec.compiler.frontend.stages import build_stages
+from pipec.runtime.stages import build_stages
 from pipec.compiler.ir.program import Op
 from pipec.runtime import clock as clock_mod
 from pipec.runtime.clock import CudaClock

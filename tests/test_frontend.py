@@ -17,7 +17,8 @@ from pipec.compiler.driver import compile_request
 from pipec.compiler.request import CompileRequest, InputTensor, ModelSpec, PartitionRequest
 from pipec.compiler.passes.memory import MemoryBudgetError, check_memory, state_bytes
 from pipec.compiler.ir.plan import Mesh, Plan, read_plan, write_plan
-from pipec.compiler.frontend.stages import build_reference, build_stages, module_seed, run_stages
+from pipec.compiler.frontend.weights import module_seed
+from pipec.runtime.stages import build_reference, build_stages, run_stages
 from pipec.compiler.frontend import weights
 from pipec.errors import PipecError, UserCodeError
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'transformers>=5,<6')")
 
 from pipec.compiler.frontend import InputSpec, ModelRequest, build_stage_graph, resolve_init  # noqa: E402
-from pipec.compiler.frontend.stages import build_stages  # noqa: E402
+from pipec.runtime.stages import build_stages  # noqa: E402
 from pipec.compiler.frontend.weights import initial_values  # noqa: E402
 from test_frontend import assert_stages_match, plan_of  # noqa: E402
 

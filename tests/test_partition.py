@@ -12,7 +12,7 @@ from torch import nn
 from pipec.compiler.frontend.costs import node_weights
 from pipec.compiler.frontend import Balanced, FrontendError, InputSpec, Markers, ModelRequest, SplitBefore, build_stage_graph
 from pipec.compiler.frontend.partition import analyse_cuts, assign_stages, balance, split_graph
-from pipec.compiler.frontend.stages import build_reference, build_stages, run_stages
+from pipec.runtime.stages import build_reference, build_stages, run_stages
 from pipec.compiler.frontend.annotate import propagate
 from pipec.compiler.frontend.load import instantiate
 from pipec.compiler.frontend.tensors import example_inputs

@@ -26,7 +26,7 @@ from conftest import PYTHON, on_threads, run_in_session
 
 from pipec.compiler.config import TrainingConfig
 from pipec.compiler.driver import compile_spec
-from pipec.compiler.frontend.stages import build_stages
+from pipec.runtime.stages import build_stages
 from pipec.compiler.ir.program import Op
 from pipec.dsl import load_spec
 from pipec.runtime.executor import WAIT_PREFIX, Executor

@@ -220,7 +220,7 @@ def _tune(treq: TuneRequest, t0: float) -> TuneResult:
     if not search.fits:
         raise TuneError(_no_fit(treq, batch, search.refused, search.graphs), key="device_memory")
     ranked = [search.proven(s) for s in search.ranked()[:treq.num_top]]   # proven by search.run
-    search.graphs.confirm(ranked[0].candidate)   # the plan written (a run checks its own cut: frontend.stages)
+    search.graphs.confirm(ranked[0].candidate)   # the plan written (a run checks its own cut: runtime.stages)
     frontier = search.proven_frontier()
     start = start_candidate(treq)
     start_scored = next((kept for s in search.fits if _same_base(s.candidate, start)

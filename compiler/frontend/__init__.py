@@ -18,7 +18,8 @@ the :class:`~pipec.compiler.ir.graph.StageGraph` that becomes plan.json's
 - :mod:`.data`: the data a run trains on described (synthetic data that fits
   the model, a token file checked, a data function found), the loss checked
   against its targets on meta;
-- :mod:`.stages`: (the runtime's side) runnable stages rebuilt from a plan.
+- :mod:`.stages`: a stage's runnable module built from the split graph (the
+  profile times them; :mod:`pipec.runtime.stages` rebuilds a plan's with it).
 
 Every :class:`FrontendError` names the key it is about (``key=``, and
 ``index=`` for one split point), so the language can print it at that key.
