@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def compile_plan(folder: Path, layers: int, every: int) -> Path:
     from pipec.compiler.driver import compile_spec
-    from pipec.compiler.ir.plan import write_plan
+    from pipec.compiler.ir.plan_json import write_plan
     from pipec.dsl import load_spec
 
     overrides = {

@@ -37,12 +37,13 @@ GPT_13B = dict(layers=40, dim=5120, heads=40, vocab=50304, seq=2048)
 
 def compile_one(cfg: dict, *, pp: int, dp: int, shard: str, batch: int, microbatches: int, costs: str = "unit"):
     from pipec.compiler.driver import compile_request
-    from pipec.compiler.request import CompileRequest, InputTensor, ModelSpec, PartitionRequest
+    from pipec.compiler.ir.plan import Mesh
+    from pipec.compiler.request import CompileRequest, ModelSpec, PartitionRequest, TensorSpec
 
     model = ModelSpec(target="pipec.examples.gpt:build", kwargs=cfg,
-                      inputs=(InputTensor(name="tokens", dtype="int64", shape=(batch, cfg["seq"])),),
+                      inputs=(TensorSpec("tokens", "int64", (batch, cfg["seq"])),),
                       partition=PartitionRequest(method="auto"), costs=costs, trace="auto")
-    return compile_request(CompileRequest(schedule="1f1b", pp=pp, dp=dp, shard=shard,
+    return compile_request(CompileRequest(schedule="1f1b", mesh=Mesh(pp=pp, dp=dp, shard=shard),
                                           num_microbatches=microbatches, model=model)).plan
 
 
@@ -57,7 +58,7 @@ def measured(reports: dict[tuple[str, int], str], mode: str, dp: int) -> list[di
 
 def table(reports: dict[tuple[str, int], str], write: str | None) -> None:
     from pipec.compiler.passes.memory import breakdown
-    from pipec.compiler.ir.plan import write_plan
+    from pipec.compiler.ir.plan_json import write_plan
 
     print(f"GPT {SMALL} at pp 2, float32 AdamW; predicted state per rank (MiB), measured where given")
     print(f"{'mode':>9} {'dp':>3} {'rank':>4} {'params':>8} {'grads':>8} {'optim':>8} {'state':>8} "
@@ -81,7 +82,7 @@ def table(reports: dict[tuple[str, int], str], write: str | None) -> None:
 
 def run_all(folder: str, steps: int) -> tuple[dict[tuple[str, int], str], dict[tuple[str, int], float]]:
     """Compile (``costs profile``) and run every (mode, dp) plan; their reports, and each predicted step time."""
-    from pipec.compiler.ir.plan import write_plan
+    from pipec.compiler.ir.plan_json import write_plan
 
     os.makedirs(folder, exist_ok=True)
     reports, predicted = {}, {}

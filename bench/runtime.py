@@ -177,7 +177,7 @@ def resimulate(plan_path: Path, events: list) -> float:
     """
     from dataclasses import replace
 
-    from pipec.compiler.ir.plan import read_plan
+    from pipec.compiler.ir.plan_json import read_plan
     from pipec.compiler.sim.simulate import simulate
 
     plan = read_plan(str(plan_path))

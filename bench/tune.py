@@ -32,6 +32,7 @@ from dataclasses import replace
 
 from pipec.compiler.driver import compile_request
 from pipec.compiler.ir.plan import Cost, Plan
+from pipec.compiler.ir.plan_json import load_plan
 from pipec.compiler.sim.simulate import plan_costs, simulate_costs
 from pipec.tune.search import Scored, _Graphs, _score, tune
 from pipec.tune.space import Candidate, TuneRequest, candidate_request, candidates
@@ -209,8 +210,9 @@ def part_a(folder: str, steps: int, rounds: int) -> None:
     print(f"  --measure 3 pick: {_name(top3.best.candidate)}")
 
 
-def _grid_key(spec: dict) -> tuple:
-    return (spec["pp"], spec["dp"], spec["schedule"], spec["virtual"], spec["microbatches"])
+def _grid_key(plan: Plan) -> tuple:
+    """(pp, dp, schedule, virtual, microbatches) of a plan (one read from an earlier run's plan.json too)."""
+    return (plan.mesh.pp, plan.mesh.dp, plan.spec["schedule"], plan.num_stages // plan.mesh.pp, plan.num_microbatches)
 
 
 def pooled(folders: list[str]) -> None:
@@ -223,7 +225,7 @@ def pooled(folders: list[str]) -> None:
                 report = json.load(f)
             with open(path.replace(".report.json", ".json"), encoding="utf-8") as f:
                 plan = json.load(f)
-            key = _grid_key(plan["spec"])
+            key = _grid_key(load_plan(plan))
             steps.setdefault(d, {}).setdefault(key, []).extend(x["step_time"] for x in report["steps"][1:])
             pred.setdefault(d, {})[key] = plan["prediction"]["step_time"]
     keys = sorted(set.intersection(*(set(v) for v in steps.values())))
@@ -251,9 +253,9 @@ def against(folders: list[str]) -> None:
             with open(path, encoding="utf-8") as f:
                 report = json.load(f)
             with open(path.replace(".report.json", ".json"), encoding="utf-8") as f:
-                key = _grid_key(json.load(f)["spec"])
+                key = _grid_key(load_plan(json.load(f)))
             steps.setdefault(key, []).extend(x["step_time"] for x in report["steps"][1:])
-    rows = [(s, statistics.median(steps[k])) for s in scored if (k := _grid_key(s.plan.spec)) in steps]
+    rows = [(s, statistics.median(steps[k])) for s in scored if (k := _grid_key(s.plan)) in steps]
     for s, meas in sorted(rows, key=lambda r: r[1]):
         print(f"  {_name(s.candidate):<32} predicted {s.step_time * 1e3:7.1f} ms  measured {meas * 1e3:7.1f} ms  "
               f"{s.step_time / meas:5.2f}")
@@ -288,7 +290,7 @@ def part_b(folder: str) -> None:
     print("  why:")
     for line in why(r):
         print("   -", line)
-    print("  as schedule-file lines:", " | ".join(pipe_lines(r.best.candidate, r.best.plan.spec)))
+    print("  as schedule-file lines:", " | ".join(pipe_lines(r.best.candidate, r.best.plan)))
 
 
 def main() -> int:

@@ -21,6 +21,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 from pipec.compiler.ir.schema import Reader, SchemaError
+from pipec.compiler.limits import MAX_SEED, MAX_STAGES
 
 __all__ = [
     "TrainingConfig",
@@ -256,13 +257,13 @@ def _lr_schedule(rd: Reader, key: str) -> LRSchedule | None:
 
 _READERS: Mapping[str, Callable[[Reader, str], Any]] = {
     "steps": lambda rd, k: rd.int(k, lo=1, required=False),
-    "seed": lambda rd, k: rd.int(k, lo=0, hi=2**63 - 1, required=False),
+    "seed": lambda rd, k: rd.int(k, lo=0, hi=MAX_SEED, required=False),
     "optimizer": _optimizer,
     "lr": _positive,
     "lr_schedule": _lr_schedule,
     "grad_clip": _positive,
     "dtype": lambda rd, k: rd.str(k, choices=RUN_DTYPES, required=False),
-    "recompute": lambda rd, k: rd.ints(k, lo=0, hi=2**31, required=False),
+    "recompute": lambda rd, k: rd.ints(k, lo=0, hi=MAX_STAGES - 1, required=False),
     "data": _data,
     "loss": lambda rd, k: rd.str(k, required=False),
     "checkpoint_dir": lambda rd, k: rd.str(k, required=False),

@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Any, Sequence
 
 import pipec
-from pipec.compiler.config import TrainingConfig
+from pipec.compiler.config import DEFAULTS, TrainingConfig
 from pipec.compiler.ir.program import Program
 from pipec.compiler.passes.lower import lower
 from pipec.compiler.passes.memory import breakdown, check_memory
@@ -58,7 +58,7 @@ def compile_request(req: CompileRequest, *, graph=None, verify: bool = True, eve
 
 def _compile(req: CompileRequest, graph=None, verify: bool = True, events: bool = True) -> Compiled:
     check_limits(pp=req.pp, num_stages=req.num_stages, num_microbatches=req.num_microbatches)  # refuse what is too big
-    mesh = _mesh(req)
+    mesh = req.mesh
     check_shard(mesh)                                            # a sharding that can work
     check_nodes(mesh)                                            # whole nodes
     order, diagnostics = schedule_order(req)                     # the schedule's rules, then its order
@@ -69,7 +69,7 @@ def _compile(req: CompileRequest, graph=None, verify: bool = True, events: bool 
                          f"{order.num_stages}", key="partition")
     if graph is not None:
         diagnostics += [Diagnostic("note", note, key="trace") for note in graph.notes]
-    plan = bare_plan(req, graph, order.placement, mesh)          # everything but the program and prediction
+    plan = bare_plan(req, graph, order.placement)                # everything but the program and prediction
     if graph is not None and req.model.costs == "profile" and req.origin("links").kind == "default":
         from pipec.compiler.frontend.links import measure_links  # a job of two local ranks (torch)
 
@@ -89,20 +89,13 @@ def _compile(req: CompileRequest, graph=None, verify: bool = True, events: bool 
     return Compiled(plan, tuple(diagnostics))
 
 
-def _mesh(req: CompileRequest) -> Mesh:
-    return Mesh(pp=req.pp, dp=req.dp, shard=req.shard, shard_size=req.shard_size,
-                devices_per_node=req.devices_per_node)
-
-
-def bare_plan(req: CompileRequest, graph, placement: tuple[int, ...], mesh: Mesh | None = None) -> Plan:
+def bare_plan(req: CompileRequest, graph, placement: tuple[int, ...]) -> Plan:
     """The request's plan but its program and prediction: mesh, stages placed, edges, ties, links and the
     resolved spec (``pipec tune`` prices its bounds on it with :func:`~pipec.compiler.sim.simulate.plan_costs`)."""
-    training = req.training
-    if graph is not None and training is not None and "init" in graph.model:  # the front end resolved `init auto`
-        training = replace(training, init=graph.model["init"])
-    spec = {**req.spec, **(training.to_json() if training is not None else {})}
+    if graph is not None and "init" in graph.model:  # the front end resolved `init auto`
+        req = replace(req, training=replace(req.training, init=graph.model["init"]))
     return Plan(
-        mesh=mesh or _mesh(req),
+        mesh=req.mesh,
         num_stages=len(placement),
         num_microbatches=req.num_microbatches,
         placement=placement,
@@ -112,7 +105,7 @@ def bare_plan(req: CompileRequest, graph, placement: tuple[int, ...], mesh: Mesh
         edges=graph.edges if graph else chain_edges(len(placement)),
         ties=graph.ties if graph else (),
         links=dict(req.links),
-        spec=spec,
+        spec=req.spec_json(),
         model=_model_entry(graph, req) if graph else None,
         pipec_version=pipec.__version__,
     )
@@ -168,7 +161,7 @@ def compile_plan(
     shard_size: int | None = None,
     order: ComputeOrder | None = None,
     links: dict[str, Link] | None = None,
-    spec: dict[str, Any] | None = None,
+    training: TrainingConfig = DEFAULTS,
     device_memory: int | None = None,
 ) -> Compiled:
     """Compile a schedule-only plan: a named schedule, or a custom compute order (an imported one)."""
@@ -178,10 +171,9 @@ def compile_plan(
     else:
         choice = dict(schedule=schedule, num_chunks=get_schedule(schedule).default_chunks if num_chunks is None
                       else num_chunks)
-    return compile_request(CompileRequest(**choice, pp=num_ranks, dp=dp, shard=shard, shard_size=shard_size,
-                                          num_microbatches=num_microbatches,
-                                          links=dict(links or DEFAULT_LINKS), spec=dict(spec or {}),
-                                          device_memory=device_memory))
+    return compile_request(CompileRequest(**choice, mesh=Mesh(pp=num_ranks, dp=dp, shard=shard, shard_size=shard_size),
+                                          num_microbatches=num_microbatches, links=dict(links or DEFAULT_LINKS),
+                                          training=training, device_memory=device_memory))
 
 
 def compile_spec(spec, *, trace: bool = True) -> Compiled:
@@ -243,10 +235,10 @@ def model_graph(req: CompileRequest):
 
 def model_request(req: CompileRequest):
     """The front end's :class:`~pipec.compiler.frontend.ModelRequest` for a request that names a model."""
-    from pipec.compiler.frontend import Balanced, InputSpec, Markers, ModelRequest, SplitBefore
+    from pipec.compiler.frontend import Balanced, Markers, ModelRequest, SplitBefore
 
     m: ModelSpec = req.model
-    training = req.training or TrainingConfig()
+    training = req.training
     part = m.partition
     partition = {"split": lambda: SplitBefore(tuple(part.split_before)), "balanced": lambda: Balanced(part.by),
                  "markers": lambda: Markers(), "auto": lambda: None}[part.method]()
@@ -255,21 +247,21 @@ def model_request(req: CompileRequest):
         target=m.target,
         search_path=m.search_path,
         kwargs=dict(m.kwargs),
-        inputs=tuple(InputSpec(t.name, t.dtype, tuple(t.shape)) for t in m.inputs),
+        inputs=m.inputs,
         num_microbatches=req.num_microbatches,
         num_stages=req.num_stages,
         partition=partition,
         costs=m.costs,
         trace=m.trace,
-        recompute=m.recompute,
-        dtype=m.dtype,
-        peak_flops=m.peak_flops,
+        recompute=frozenset(training.recompute),
+        dtype=training.dtype,
+        peak_flops=training.peak_flops,
         threads_per_rank=1 if world > 1 else _threads(),
         # the ranks that share one machine: a node's when devices_per_node is given, else every rank
-        local_ranks=min(world, req.devices_per_node or world),
-        init=m.init,
+        local_ranks=min(world, req.mesh.devices_per_node or world),
+        init=training.init,
         loss=training.loss,
-        targets=tuple(InputSpec(t.name, t.dtype, tuple(t.shape)) for t in m.targets),
+        targets=m.targets,
         data=training.data,
         dp=req.dp,
     )

@@ -5,7 +5,14 @@ The language (``pipec.dsl``) resolves a schedule file and its flags into one
 it into a verified plan. The request is owned by the compiler, frozen, and
 free of torch and of the language: a schedule is chosen by name, by a
 :class:`~pipec.schedules.policy.Policy`, or by an explicit per-rank order of
-actions; the mesh is numbers; the model is named by its target, not built.
+actions; the mesh is the plan's own :class:`~pipec.compiler.ir.plan.Mesh`; the
+model is named by its target, not built; a tensor is a :class:`TensorSpec`
+(the one type from the schedule file's ``input`` to the front end's trace).
+
+The request is the one source of every value: plan.json is written from its
+typed fields (:meth:`CompileRequest.spec_json` writes the ``spec``), and a
+key of the training config or of the mesh reaches it by field name, so such
+a key needs the key table, its field and its consumer, nothing more.
 
 Every field comes from a schedule-file key, and :attr:`CompileRequest.origins`
 says, per key, where its value was written (:class:`KeyOrigin`: a file
@@ -17,15 +24,16 @@ and prints the complaint at that key, ``file:line:col`` with a caret, once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping, Sequence
 
-from pipec.compiler.config import TrainingConfig
-from pipec.compiler.ir.plan import DEFAULT_LINKS, Link
+from pipec.compiler.config import DEFAULTS, TrainingConfig
+from pipec.compiler.ir.plan import DEFAULT_LINKS, Link, Mesh
+from pipec.errors import PipecError
 from pipec.schedules.order import Action
 from pipec.schedules.policy import Policy
 
-__all__ = ["Location", "KeyOrigin", "DEFAULT_ORIGIN", "InputTensor", "PartitionRequest", "ModelSpec",
+__all__ = ["Location", "KeyOrigin", "DEFAULT_ORIGIN", "TensorSpec", "check_batch", "PartitionRequest", "ModelSpec",
            "CompileRequest"]
 
 
@@ -81,14 +89,40 @@ class KeyOrigin:
 DEFAULT_ORIGIN = KeyOrigin(kind="default")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class InputTensor:
-    """One example input (key ``input``) or target (key ``targets``): one dp replica's batch, dim 0 split
-    into microbatches."""
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """A tensor described by name: ``tokens: int64[16, 128]``. The language's ``input`` and ``targets``
+    (one dp replica's batch: dim 0 is split into microbatches) and the front end's microbatch inputs are
+    this one type, from the schedule file to the trace."""
 
     name: str
+    """The model's forward argument (an input), or the targets' name."""
     dtype: str
+    """A torch dtype's name (``"int64"``)."""
     shape: tuple[int, ...]
+
+    def text(self) -> str:
+        """The schedule-file syntax that writes it."""
+        return f"{self.name}: {self.dtype}[{', '.join(map(str, self.shape))}]"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+def check_batch(inputs: Sequence[TensorSpec], num_microbatches: int) -> None:
+    """Refuse a microbatch count that does not divide the inputs' batch (their dim 0), naming counts that do
+    (key ``microbatches``): the one check of this rule, for the language and the front end."""
+    for t in inputs:
+        batch = t.shape[0]
+        if batch % num_microbatches:
+            raise PipecError(f"microbatches {num_microbatches} does not divide the input's batch of {batch}",
+                             key="microbatches", hints=("use one of " + ", ".join(map(str, _divisors(batch))),))
+
+
+def _divisors(n: int, most: int = 12) -> list[int]:
+    """The smallest divisors of n (at most ``most``), in O(sqrt n)."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))[:most]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,37 +136,46 @@ class PartitionRequest:
     split_before: tuple[str, ...] = ()
     """For ``split``: the module paths a new stage starts at (``index`` of a complaint counts these)."""
 
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"method": self.method}
+        if self.by is not None:
+            out["by"] = self.by
+        if self.split_before:
+            out["split_before"] = list(self.split_before)
+        return out
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:
-    """The model to trace, partition and cost (keys ``model`` and the keys that shape its trace)."""
+    """The model to trace, partition and cost (keys ``model`` and the keys that shape its trace; the ones
+    a run reads too, such as ``dtype``, ``recompute`` and ``peak_flops``, are the training config's)."""
 
     target: str
     """``"pkg.module:factory"`` or ``"file.py:factory"`` (key ``model``)."""
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Factory arguments (key ``model_args``)."""
-    inputs: tuple[InputTensor, ...]
+    inputs: tuple[TensorSpec, ...]
+    """One dp replica's batch (key ``input``)."""
     partition: PartitionRequest
     costs: str
     """``"unit"``, ``"flops"`` or ``"profile"``."""
     trace: str
     """``"auto"``, ``"fx"`` or ``"export"``."""
-    recompute: frozenset[int] = frozenset()
-    dtype: str = "float32"
-    peak_flops: float | None = None
     search_path: tuple[str, ...] = ()
     """Absolute folders searched for the model's module, in order: the schedule
     file's folder, then the current folder (no repeats)."""
-    init: str = "auto"
-    """How the initial weights are made (key ``init``): ``auto``, ``module`` or ``exact``."""
-    targets: tuple[InputTensor, ...] = ()
+    targets: tuple[TensorSpec, ...] = ()
     """What the loss takes, one dp replica's batch (key ``targets``); empty: derived from the traced output
     and the loss (the loss and the data are the training config's)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CompileRequest:
-    """What to compile: a schedule on a mesh, optionally for a model (see the module docstring)."""
+    """What to compile: a schedule on a mesh, optionally for a model (see the module docstring).
+
+    Each value has one home here, and plan.json is written from these fields: the mesh becomes the
+    plan's ``mesh``, the counts and placement its ``num_stages``, ``num_microbatches`` and ``placement``,
+    the links its ``links``, and the rest its ``spec`` (:meth:`spec_json`)."""
 
     schedule: str
     """A named schedule (``"1f1b"``), ``"policy"`` or ``"order"``."""
@@ -140,15 +183,9 @@ class CompileRequest:
     """For ``schedule == "policy"``: the policy, its counts bound."""
     order: tuple[tuple[Action, ...], ...] | None = None
     """For ``schedule == "order"``: each pp rank's actions, in order."""
-    pp: int
-    dp: int = 1
-    shard: str = "none"
-    """How the dp replicas share each stage's state (key ``shard``; :data:`~pipec.compiler.ir.plan.SHARD_MODES`)."""
-    shard_size: int | None = None
-    """Replicas per shard group (key ``shard_size``); None: all of dp."""
-    devices_per_node: int | None = None
-    """Devices per node (key ``devices_per_node``): nodes hold that many consecutive global ranks, and with
-    ``intra`` / ``inter`` links each hop is priced by where its ranks sit; None: not said."""
+    mesh: Mesh
+    """pp x dp, the sharding and the nodes (keys ``pp``, ``dp``, ``shard``, ``shard_size``,
+    ``devices_per_node``)."""
     num_chunks: int = 1
     """Stages per pp rank (key ``virtual``)."""
     placement: tuple[int, ...] | None = None
@@ -158,13 +195,18 @@ class CompileRequest:
     model: ModelSpec | None = None
     device_memory: int | None = None
     """Bytes one device holds: a plan needing more on some rank is refused (key ``device_memory``)."""
-    training: TrainingConfig | None = None
-    """The training settings, typed; plan.json's ``spec`` records them (``init`` as the front end resolved
-    it). None: the plan's ``spec`` is ``spec`` as given (an imported schedule)."""
-    spec: Mapping[str, Any] = field(default_factory=dict)
-    """plan.json's ``spec``: every key's resolved value, JSON-ready."""
+    training: TrainingConfig = DEFAULTS
+    """The training settings, typed (``init`` as given: the front end resolves ``auto``)."""
     origins: Mapping[str, KeyOrigin] = field(default_factory=dict)
     """Per key, where its value came from."""
+
+    @property
+    def pp(self) -> int:
+        return self.mesh.pp
+
+    @property
+    def dp(self) -> int:
+        return self.mesh.dp
 
     @property
     def num_stages(self) -> int:
@@ -173,3 +215,29 @@ class CompileRequest:
     def origin(self, key: str) -> KeyOrigin:
         """Where ``key``'s value came from (a default when the request does not say)."""
         return self.origins.get(key, DEFAULT_ORIGIN)
+
+    def spec_json(self) -> dict[str, Any]:
+        """plan.json's ``spec``: every resolved key that the plan's other fields do not hold, JSON-ready.
+        A field that does not apply is absent (``policy`` but for a policy schedule, ``input`` without a
+        model); a schedule-only plan's costs are ``unit``."""
+        out: dict[str, Any] = {"schedule": self.schedule}
+        if self.policy is not None:
+            out["policy"] = _policy_json(self.policy, self.pp)
+        if self.order is not None:
+            out["order"] = {"ranks": [" ".join(map(str, actions)) for actions in self.order]}
+        m = self.model
+        if m is not None:
+            out["input"] = [t.to_json() for t in m.inputs]
+            if m.targets:
+                out["targets"] = [t.to_json() for t in m.targets]
+            out["partition"] = m.partition.to_json()
+            out["trace"] = m.trace
+        out["costs"] = m.costs if m is not None else "unit"
+        out["device_memory"] = self.device_memory
+        return out | self.training.to_json()
+
+
+def _policy_json(policy: Policy, num_ranks: int) -> dict[str, Any]:
+    """A bound policy's settings; one that is a function of the rank as its value on each pp rank."""
+    return {f.name: [value(r) for r in range(num_ranks)] if callable(value := getattr(policy, f.name)) else value
+            for f in fields(policy)}

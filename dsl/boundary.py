@@ -18,14 +18,8 @@ from dataclasses import fields
 from typing import Any, Mapping
 
 from pipec.compiler.config import TrainingConfig
-from pipec.compiler.request import (
-    CompileRequest,
-    InputTensor,
-    KeyOrigin,
-    Location,
-    ModelSpec,
-    PartitionRequest,
-)
+from pipec.compiler.ir.plan import Mesh
+from pipec.compiler.request import CompileRequest, KeyOrigin, Location, ModelSpec, PartitionRequest
 from pipec.dsl.errors import DSLError, DSLWarning, Source
 from pipec.dsl.keys import KEYS
 from pipec.errors import Diagnostic, PipecError
@@ -72,36 +66,28 @@ def search_path(base_dir: str) -> tuple[str, ...]:
 
 
 def request_of(values: Mapping[str, Any], origins: Mapping[str, Any], *, policy, placement: tuple[int, ...],
-               spec_json: Mapping[str, Any], base_dir: str) -> CompileRequest:
-    """The compile request of resolved keys (``policy``: the bound Policy of a policy schedule)."""
+               base_dir: str) -> CompileRequest:
+    """The compile request of resolved keys (``policy``: the bound Policy of a policy schedule). The mesh
+    and the training config take their keys by field name, so a key of either needs no line here."""
     model = None
     if values["model"]:
         part = values["partition"]
         model = ModelSpec(
             target=values["model"],
             kwargs=dict(values["model_args"] or {}),
-            inputs=tuple(InputTensor(name=t.name, dtype=t.dtype, shape=tuple(t.shape)) for t in values["input"]),
+            inputs=values["input"],
             partition=PartitionRequest(method=part.method, by=part.by, split_before=tuple(part.split_before)),
             costs=values["costs"],
             trace=values["trace"],
-            recompute=frozenset(values["recompute"] or ()),
-            dtype=values["dtype"],
-            peak_flops=values["peak_flops"],
             search_path=search_path(base_dir),
-            init=values["init"],
-            targets=tuple(InputTensor(name=t.name, dtype=t.dtype, shape=tuple(t.shape))
-                          for t in values["targets"] or ()),
+            targets=values["targets"] or (),
         )
     order = values["order"]
     return CompileRequest(
         schedule=values["schedule"],
         policy=policy,
         order=order.ranks if order is not None else None,
-        pp=values["pp"],
-        dp=values["dp"],
-        shard=values["shard"],
-        shard_size=values["shard_size"],
-        devices_per_node=values["devices_per_node"],
+        mesh=Mesh(**{f.name: values[f.name] for f in fields(Mesh)}),
         num_chunks=values["virtual"],
         placement=placement,
         num_microbatches=values["microbatches"],
@@ -109,7 +95,6 @@ def request_of(values: Mapping[str, Any], origins: Mapping[str, Any], *, policy,
         model=model,
         device_memory=values["device_memory"],
         training=TrainingConfig(**{f.name: values[f.name] for f in fields(TrainingConfig)}),
-        spec=spec_json,
         origins={key: key_origin(o) for key, o in origins.items()},
     )
 

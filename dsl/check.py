@@ -20,19 +20,22 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Mapping
 
+from pipec.compiler.limits import MAX_MICROBATCHES, MAX_STAGES
+from pipec.compiler.request import check_batch
 from pipec.dsl import ast
 from pipec.dsl.ast import NO_SPAN, Span
 from pipec.dsl.boundary import request_of
 from pipec.dsl.errors import DSLError, DSLWarning, Source, did_you_mean
 from pipec.dsl.expr import ExprError, referenced_names
 from pipec.dsl.flags import Flags, read_flags
-from pipec.dsl.keys import KEYS
-from pipec.dsl.kinds import Ctx, to_json
+from pipec.dsl.keys import DERIVED, KEYS
+from pipec.dsl.kinds import Ctx
 from pipec.dsl.structured import DTYPES, OrderDraft
 from pipec.dsl.order import ORDER_NAMES, expand_block, read_csv, shape
 from pipec.dsl.parse import Parsed
 from pipec.dsl.spec import Origin, Spec, placement_ranks
 from pipec.dsl.values import OrderSpec
+from pipec.errors import PipecError
 from pipec.schedules import SCHEDULES
 from pipec.schedules.order import ScheduleError, loop_placement, v_placement
 
@@ -210,7 +213,7 @@ def _default_microbatches(st: _State) -> None:
     pp = st.values["pp"]
     batch = _input_batch(st)
     if batch is None:
-        st.default("microbatches", min(2 * pp, 65536), "2 x pp")
+        st.default("microbatches", min(2 * pp, MAX_MICROBATCHES), "2 x pp")
     else:
         best = max(d for d in range(1, min(2 * pp, batch) + 1) if batch % d == 0)
         st.default("microbatches", best, f"the largest divisor of the input batch {batch} up to 2 x pp")
@@ -243,8 +246,8 @@ def _mesh(st: _State) -> None:
             st.default("virtual", SCHEDULES[preset].default_chunks if preset in SCHEDULES else 1,
                        "the preset's" if preset else "1")
     v = st.values["virtual"]
-    if pp * v > 65536:
-        raise st.error("virtual", f"pp x virtual = {pp} x {v} = {pp * v} stages, beyond pipec's limit of 65536",
+    if pp * v > MAX_STAGES:
+        raise st.error("virtual", f"pp x virtual = {pp} x {v} = {pp * v} stages, beyond pipec's limit of {MAX_STAGES}",
                        fallback=("pp",))
     if st.given("stages") and st.values["stages"] != pp * v:
         raise st.error("stages", f"stages {st.values['stages']} must equal pp x virtual = {pp} x {v} = {pp * v}",
@@ -345,13 +348,15 @@ def _mesh_of_order(st: _State) -> None:
     st.values["order"] = OrderSpec("inline" if draft.block is not None else "csv", draft.path, ranks, expanded)
 
 
+def _defaults(st: _State) -> None:
+    """Every key still unset whose default is a value (not derived from other keys): the table's default."""
+    for key in KEYS.values():
+        if key.name not in st.values and key.default is not DERIVED:
+            st.default(key.name, key.default)
+
+
 def _model(st: _State) -> None:
     """The model's input, microbatches, costs, partition and recompute."""
-    for key in ("dp", "shard", "shard_size", "model", "model_args", "input", "targets", "partition", "trace", "init", "peak_flops",
-                "device_memory", "links", "devices_per_node", "steps", "seed", "optimizer", "lr", "lr_schedule", "grad_clip", "dtype",
-                "recompute", "data", "loss", "checkpoint_dir", "checkpoint_every"):
-        if key not in st.values:
-            st.default(key, KEYS[key].default)
     has_model = st.values["model"] is not None
     if has_model and not st.values["input"]:
         raise st.error("model", "a model needs an example input to be traced",
@@ -365,11 +370,11 @@ def _model(st: _State) -> None:
     if st.given("targets") and not isinstance(st.values["data"], str):
         raise st.error("targets", "data tokens(...) makes the targets (each row's next tokens); targets cannot "
                        "declare others", "leave targets out")
-    batch = _input_batch(st)
-    m = st.values["microbatches"]
-    if batch is not None and batch % m:
-        raise st.error("microbatches", f"microbatches {m} does not divide the input's batch of {batch}",
-                       "use one of " + ", ".join(map(str, _divisors(batch))), fallback=("input",))
+    if _input_batch(st) is not None:  # the inputs agree on it: the rule is the compiler's, located here
+        try:
+            check_batch(st.values["input"], st.values["microbatches"])
+        except PipecError as err:
+            raise st.error(err.key, str(err), *err.hints, fallback=("input",)) from None
     if not st.given("costs"):
         if not has_model:
             st.default("costs", "unit", "no model")
@@ -398,12 +403,6 @@ def _model(st: _State) -> None:
             if s >= stages:
                 raise st.item_error("recompute", i, f"stage {s} does not exist: there are {stages} stages",
                                     f"stages are 0..{stages - 1}")
-
-
-def _divisors(n: int, most: int = 12) -> list[int]:
-    """The smallest divisors of n (at most ``most``), in O(sqrt n)."""
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))[:most]
 
 
 def _policy(st: _State) -> None:
@@ -441,7 +440,7 @@ def _training(st: _State) -> None:
 
 
 RULES: tuple[Callable[[_State], None], ...] = (
-    _form, _mesh, _placement, _model, _policy, _training,
+    _form, _mesh, _placement, _defaults, _model, _policy, _training,
 )
 """The cross-key rules, in the order they run; each may fill in defaults the next ones read."""
 
@@ -463,8 +462,7 @@ def check(parsed: Parsed | None, overrides: Mapping[str, Any] | None = None, *, 
     origins = {k: st.origins[k] for k in KEYS}
     own = st.form == "named" and not st.given("placement")  # the named schedule places its own stages
     request = request_of(values, origins, policy=st.policy, placement=None if own else placement_ranks(
-                             values["placement"], values["pp"], values["stages"]),
-                         spec_json={key: to_json(value) for key, value in values.items()}, base_dir=base_dir)
+                             values["placement"], values["pp"], values["stages"]), base_dir=base_dir)
     return Spec(values=values, origins=origins, warnings=tuple(st.warnings), anchor=anchor, request=request)
 
 

@@ -17,6 +17,9 @@ from typing import Any
 
 from pipec.compiler.config import DEFAULTS as TRAINING
 from pipec.compiler.config import INITS, RUN_DTYPES, TOKEN_DTYPES
+from pipec.compiler.limits import (
+    MAX_DEVICES_PER_NODE, MAX_MICROBATCHES, MAX_RANKS, MAX_REPLICAS, MAX_SEED, MAX_STAGES, MAX_STEPS,
+)
 from pipec.compiler.ir.plan import SHARD_MODES
 from pipec.dsl import kinds as k
 from pipec.dsl import structured as sk
@@ -74,16 +77,16 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                     "on the v placement; interleaved_1f1b: at least 2 chunks). Not together with `policy` "
                     "or `order`.",
         example="schedule interleaved_1f1b"),
-    Key(name="pp", kind=k.Int(1, 4096, "pipeline ranks"), default=2, default_doc="2",
+    Key(name="pp", kind=k.Int(1, MAX_RANKS, "pipeline ranks"), default=2, default_doc="2",
         flag="--ranks", aliases=("--pp",), group="Schedule and mesh",
         meaning="Pipeline ranks P: the number of places in the pipeline.",
-        constraints="1..4096 (pipec's limit).",
+        constraints=f"1..{MAX_RANKS} (pipec's limit).",
         example="pp 4"),
-    Key(name="dp", kind=k.Int(1, 65536), default=1, default_doc="1",
+    Key(name="dp", kind=k.Int(1, MAX_REPLICAS), default=1, default_doc="1",
         flag="--dp", group="Schedule and mesh",
         meaning="Data-parallel replicas D of the whole pipeline. World size is pp x dp; global rank = "
                 "pp_rank x dp + dp_rank.",
-        constraints="1..65536.",
+        constraints=f"1..{MAX_REPLICAS}.",
         example="dp 2"),
     Key(name="shard", kind=k.Choice(SHARD_MODES), default="none", default_doc="none",
         flag="--shard", group="Schedule and mesh",
@@ -98,7 +101,7 @@ KEYS: dict[str, Key] = {key.name: key for key in (
         constraints="Needs dp >= 2. Shards are padded as FSDP2 pads them (dim 0 rounded up to a multiple "
                     "of the shard size). Shard groups are consecutive dp ranks.",
         example="shard full"),
-    Key(name="shard_size", kind=k.Maybe(k.Int(1, 65536)), default=None, default_doc="dp",
+    Key(name="shard_size", kind=k.Maybe(k.Int(1, MAX_REPLICAS)), default=None, default_doc="dp",
         flag="--shard-size", group="Schedule and mesh",
         meaning="Replicas that shard a stage's state among themselves. Below dp (HSDP, a 2-D dp mesh "
                 "replicate x shard) the state is sharded within groups of this many consecutive dp ranks "
@@ -106,17 +109,17 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                 "follows the reduce-scatter).",
         constraints="Divides dp; needs shard other than none.",
         example="shard_size 4"),
-    Key(name="virtual", kind=k.Int(1, 65536), default=DERIVED, default_doc="the schedule's chunks per rank "
+    Key(name="virtual", kind=k.Int(1, MAX_STAGES), default=DERIVED, default_doc="the schedule's chunks per rank "
         "(1; interleaved_1f1b, looped_bfs and zbv: 2)",
         flag="--virtual", group="Schedule and mesh",
         meaning="Chunks v per rank (virtual stages): each rank holds v of the S = pp x v stages.",
-        constraints="stages = pp x virtual <= 65536; gpipe, 1f1b and zb_h1 take 1, zbv exactly 2, "
+        constraints=f"stages = pp x virtual <= {MAX_STAGES}; gpipe, 1f1b and zb_h1 take 1, zbv exactly 2, "
                     "interleaved_1f1b and looped_bfs 2 or more.",
         example="virtual 2"),
-    Key(name="stages", kind=k.Int(1, 65536, "stages"), default=DERIVED,
+    Key(name="stages", kind=k.Int(1, MAX_STAGES, "stages"), default=DERIVED,
         default_doc="pp x virtual", flag="--stages", group="Schedule and mesh",
         meaning="Stages S the model is cut into. Give it or `virtual`, not necessarily both.",
-        constraints="A multiple of pp; must equal pp x virtual; 1..65536 (pipec's limit).",
+        constraints=f"A multiple of pp; must equal pp x virtual; 1..{MAX_STAGES} (pipec's limit).",
         example="stages 8"),
     Key(name="placement", kind=sk.PlacementKind(), default=DERIVED,
         default_doc="the schedule's (loop; zbv: v)", flag="--placement", group="Schedule and mesh",
@@ -126,11 +129,11 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                     "0..pp-1, every rank holding `virtual` stages. A named schedule needs its own "
                     "placement.",
         example="placement 0, 1, 1, 0"),
-    Key(name="microbatches", kind=k.Int(1, 65536, "microbatches"), default=DERIVED,
+    Key(name="microbatches", kind=k.Int(1, MAX_MICROBATCHES, "microbatches"), default=DERIVED,
         default_doc="2 x pp (with an input: the largest divisor of its batch up to 2 x pp)",
         flag="--microbatches", group="Schedule and mesh",
         meaning="Microbatches M per step; each input's batch (its first dimension) is split into M.",
-        constraints="1..65536 (pipec's limit); divides each input's batch; the schedule's rules "
+        constraints=f"1..{MAX_MICROBATCHES} (pipec's limit); divides each input's batch; the schedule's rules "
                     "(interleaved_1f1b: M divisible by max(1, M // P)). 1f1b with M < pp warns.",
         example="microbatches 8"),
     # ------------------------------------------------------------------ custom schedules
@@ -248,7 +251,7 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                     "in plan.json; on a cluster, measure them there with `torchrun ... -m pipec.runtime.linkprobe "
                     "-o links.json` and give its numbers here.",
         example="links pp(latency=5us, bandwidth=50GB/s), dp(latency=20us, bandwidth=12.5GB/s)"),
-    Key(name="devices_per_node", kind=k.Maybe(k.Int(1, 1 << 20, "devices per node")), default=None,
+    Key(name="devices_per_node", kind=k.Maybe(k.Int(1, MAX_DEVICES_PER_NODE, "devices per node")), default=None,
         default_doc="none (not said: the pp and dp links price every hop)",
         flag="--devices-per-node", group="Costs and hardware",
         meaning="Devices G per node: nodes hold G consecutive global ranks (global rank = pp_rank x dp + "
@@ -258,10 +261,10 @@ KEYS: dict[str, Key] = {key.name: key for key in (
         constraints="At least 1; divides the world size pp x dp, or is at least it (one node).",
         example="devices_per_node 8"),
     # ------------------------------------------------------------------ training
-    Key(name="steps", kind=k.Int(1, 10**9), default=TRAINING.steps, default_doc=str(TRAINING.steps), flag="--steps",
+    Key(name="steps", kind=k.Int(1, MAX_STEPS), default=TRAINING.steps, default_doc=str(TRAINING.steps), flag="--steps",
         group="Training", meaning="Optimizer steps a run takes (`pipec run --steps` overrides the plan's).",
         example="steps 100"),
-    Key(name="seed", kind=k.Int(0, 2**63 - 1), default=TRAINING.seed, default_doc=str(TRAINING.seed), flag="--seed",
+    Key(name="seed", kind=k.Int(0, MAX_SEED), default=TRAINING.seed, default_doc=str(TRAINING.seed), flag="--seed",
         group="Training", meaning="Seed of the initial weights and the synthetic data.",
         example="seed 1234"),
     Key(name="optimizer", kind=sk.OptimizerKind(),
@@ -324,7 +327,7 @@ KEYS: dict[str, Key] = {key.name: key for key in (
         flag="--checkpoint-dir", group="Training",
         meaning="Folder of the run's distributed checkpoints (torch.distributed.checkpoint).",
         example='checkpoint_dir "ckpt/run1"'),
-    Key(name="checkpoint_every", kind=k.Int(0, 10**9), default=TRAINING.checkpoint_every,
+    Key(name="checkpoint_every", kind=k.Int(0, MAX_STEPS), default=TRAINING.checkpoint_every,
         default_doc=f"{TRAINING.checkpoint_every} (off)",
         flag="--checkpoint-every", group="Training",
         meaning="Write a checkpoint every N steps; 0 writes none.",

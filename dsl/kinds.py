@@ -1,4 +1,4 @@
-"""Value kinds: what a key accepts, how its value is written, checked and recorded.
+"""Value kinds: what a key accepts, how its value is written and checked.
 
 This module holds the scalar kinds (numbers, quantities with units, names,
 strings, targets) and the helpers every kind uses; the structured ones
@@ -7,8 +7,7 @@ Each key of the table (:mod:`pipec.dsl.keys`) has one kind. A kind turns a
 syntax-tree value into the key's typed value (raising a located error at the
 offending part), prints a typed value back as schedule-file text
 (``show``, used for defaults in the reference page and for flags given as
-Python values), and records it in plan.json (``to_json``). Cross-key rules
-live in :mod:`pipec.dsl.check`.
+Python values). Cross-key rules live in :mod:`pipec.dsl.check`.
 """
 
 from __future__ import annotations
@@ -22,11 +21,11 @@ from typing import Any, Mapping
 from pipec.dsl import ast
 from pipec.dsl.errors import DSLError, Source, did_you_mean
 from pipec.dsl.fmt import value_text
-from pipec.dsl.values import literal_json, literal_text
+from pipec.dsl.values import literal_text
 
 __all__ = [
     "Ctx", "Kind", "Int", "Real", "Unit", "Choice", "Maybe", "Text", "Target", "SIZE", "DURATION",
-    "BANDWIDTH", "FLOP_RATE", "UNIT_KINDS", "literal", "to_json", "settings_of", "unknown_setting", "number_of", "got",
+    "BANDWIDTH", "FLOP_RATE", "UNIT_KINDS", "literal", "settings_of", "unknown_setting", "number_of", "got",
 ]
 
 
@@ -63,17 +62,6 @@ def number_of(node: ast.Node, ctx: Ctx) -> int | float | None:
     if isinstance(node.value, float) and not math.isfinite(node.value):
         raise ctx.error(node, f"number {node.text} is out of range")
     return sign * node.value
-
-
-def to_json(value: Any) -> Any:
-    """A typed value as JSON (dataclasses know their own form)."""
-    if hasattr(value, "to_json"):
-        return value.to_json()
-    if isinstance(value, Mapping):
-        return {k: literal_json(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return [to_json(v) for v in value]
-    return value
 
 
 class Kind:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from pipec.compiler.limits import MAX_INSTRUCTIONS, MAX_MICROBATCHES, MAX_RANKS, MAX_STAGES
 from pipec.dsl import ast
 from pipec.dsl.ast import Span
 from pipec.dsl.errors import DSLError, Source
@@ -38,11 +39,11 @@ from pipec.schedules.torch_csv import COMPUTE_TYPES, CellError, parse_cell
 
 __all__ = ["MAX_ACTIONS", "ORDER_NAMES", "Expanded", "expand_block", "read_csv", "shape"]
 
-MAX_ACTIONS = 5_000_000
-"""Most actions (and loop iterations) an order may expand to: DESIGN's instruction limit."""
+MAX_ACTIONS = MAX_INSTRUCTIONS
+"""Most actions (and loop iterations) an order may expand to: pipec's instruction limit."""
 
-MAX_INDEX = 65535
-"""Largest stage or microbatch index (DESIGN's limits S, M <= 65536)."""
+MAX_INDEX = min(MAX_STAGES, MAX_MICROBATCHES) - 1
+"""Largest stage or microbatch index (pipec's limits on S and M)."""
 
 MAX_CSV_BYTES = 64 * 2**20
 
@@ -253,8 +254,8 @@ def _expand(block: ast.OrderBlock, env: dict[str, int], source: Source) -> Expan
                 first_at = out.clauses[rank]
                 raise source.error(clause.span, f"rank {rank} is given twice",
                                    f"its first clause is at line {first_at.line}")
-            if rank > 4095:
-                raise source.error(clause.span, f"rank {rank} is beyond pipec's limit of 4096 pipeline ranks")
+            if rank >= MAX_RANKS:
+                raise source.error(clause.span, f"rank {rank} is beyond pipec's limit of {MAX_RANKS} pipeline ranks")
             acts: list[Action] = []
             spans: list[Span] = []
 
@@ -331,8 +332,8 @@ def read_csv(path: str, base_dir: str, node: ast.Node, source: Source) -> Expand
             budget.take(1, span, csv_source)
             acts.append(Action(_KINDS[kind], stage, mb))
             spans.append(span)
-        if row > 4095:
-            raise csv_source.error(Span(row + 1, 1, row + 1, 2), "more than 4096 rows (ranks), pipec's limit")
+        if row >= MAX_RANKS:
+            raise csv_source.error(Span(row + 1, 1, row + 1, 2), f"more than {MAX_RANKS} rows (ranks), pipec's limit")
         out.actions[row], out.spans[row] = acts, spans
         out.clauses[row] = Span(row + 1, 1, row + 1, max(2, len(line) + 1))
     return out

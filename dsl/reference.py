@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 
+from pipec.compiler.limits import MAX_MICROBATCHES, MAX_RANKS, MAX_STAGES
 from pipec.dsl import kinds as k
 from pipec.dsl.errors import DSLError
 from pipec.dsl.keys import GROUPS, KEYS
@@ -211,8 +212,8 @@ are legal but wasteful (1f1b with fewer microbatches than ranks, a predicted
 bubble above 50%) are warnings, in the same format. `pipec check` and
 `pipec compile` exit with status 2 on an error.
 
-Limits (refused with an error before any work): pp <= 4096, stages <= 65536,
-microbatches <= 65536, an order of at most {max_actions:,} actions, values
+Limits (refused with an error before any work): pp <= {max_ranks}, stages <= {max_stages},
+microbatches <= {max_microbatches}, an order of at most {max_actions:,} actions, values
 nested at most {max_depth} deep.
 """
 
@@ -342,7 +343,8 @@ needs, the state's size and the devices it needs at least.
 def reference() -> str:
     """The whole reference page (Markdown)."""
     policy = _POLICY.format(presets=", ".join(f"`{p}`" for p in PRESETS), max_actions=MAX_ACTIONS)
-    errors = _ERRORS.format(samples=_samples(), max_actions=MAX_ACTIONS, max_depth=MAX_DEPTH)
+    errors = _ERRORS.format(samples=_samples(), max_actions=MAX_ACTIONS, max_depth=MAX_DEPTH, max_ranks=MAX_RANKS,
+                            max_stages=MAX_STAGES, max_microbatches=MAX_MICROBATCHES)
     text = "\n".join([_INTRO, _FLAGS, _schedules(), policy, _units(), _keys(), _TUNE, errors])
     while "\n\n\n" in text:
         text = text.replace("\n\n\n", "\n\n")

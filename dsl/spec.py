@@ -106,8 +106,9 @@ class Spec:
         return placement_ranks(self.values["placement"], self.values["pp"], self.values["stages"])
 
     def to_json(self) -> dict[str, Any]:
-        """plan.json's ``spec``: every key's resolved value, JSON-ready (as the request carries it)."""
-        return dict(self.request.spec)
+        """plan.json's ``spec``, JSON-ready: the request's keys that the plan's other fields do not hold
+        (:meth:`~pipec.compiler.request.CompileRequest.spec_json`)."""
+        return self.request.spec_json()
 
     # --- the compiler's side
 

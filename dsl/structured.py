@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from pipec.compiler.config import LR_SCHEDULES, OPTIMIZER_SETTINGS, TOKEN_DTYPES, TokenData
 from pipec.compiler.ir.plan import Link
+from pipec.compiler.limits import MAX_DIM, MAX_STAGES, MAX_STEPS
 from pipec.dsl import ast
 from pipec.dsl.errors import did_you_mean
 from pipec.dsl.expr import ExprError, compile_int
@@ -100,8 +101,8 @@ class Tensors(Kind):
             dims = []
             for d in t.items:
                 v = number_of(d, ctx)
-                if not isinstance(v, int) or not 1 <= v <= 2**31:
-                    raise ctx.error(d, f"a dimension must be a whole number in 1..{2**31}, got {got(d)}")
+                if not isinstance(v, int) or not 1 <= v <= MAX_DIM:
+                    raise ctx.error(d, f"a dimension must be a whole number in 1..{MAX_DIM}, got {got(d)}")
                 dims.append(v)
             if item.name.name in names:
                 raise ctx.error(item.name, f"{ctx.key} '{item.name.name}' is given twice")
@@ -172,8 +173,8 @@ class PlacementKind(Kind):
             if not isinstance(v, int) or v < 0:
                 raise ctx.error(item, f"a placement entry is a pp rank (a whole number >= 0), got {got(item)}")
             ranks.append(v)
-        if len(ranks) > 65536:
-            raise ctx.error(node, f"placement lists {len(ranks)} stages, beyond pipec's limit of 65536")
+        if len(ranks) > MAX_STAGES:
+            raise ctx.error(node, f"placement lists {len(ranks)} stages, beyond pipec's limit of {MAX_STAGES}")
         return tuple(ranks)
 
     def show(self, value: Any) -> str:
@@ -280,7 +281,7 @@ class LRScheduleKind(Kind):
         known = ["warmup"] + (["min_lr"] if name_node.name != "constant" else [])
         for kw in settings_of(node, ctx, name_node.name) if isinstance(node, ast.Call) else ():
             if kw.name.name == "warmup":
-                warmup = Int(0, 10**9).convert(kw.value, Ctx("warmup", ctx.source))
+                warmup = Int(0, MAX_STEPS).convert(kw.value, Ctx("warmup", ctx.source))
             elif kw.name.name == "min_lr" and "min_lr" in known:
                 min_lr = _NONNEG.convert(kw.value, Ctx("min_lr", ctx.source))
             else:

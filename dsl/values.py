@@ -1,11 +1,13 @@
 """The typed values of structured keys, as a :class:`~pipec.dsl.Spec` holds them.
 
 Plain keys resolve to ints, floats, strings, bools, None or tuples; the keys
-below resolve to these small frozen dataclasses. Each has ``to_json()``
-(what plan.json's ``spec`` records) and ``text()`` (the schedule-file syntax
-that writes it). ``optimizer`` and ``lr_schedule`` resolve to the training
-config's own types (:mod:`pipec.compiler.config`, which the runtime reads
-too); their kinds (:mod:`pipec.dsl.structured`) write their text.
+below resolve to these small frozen dataclasses, each with ``text()`` (the
+schedule-file syntax that writes it). ``input`` and ``targets`` resolve to
+the compiler's :class:`~pipec.compiler.request.TensorSpec`, ``optimizer`` and
+``lr_schedule`` to the training config's own types (:mod:`pipec.compiler.config`,
+which the runtime reads too; their kinds, :mod:`pipec.dsl.structured`, write
+their text). plan.json's ``spec`` is written from the compile request, not
+from these (:meth:`~pipec.compiler.request.CompileRequest.spec_json`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, Mapping
 
 from pipec.compiler.config import LRSchedule, Optimizer  # the training config owns them
 from pipec.compiler.ir.plan import Link
+from pipec.compiler.request import TensorSpec  # the compiler's: one type from the language to the front end
 from pipec.dsl.expr import ExprError, IntExpr
 from pipec.schedules.order import Action
 
@@ -28,7 +31,6 @@ __all__ = [
     "OrderSpec",
     "PerRank",
     "literal_text",
-    "literal_json",
 ]
 
 
@@ -43,28 +45,6 @@ def literal_text(value: Any) -> str:
     if isinstance(value, tuple):
         return "(" + ", ".join(literal_text(v) for v in value) + ")"
     return repr(value) if isinstance(value, float) else str(value)
-
-
-def literal_json(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return [literal_json(v) for v in value]
-    return value
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """One example input: ``tokens: int64[16, 128]`` (one dp replica's batch;
-    the first dimension is the batch and is split into microbatches)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    def text(self) -> str:
-        return f"{self.name}: {self.dtype}[{', '.join(map(str, self.shape))}]"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,13 +66,6 @@ class Partition:
         if self.method == "balanced":
             return f"balanced(by={self.by})"
         return self.method
-
-    def to_json(self) -> dict[str, Any]:
-        if self.method == "split":
-            return {"method": "split", "split_before": list(self.split_before)}
-        if self.method == "balanced":
-            return {"method": "balanced", "by": self.by}
-        return {"method": self.method}
 
 
 def _seconds_text(s: float) -> str:
@@ -126,10 +99,6 @@ class Links:
             f"{axis}(latency={_seconds_text(link.latency_s)}, bandwidth={_rate_text(link.bandwidth_Bps)})"
             for axis, link in self.as_dict().items()
         )
-
-    def to_json(self) -> dict[str, Any]:
-        return {axis: {"latency_s": link.latency_s, "bandwidth_Bps": link.bandwidth_Bps}
-                for axis, link in self.as_dict().items()}
 
     def as_dict(self) -> dict[str, Link]:
         """Every axis given, in order: pp, dp, then intra and inter when set."""
@@ -173,12 +142,6 @@ class PolicySpec:
         if self.preset:
             return f"{self.preset}({inner})" if inner else self.preset
         return f"({inner})"
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"preset": self.preset}
-        for k, v in self.settings:
-            out[k] = _setting_text(v) if isinstance(v, IntExpr) else v
-        return out
 
 
 def _setting_text(value: Any) -> str:
@@ -231,9 +194,3 @@ class OrderSpec:
             return '"' + (self.path or "") + '"'
         return "\n".join(f"  rank {r}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.ranks))
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "form": self.form,
-            **({"path": self.path} if self.path else {}),
-            "ranks": [" ".join(map(str, acts)) for acts in self.ranks],
-        }

@@ -54,7 +54,7 @@ def _report(diagnostics) -> None:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from pipec.compiler.driver import compile_spec
-    from pipec.compiler.ir.plan import write_plan
+    from pipec.compiler.ir.plan_json import write_plan
     from pipec.views.terminal import format_time
 
     compiled = compile_spec(_spec(args))
@@ -86,7 +86,7 @@ def _links_line(plan) -> str | None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     if args.file.endswith(".json"):
-        from pipec.compiler.ir.plan import read_plan
+        from pipec.compiler.ir.plan_json import read_plan
         from pipec.compiler.passes.verify import verify
 
         plan = read_plan(args.file)
@@ -157,7 +157,7 @@ def _load_measured(path: str):
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from pipec.compiler.ir.plan import read_plan
+    from pipec.compiler.ir.plan_json import read_plan
 
     plan = read_plan(args.file)
     if args.text:
@@ -210,15 +210,15 @@ def _check_flag(check, *args) -> None:
 
 def cmd_import(args: argparse.Namespace) -> int:
     from pipec.compiler.driver import compile_plan, prove_and_predict
-    from pipec.compiler.ir.plan import Mesh, Plan, Stage, check_shard, write_plan
+    from pipec.compiler.ir.plan import Mesh, Plan, Stage, check_shard
+    from pipec.compiler.ir.plan_json import write_plan
     from pipec.compiler.ir.torch_csv import read_torch_csv
+    from pipec.compiler.request import CompileRequest
 
     sched = read_torch_csv(args.file)
     mesh = Mesh(pp=sched.num_ranks, dp=args.dp, shard=args.shard, shard_size=args.shard_size)
     _check_flag(check_shard, mesh)
-    spec = {"pp": sched.num_ranks, "dp": args.dp, "microbatches": sched.num_microbatches, "order": args.file,
-            "shard": args.shard, "shard_size": args.shard_size}
-    if sched.kind == "compute_comms":
+    if sched.kind == "compute_comms":  # the program as given: no compute order to lower
         plan = Plan(
             mesh=mesh,
             num_stages=sched.num_stages,
@@ -226,13 +226,12 @@ def cmd_import(args: argparse.Namespace) -> int:
             placement=sched.placement,
             program=sched.to_program(mesh=mesh),
             stages=tuple(Stage(stage=s, rank=r) for s, r in enumerate(sched.placement)),  # edges: the chain
-            spec=spec,
+            spec=CompileRequest(schedule="order", mesh=mesh, num_microbatches=sched.num_microbatches).spec_json(),
         )
         plan = prove_and_predict(plan)
     else:
         plan = compile_plan(num_ranks=sched.num_ranks, num_microbatches=sched.num_microbatches,
-                            order=sched.to_order(), dp=args.dp, shard=args.shard, shard_size=args.shard_size,
-                            spec=spec).plan
+                            order=sched.to_order(), dp=args.dp, shard=args.shard, shard_size=args.shard_size).plan
     write_plan(plan, args.output)
     print(f"wrote {args.output}: {sched.kind.replace('_', '-')} torch schedule, {sched.num_ranks} ranks, "
           f"{sched.num_stages} stages, {sched.num_microbatches} microbatches; verified, predicted bubble "
@@ -241,14 +240,14 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from pipec.compiler.ir.plan import read_plan
+    from pipec.compiler.ir.plan_json import read_plan
     from pipec.compiler.ir.torch_csv import write_torch_csv
     from pipec.compiler.passes.verify import verify
 
     plan = read_plan(args.file)
     verify(plan)  # never hand on a plan that fails its proofs
     write_torch_csv(plan.program, args.torch_csv, form=args.form)
-    print(f"wrote {args.torch_csv} ({args.form.replace('_', '+')} form)")
+    print(f"wrote {args.torch_csv} ({'compute-only' if args.form == 'compute_only' else 'compute+comms'} form)")
     return 0
 
 
@@ -264,7 +263,7 @@ def cmd_export_checkpoint(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Launch the plan's ranks with torch's own launcher (torchrun), after proving the plan here."""
-    from pipec.compiler.ir.plan import read_plan
+    from pipec.compiler.ir.plan_json import read_plan
     from pipec.compiler.passes.verify import verify
     from pipec.runtime.launch import RENDEZVOUS_FLAGS, LaunchError, RunOptions, start_ranks
 
@@ -287,7 +286,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     """Search layouts, schedules, microbatches, partitions and recompute; write the best plan."""
     import json
 
-    from pipec.compiler.ir.plan import check_node_size, write_plan
+    from pipec.compiler.ir.plan import check_node_size
+    from pipec.compiler.ir.plan_json import write_plan
     from pipec.tune.search import tune
     from pipec.tune.space import TuneRequest
     from pipec.tune.report import frontier_table, pipe_lines, result_json, table, why
@@ -318,7 +318,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             result, notes = measure(result, args.measure, workdir=args.measure_dir, steps=args.measure_steps,
                                     progress=progress)
     write_plan(result.best.plan, args.output)
-    lines = pipe_lines(result.best.candidate, result.best.plan.spec)
+    lines = pipe_lines(result.best.candidate, result.best.plan)
     pipe = _tuned_pipe(args.file, lines)
     if args.pipe:
         with open(args.pipe, "w", encoding="utf-8") as f:
@@ -378,6 +378,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     from pipec.dsl.cli import add_flags
+    from pipec.dsl.keys import KEYS
 
     c = sub.add_parser("compile", help="compile a schedule file and/or flags into a verified plan.json")
     c.add_argument("file", nargs="?", help="a schedule file (.pipe); optional: flags alone make a spec")
@@ -411,7 +412,7 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("file")
     i.add_argument("-o", "--output", default="plan.json")
     i.add_argument("--dp", type=int, default=1, help="data-parallel replicas (REDUCE_GRAD becomes AR:dp)")
-    i.add_argument("--shard", default="none", choices=("none", "optimizer", "grads", "full"),
+    i.add_argument("--shard", default=KEYS["shard"].default, choices=KEYS["shard"].kind.options,
                    help="the replicas' sharding: with grads or full, UNSHARD/RESHARD/REDUCE_GRAD become UN/RE/RS")
     i.add_argument("--shard-size", type=int, help="replicas that shard among themselves (default dp)")
     i.set_defaults(func=cmd_import)

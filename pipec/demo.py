@@ -68,7 +68,7 @@ def _run(cmd: list[str], timeout: float) -> int:
 
 def run_gpt(console: Console, out: str, steps: int, timeout: float) -> list[tuple]:
     from pipec.compiler.driver import compile_spec
-    from pipec.compiler.ir.plan import write_plan
+    from pipec.compiler.ir.plan_json import write_plan
     from pipec.views.terminal import render_image, render_terminal
     from pipec.compiler.ir.timeline import Timeline
     from pipec.dsl import load_spec

@@ -285,7 +285,7 @@ def run(args: argparse.Namespace, env: Env) -> int:
     import torch.distributed as dist
 
     from pipec.compiler.config import TrainingConfig
-    from pipec.compiler.ir.plan import read_plan
+    from pipec.compiler.ir.plan_json import read_plan
     from pipec.compiler.passes.verify import verify
     from pipec.runtime.executor import RunError
     from pipec.runtime.trainer import Trainer

@@ -21,7 +21,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from pipec.compiler.ir.plan import read_plan
+from pipec.compiler.ir.plan_json import read_plan
 from pipec.runtime.stages import build_reference
 from pipec.compiler.passes.verify import verify
 from pipec.compiler.config import TrainingConfig

@@ -63,7 +63,7 @@ CASES = (
 def byom_plans(tmp_path_factory):
     """Every case compiled here, in one process: name -> (plan path, compile seconds)."""
     from pipec.compiler.driver import compile_spec
-    from pipec.compiler.ir.plan import write_plan
+    from pipec.compiler.ir.plan_json import write_plan
     from pipec.dsl import load_spec
 
     folder = tmp_path_factory.mktemp("byom")
@@ -182,7 +182,7 @@ def test_a_model_file_beside_its_schedule_file_needs_no_pythonpath(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_model_plan_with_unit_costs_says_units_everywhere(tmp_path):
     from pipec.compiler.driver import compile_plan
-    from pipec.compiler.ir.plan import read_plan
+    from pipec.compiler.ir.plan_json import read_plan
 
     gpt = ["--model", "pipec.examples.gpt:build", "--model-arg", "layers=2", "--model-arg", "dim=16",
            "--model-arg", "vocab=32", "--model-arg", "seq=8", "--input", "tokens: int64[8, 8]"]

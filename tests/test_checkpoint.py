@@ -31,7 +31,7 @@ from conftest import PYTHON, run_in_session
 
 from pipec.compiler.config import TrainingConfig
 from pipec.compiler.driver import compile_spec
-from pipec.compiler.ir.plan import write_plan
+from pipec.compiler.ir.plan_json import write_plan
 from pipec.runtime.stages import build_reference, build_stages, run_stages
 from pipec.dsl import load_spec
 from pipec.runtime.checkpoint import CheckpointError, Checkpointer, list_checkpoints, read_manifest, validate

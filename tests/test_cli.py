@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pipec.compiler.ir.plan import read_plan
+from pipec.compiler.ir.plan_json import read_plan
 
 
 def test_compile_check_show(cli, tmp_path):

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from pipec.compiler.driver import compile_plan
-from pipec.compiler.ir.plan import write_plan
+from pipec.compiler.ir.plan_json import write_plan
 from pipec.compiler.sim.simulate import emulated_costs, simulate_costs
 
 UNIT_TIME = 0.002
@@ -91,7 +91,7 @@ def test_show_draws_the_reports_resimulation_beside_the_measured(emulated, monke
 
 
 def test_a_report_without_a_resimulation_is_drawn_beside_the_plans_prediction(emulated, monkeypatch, capsys):
-    from pipec.compiler.ir.plan import read_plan
+    from pipec.compiler.ir.plan_json import read_plan
 
     plan, _, plain, _ = emulated
     drawn, out = _shown(monkeypatch, capsys, plan, "--measured", plain)

@@ -13,7 +13,7 @@ import pytest
 from pipec.compiler.driver import compile_plan
 from pipec.compiler.sim.engine import execute
 from pipec.compiler.ir.program import parse_program
-from pipec.compiler.ir.plan import read_plan, write_plan
+from pipec.compiler.ir.plan_json import read_plan, write_plan
 from pipec.compiler.sim.simulate import chain_edges, plan_costs
 from pipec.schedules import SCHEDULES, ScheduleError, check_rules
 

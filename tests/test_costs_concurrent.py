@@ -7,12 +7,12 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from pipec.compiler.frontend import InputSpec, ModelRequest, build_stage_graph
+from pipec.compiler.frontend import TensorSpec, ModelRequest, build_stage_graph
 from pipec.compiler.frontend import costs
 from pipec.compiler.frontend.tensors import FrontendError
 from pipec.compiler.ir.plan import Cost
 
-X = InputSpec("x", "float32", (8, 16))
+X = TensorSpec("x", "float32", (8, 16))
 
 
 def _mlp(local_ranks: int, stages: int = 2) -> ModelRequest:
@@ -70,11 +70,11 @@ def _least(runner, n=3):
 def test_the_split_backward_is_timed_as_the_runs_zero_bubble_stages_run_it():
     # fc's weight grad waits in the stash for the weight half; the input half still finds its grads, so a
     # stage fed by tokens splits too
-    tokens = InputSpec("tokens", "int64", (64, 16))
+    tokens = TensorSpec("tokens", "int64", (64, 16))
     f, bwd_i, bwd, optim, bwd_w = _least(costs._stage_runner(_Head(), [tokens], [-1], None))
     assert min(f, bwd_i, bwd, optim, bwd_w) > 0
     mlp = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(4)))
-    x = InputSpec("x", "float32", (256, 512))
+    x = TensorSpec("x", "float32", (256, 512))
     _, bwd_i, bwd, _, bwd_w = _least(costs._stage_runner(mlp, [x], [0], None))
     assert 0.2 * bwd < bwd_w < bwd and 0.2 * bwd < bwd_i < bwd  # the matmuls split about evenly
     assert costs._cost((1.0, 0.5, 1.2, 0.1, 0.9)) == Cost(fwd=1.0, bwd=1.2, bwd_i=0.5, bwd_w=0.9, optim=0.1)

@@ -19,16 +19,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipec.compiler.frontend as frontend
-from pipec.compiler.frontend import Balanced, FrontendError, InputSpec, Markers, ModelRequest, SplitBefore, cut_stage_graph, trace_request
+from pipec.compiler.frontend import Balanced, FrontendError, TensorSpec, Markers, ModelRequest, SplitBefore, cut_stage_graph, trace_request
 from pipec.compiler.frontend.costs import stage_costs
 from pipec.compiler.frontend.cutcost import cost_split, cut_costs
 from pipec.compiler.frontend.partition import split_graph
 from pipec.compiler.frontend.trace import pipe_split
 
-GPT = ("pipec.examples.gpt:build", dict(layers=3, dim=16, heads=2, vocab=32, seq=8), (InputSpec("tokens", "int64", (4, 8)),))
-MLP = ("pipec.examples.mlp:build", dict(layers=4, dim=8), (InputSpec("x", "float32", (4, 8)),))
-SKIP = ("pipec.examples.skip:build", dict(layers=6, dim=8, skip_from=0, skip_to=4), (InputSpec("x", "float32", (4, 8)),))
-TWO = (InputSpec("x", "float32", (4, 8)), InputSpec("y", "float32", (4, 8)))
+GPT = ("pipec.examples.gpt:build", dict(layers=3, dim=16, heads=2, vocab=32, seq=8), (TensorSpec("tokens", "int64", (4, 8)),))
+MLP = ("pipec.examples.mlp:build", dict(layers=4, dim=8), (TensorSpec("x", "float32", (4, 8)),))
+SKIP = ("pipec.examples.skip:build", dict(layers=6, dim=8, skip_from=0, skip_to=4), (TensorSpec("x", "float32", (4, 8)),))
+TWO = (TensorSpec("x", "float32", (4, 8)), TensorSpec("y", "float32", (4, 8)))
 
 
 class Odd(nn.Module):
@@ -223,7 +223,7 @@ device_memory 1MB
 def test_tune_gives_the_same_result_with_cost_only_cuts_and_without(tmp_path, monkeypatch):
     from pipec.tune import search as tune_mod
     from pipec.tune.space import TuneRequest
-    from pipec.compiler.ir.plan import plan_to_json
+    from pipec.compiler.ir.plan_json import plan_to_json
     from pipec.dsl import load_spec
 
     path = tmp_path / "small.pipe"

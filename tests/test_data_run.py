@@ -20,7 +20,7 @@ import pytest
 
 from pipec.compiler.config import TokenData, TrainingConfig
 from pipec.compiler.driver import compile_spec
-from pipec.compiler.ir.plan import write_plan
+from pipec.compiler.ir.plan_json import write_plan
 from pipec.dsl import load_spec
 from pipec.errors import PipecError
 from pipec.runtime.checkpoint import list_checkpoints

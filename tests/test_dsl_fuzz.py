@@ -10,6 +10,7 @@ refused at once.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -97,7 +98,8 @@ def test_mutated_examples(case: tuple[Path, str]) -> None:
     path, text = case
     result = answer(text, filename=str(path))
     if isinstance(result, Spec):  # a mutation that stays valid must still format and round-trip
-        assert parse_spec(format_file(text), filename=str(path)).to_json() == result.to_json()
+        again = parse_spec(format_file(text), filename=str(path)).request
+        assert replace(again, origins={}) == replace(result.request, origins={})  # every value, not where it was
 
 
 @pytest.mark.parametrize("text", [

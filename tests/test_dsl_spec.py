@@ -20,6 +20,7 @@ from pipec.dsl import (
     parse_spec,
 )
 from pipec.compiler.driver import compile_spec, schedule_order
+from pipec.compiler.ir.plan_json import ELSEWHERE
 from pipec.errors import Diagnostic, PipecError
 from pipec.schedules import build_order
 from pipec.schedules.order import Action, Kind
@@ -99,11 +100,14 @@ def test_every_key_is_writable() -> None:
         "mypkg.data:batches", "mse", "ckpt/run1", 50)
     assert spec.source("model_args") == "sink.pipe:1:46"  # its arguments, written with the model
     as_json = spec.to_json()
-    assert set(as_json) == set(KEYS)
+    # each key has one home in plan.json: spec, or the plan field ELSEWHERE names (a named schedule has no
+    # policy and no order; targets not given are derived from the model)
+    assert set(as_json) == set(KEYS) - set(ELSEWHERE) - {"policy", "order", "targets"}
     assert json.loads(json.dumps(as_json)) == as_json
     assert as_json["optimizer"] == {"name": "sgd", "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.0,
                                     "nesterov": True}
-    assert as_json["links"]["dp"] == {"latency_s": 2e-3, "bandwidth_Bps": 12.5e9}
+    assert spec.request.links["dp"] == Link(latency_s=2e-3, bandwidth_Bps=12.5e9)
+    assert (spec.request.mesh.pp, spec.request.mesh.dp, spec.request.num_stages) == (4, 2, 8)
 
 
 @pytest.mark.parametrize(("text", "key", "value"), [
@@ -223,19 +227,18 @@ def test_policy_expression_is_torch_interleaved_warmup() -> None:
                       "policy (warmup=min((chunks - 1) * (M // max(1, M // P)) + 2 * (P - 1 - rank), chunks * M), "
                       "priority=forward)\n")
     assert order_of(spec) == build_order("interleaved_1f1b", num_ranks=4, num_microbatches=8, num_chunks=2)
-    assert spec.to_json()["policy"]["warmup"] == \
-        "min((chunks - 1) * (M // max(1, M // P)) + 2 * (P - 1 - rank), chunks * M)"
+    assert spec.to_json()["policy"]["warmup"] == [10, 8, 6, 4]  # the expression's value on each rank
+    assert spec.to_json()["policy"]["priority"] == "forward"
 
 
 def test_policy_that_cannot_run_is_located_at_the_policy() -> None:
-    spec = parse_spec("pp 4 microbatches 8\npolicy (warmup=max(1, 3 - rank), priority=forward)\n",
-                      filename="p.pipe")
-    try:
-        plan = compile_spec(spec).plan
-    except DSLError as err:
-        assert err.line == 2 and "policy" in err.message
-    else:
-        assert plan.prediction is not None
+    # rank 0 warms up 0 forwards, rank 1 all 4: rank 0 waits in B0.0 for rank 1's backward, rank 1 in F1.1 for
+    # rank 0's next forward; the driver finds the order cannot complete and the boundary points at the policy
+    spec = parse_spec("pp 2 microbatches 4\npolicy (warmup=4 * rank, priority=forward)\n", filename="p.pipe")
+    with pytest.raises(DSLError, match=r"policy cannot make progress with P=2, M=4, v=1") as info:
+        compile_spec(spec)
+    assert (info.value.line, info.value.col) == (2, 8)
+    assert "rank 0: action 1 (B0.0) waits for backward" in info.value.message
 
 
 def test_policy_warmup_is_checked_on_every_rank() -> None:
@@ -286,8 +289,7 @@ def test_csv_order(tmp_path) -> None:
     (tmp_path / "s.pipe").write_text('order "o.csv"\n')
     spec = load_spec(str(tmp_path / "s.pipe"))
     assert order_of(spec).text() == "0: F0.0 F0.1 B0.0 B0.1\n1: F1.0 B1.0 F1.1 B1.1"
-    assert spec.to_json()["order"] == {"form": "csv", "path": "o.csv",
-                                       "ranks": ["F0.0 F0.1 B0.0 B0.1", "F1.0 B1.0 F1.1 B1.1"]}
+    assert spec.to_json()["order"] == {"ranks": ["F0.0 F0.1 B0.0 B0.1", "F1.0 B1.0 F1.1 B1.1"]}
     (tmp_path / "o.csv").write_text("0F0,0SEND_F0,0B0\n1F0,1B0\n")
     with pytest.raises(DSLError) as info:
         load_spec(str(tmp_path / "s.pipe"))

@@ -8,10 +8,12 @@ import threading
 
 import pytest
 
+from pipec.compiler.config import TrainingConfig
 from pipec.compiler.driver import compile_plan
 from pipec.compiler.sim.cost import CostModel
 from pipec.compiler.sim.engine import BUFFERED, execute
-from pipec.compiler.ir.plan import Link, Measured, Overhead, load_plan, plan_to_json, read_plan, write_plan
+from pipec.compiler.ir.plan import Link, Measured, Overhead
+from pipec.compiler.ir.plan_json import load_plan, plan_to_json, read_plan, write_plan
 from pipec.compiler.sim.simulate import emulated_costs, plan_costs, simulate, simulate_costs
 from pipec.schedules.timing import Cost
 
@@ -251,10 +253,11 @@ def test_opt_holds_the_grad_norm_collective_only_when_the_plan_clips():
     """The runtime runs OPT's grad-norm all-reduce only when grad_clip is set: plan_costs follows the plan's spec,
     and so does its prediction (rank 1 waits in OPT from 4 to 6 only when clipping)."""
     plain = _gpipe_2x1()
-    clipped = compile_plan(num_ranks=2, num_microbatches=1, schedule="gpipe", spec={"grad_clip": 1.0}).plan
+    clipped = compile_plan(num_ranks=2, num_microbatches=1, schedule="gpipe",
+                           training=TrainingConfig(grad_clip=1.0)).plan
     assert not plan_costs(plain).grad_norm and plan_costs(clipped).grad_norm
     assert not plan_costs(compile_plan(num_ranks=2, num_microbatches=1, schedule="gpipe",
-                                       spec={"grad_clip": None}).plan).grad_norm
+                                       training=TrainingConfig(grad_clip=None)).plan).grad_norm
     ends = {name: [(e.op, e.start, e.end) for e in p.prediction.events if e.rank == 1][-2:]
             for name, p in (("plain", plain), ("clipped", clipped))}
     assert ends["clipped"] == [("~OPT", 4.0, 6.0), ("OPT", 6.0, 6.0)]

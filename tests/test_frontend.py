@@ -10,13 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipec.compiler.frontend import Balanced, FrontendError, InputSpec, ModelRequest, SplitBefore, build_stage_graph
+from pipec.compiler.frontend import Balanced, FrontendError, TensorSpec, ModelRequest, SplitBefore, build_stage_graph
 from pipec.views.graph import render_graph
 from pipec.compiler.ir.program import Program
 from pipec.compiler.driver import compile_request
-from pipec.compiler.request import CompileRequest, InputTensor, ModelSpec, PartitionRequest
+from pipec.compiler.request import CompileRequest, ModelSpec, PartitionRequest
 from pipec.compiler.passes.memory import MemoryBudgetError, check_memory, state_bytes
-from pipec.compiler.ir.plan import Mesh, Plan, read_plan, write_plan
+from pipec.compiler.ir.plan import Mesh, Plan
+from pipec.compiler.ir.plan_json import read_plan, write_plan
 from pipec.compiler.frontend.weights import module_seed
 from pipec.runtime.stages import build_reference, build_stages, run_stages
 from pipec.compiler.frontend import weights
@@ -24,7 +25,7 @@ from pipec.errors import PipecError, UserCodeError
 
 GPT = "pipec.examples.gpt:build"
 GPT_ARGS = dict(layers=4, dim=32, heads=2, vocab=64, seq=16)
-TOKENS = InputSpec("tokens", "int64", (4, 16))
+TOKENS = TensorSpec("tokens", "int64", (4, 16))
 
 
 def plan_of(sg, placement=None) -> Plan:
@@ -109,14 +110,14 @@ def test_gpt_stages_reproduce_outputs_and_gradients(tmp_path):
 
 
 def test_mlp_stages_reproduce_outputs_and_gradients():
-    x = InputSpec("x", "float32", (8, 16))
+    x = TensorSpec("x", "float32", (8, 16))
     sg = build_stage_graph(request("pipec.examples.mlp:build", dict(layers=5, dim=16), (x,), stages=3))
     assert not sg.ties and [(e.src_stage, e.dst_stage) for e in sg.edges] == [(0, 1), (1, 2)]
     assert_stages_match(plan_of(sg), mse)
 
 
 def test_skip_connection_is_a_direct_edge_and_stages_match():
-    x = InputSpec("x", "float32", (8, 16))
+    x = TensorSpec("x", "float32", (8, 16))
     sg = build_stage_graph(request("pipec.examples.skip:build", dict(layers=8, dim=16, skip_from=1, skip_to=6), (x,),
                                    partition=SplitBefore(("blocks.2", "blocks.4", "blocks.6"))))
     pairs = [(e.src_stage, e.dst_stage) for e in sg.edges]
@@ -216,13 +217,13 @@ def half_init() -> torch.nn.Module:
 
 
 def test_init_module_refuses_a_parameter_the_module_does_not_initialise():
-    sg = build_stage_graph(request("test_frontend:half_init", {}, (InputSpec("x", "float32", (2, 4)),), stages=1))
+    sg = build_stage_graph(request("test_frontend:half_init", {}, (TensorSpec("x", "float32", (2, 4)),), stages=1))
     assert sg.model["init"] == "exact"  # auto: the meta run of reset_parameters() leaves shift unset
     with pytest.raises(FrontendError, match="left 'shift' .* unset"):
         build_reference(plan_of(sg), seed=0, init="module")
     assert torch.equal(build_reference(plan_of(sg), seed=0, init="exact").model.shift, torch.zeros(4))
     with pytest.raises(FrontendError, match=r"init module: .*HalfInit\): its init leaves 'shift' unset") as err:
-        build_stage_graph(request("test_frontend:half_init", {}, (InputSpec("x", "float32", (2, 4)),), stages=1,
+        build_stage_graph(request("test_frontend:half_init", {}, (TensorSpec("x", "float32", (2, 4)),), stages=1,
                                   init="module"))  # refused at compile time, not on the ranks
     assert err.value.key == "init"
 
@@ -254,7 +255,7 @@ def test_init_auto_is_module_when_every_module_has_an_init_path_else_exact_else_
     assert gpt.model["init"] == "module"  # every module of the example GPT has reset_parameters()
     explicit = build_stage_graph(request(stages=2, init="module"))
     assert explicit.model == gpt.model
-    nano = request("test_frontend:nano_gpt", {}, (InputSpec("tokens", "int64", (2, 8)),), stages=2)
+    nano = request("test_frontend:nano_gpt", {}, (TensorSpec("tokens", "int64", (2, 8)),), stages=2)
     sg = build_stage_graph(nano)
     assert sg.model["init"] == "exact"  # the root's wpe: _init_weights(root) does not set it
     plan = plan_of(sg)
@@ -276,7 +277,7 @@ def test_init_auto_is_module_when_every_module_has_an_init_path_else_exact_else_
 
 
 def test_flops_costs_recompute_and_activation_bytes():
-    x = InputSpec("x", "float32", (8, 16))
+    x = TensorSpec("x", "float32", (8, 16))
     args = dict(layers=2, dim=16, hidden=32)
     base = request("pipec.examples.mlp:build", args, (x,), stages=2, costs="flops", peak_flops=1e9,
                    partition=SplitBefore(("blocks.1",)))
@@ -306,7 +307,7 @@ def test_flops_costs_recompute_and_activation_bytes():
 
 
 def test_profile_costs_are_measured_with_the_rank_thread_count():
-    x = InputSpec("x", "float32", (8, 16))
+    x = TensorSpec("x", "float32", (8, 16))
     before = torch.get_num_threads()
     sg = build_stage_graph(request("pipec.examples.mlp:build", dict(layers=4, dim=16), (x,), stages=2,
                                    costs="profile", threads_per_rank=1, profile_reps=2))
@@ -320,11 +321,11 @@ def test_profile_costs_are_measured_with_the_rank_thread_count():
 
 def _compiled(device_memory=None) -> Plan:
     """The test GPT compiled by the driver: zbv on 2 ranks, placement 0 1 1 0 (rank 0 holds both tied copies)."""
-    model = ModelSpec(target=GPT, kwargs=GPT_ARGS, inputs=(InputTensor(name="tokens", dtype="int64", shape=(4, 16)),),
+    model = ModelSpec(target=GPT, kwargs=GPT_ARGS, inputs=(TensorSpec("tokens", "int64", (4, 16)),),
                       partition=PartitionRequest(method="split", split_before=("blocks.1", "blocks.2", "blocks.3")),
                       costs="unit", trace="auto")
-    return compile_request(CompileRequest(schedule="zbv", pp=2, num_chunks=2, num_microbatches=2, model=model,
-                                          device_memory=device_memory)).plan
+    return compile_request(CompileRequest(schedule="zbv", mesh=Mesh(pp=2), num_chunks=2, num_microbatches=2,
+                                          model=model, device_memory=device_memory)).plan
 
 
 def test_memory_model_counts_each_held_copy_and_refuses_what_does_not_fit():
@@ -375,9 +376,10 @@ def raises_value_error(**kw):
 
 
 def test_request_errors_say_what_to_do_and_name_their_key():
-    _refused(dataclasses.replace(request(), num_microbatches=3), "input", "3 microbatches do not divide")
-    _refused(request(inputs=(InputSpec("ids", "int64", (4, 16)),)), "input", "not an argument of GPT.forward")
-    _refused(request(inputs=(InputSpec("tokens", "int65", (4, 16)),)), "input", "int65")
+    _refused(dataclasses.replace(request(), num_microbatches=3), "microbatches",
+             "microbatches 3 does not divide the input's batch of 4", kind=PipecError)
+    _refused(request(inputs=(TensorSpec("ids", "int64", (4, 16)),)), "input", "not an argument of GPT.forward")
+    _refused(request(inputs=(TensorSpec("tokens", "int65", (4, 16)),)), "input", "int65")
     _refused(request(target="pipec.examples.gpt"), "model", "pkg.module:factory")
     _refused(request(target="pipec.examples.gpt:nope"), "model", "no callable 'nope'")
     _refused(request(target="no_such_module_h1b:build", search_path=("/nonexistent",)), "model",
@@ -393,7 +395,7 @@ def test_request_errors_say_what_to_do_and_name_their_key():
 
 
 def test_the_auto_trace_fallback_note_is_kept_in_the_model_record():
-    sg = build_stage_graph(request("test_trace:encoder", {}, (InputSpec("x", "float32", (2, 4, 16)),), stages=3))
+    sg = build_stage_graph(request("test_trace:encoder", {}, (TensorSpec("x", "float32", (2, 4, 16)),), stages=3))
     assert sg.notes and sg.model["notes"] == list(sg.notes) and "fell back to torch.export" in sg.notes[0]
     assert "notes" not in build_stage_graph(request(stages=2)).model  # fx traced: nothing to say
 
@@ -432,7 +434,7 @@ def test_a_model_beside_the_schedule_file_is_found_by_compile_and_by_ranks_from_
         (folder / "helper_h1b.py").write_text("def width(dim):\n    return dim\n")
     monkeypatch.chdir(elsewhere)
     path_before = list(sys.path)
-    x = (InputSpec("x", "float32", (4, 8)),)
+    x = (TensorSpec("x", "float32", (4, 8)),)
     for target in ("beside_h1b:build", "models/net_h1b.py:build"):
         with pytest.raises(FrontendError, match="cannot find module 'beside_h1b'|no file 'models/net_h1b.py'") as err:
             build_stage_graph(request(target, {}, x, stages=2))  # not on sys.path, not in the current folder

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipec.compiler.frontend import InputSpec, ModelRequest, SplitBefore, build_stage_graph
+from pipec.compiler.frontend import TensorSpec, ModelRequest, SplitBefore, build_stage_graph
 from test_frontend import assert_stages_match, plan_of
 
 
@@ -28,7 +28,7 @@ def encoder(**kwargs) -> nn.Module:
 
 def test_transformer_encoder_one_layer_per_stage():
     sg = build_stage_graph(ModelRequest(
-        target="test_frontend_real:encoder", kwargs=dict(layers=4), inputs=(InputSpec("x", "float32", (4, 6, 32)),),
+        target="test_frontend_real:encoder", kwargs=dict(layers=4), inputs=(TensorSpec("x", "float32", (4, 6, 32)),),
         num_microbatches=2, num_stages=4, costs="unit",
         partition=SplitBefore(("enc.layers.1", "enc.layers.2", "enc.layers.3")),
     ))

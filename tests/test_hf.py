@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'transformers>=5,<6')")
 
-from pipec.compiler.frontend import InputSpec, ModelRequest, build_stage_graph, resolve_init  # noqa: E402
+from pipec.compiler.frontend import TensorSpec, ModelRequest, build_stage_graph, resolve_init  # noqa: E402
 from pipec.runtime.stages import build_stages  # noqa: E402
 from pipec.compiler.frontend.weights import initial_values  # noqa: E402
 from test_frontend import assert_stages_match, plan_of  # noqa: E402
@@ -39,7 +39,7 @@ def loss(logits: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("init", ["module", "exact"])
 def test_gpt2_stages_reproduce_outputs_and_gradients(init):
     sg = build_stage_graph(ModelRequest(
-        target="test_hf:gpt2", inputs=(InputSpec("input_ids", "int64", (4, 16)),), num_microbatches=2, num_stages=3,
+        target="test_hf:gpt2", inputs=(TensorSpec("input_ids", "int64", (4, 16)),), num_microbatches=2, num_stages=3,
         costs="unit", partition=None,
     ))
     assert sg.model["trace"] == "export" and "fx failed" in sg.notes[0]
@@ -79,7 +79,7 @@ def test_init_auto_is_module_for_wrapped_hugging_face_models_and_independent_of_
                                seed=0, init="module")
     assert torch.equal(values["model.model.norm.weight"], torch.ones(32))  # _init_weights: RMSNorm weights are 1
     assert values["model.model.layers.0.mlp.up_proj.weight"].std() > 0
-    req = ModelRequest(target="test_hf:wrapped_gpt2", inputs=(InputSpec("input_ids", "int64", (4, 16)),),
+    req = ModelRequest(target="test_hf:wrapped_gpt2", inputs=(TensorSpec("input_ids", "int64", (4, 16)),),
                        num_microbatches=2, num_stages=2, costs="unit")
     sg = build_stage_graph(req)
     assert sg.model["init"] == "module" and sg.model["notes"] == list(sg.notes)

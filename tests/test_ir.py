@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import replace
 
 import pytest
 
 from pipec.compiler.ir.program import Instruction, IRError, Op, Program, parse_instruction, parse_program
-from pipec.compiler.ir.plan import (
-    LIMITS,
-    Cost,
-    Edge,
-    Link,
-    Mesh,
-    Plan,
-    PlanError,
-    Signature,
-    Stage,
-    Tie,
-    load_plan,
-    plan_to_json,
-    read_plan,
-    write_plan,
-)
+from pipec.compiler.ir.plan import Cost, Edge, Link, Mesh, Plan, PlanError, Signature, Stage, Tie
+from pipec.compiler.ir.plan_json import ELSEWHERE, load_plan, plan_to_json, read_plan, write_plan
+from pipec.compiler.limits import LIMITS
 from pipec.compiler.ir.timeline import Event, Timeline
 
 TEXT = """0: F0.0 [SA0.0>1@1 RG0.0<1@1] B0.0 AR0:dp AR0:tie.wte OPT
@@ -94,7 +83,7 @@ def _plan() -> Plan:
         edges=(Edge(src_stage=0, dst_stage=1, tensors=(sig,)),),
         ties=(Tie(name="w", stages=(0, 1), params=("w", "head.w"), num_bytes=256),),
         links={"pp": Link(latency_s=1e-5, bandwidth_Bps=1e9), "dp": Link(latency_s=2e-5, bandwidth_Bps=2e9)},
-        spec={"schedule": "1f1b", "pp": 2},
+        spec={"schedule": "1f1b", "costs": "unit"},
         model={"target": "m:f", "kwargs": {}, "trace": "fx", "fingerprint": "abc"},
         prediction=Timeline.build(step_time=4.0, busy={0: (3.0, 0.5), 1: (2.0, 1.0)},
                                   events=[Event(0, "F0.0", 0.0, 1.0)], peak_activations={0: 1, 1: 1}),
@@ -121,7 +110,8 @@ def _corrupt(path, mutate):
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda o: o.update(format="pipec.plan/9"), "plan.format: expected 'pipec.plan/1'"),
+        (lambda o: o.update(format="pipec.plan/9"),
+         "plan.format: expected 'pipec.plan/2' (or the older 'pipec.plan/1'), got 'pipec.plan/9'"),
         (lambda o: o["mesh"].update(pp="two"), "plan.mesh.pp: expected an integer"),
         (lambda o: o.pop("num_stages"), "plan.num_stages: required field is missing"),
         (lambda o: o["ranks"][1]["instructions"][0].update(peer=7), "plan.ranks[1].instructions[0].peer: expected an integer in 0..1"),
@@ -200,3 +190,62 @@ def test_one_cost_type_from_plan_to_the_event_loop():
     stages = tuple(Stage(stage=s, rank=r, cost=c) for (s, r), c in zip(enumerate((0, 1, 1, 0)), costs))
     model = plan_costs(_bare_plan(stages=stages, model={"target": "m:f"}))
     assert model.stages == costs and model.stages[0] is costs[0]  # handed on, not converted
+
+
+# ----------------------------------------------------------------------------- pipec.plan/1, and one home per value
+
+V1 = os.path.join(os.path.dirname(__file__), "data", "plan_v1")
+"""Plans written by ``pipec compile`` before the format was ``pipec.plan/2`` (the commands: data/plan_v1/README)."""
+
+GPT_SMALL = ('model "pipec.examples.gpt:build" (layers=2, dim=32, heads=2, vocab=64, seq=8)\n'
+             "input tokens: int64[4, 8]\npp 2 microbatches 2 costs flops peak_flops 100TFLOP/s\n")
+
+
+def _compiled_today(name: str) -> Plan:
+    """What today's compiler makes of the request each v1 plan was compiled from."""
+    from pipec.compiler.driver import compile_plan, compile_spec
+    from pipec.dsl import parse_spec
+
+    if name == "schedule_only":
+        return compile_plan(schedule="1f1b", num_ranks=2, num_microbatches=3).plan
+    if name == "sharded":
+        return compile_plan(schedule="gpipe", num_ranks=2, dp=2, shard="full", num_microbatches=2).plan
+    return compile_spec(parse_spec(GPT_SMALL)).plan
+
+
+@pytest.mark.parametrize("name", ["schedule_only", "sharded", "gpt_small"])
+def test_a_v1_plan_reads_into_the_plan_compiled_today(name, tmp_path):
+    from pipec.compiler.passes.verify import verify
+
+    with open(os.path.join(V1, f"{name}.json"), encoding="utf-8") as f:
+        assert json.load(f)["format"] == "pipec.plan/1"
+    old = read_plan(os.path.join(V1, f"{name}.json"))
+    verify(old)
+    now = _compiled_today(name)
+    model = lambda p: p.model and {k: v for k, v in p.model.items()  # noqa: E731
+                                   if k not in ("search_path", "fingerprint", "fingerprint_parts")}
+    assert replace(old, model=model(old), prediction=None) == replace(now, model=model(now), prediction=None)
+    assert old.prediction.step_time == pytest.approx(now.prediction.step_time)
+    assert old.mesh.shard == ("full" if name == "sharded" else "none")
+    path = tmp_path / "v2.json"
+    write_plan(old, str(path))  # written again, it is a pipec.plan/2 plan that reads back the same
+    again = json.loads(path.read_text())
+    assert again["format"] == "pipec.plan/2" and not set(again["spec"]) & set(ELSEWHERE)
+    assert read_plan(str(path)) == old
+
+
+def test_each_value_appears_once_in_a_plan():
+    from pipec.compiler.driver import compile_plan
+
+    obj = plan_to_json(compile_plan(schedule="gpipe", num_ranks=2, dp=2, shard="full", num_microbatches=2).plan)
+    assert obj["mesh"] == {"pp": 2, "dp": 2, "shard": "full"} and obj["num_microbatches"] == 2
+    assert not set(obj["spec"]) & set(ELSEWHERE)
+    obj["spec"]["shard"] = "optimizer"  # a second home for shard, as a hand edit might add
+    with pytest.raises(PlanError, match=r"plan.spec.shard: a pipec.plan/2 plan keeps shard in mesh.shard, not "
+                                        r"in spec, got 'optimizer'"):
+        load_plan(obj)
+    obj["spec"].pop("shard")
+    obj["mesh"]["shard"] = "half"  # the one home, checked once (the mesh's check)
+    with pytest.raises(PlanError, match=r"plan.mesh.shard: shard must be one of none, optimizer, grads, full, "
+                                        r"got 'half'"):
+        load_plan(obj)

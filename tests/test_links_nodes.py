@@ -9,7 +9,8 @@ import pytest
 from pipec.cli import main
 from pipec.compiler.driver import compile_spec
 from pipec.compiler.ir.program import Program
-from pipec.compiler.ir.plan import Edge, Link, Mesh, Plan, Signature, Stage, Tie, load_plan, plan_to_json, read_plan
+from pipec.compiler.ir.plan import Edge, Link, Mesh, Plan, Signature, Stage, Tie
+from pipec.compiler.ir.plan_json import load_plan, plan_to_json, read_plan
 from pipec.compiler.sim.simulate import link_sides, plan_costs
 from pipec.tune.search import tune
 from pipec.tune.space import TuneRequest
@@ -45,13 +46,14 @@ def _msg(link: Link, num_bytes: float = EDGE_BYTES) -> float:
 
 def test_keys_reach_the_request_mesh_and_plan():
     spec = parse_spec("pp 2\ndp 4\ndevices_per_node 4\n" + LINKS_TEXT, filename="a.pipe")
-    assert spec["devices_per_node"] == 4 and spec.request.devices_per_node == 4
+    assert spec["devices_per_node"] == 4 and spec.request.mesh.devices_per_node == 4
     assert spec["links"].intra == INTRA and spec["links"].inter == INTER
     plan = compile_spec(spec).plan
     assert plan.mesh == Mesh(pp=2, dp=4, devices_per_node=4) and plan.mesh.num_nodes == 2
     assert [plan.mesh.node_of(g) for g in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert plan.links["intra"] == INTRA and plan.links["inter"] == INTER
-    assert plan.spec["devices_per_node"] == 4 and set(plan.spec["links"]) == {"pp", "dp", "intra", "inter"}
+    assert set(plan.links) == {"pp", "dp", "intra", "inter"}
+    assert "devices_per_node" not in plan.spec and "links" not in plan.spec  # each value once: in mesh, links
     # text round trip of the links value; left out, intra and inter are absent
     again = parse_spec("", overrides={"links": spec["links"].text()})
     assert again["links"] == spec["links"]
@@ -166,7 +168,7 @@ def test_plan_json_round_trip_and_old_plans_load(tmp_path):
     assert obj["mesh"] == {"pp": 2, "dp": 2, "devices_per_node": 2}
     assert obj["links"]["inter"] == {"latency_s": 1e-5, "bandwidth_Bps": 1e9}
     path = tmp_path / "plan.json"
-    from pipec.compiler.ir.plan import write_plan
+    from pipec.compiler.ir.plan_json import write_plan
 
     write_plan(plan, str(path))
     back = read_plan(str(path))
@@ -218,9 +220,8 @@ def test_tune_keeps_dp_inside_nodes_when_inter_is_slow(tmp_path):
     # 1x4's all-reduce would cross the nodes (~0.1 s of inter at 10 MB/s); 2x2 keeps each dp group in a node
     assert nodes.best.candidate.layout == "2x2" and best.mesh.devices_per_node == 2
     assert link_sides(best)["dp"] == {"intra": 2, "inter": 0} and link_sides(best)["pp"] == {"intra": 0, "inter": 1}
-    assert best.spec["devices_per_node"] == 2
-    assert "devices_per_node 2" in pipe_lines(nodes.best.candidate, best.spec)   # --pipe and --json's pipe
-    assert not any(line.startswith("devices_per_node") for line in pipe_lines(flat.best.candidate, flat.best.plan.spec))
+    assert "devices_per_node 2" in pipe_lines(nodes.best.candidate, best)   # --pipe and --json's pipe
+    assert not any(line.startswith("devices_per_node") for line in pipe_lines(flat.best.candidate, flat.best.plan))
 
 
 def test_tune_refuses_a_node_size_that_does_not_fit_the_devices(tmp_path, capsys):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipec.compiler.frontend.costs import node_weights
-from pipec.compiler.frontend import Balanced, FrontendError, InputSpec, Markers, ModelRequest, SplitBefore, build_stage_graph
+from pipec.compiler.frontend import Balanced, FrontendError, TensorSpec, Markers, ModelRequest, SplitBefore, build_stage_graph
 from pipec.compiler.frontend.partition import analyse_cuts, assign_stages, balance, split_graph
 from pipec.runtime.stages import build_reference, build_stages, run_stages
 from pipec.compiler.frontend.annotate import propagate
@@ -62,11 +62,11 @@ def test_balance_is_exact_on_random_weights():
 @pytest.mark.parametrize(
     ("target", "kwargs", "inputs", "by", "stages"),
     [
-        (GPT, dict(layers=3, dim=16, heads=2, vocab=32, seq=8), (InputSpec("tokens", "int64", (2, 8)),), "flops", 3),
-        (GPT, dict(layers=3, dim=16, heads=2, vocab=32, seq=8), (InputSpec("tokens", "int64", (2, 8)),), "params", 2),
-        (GPT, dict(layers=2, dim=16, heads=2, vocab=32, seq=8), (InputSpec("tokens", "int64", (2, 8)),), "memory", 3),
-        ("pipec.examples.mlp:build", dict(layers=5, dim=8), (InputSpec("x", "float32", (4, 8)),), "flops", 4),
-        ("pipec.examples.skip:build", dict(layers=6, dim=8, skip_from=0, skip_to=4), (InputSpec("x", "float32", (4, 8)),), "params", 3),
+        (GPT, dict(layers=3, dim=16, heads=2, vocab=32, seq=8), (TensorSpec("tokens", "int64", (2, 8)),), "flops", 3),
+        (GPT, dict(layers=3, dim=16, heads=2, vocab=32, seq=8), (TensorSpec("tokens", "int64", (2, 8)),), "params", 2),
+        (GPT, dict(layers=2, dim=16, heads=2, vocab=32, seq=8), (TensorSpec("tokens", "int64", (2, 8)),), "memory", 3),
+        ("pipec.examples.mlp:build", dict(layers=5, dim=8), (TensorSpec("x", "float32", (4, 8)),), "flops", 4),
+        ("pipec.examples.skip:build", dict(layers=6, dim=8, skip_from=0, skip_to=4), (TensorSpec("x", "float32", (4, 8)),), "params", 3),
     ],
 )
 def test_balancer_is_within_10_percent_of_brute_force(target, kwargs, inputs, by, stages):
@@ -83,7 +83,7 @@ def test_balancer_is_within_10_percent_of_brute_force(target, kwargs, inputs, by
 
 def test_balancer_prefers_cuts_between_layers():
     sg = build_stage_graph(ModelRequest(
-        target=GPT, kwargs=dict(layers=4, dim=32, heads=2, vocab=64, seq=16), inputs=(InputSpec("tokens", "int64", (4, 16)),),
+        target=GPT, kwargs=dict(layers=4, dim=32, heads=2, vocab=64, seq=16), inputs=(TensorSpec("tokens", "int64", (4, 16)),),
         num_microbatches=2, num_stages=2, costs="unit", partition=Balanced("params")))
     # one tensor, the residual stream, crosses between two blocks
     assert [t.shape for t in sg.edges[0].tensors] == [(2, 16, 32)]
@@ -93,7 +93,7 @@ def test_balancer_prefers_cuts_between_layers():
 
 
 def test_split_before_module_paths():
-    traced = traced_model(GPT, dict(layers=4, dim=16, heads=2, vocab=32, seq=8), (InputSpec("tokens", "int64", (2, 8)),))
+    traced = traced_model(GPT, dict(layers=4, dim=16, heads=2, vocab=32, seq=8), (TensorSpec("tokens", "int64", (2, 8)),))
     cuts = analyse_cuts(traced)
     stage_of = assign_stages(traced, cuts, SplitBefore(("blocks.2",)), 2)
     first_of_1 = next(n for n in cuts.nodes if stage_of[n.name] == 1)
@@ -106,7 +106,7 @@ def test_split_before_module_paths():
 
 
 def test_split_point_errors_name_the_problem():
-    traced = traced_model(GPT, dict(layers=2, dim=16, heads=2, vocab=32, seq=8), (InputSpec("tokens", "int64", (2, 8)),))
+    traced = traced_model(GPT, dict(layers=2, dim=16, heads=2, vocab=32, seq=8), (TensorSpec("tokens", "int64", (2, 8)),))
     cuts = analyse_cuts(traced)
     with pytest.raises(FrontendError, match=r"'block.1'.*did you mean blocks.1"):
         assign_stages(traced, cuts, SplitBefore(("block.1",)), 2)
@@ -178,7 +178,7 @@ def marked() -> nn.Module:
     return Marked()
 
 
-X = (InputSpec("x", "float32", (4, 8)),)
+X = (TensorSpec("x", "float32", (4, 8)),)
 
 
 def test_a_tuple_crossing_a_cut_is_refused_naming_the_node():
@@ -192,7 +192,7 @@ def test_a_tuple_crossing_a_cut_is_refused_naming_the_node():
 
 
 def test_python_values_crossing_a_cut_are_folded_and_inputs_routed_through_stage_0():
-    sg = build_stage_graph(ModelRequest(target="test_partition:shapes", inputs=(InputSpec("x", "float32", (8, 8)),),
+    sg = build_stage_graph(ModelRequest(target="test_partition:shapes", inputs=(TensorSpec("x", "float32", (8, 8)),),
                                         num_microbatches=2, num_stages=2, costs="unit", partition=SplitBefore(("b",))))
     # B and D are constants in stage 1; x reaches stage 1 from stage 0
     names = [t.name for t in sg.edges[0].tensors]
@@ -226,7 +226,7 @@ def test_too_many_stages_is_refused():
 
 def test_balance_by_measured_time():
     sg = build_stage_graph(ModelRequest(
-        target="pipec.examples.mlp:build", kwargs=dict(layers=6, dim=32), inputs=(InputSpec("x", "float32", (8, 32)),),
+        target="pipec.examples.mlp:build", kwargs=dict(layers=6, dim=32), inputs=(TensorSpec("x", "float32", (8, 32)),),
         num_microbatches=1, num_stages=3, costs="unit", partition=Balanced("time")))
     assert [len(st.nodes) for st in sg.stages] and all(st.params for st in sg.stages)
     held = [p for st in sg.stages for p in st.params]

@@ -32,7 +32,7 @@ from conftest import PYTHON, on_threads, run_in_session
 
 from pipec.compiler.config import TrainingConfig
 from pipec.compiler.driver import compile_spec
-from pipec.compiler.ir.plan import write_plan
+from pipec.compiler.ir.plan_json import write_plan
 from pipec.runtime.stages import build_reference, build_stages
 from pipec.compiler.ir.plan import Mesh
 from pipec.dsl import load_spec

@@ -30,7 +30,7 @@ from conftest import PYTHON, run_in_session
 from test_checkpoint import assert_same_state, full_state, losses, with_checkpoints
 
 from pipec.compiler.driver import compile_spec
-from pipec.compiler.ir.plan import write_plan
+from pipec.compiler.ir.plan_json import write_plan
 from pipec.dsl import load_spec
 from pipec.runtime.checkpoint import list_checkpoints
 from pipec.runtime.checkpoint_export import load_model_state

@@ -4,6 +4,7 @@ splits it."""
 
 from __future__ import annotations
 
+from pipec.compiler.config import TrainingConfig
 from pipec.compiler.driver import compile_plan
 from pipec.compiler.sim.simulate import simulate
 from pipec.compiler.ir.timeline import Event, Timeline
@@ -21,7 +22,7 @@ def _rows(renderable, width: int) -> list[str]:
 def test_the_simulator_records_opt_waiting_for_its_peers():
     """gpipe over 2 ranks, 1 microbatch: rank 1's backward ends at 4 units, rank 0's at 6; rank 1 waits in OPT's
     grad-norm collective (the plan clips) from 4 to 6, and that is a wait event, not optimizer work."""
-    plan = compile_plan(num_ranks=2, num_microbatches=1, schedule="gpipe", spec={"grad_clip": 1.0}).plan
+    plan = compile_plan(num_ranks=2, num_microbatches=1, schedule="gpipe", training=TrainingConfig(grad_clip=1.0)).plan
     tl = simulate(plan)
     ev = [(e.op, e.start, e.end) for e in tl.events if e.rank == 1]
     assert ev[-2:] == [("~OPT", 4.0, 6.0), ("OPT", 6.0, 6.0)]
@@ -43,7 +44,7 @@ def test_perfetto_draws_a_collective_wait_as_comm():
 
 
 def test_a_simulated_plan_keeps_its_waits_in_every_view():
-    plan = compile_plan(num_ranks=4, num_microbatches=8, schedule="1f1b", spec={"grad_clip": 1.0}).plan
+    plan = compile_plan(num_ranks=4, num_microbatches=8, schedule="1f1b", training=TrainingConfig(grad_clip=1.0)).plan
     tl = simulate(plan)
     waits = [e for e in tl.events if e.op.startswith("~")]
     assert waits and all(e.op == "~OPT" for e in waits)
@@ -57,7 +58,7 @@ def test_a_rounded_zero_wait_is_zero_and_the_plan_reads_back(tmp_path):
     # rank refused the plan the compiler had written (a Hugging Face Llama, 2 ranks, costs profile)
     from dataclasses import replace
 
-    from pipec.compiler.ir.plan import read_plan, write_plan
+    from pipec.compiler.ir.plan_json import read_plan, write_plan
 
     t = Timeline.build(step_time=1.0, busy={0: (0.9, -1.0164395367051604e-20), 1: (0.5, 0.25)})
     assert [r.comm_wait for r in t.per_rank] == [0.0, 0.25] and abs(t.per_rank[0].idle - 0.1) < 1e-12

@@ -8,12 +8,12 @@ from torch import nn
 
 from pipec.compiler.frontend.annotate import propagate
 from pipec.compiler.frontend.load import instantiate
-from pipec.compiler.frontend.tensors import FrontendError, InputSpec, example_inputs
+from pipec.compiler.frontend.tensors import FrontendError, TensorSpec, example_inputs
 from pipec.compiler.frontend.trace import is_pipe_split, trace_model
 
 GPT = "pipec.examples.gpt:build"
 ARGS = dict(layers=2, dim=16, heads=2, vocab=32, seq=8)
-TOKENS = (InputSpec("tokens", "int64", (2, 8)),)
+TOKENS = (TensorSpec("tokens", "int64", (2, 8)),)
 
 
 def trace(target=GPT, kwargs=ARGS, inputs=TOKENS, mode="auto", split_paths=()):
@@ -96,7 +96,7 @@ def test_fx_traces_the_gpt_on_meta_and_annotates_every_node():
 
 
 def test_saved_bytes_leave_out_parameters():
-    traced = trace("test_trace:plain", {}, (InputSpec("x", "float32", (4, 8)),))
+    traced = trace("test_trace:plain", {}, (TensorSpec("x", "float32", (4, 8)),))
     nodes = {n.name: n for n in traced.gm.graph.nodes}
     # the linear saves its input (weights are parameters, not activations); relu saves its output; x2 saves nothing
     assert sum(b for _, b in nodes["fc"].meta["pipec_saved"]) == 4 * 8 * 4
@@ -118,7 +118,7 @@ def test_fingerprint_is_stable_and_names_its_parts():
 
 
 def test_auto_falls_back_to_export_when_a_leaf_hides_layers():
-    x = (InputSpec("x", "float32", (2, 4, 16)),)
+    x = (TensorSpec("x", "float32", (2, 4, 16)),)
     traced = trace("test_trace:encoder", {}, x)
     assert traced.path == "export" and "'enc'" in traced.fallback
     layers = {n.meta["nn_module_stack"] and list(n.meta["nn_module_stack"].values())[-1][0] for n in traced.gm.graph.nodes
@@ -129,7 +129,7 @@ def test_auto_falls_back_to_export_when_a_leaf_hides_layers():
 
 
 def test_trace_failures_are_frontend_errors():
-    x = (InputSpec("x", "float32", (2, 4)),)
+    x = (TensorSpec("x", "float32", (2, 4)),)
     with pytest.raises(FrontendError, match="torch.fx cannot trace DataDependent.*use trace export"):
         trace("test_trace:data_dependent", {}, x, mode="fx")
     with pytest.raises(FrontendError, match=r"torch.export cannot capture DataDependent \(fx failed"):
@@ -137,7 +137,7 @@ def test_trace_failures_are_frontend_errors():
     with pytest.raises(FrontendError, match="trace must be one of auto, fx, export"):
         trace(mode="jit")
     with pytest.raises(FrontendError, match="int65"):
-        example_inputs((InputSpec("x", "int65", (2,)),))
+        example_inputs((TensorSpec("x", "int65", (2,)),))
 
 
 def test_pipe_split_is_recorded_by_both_tracers():
@@ -145,13 +145,13 @@ def test_pipe_split_is_recorded_by_both_tracers():
 
     for mode in ("fx", "export"):
         model = Marked().to("meta")
-        inputs = (InputSpec("x", "float32", (2, 8)),)
+        inputs = (TensorSpec("x", "float32", (2, 8)),)
         traced = trace_model(model, inputs, example_inputs(inputs), mode=mode)
         assert sum(is_pipe_split(n) for n in traced.gm.graph.nodes) == 2
     Marked()(torch.randn(2, 8))  # eagerly, a no-op
 
 
 def test_forward_arguments_left_at_their_defaults_are_specialised():
-    traced = trace("test_trace:optional", {}, (InputSpec("x", "float32", (2, 4)),), mode="fx")
+    traced = trace("test_trace:optional", {}, (TensorSpec("x", "float32", (2, 4)),), mode="fx")
     assert [n.target for n in traced.gm.graph.nodes if n.op == "placeholder"] == ["x"]
     assert [n.op for n in traced.gm.graph.nodes] == ["placeholder", "call_module", "call_function", "output"]

@@ -14,7 +14,7 @@ from pipec.cli import main
 from pipec.compiler.driver import compile_request, model_request, schedule_order
 from pipec.compiler.frontend import build_stage_graph
 from pipec.compiler.passes.memory import MemoryBudgetError
-from pipec.compiler.ir.plan import read_plan
+from pipec.compiler.ir.plan_json import read_plan
 from pipec.tune.measure import measure, run_candidates
 from pipec.tune.search import _pareto, _score, tune
 from pipec.tune.space import TuneError, TuneRequest, candidate_request, candidates

@@ -18,7 +18,8 @@ from pipec.compiler.driver import compile_plan
 from pipec.compiler.sim.engine import MODELS, Deadlock, execute
 from pipec.compiler.ir.program import COMPUTE_OPS, COMM_OPS, Op, Program, parse_program
 from pipec.compiler.passes.lower import lower
-from pipec.compiler.ir.plan import Plan, Tie, plan_to_json
+from pipec.compiler.ir.plan import Plan, Tie
+from pipec.compiler.ir.plan_json import plan_to_json
 from pipec.compiler.sim.simulate import chain_edges, plan_costs
 from pipec.compiler.passes.verify import VerifyError, verify
 from pipec.cli import main

@@ -17,7 +17,7 @@ import os
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from pipec.compiler.ir.plan import write_plan
+from pipec.compiler.ir.plan_json import write_plan
 from pipec.runtime.launch import RunOptions, TimeLimitExceeded, start_ranks
 from pipec.tune.search import Scored, TuneResult
 

@@ -54,14 +54,15 @@ def result_json(r: TuneResult, *, plan_path: str | None = None, pipe: str | None
         "frontier": [candidate_json(s) for s in r.frontier],
         "start": candidate_json(r.start_scored) if r.start_scored else None,
         "why": why(r),
-        "pipe": pipe_lines(r.best.candidate, r.best.plan.spec),
+        "pipe": pipe_lines(r.best.candidate, r.best.plan),
         "plan": plan_path,
         "notes": list(notes),
     }
 
 
-def pipe_lines(c: Candidate, spec) -> list[str]:
-    """The schedule-file lines of the keys tune set (the rest of the file stays as written)."""
+def pipe_lines(c: Candidate, plan) -> list[str]:
+    """The schedule-file lines of the keys tune set (the rest of the file stays as written); ``plan``:
+    the candidate's."""
     shard = "" if c.shard == "none" else f"  shard {c.shard}" + (f"  shard_size {c.shard_size}" if c.shard_size else "")
     rec = "none" if not c.recompute else "stages " + ", ".join(map(str, sorted(c.recompute)))
     lines = [f"pp {c.pp}  dp {c.dp}{shard}",
@@ -69,10 +70,10 @@ def pipe_lines(c: Candidate, spec) -> list[str]:
     if c.partition_by:
         lines.append(f"partition balanced(by={c.partition_by})")
     lines.append(f"recompute {rec}")
-    if spec.get("devices_per_node"):  # --devices-per-node's, in place of the file's
-        lines.append(f"devices_per_node {spec['devices_per_node']}")
+    if plan.mesh.devices_per_node:  # --devices-per-node's, in place of the file's
+        lines.append(f"devices_per_node {plan.mesh.devices_per_node}")
     for key in ("input", "targets"):
-        tensors = spec.get(key) or ()
+        tensors = plan.spec.get(key) or ()
         if tensors:
             lines.append(f"{key} " + ", ".join(f"{t['name']}: {t['dtype']}[{', '.join(map(str, t['shape']))}]"
                                                for t in tensors))

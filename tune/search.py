@@ -262,7 +262,7 @@ class _Search:
         self.graphs = _Graphs(treq, batch)
         self.order = order_cache()
         self.budget = memory_budget(treq)
-        self.peak_flops = treq.peak_flops if treq.peak_flops is not None else treq.base.model.peak_flops
+        self.peak_flops = treq.peak_flops if treq.peak_flops is not None else treq.base.training.peak_flops
         self.tokens = batch * _numel(treq.base.model.inputs[0].shape[1:])
         self.queue: list[tuple[float, tuple, int, Candidate, Any]] = []
         self.fits: list[Scored] = []
@@ -287,7 +287,7 @@ class _Search:
             self.num_unbuildable += 1
             return
         num_params = sum(st.num_params or 0 for st in whole.stages)
-        average = num_params * _per_param(c, self.treq.base.spec) / c.pp
+        average = num_params * _per_param(c, self.treq.base.spec_json()) / c.pp
         if self.budget is not None and average > self.budget:
             self.refused.append((int(average), c))
             return
@@ -475,7 +475,7 @@ def _no_fit(treq: TuneRequest, batch: int, refused: list[tuple[int, Candidate]],
              f"{batch}): the least any needs is {human_bytes(least_mem)} or more ({least.layout}, {least.schedule}, "
              f"recompute {least.recompute_text})"]
     if total:
-        per = sum(bytes_per_param(treq.base.spec))
+        per = sum(bytes_per_param(treq.base.spec_json()))
         state = total * per
         need = -(-state // budget)
         parts.append(f"the model's parameters, gradients and optimizer state are {human_bytes(state)} "

@@ -14,11 +14,10 @@ compile`` would be given had the file said so. torch-free.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Callable
 
-from pipec.compiler.config import TrainingConfig
-from pipec.compiler.ir.plan import SHARD_MODES
-from pipec.compiler.request import CompileRequest, InputTensor, PartitionRequest
+from pipec.compiler.ir.plan import SHARD_MODES, Mesh
+from pipec.compiler.request import CompileRequest, PartitionRequest
 from pipec.errors import PipecError
 from pipec.schedules import SCHEDULES, ScheduleError, check_rules
 
@@ -150,7 +149,8 @@ def candidates(treq: TuneRequest) -> list[Candidate]:
         if ("pp" in keep and pp != base.pp) or ("dp" in keep and dp != base.dp) or batch % dp:
             continue
         for shard, size in _shard_options(dp):
-            if ("shard" in keep and shard != base.shard) or ("shard_size" in keep and size != base.shard_size):
+            mesh = base.mesh
+            if ("shard" in keep and shard != mesh.shard) or ("shard_size" in keep and size != mesh.shard_size):
                 continue
             for name in SCHEDULES:
                 if "schedule" in keep and name != base.schedule:
@@ -161,7 +161,7 @@ def candidates(treq: TuneRequest) -> list[Candidate]:
                     for M in divisors(batch // dp):
                         if ("microbatches" in keep and M != base.num_microbatches) or not _legal(name, pp, M, v):
                             continue
-                        recompute = base.model.recompute if "recompute" in keep else frozenset()
+                        recompute = base.training.recompute if "recompute" in keep else ()
                         out += [Candidate(pp=pp, dp=dp, shard=shard, shard_size=size, schedule=name, num_chunks=v,
                                           num_microbatches=M, partition_by=by, recompute=frozenset(recompute))
                                 for by in bys]
@@ -183,52 +183,29 @@ def start_candidate(treq: TuneRequest) -> Candidate | None:
         return None
     part = b.model.partition
     by = None if "partition" in treq.keep else (part.by if part.method == "balanced" else "flops")
-    return Candidate(pp=b.pp, dp=b.dp, shard=b.shard, shard_size=b.shard_size, schedule=b.schedule,
+    return Candidate(pp=b.pp, dp=b.dp, shard=b.mesh.shard, shard_size=b.mesh.shard_size, schedule=b.schedule,
                      num_chunks=b.num_chunks, num_microbatches=b.num_microbatches, partition_by=by,
-                     recompute=frozenset(b.model.recompute))
+                     recompute=frozenset(b.training.recompute))
 
 
 def candidate_request(treq: TuneRequest, c: Candidate, *, global_batch: int | None = None) -> CompileRequest:
-    """The compile request of a candidate: the file's request with the candidate's keys (and its
-    ``spec`` saying so), the global batch split over its replicas."""
+    """The compile request of a candidate: the file's request with the candidate's keys, the global batch
+    split over its replicas (plan.json's ``spec`` is written from the request, so it says so)."""
     base = treq.base
     batch = (global_batch or total_batch(treq)) // c.dp
     m = base.model
     inputs = tuple(replace(t, shape=(batch, *t.shape[1:])) for t in m.inputs)
     targets = tuple(replace(t, shape=(batch, *t.shape[1:])) for t in m.targets)
     partition = m.partition if c.partition_by is None else PartitionRequest(method="balanced", by=c.partition_by)
-    peak = treq.peak_flops if treq.peak_flops is not None else m.peak_flops
-    model = replace(m, inputs=inputs, targets=targets, partition=partition, recompute=c.recompute, peak_flops=peak)
-    training = replace(base.training or TrainingConfig(), recompute=tuple(sorted(c.recompute)))
-    budget = memory_budget(treq)
-    placement = "v" if SCHEDULES[c.schedule].placement == "v" else "loop"
-    spec = {**base.spec, "schedule": c.schedule, "pp": c.pp, "dp": c.dp, "shard": c.shard,
-            "shard_size": c.shard_size, "virtual": c.num_chunks, "stages": c.num_stages, "placement": placement,
-            "microbatches": c.num_microbatches, "policy": None, "order": None,
-            "input": [_tensor_json(t) for t in inputs], "partition": _partition_json(partition),
-            "device_memory": budget, "peak_flops": peak}
-    if targets:
-        spec["targets"] = [_tensor_json(t) for t in targets]
-    nodes = treq.devices_per_node if treq.devices_per_node is not None else base.devices_per_node
-    if nodes is not None:
-        spec["devices_per_node"] = nodes
-    return replace(base, schedule=c.schedule, policy=None, order=None, pp=c.pp, dp=c.dp, shard=c.shard,
-                   shard_size=c.shard_size, devices_per_node=nodes, num_chunks=c.num_chunks, placement=None,
-                   num_microbatches=c.num_microbatches, model=model, device_memory=budget, training=training,
-                   spec=spec)
-
-
-def _tensor_json(t: InputTensor) -> dict[str, Any]:
-    return {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)}
-
-
-def _partition_json(p: PartitionRequest) -> dict[str, Any]:
-    out: dict[str, Any] = {"method": p.method}
-    if p.by is not None:
-        out["by"] = p.by
-    if p.split_before:
-        out["split_before"] = list(p.split_before)
-    return out
+    model = replace(m, inputs=inputs, targets=targets, partition=partition)
+    training = base.training
+    peak = treq.peak_flops if treq.peak_flops is not None else training.peak_flops
+    training = replace(training, recompute=tuple(sorted(c.recompute)), peak_flops=peak)
+    nodes = treq.devices_per_node if treq.devices_per_node is not None else base.mesh.devices_per_node
+    mesh = Mesh(pp=c.pp, dp=c.dp, shard=c.shard, shard_size=c.shard_size, devices_per_node=nodes)
+    return replace(base, schedule=c.schedule, policy=None, order=None, mesh=mesh, num_chunks=c.num_chunks,
+                   placement=None, num_microbatches=c.num_microbatches, model=model, device_memory=memory_budget(treq),
+                   training=training)
 
 
 def memory_budget(treq: TuneRequest) -> int | None:

@@ -9,7 +9,7 @@ the :class:`~pipec.compiler.ir.graph.StageGraph` that becomes plan.json's
   path, a model file) and build it on meta or fake tensors;
 - :mod:`.trace`: trace it (fx or torch.export), its :mod:`.fingerprint`;
 - :mod:`.annotate`: shapes, FLOPs and saved bytes on every node;
-- :mod:`.tensors`: what they share (FrontendError, InputSpec, dtypes);
+- :mod:`.tensors`: what they share (FrontendError, TensorSpec, dtypes);
 - :mod:`.weights`: each module's init path, ``init auto`` resolved on meta;
 - :mod:`.partition`: where cuts can go, the partition, the split;
 - :mod:`.costs`: stage costs and saved activations (unit, flops, profile);
@@ -40,13 +40,14 @@ from pipec.compiler.frontend.data import data_of
 from pipec.compiler.ir.graph import StageGraph, make_graph
 from pipec.compiler.frontend.partition import Balanced, Markers, SplitBefore, analyse_cuts, assign_stages, split_graph
 from pipec.compiler.ir.plan import Stage
+from pipec.compiler.request import check_batch
 from pipec.compiler.frontend.annotate import at_shapes, propagate
 from pipec.compiler.frontend.load import ModelSource, instantiate, locate_model
-from pipec.compiler.frontend.tensors import FrontendError, InputSpec, example_inputs, to_dtype
+from pipec.compiler.frontend.tensors import FrontendError, TensorSpec, example_inputs, to_dtype
 from pipec.compiler.frontend.trace import Traced, trace_model
 from pipec.compiler.frontend.weights import EXACT_MAX_PARAMS, INIT_MODES, resolve_init
 
-__all__ = ["ModelRequest", "TracedModel", "InputSpec", "SplitBefore", "Balanced", "Markers", "FrontendError", "INIT_MODES",
+__all__ = ["ModelRequest", "TracedModel", "TensorSpec", "SplitBefore", "Balanced", "Markers", "FrontendError", "INIT_MODES",
            "EXACT_MAX_PARAMS", "microbatch_inputs", "build_stage_graph", "trace_request", "cut_stage_graph", "with_data",
            "with_recompute_stages", "confirm_cut", "resolve_init"]
 
@@ -65,7 +66,7 @@ class ModelRequest:
     and every rank searches them again."""
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Factory arguments (key ``model_args``)."""
-    inputs: tuple[InputSpec, ...]
+    inputs: tuple[TensorSpec, ...]
     """One dp replica's batch (key ``input``); dim 0 is split into microbatches."""
     num_microbatches: int
     num_stages: int
@@ -90,7 +91,7 @@ class ModelRequest:
     """``auto`` | ``module`` | ``exact`` (key ``init``); the result's ``model["init"]`` is never ``auto``."""
     loss: str = "cross_entropy"
     """The last stage's loss (key ``loss``), checked against the targets on meta."""
-    targets: tuple[InputSpec, ...] = ()
+    targets: tuple[TensorSpec, ...] = ()
     """What the loss takes, one dp replica's batch (key ``targets``); empty: derived from the output and the loss."""
     data: str | TokenData = "synthetic"
     """``synthetic``, a token file, or a ``pkg.module:fn`` data function (key ``data``)."""
@@ -98,25 +99,20 @@ class ModelRequest:
     """Replicas: one step reads ``dp`` batches of a token file."""
 
 
-def microbatch_inputs(req: ModelRequest) -> tuple[InputSpec, ...]:
-    """The inputs of one microbatch: dim 0 divided by ``num_microbatches``."""
-    if req.num_microbatches < 1:
-        raise FrontendError(f"microbatches must be at least 1, got {req.num_microbatches}", key="microbatches")
+def microbatch_inputs(req: ModelRequest) -> tuple[TensorSpec, ...]:
+    """The inputs of one microbatch: dim 0 divided by ``num_microbatches`` (at least 1: the driver's
+    schedule rules refuse fewer before the front end runs)."""
+    assert req.num_microbatches >= 1, req.num_microbatches
     if not req.inputs:
         raise FrontendError("a model needs at least one input, e.g. input tokens: int64[16, 128]", key="input")
     out = []
     for spec in req.inputs:
         if not spec.shape:
             raise FrontendError(f"input {spec.name!r} needs a batch dimension (dim 0), got a scalar", key="input")
-        batch = spec.shape[0]
-        if batch % req.num_microbatches:
-            raise FrontendError(
-                f"input {spec.name!r} has batch {batch} (dim 0), which {req.num_microbatches} microbatches do not divide; "
-                f"use a batch that is a multiple of {req.num_microbatches} or a microbatch count dividing {batch}",
-                key="input",
-            )
         to_dtype(spec.dtype, f"input {spec.name!r}'s dtype", "input")
-        out.append(InputSpec(spec.name, spec.dtype, (batch // req.num_microbatches, *spec.shape[1:])))
+    check_batch(req.inputs, req.num_microbatches)
+    for spec in req.inputs:
+        out.append(TensorSpec(spec.name, spec.dtype, (spec.shape[0] // req.num_microbatches, *spec.shape[1:])))
     return tuple(out)
 
 
@@ -139,7 +135,7 @@ class TracedModel:
     src: ModelSource
     init: str
     traced: Traced
-    inputs: tuple[InputSpec, ...]
+    inputs: tuple[TensorSpec, ...]
     """One microbatch's inputs."""
     autocast: str | None
     cuts: Any
@@ -308,7 +304,7 @@ def with_recompute_stages(graph: StageGraph, recompute: frozenset[int]) -> Stage
     return replace(graph, stages=stages, recompute=frozenset(recompute), graph=make_graph(stages, graph.edges, graph.ties))
 
 
-def _model_record(src: ModelSource, req: ModelRequest, traced: Traced, inputs: Sequence[InputSpec], *, traced_on: str,
+def _model_record(src: ModelSource, req: ModelRequest, traced: Traced, inputs: Sequence[TensorSpec], *, traced_on: str,
                   init: str, notes: Sequence[str], data: Mapping[str, Any]) -> dict[str, Any]:
     """plan.json's ``model``. ``target`` is cwd-independent (a model file's absolute path); ``data`` describes
     one replica's inputs and targets (:mod:`.data`); ``search_path``, ``notes`` (what the user should be told,

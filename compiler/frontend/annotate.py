@@ -19,7 +19,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from pipec.compiler.frontend.tensors import FrontendError, InputSpec, storage_key, to_dtype
+from pipec.compiler.frontend.tensors import FrontendError, TensorSpec, storage_key, to_dtype
 from pipec.compiler.frontend.trace import Traced
 
 __all__ = ["PROPAGATED", "propagate", "at_shapes"]
@@ -114,7 +114,7 @@ def propagate(traced: Traced, example: Mapping[str, torch.Tensor], *, fake_mode:
         probe.run(*args)
 
 
-def at_shapes(traced: Traced, inputs: tuple[InputSpec, ...]) -> Traced:
+def at_shapes(traced: Traced, inputs: tuple[TensorSpec, ...]) -> Traced:
     """An fx trace for inputs of other shapes, ready for :func:`propagate`: its graph copied (the same
     nodes and names, on the same model) without the annotations :func:`propagate` made. fx traces without
     looking at shapes, so tracing again would give this graph; torch.export specialises on them (trace

@@ -37,7 +37,7 @@ from torch.fx import Node
 
 from pipec.compiler.config import TOKEN_DTYPES, TokenData
 from pipec.compiler.frontend.load import load_factory
-from pipec.compiler.frontend.tensors import FrontendError, InputSpec, dtype_name, to_dtype
+from pipec.compiler.frontend.tensors import FrontendError, TensorSpec, dtype_name, to_dtype
 from pipec.compiler.frontend.trace import Traced
 from pipec.errors import PipecError, UserCodeError
 
@@ -127,7 +127,7 @@ def _embedding_size(traced: Traced, node: Node, depth: int = 0) -> int | None:
     return None
 
 
-def _int_input(traced: Traced, spec: InputSpec) -> dict[str, Any]:
+def _int_input(traced: Traced, spec: TensorSpec) -> dict[str, Any]:
     placeholder = next((n for n in traced.gm.graph.nodes if n.op == "placeholder" and n.name == spec.name), None)
     high = _embedding_size(traced, placeholder) if placeholder is not None else None
     if high is not None:
@@ -206,7 +206,7 @@ def _check_loss(loss: str, output: torch.Tensor, target: dict[str, Any], mb: int
         raise err
 
 
-def _declared_target(t: InputSpec, output: torch.Tensor, loss: str, batch: int, key: str) -> dict[str, Any]:
+def _declared_target(t: TensorSpec, output: torch.Tensor, loss: str, batch: int, key: str) -> dict[str, Any]:
     target = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
               "fill": "classes" if not to_dtype(t.dtype, f"targets {t.name!r}'s dtype", key).is_floating_point
               else "regression"}
@@ -218,7 +218,7 @@ def _declared_target(t: InputSpec, output: torch.Tensor, loss: str, batch: int, 
     return target
 
 
-def describe_data(traced: Traced, *, loss: str, num_microbatches: int, targets: Sequence[InputSpec] = (),
+def describe_data(traced: Traced, *, loss: str, num_microbatches: int, targets: Sequence[TensorSpec] = (),
                   search_path: Sequence[str] = (), derive: bool = True, declared_by: str = "targets") -> dict[str, Any]:
     """plan.json's ``model["data"]``: what synthetic inputs and targets look like, for one dp replica's batch.
 
@@ -253,13 +253,13 @@ def describe_data(traced: Traced, *, loss: str, num_microbatches: int, targets: 
 
 
 def data_of(traced: Traced, *, data: str | TokenData, loss: str, num_microbatches: int, dp: int,
-            targets: Sequence[InputSpec] = (), search_path: Sequence[str] = ()) -> dict[str, Any]:
+            targets: Sequence[TensorSpec] = (), search_path: Sequence[str] = ()) -> dict[str, Any]:
     """plan.json's ``model["data"]`` for the run's data (see the module docstring); refuses, naming the key,
     a token file the model cannot read or that cannot be read, and a data function that cannot be found."""
     common = dict(loss=loss, num_microbatches=num_microbatches, search_path=search_path)
     if isinstance(data, TokenData):
         tokens = _token_input(traced, num_microbatches, data)
-        implied = InputSpec("target", "int64", tokens.shape)  # each row's next tokens
+        implied = TensorSpec("target", "int64", tokens.shape)  # each row's next tokens
         desc = describe_data(traced, targets=(implied,), declared_by="data", **common)
         high = desc["inputs"][0].get("high") if desc["inputs"][0]["fill"] == "tokens" else None
         map_tokens(data.path, dtype=data.dtype, seq=tokens.shape[1], batch=tokens.shape[0], dp_size=dp, vocab=high)
@@ -270,7 +270,7 @@ def data_of(traced: Traced, *, data: str | TokenData, loss: str, num_microbatche
     return describe_data(traced, targets=targets, **common)
 
 
-def _token_input(traced: Traced, mb: int, data: TokenData) -> InputSpec:
+def _token_input(traced: Traced, mb: int, data: TokenData) -> TensorSpec:
     """The model's one int64 ``[B, T]`` input (one replica's batch), which a token file feeds."""
     ins = traced.inputs
     if len(ins) != 1 or ins[0].dtype != "int64" or len(ins[0].shape) != 2:
@@ -279,7 +279,7 @@ def _token_input(traced: Traced, mb: int, data: TokenData) -> InputSpec:
                             f"inputs (one microbatch) are {got}", key="data",
                             hints=("use a data function for other inputs, or write input tokens: int64[B, T]",))
     spec = ins[0]
-    return InputSpec(spec.name, spec.dtype, (spec.shape[0] * mb, spec.shape[1]))
+    return TensorSpec(spec.name, spec.dtype, (spec.shape[0] * mb, spec.shape[1]))
 
 
 def map_tokens(path: str, *, dtype: str, seq: int, batch: int, dp_size: int, vocab: int | None = None) -> np.ndarray:

@@ -20,7 +20,8 @@ import sys
 import tempfile
 from dataclasses import replace
 
-from pipec.compiler.ir.plan import Overhead, Plan, read_overhead, read_links
+from pipec.compiler.ir.plan import Overhead, Plan
+from pipec.compiler.ir.plan_json import read_overhead, read_links
 from pipec.compiler.ir.schema import Reader, SchemaError
 
 __all__ = ["measure_links", "PROBE_RANKS", "PROBE_TIMEOUT_S"]

@@ -1,32 +1,22 @@
 """What the front end's passes share: their error, and tensors described by name.
 
-:class:`InputSpec` is one model input as the schedule file declares it; :func:`to_dtype` and
+:class:`~pipec.compiler.request.TensorSpec` (the language's type) is one model input; :func:`to_dtype` and
 :func:`dtype_name` map dtype names to torch and back; :func:`example_inputs` makes the tensors a trace
 runs on; :func:`storage_key` tells storages apart (meta and fake ones included).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from pipec.compiler.request import TensorSpec
 from pipec.errors import PipecError
 
-__all__ = ["FrontendError", "InputSpec", "to_dtype", "dtype_name", "example_inputs", "storage_key"]
+__all__ = ["FrontendError", "TensorSpec", "to_dtype", "dtype_name", "example_inputs", "storage_key"]
 
 
 class FrontendError(PipecError):
     """A model, its inputs or a partition the front end cannot handle; the message says how to fix it."""
-
-
-@dataclass(frozen=True, slots=True)
-class InputSpec:
-    """One model input: forward's argument ``name``, ``dtype`` (``"int64"``) and ``shape``."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
 
 
 def to_dtype(name: str, what: str = "dtype", key: str | None = None) -> torch.dtype:
@@ -41,7 +31,7 @@ def dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
-def example_inputs(inputs: tuple[InputSpec, ...], *, device: str = "meta") -> dict[str, torch.Tensor]:
+def example_inputs(inputs: tuple[TensorSpec, ...], *, device: str = "meta") -> dict[str, torch.Tensor]:
     """Zero tensors of the given shapes (zeros are valid token ids)."""
     return {s.name: torch.zeros(s.shape, dtype=to_dtype(s.dtype, f"input {s.name}'s dtype", "input"), device=device)
             for s in inputs}

@@ -28,7 +28,7 @@ from torch import nn
 from torch.fx import GraphModule, Node, Tracer
 
 from pipec.compiler.frontend.fingerprint import fingerprint
-from pipec.compiler.frontend.tensors import FrontendError, InputSpec
+from pipec.compiler.frontend.tensors import FrontendError, TensorSpec
 
 __all__ = ["TRACE_PATHS", "Traced", "pipe_split", "is_pipe_split", "trace_model", "module_path", "compute_nodes"]
 
@@ -90,7 +90,7 @@ class Traced:
     model: nn.Module
     path: str
     """``"fx"`` or ``"export"``."""
-    inputs: tuple[InputSpec, ...]
+    inputs: tuple[TensorSpec, ...]
     fingerprint: str
     fingerprint_parts: Mapping[str, str]
     canonical: Mapping[str, str]
@@ -178,7 +178,7 @@ def compute_nodes(gm: GraphModule) -> list[Node]:
 
 def trace_model(
     model: nn.Module,
-    inputs: tuple[InputSpec, ...],
+    inputs: tuple[TensorSpec, ...],
     example: Mapping[str, torch.Tensor],
     *,
     mode: str = "auto",

@@ -1,34 +1,28 @@
-"""plan.json (format ``pipec.plan/1``): the compiled plan, its types, reader and writer.
+"""The plan's types and their checks: what plan.json holds, in memory.
 
-Every part of the compiler writes its fields (see DESIGN.md): the language
-writes ``spec``, the tracer ``model``, the partitioner ``stages``, ``edges``
-and ``ties``, the lowering ``ranks`` (here: ``program``), the simulator
-``prediction``. A schedule-only plan has no ``model``, unit costs and
-stages without signatures. :func:`read_plan` checks the whole schema and
-names the exact field of a malformed file; inputs beyond :data:`LIMITS` are
-refused, not attempted.
-
-About 700 lines: the format's value types (the :class:`Mesh` with its rank and
-node arithmetic among them), its writer and its schema-checking reader change
-together with every new field, so they stay in one module.
+A :class:`Plan` is what every part of the compiler fills in (see DESIGN.md):
+the language's resolved ``spec``, the tracer's ``model``, the partitioner's
+``stages``, ``edges`` and ``ties``, the lowering's ``program``, the
+simulator's ``prediction``; a schedule-only plan has no ``model``, unit costs
+and stages without signatures. The :class:`Mesh` does the rank and node
+arithmetic, and :func:`check_shard`, :func:`check_nodes` and
+:func:`check_limits` refuse what cannot run. plan.json itself (the writer and
+the reader of both formats) is :mod:`pipec.compiler.ir.plan_json`.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from pipec.compiler.ir.program import DP_GROUPS, FIELDS, GROUP_OPS, IRError, Instruction, Op, Program
-from pipec.compiler.ir.schema import Reader, SchemaError
+from pipec.compiler.ir.program import Program
+from pipec.compiler.ir.schema import SchemaError
 from pipec.compiler.ir.timeline import Timeline
+from pipec.compiler.limits import LIMITS
 from pipec.errors import PipecError
-from pipec.schedules.order import gc_paused
 from pipec.schedules.timing import UNIT, Cost
 
 __all__ = [
-    "FORMAT",
-    "LIMITS",
     "PlanError",
     "Signature",
     "Cost",
@@ -38,27 +32,16 @@ __all__ = [
     "Link",
     "Measured",
     "Overhead",
+    "DEFAULT_LINKS",
     "SHARD_MODES",
     "Mesh",
     "check_shard",
     "check_nodes",
     "check_node_size",
+    "check_limits",
     "Plan",
     "chain_edges",
-    "check_limits",
-    "read_plan",
-    "read_links",
-    "read_overhead",
-    "load_plan",
-    "write_plan",
-    "plan_to_json",
 ]
-
-FORMAT = "pipec.plan/1"
-
-LIMITS = {"pp": 4096, "num_stages": 65536, "num_microbatches": 65536, "instructions": 5_000_000}
-"""Checked before lowering and when reading a plan."""
-
 
 class PlanError(SchemaError):
     """A plan file is unreadable, malformed, or beyond the limits."""
@@ -154,7 +137,8 @@ class Measured:
     """The machine the probe ran on (the first rank's host name)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"at": self.at, "backend": self.backend, "ranks": self.num_ranks} | ({"host": self.host} if self.host else {})
+        out = {"at": self.at, "backend": self.backend, "ranks": self.num_ranks}
+        return out | ({"host": self.host} if self.host else {})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -346,10 +330,12 @@ class Plan:
     overhead: Overhead | None = None
     """The executor's host time per instruction kind (None: free, as in plans before it was measured)."""
     spec: Mapping[str, Any] = field(default_factory=dict)
+    """plan.json's ``spec``: the resolved keys that the plan's other fields do not hold (the schedule, the
+    model's input and partition, costs, the training settings; :meth:`~pipec.compiler.request.CompileRequest.
+    spec_json` writes it from the compile request)."""
     model: Mapping[str, Any] | None = None
     prediction: Timeline | None = None
     pipec_version: str = ""
-    format: str = FORMAT
 
     def __post_init__(self) -> None:
         if not self.edges and self.num_stages > 1:
@@ -372,143 +358,13 @@ class Plan:
         return self.tie(name).ranks(self.placement)
 
 
-# ----------------------------------------------------------------------------- writing
-
-
-def _instr_json(ins: Instruction) -> dict[str, Any]:
-    d: dict[str, Any] = {"op": ins.op.value}
-    for name in FIELDS[ins.op]:
-        d[name] = getattr(ins, name)
-    if ins.batch is not None:
-        d["batch"] = ins.batch
-    return d
-
-
-def _mesh_json(mesh: Mesh) -> dict[str, Any]:
-    """plan.json's ``mesh``: ``shard``, ``shard_size`` and ``devices_per_node`` only when set (absent: none,
-    all of dp, not said)."""
-    out: dict[str, Any] = {"pp": mesh.pp, "dp": mesh.dp}
-    if mesh.shard != "none":
-        out["shard"] = mesh.shard
-    if mesh.shard_size is not None:
-        out["shard_size"] = mesh.shard_size
-    if mesh.devices_per_node is not None:
-        out["devices_per_node"] = mesh.devices_per_node
-    return out
-
-
-def _link_json(link: Link) -> dict[str, Any]:
-    out: dict[str, Any] = {"latency_s": link.latency_s, "bandwidth_Bps": link.bandwidth_Bps}
-    if link.measured is not None:
-        out["measured"] = link.measured.to_json()
-    return out
-
-
-def _sig_json(s: Signature) -> dict[str, Any]:
-    return {"name": s.name, "shape": list(s.shape), "dtype": s.dtype}
-
-
-def plan_to_json(plan: Plan) -> dict[str, Any]:
-    """The plan as a JSON-ready dict (``ranks`` included)."""
-    out: dict[str, Any] = {"format": plan.format, "pipec_version": plan.pipec_version, "spec": dict(plan.spec)}
-    if plan.model is not None:
-        out["model"] = dict(plan.model)
-    out["mesh"] = _mesh_json(plan.mesh)
-    out["num_stages"] = plan.num_stages
-    out["num_microbatches"] = plan.num_microbatches
-    out["placement"] = list(plan.placement)
-    stages = []
-    for st in plan.stages:
-        d: dict[str, Any] = {
-            "stage": st.stage,
-            "rank": st.rank,
-            "nodes": list(st.nodes),
-            "params": list(st.params),
-            "inputs": [_sig_json(s) for s in st.inputs],
-            "outputs": [_sig_json(s) for s in st.outputs],
-            "cost": {"fwd": st.cost.fwd, "bwd": st.cost.bwd, "bwd_i": st.cost.bwd_i, "bwd_w": st.cost.bwd_w,
-                     "optim": st.cost.optim},
-        }
-        if st.activation_bytes is not None:
-            d["activation_bytes"] = st.activation_bytes
-        if st.param_bytes is not None:
-            d["param_bytes"] = st.param_bytes
-        if st.num_params is not None:
-            d["num_params"] = st.num_params
-        if st.param_shapes:
-            d["param_shapes"] = [list(shape) for shape in st.param_shapes]
-        stages.append(d)
-    out["stages"] = stages
-    out["edges"] = [
-        {"src_stage": e.src_stage, "dst_stage": e.dst_stage, "tensors": [_sig_json(t) for t in e.tensors]}
-        for e in plan.edges
-    ]
-    out["ties"] = [
-        {"name": t.name, "stages": list(t.stages), "params": list(t.params)}
-        | ({} if t.num_bytes is None else {"num_bytes": t.num_bytes})
-        for t in plan.ties
-    ]
-    out["links"] = {k: _link_json(v) for k, v in plan.links.items()}
-    if plan.overhead is not None:
-        out["overhead"] = {"seconds": dict(plan.overhead.seconds)} | (
-            {} if plan.overhead.measured is None else {"measured": plan.overhead.measured.to_json()})
-    out["ranks"] = [
-        {"rank": r, "instructions": [_instr_json(i) for i in instrs]} for r, instrs in enumerate(plan.program.ranks)
-    ]
-    if plan.prediction is not None:
-        out["prediction"] = plan.prediction.to_json()
-    return out
-
-
-_OP_NAME = {op: op.value for op in Op}  # Enum.value is a slow property on this hot path
-
-
-def _instr_line(ins: Instruction) -> str:
-    """One instruction as compact JSON, formatted directly (json.dumps per instruction is the slow part)."""
-    op = ins.op
-    name = _OP_NAME[op]
-    if op is Op.FWD or op is Op.BWD or op is Op.BWD_I or op is Op.BWD_W:
-        return f'{{"op":"{name}","stage":{ins.stage},"microbatch":{ins.microbatch}}}'
-    if op is Op.OPTIM_STEP:
-        return '{"op":"OPTIM_STEP"}'
-    if op in GROUP_OPS:
-        return f'{{"op":"{name}","stage":{ins.stage},"group":{json.dumps(ins.group)}}}'
-    other = f'"to_stage":{ins.to_stage}' if ins.to_stage is not None else f'"from_stage":{ins.from_stage}'
-    batch = "" if ins.batch is None else f',"batch":{ins.batch}'
-    return f'{{"op":"{name}","stage":{ins.stage},"microbatch":{ins.microbatch},{other},"peer":{ins.peer}{batch}}}'
-
-
-def write_plan(plan: Plan, path: str) -> None:
-    """Write plan.json: small fields indented, one instruction and one event per line."""
-    head = plan_to_json(replace(plan, program=Program(()), prediction=None))
-    del head["ranks"]
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(head, indent=1)[:-2])  # without the closing "\n}"
-        f.write(',\n "ranks": [')
-        for r, instrs in enumerate(plan.program.ranks):
-            f.write(("," if r else "") + f'\n  {{"rank": {r}, "instructions": [\n   ')
-            f.write(",\n   ".join(map(_instr_line, instrs)))
-            f.write("\n  ]}")
-        f.write("\n ]")
-        if plan.prediction is not None:
-            pred = plan.prediction.to_json(events=False)
-            f.write(',\n "prediction": ' + json.dumps(pred, separators=(",", ":"))[:-1])
-            f.write(',"events":[\n   ')
-            f.write(",\n   ".join(
-                f'[{e.rank},{json.dumps(e.op)},{e.start!r},{e.end!r}]' for e in plan.prediction.events))
-            f.write("\n ]}")
-        f.write("\n}\n")
-
-
-# ----------------------------------------------------------------------------- reading
-
-
 def check_limits(*, pp: int, num_stages: int, num_microbatches: int, instructions: int | None = None) -> None:
     """Refuse configurations beyond DESIGN's limits, before any work is done."""
     got = {"pp": pp, "num_stages": num_stages, "num_microbatches": num_microbatches}
     if instructions is not None:
         got["instructions"] = instructions
-    names = {"pp": "pp ranks", "num_stages": "stages", "num_microbatches": "microbatches", "instructions": "instructions"}
+    names = {"pp": "pp ranks", "num_stages": "stages", "num_microbatches": "microbatches",
+             "instructions": "instructions"}
     for key, value in got.items():
         if value > LIMITS[key]:
             raise PlanError(
@@ -516,222 +372,3 @@ def check_limits(*, pp: int, num_stages: int, num_microbatches: int, instruction
                 f"use at most {LIMITS[key]} {names[key]}"
             )
 
-
-def _sigs(rd: Reader, key: str) -> tuple[Signature, ...]:
-    out = []
-    for s in rd.items(key, required=False):
-        out.append(Signature(s.str("name"), s.ints("shape", lo=0), s.str("dtype")))
-    return tuple(out)
-
-
-_GROUPS_OF = {Op.ALLREDUCE: ("dp", "dp.replicate"), Op.UNSHARD: DP_GROUPS[:2], Op.RESHARD: DP_GROUPS[:2],
-              Op.REDUCE_SCATTER: DP_GROUPS[:2]}
-"""The dp groups each group opcode may name (an all-reduce also a tie group)."""
-
-
-def _shapes(rd: Reader, num_params: int) -> tuple[tuple[int, ...], ...]:
-    """A stage's ``param_shapes``: absent, or one shape per parameter."""
-    raw = rd.list("param_shapes", required=False)
-    if raw is None:
-        return ()
-    if len(raw) != num_params or not all(isinstance(sh, list) and all(type(d) is int and d >= 0 for d in sh)
-                                         for sh in raw):
-        raise rd.error("param_shapes", f"expected one shape (a list of sizes) per parameter ({num_params})",
-                       raw)
-    return tuple(tuple(sh) for sh in raw)
-
-
-def _read_instructions(rd: Reader, num_ranks: int, num_stages: int, num_mb: int) -> Program:
-    ranks = []
-    seen = 0
-    for r, rank_rd in enumerate(rd.items("ranks")):
-        got_rank = rank_rd.int("rank")
-        if got_rank != r:
-            raise rank_rd.error("rank", f"expected {r} (ranks are listed in order)", got_rank)
-        raw = rank_rd.list("instructions")
-        seen += len(raw)
-        if seen > LIMITS["instructions"]:
-            raise PlanError(f"{rd.where}.ranks: more than {LIMITS['instructions']} instructions; refused")
-        out = []
-        bounds = {"stage": num_stages, "to_stage": num_stages, "from_stage": num_stages, "microbatch": num_mb, "peer": num_ranks}
-        for i, d in enumerate(raw):
-            where = f"{rd.where}.ranks[{r}].instructions[{i}]"
-            if not isinstance(d, dict):
-                raise PlanError(f"{where}: expected an object, got {d!r:.60}")
-            try:
-                op = Op(d.get("op"))
-            except ValueError:
-                raise PlanError(
-                    f"{where}.op: unknown opcode {d.get('op')!r}; expected one of "
-                    + ", ".join(o.value for o in Op)
-                ) from None
-            kw: dict[str, Any] = {}
-            for name in FIELDS[op]:
-                v = d.get(name)
-                if name == "group":
-                    if not isinstance(v, str) or v not in _GROUPS_OF[op] and not (
-                            op is Op.ALLREDUCE and v.startswith("tie.")):
-                        want = ("'dp' or 'tie.<name>' (HSDP: 'dp.replicate')" if op is Op.ALLREDUCE else
-                                "'dp' or 'dp.shard' (HSDP)")
-                        raise PlanError(f"{where}.group: expected {want}, got {v!r:.60}")
-                elif type(v) is not int or not 0 <= v < bounds[name]:
-                    raise PlanError(f"{where}.{name}: expected an integer in 0..{bounds[name] - 1}, got {v!r:.60}")
-                kw[name] = v
-            extra = set(d) - set(FIELDS[op]) - {"op", "batch"}
-            if extra:
-                raise PlanError(f"{where}: {op.value} takes no field {sorted(extra)[0]!r}")
-            b = d.get("batch")
-            if b is not None:
-                if type(b) is not int or b < 0:
-                    raise PlanError(f"{where}.batch: expected a non-negative integer, got {b!r:.60}")
-                if op in GROUP_OPS or op is Op.OPTIM_STEP or op in (Op.FWD, Op.BWD, Op.BWD_I, Op.BWD_W):
-                    raise PlanError(f"{where}.batch: only sends and receives can be batched, not {op.value}")
-                kw["batch"] = b
-            out.append(Instruction(op, **kw))
-        ranks.append(tuple(out))
-    if len(ranks) != num_ranks:
-        raise PlanError(f"{rd.where}.ranks: expected {num_ranks} ranks (mesh.pp), got {len(ranks)}")
-    return Program(tuple(ranks))
-
-
-def load_plan(obj: Any, where: str = "plan") -> Plan:
-    """Build a :class:`Plan` from parsed JSON, checking the whole schema."""
-    try:
-        rd = Reader(obj, where)
-        fmt = rd.str("format")
-        if fmt != FORMAT:
-            raise rd.error("format", f"expected {FORMAT!r}", fmt)
-        mesh_rd = rd.sub("mesh")
-        mesh = Mesh(pp=mesh_rd.int("pp", lo=1), dp=mesh_rd.int("dp", lo=1),
-                    shard=mesh_rd.str("shard", required=False, choices=SHARD_MODES) or "none",
-                    shard_size=mesh_rd.int("shard_size", lo=1, required=False),
-                    devices_per_node=mesh_rd.int("devices_per_node", lo=1, required=False))
-        try:
-            check_shard(mesh)
-            check_nodes(mesh)
-        except PipecError as e:
-            raise PlanError(f"{where}.mesh.{e.key}: {e}") from None
-        num_stages = rd.int("num_stages", lo=1)
-        num_mb = rd.int("num_microbatches", lo=1)
-        check_limits(pp=mesh.pp, num_stages=num_stages, num_microbatches=num_mb)
-        placement = rd.ints("placement", lo=0, hi=mesh.pp - 1)
-        if len(placement) != num_stages:
-            raise rd.error("placement", f"expected one pp rank per stage ({num_stages})", list(placement))
-        stages = []
-        for i, s in enumerate(rd.items("stages", required=False)):
-            c = s.sub("cost", required=False)
-            cost = UNIT_COST if c is None else Cost(
-                fwd=c.num("fwd", lo=0), bwd=c.num("bwd", lo=0), bwd_i=c.num("bwd_i", lo=0), bwd_w=c.num("bwd_w", lo=0),
-                optim=c.num("optim", lo=0, required=False) or 0.0,
-            )
-            params = s.strs("params", required=False) or ()
-            stage = Stage(
-                stage=s.int("stage", lo=0, hi=num_stages - 1),
-                rank=s.int("rank", lo=0, hi=mesh.pp - 1),
-                nodes=s.strs("nodes", required=False) or (),
-                params=params,
-                inputs=_sigs(s, "inputs"),
-                outputs=_sigs(s, "outputs"),
-                cost=cost,
-                activation_bytes=s.int("activation_bytes", lo=0, required=False),
-                param_bytes=s.int("param_bytes", lo=0, required=False),
-                num_params=s.int("num_params", lo=0, required=False),
-                param_shapes=_shapes(s, len(params)),
-            )
-            if stage.stage != i:
-                raise s.error("stage", f"expected {i} (stages are listed in order)", stage.stage)
-            if stage.rank != placement[i]:
-                raise s.error("rank", f"expected {placement[i]} (placement[{i}])", stage.rank)
-            stages.append(stage)
-        if stages and len(stages) != num_stages:
-            raise rd.error("stages", f"expected {num_stages} stages", f"{len(stages)} stages")
-        edges = tuple(
-            Edge(
-                src_stage=e.int("src_stage", lo=0, hi=num_stages - 1),
-                dst_stage=e.int("dst_stage", lo=0, hi=num_stages - 1),
-                tensors=_sigs(e, "tensors"),
-            )
-            for e in rd.items("edges", required=False)
-        )
-        ties = tuple(
-            Tie(
-            name=t.str("name"),
-            stages=t.ints("stages", lo=0, hi=num_stages - 1),
-            params=t.strs("params"),
-            num_bytes=t.int("num_bytes", lo=0, required=False),
-        )
-            for t in rd.items("ties", required=False)
-        )
-        links = read_links(rd)
-        overhead = read_overhead(rd)
-        program = _read_instructions(rd, mesh.pp, num_stages, num_mb)
-        pred = rd.dict("prediction", required=False)
-        return Plan(
-            mesh=mesh,
-            num_stages=num_stages,
-            num_microbatches=num_mb,
-            placement=placement,
-            program=program,
-            stages=tuple(stages),
-            edges=edges,
-            ties=ties,
-            links=links,
-            overhead=overhead,
-            spec=rd.dict("spec", required=False) or {},
-            model=rd.dict("model", required=False),
-            prediction=None if pred is None else Timeline.from_json(pred, f"{where}.prediction"),
-            pipec_version=rd.str("pipec_version", required=False) or "",
-        )
-    except (SchemaError, IRError) as e:
-        if isinstance(e, PlanError):
-            raise
-        raise PlanError(str(e)) from None
-
-
-def _read_measured(rd: Reader) -> Measured | None:
-    m = rd.sub("measured", required=False)
-    if m is None:
-        return None
-    return Measured(at=m.str("at"), backend=m.str("backend"), num_ranks=m.int("ranks", lo=1, required=False) or 2,
-                    host=m.str("host", required=False) or "")
-
-
-def read_links(rd: Reader) -> dict[str, Link]:
-    """The ``links`` of a plan (or of a probe's links file): every axis given, over the defaults."""
-    links_rd = rd.sub("links", required=False)
-    links = dict(DEFAULT_LINKS)
-    if links_rd is not None:
-        for axis in links_rd.obj:
-            lk = links_rd.sub(axis)
-            links[axis] = Link(latency_s=lk.num("latency_s", lo=0), bandwidth_Bps=lk.num("bandwidth_Bps", lo=1e-30),
-                               measured=_read_measured(lk))
-    return links
-
-
-def read_overhead(rd: Reader) -> Overhead | None:
-    """A plan's ``overhead`` (absent in plans from before it was measured)."""
-    o = rd.sub("overhead", required=False)
-    if o is None:
-        return None
-    secs = o.sub("seconds")
-    names = {op.value for op in Op}
-    for name in secs.obj:
-        if name not in names:
-            raise secs.error(name, "expected an opcode name (" + ", ".join(sorted(names)) + ")", name)
-    return Overhead(seconds={name: secs.num(name, lo=0) for name in secs.obj}, measured=_read_measured(o))
-
-
-def read_plan(path: str) -> Plan:
-    """Read and schema-check a plan file; errors name the file and the field."""
-    try:
-        with open(path, encoding="utf-8") as f, gc_paused():
-            obj = json.load(f)
-    except OSError as e:
-        raise PlanError(f"{path}: cannot read plan: {e.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PlanError(f"{path}: not a JSON file: {e}") from None
-    try:
-        with gc_paused():
-            return load_plan(obj)
-    except PlanError as e:
-        raise PlanError(f"{path}: {e}") from None
