@@ -8,7 +8,16 @@ at the sizes of the stages' parameters and tied weights (and the all-gather
 for a sharded plan), and the executor's host time per instruction kind; the
 plan then carries them as its ``links`` (each marked measured) and its
 ``overhead``. Explicit ``links`` in the schedule file win (the caller does not
-probe). A probe that fails leaves the default links and says why.
+probe). A probe that fails, or runs past :data:`PROBE_TIMEOUT_S` (its ranks are
+stopped), leaves the default links and says why.
+
+Who owns what: this module owns what the plan needs (the sizes, read off its
+edges, stages and ties; the job's command line; its file read with the plan's
+own schema reader; the cache; the scaling under load); runtime/linkprobe.py owns
+the measuring, which must time the runtime's own transport and executor. A link
+has two ends, so the probe is two processes however the code is split: the seam
+is the job's command line and its file, and the probe's use of the compiler (a
+small plan compiled to time the executor on) is the allowed direction.
 """
 
 from __future__ import annotations
