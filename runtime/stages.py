@@ -32,7 +32,7 @@ from pipec.compiler.frontend.annotate import propagate
 from pipec.compiler.frontend.load import instantiate
 from pipec.compiler.frontend.partition import Split, split_graph
 from pipec.compiler.frontend.stages import StageModule, materialize
-from pipec.compiler.frontend.tensors import FrontendError, InputSpec, example_inputs
+from pipec.compiler.frontend.tensors import FrontendError, TensorSpec, example_inputs
 from pipec.compiler.frontend.trace import Traced, trace_model
 from pipec.compiler.frontend.weights import INIT_MODES, initial_values, resolve_init
 from pipec.compiler.ir.plan import Plan
@@ -63,7 +63,7 @@ class _PlanModel:
     target: str
     kwargs: Mapping[str, Any]
     search_path: tuple[str, ...]
-    inputs: tuple[InputSpec, ...]
+    inputs: tuple[TensorSpec, ...]
     init: str | None
     """The ``init`` the compiler resolved (absent in older plans)."""
 
@@ -91,7 +91,7 @@ def _plan_model(plan: Plan) -> _PlanModel:
     return _PlanModel(
         target=str(model["target"]), kwargs=dict(model.get("kwargs") or {}),
         search_path=tuple(str(f) for f in model.get("search_path") or ()),
-        inputs=tuple(InputSpec(str(i["name"]), str(i["dtype"]), tuple(int(d) for d in i["shape"])) for i in raw),
+        inputs=tuple(TensorSpec(str(i["name"]), str(i["dtype"]), tuple(int(d) for d in i["shape"])) for i in raw),
         init=model.get("init"),
     )
 
