@@ -55,7 +55,7 @@ def _report(diagnostics) -> None:
 def cmd_compile(args: argparse.Namespace) -> int:
     from pipec.compiler.driver import compile_spec
     from pipec.compiler.ir.plan_json import write_plan
-    from pipec.views.terminal import format_time
+    from pipec.views.common import format_time
 
     compiled = compile_spec(_spec(args))
     _report(compiled.diagnostics)
@@ -168,7 +168,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
         plan = prove_and_predict(plan)
     measured, dp, resim = _load_measured(args.measured) if args.measured else (None, None, None)
-    from pipec.views.terminal import render_image, show
+    from pipec.views.picture import render_image
+    from pipec.views.summary import show
 
     title = args.file
     predicted = plan.prediction

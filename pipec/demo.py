@@ -35,7 +35,7 @@ GPT_RUNS = (
 
 def compare_schedules(console: Console, ranks: int, microbatches: int) -> None:
     from pipec.compiler.driver import compile_plan
-    from pipec.views.terminal import render_terminal
+    from pipec.views.timeline import render_terminal
 
     console.rule(f"[bold]1. schedules[/]: {ranks} pp ranks, {microbatches} microbatches, unit costs (F=1, B=2, I=W=1)")
     rows = []
@@ -69,7 +69,8 @@ def _run(cmd: list[str], timeout: float) -> int:
 def run_gpt(console: Console, out: str, steps: int, timeout: float) -> list[tuple]:
     from pipec.compiler.driver import compile_spec
     from pipec.compiler.ir.plan_json import write_plan
-    from pipec.views.terminal import render_image, render_terminal
+    from pipec.views.picture import render_image
+    from pipec.views.timeline import render_terminal
     from pipec.compiler.ir.timeline import Timeline
     from pipec.dsl import load_spec
 

@@ -36,11 +36,13 @@ placeholder, so a schedule-only plan runs and the accounting can be checked
 against the prediction; comm, collectives and the optimizer step run as usual
 (an ``UNSHARD`` or ``REDUCE_SCATTER`` is a one-element all-reduce over its group).
 
-Why one module of ~740 lines: every handler reads and writes the same
-per-step state (buffers received, outputs and grads kept for their users,
-posted all-gathers, pending reductions, the timed spans and waits), and the
-tables that choose them are built together in one constructor; split apart,
-that state would travel through every call.
+A step's state (buffers received, outputs and grads kept for their users,
+posted all-gathers, pending reductions, the timed spans and waits) is one
+:class:`StepState`, made fresh by :meth:`Executor.run_step`, so nothing a
+step leaves behind reaches the next. Why one module of ~830 lines: every
+handler reads and writes that state, and the tables that choose them are
+built together in one constructor; split apart, the handlers would reach it
+through every call.
 """
 
 from __future__ import annotations
@@ -55,22 +57,15 @@ import torch
 from pipec.compiler.ir.program import DP_GROUPS, SHARD_OPS, Instruction, Op, message_edge
 from pipec.compiler.ir.plan import UNIT_COST, Plan, Signature
 from pipec.compiler.ir.timeline import Event
-from pipec.errors import EXIT_RUN, PipecError, RunFailed
+from pipec.errors import EXIT_RUN, PipecError
 from pipec.runtime.clock import CudaClock, HostClock
 from pipec.compiler.frontend.deferred import WeightGradStash, defer_weight_grads
+from pipec.runtime.failures import RunError
 from pipec.runtime.sharding import local_grad
 from pipec.runtime.transport import P2P, Transport
 from pipec.schedules.order import gc_paused
 
-__all__ = ["RunError", "PlanMismatch", "RankStep", "Executor", "WAIT_PREFIX"]
-
-WAIT_PREFIX = "~"
-"""A measured event whose op is ``~`` + an instruction's text is time that instruction spent waiting (for its own
-posts, the reductions it needs, or a peer), before its own work; the views draw it as waiting."""
-
-
-class RunError(RunFailed):
-    """A failure during execution, named by global rank, (pp, dp) and instruction."""
+__all__ = ["RunError", "PlanMismatch", "RankStep", "StepState", "Executor"]
 
 
 class PlanMismatch(PipecError):
@@ -106,6 +101,50 @@ class RankStep:
     peak_memory_bytes: int | None = None
     state_bytes: dict[str, int] | None = None
     """Bytes of parameters, grads and optimizer state held after the optimizer step (runtime/sharding.py)."""
+
+
+@dataclass(slots=True, kw_only=True)
+class StepState:
+    """What one step's handlers read and write, made fresh by :meth:`Executor.run_step` (so nothing one step leaves
+    behind reaches the next). Times are the clock's tokens, resolved into seconds after the step."""
+
+    inputs: Sequence[Mapping[str, torch.Tensor]] | None
+    """Per microbatch: the model's inputs by name (None under ``emulate``)."""
+    targets: Sequence[Any] | None
+    """Per microbatch: what the last stage's loss compares with."""
+    result: RankStep
+    """What the step measured (:meth:`Executor.finish_accounting` fills it in)."""
+    outputs: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
+    """(stage, microbatch) -> its forward's outputs by name, kept for its sends and local consumers."""
+    saved: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    """(stage, microbatch) -> what its backward needs: (float inputs, loss, outputs, a recompute's replay)."""
+    input_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
+    """(stage, microbatch) -> the grads w.r.t. its inputs by name, until every producer has taken its part."""
+    grad_uses: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(stage, microbatch) -> how many producers are still to take their part of :attr:`input_grads`."""
+    recvs: dict[tuple, tuple[list[torch.Tensor], list]] = field(default_factory=dict)
+    """A posted receive's key -> (its buffers, its works), until the instruction that uses it."""
+    sends: list[tuple[list, list[torch.Tensor]]] = field(default_factory=list)
+    """Posted sends: (their works, the tensors they move), alive until ``OPT`` waits for them."""
+    reductions: list[tuple] = field(default_factory=list)
+    """Posted all-reduces: (work, flat buffer, parameters, is a tie), finished in ``OPT`` or by a tie all-reduce."""
+    stashes: dict[tuple[int, int], WeightGradStash] = field(default_factory=dict)
+    """(stage, microbatch) of a split backward -> the weight-grad work its ``BWD_W`` runs."""
+    unshards: dict[int, Any] = field(default_factory=dict)
+    """Stage -> its posted all-gather (``UNSHARD``), waited for by the stage's next compute."""
+    scatters: dict[int, Any] = field(default_factory=dict)
+    """Stage -> its posted reduce-scatter (``REDUCE_SCATTER``), waited for in ``OPT`` or by a reduction of the
+    stage's gradient shards."""
+    losses: list[torch.Tensor] = field(default_factory=list)
+    """The last stage's loss per microbatch (summed into :attr:`RankStep.loss`)."""
+    spans: list[tuple[Instruction, object, object, bool]] = field(default_factory=list)
+    """(instruction, start, end, is compute): the timed work of each instruction."""
+    waits: list[tuple[object, object]] = field(default_factory=list)
+    """(start, end) of every wait: the step's comm wait."""
+    wait_spans: list[tuple[Instruction, object, object]] = field(default_factory=list)
+    """(instruction, start, end): a wait that opened an instruction (for its posts, reductions or peers)."""
+    opt: tuple[Instruction, object] | None = None
+    """Inside ``OPT``: the instruction and when its work (since its last wait) started."""
 
 
 class Message(NamedTuple):
@@ -146,6 +185,14 @@ class ShardJob(NamedTuple):
     stage: int
     group: tuple[int, ...]
     """Global ranks of the shard group (what ``emulate``'s placeholder all-reduce goes over)."""
+
+
+class Compute(NamedTuple):
+    """A compute instruction, resolved when the executor is built."""
+
+    ins: Instruction
+    remote: tuple[tuple[int, tuple], ...]
+    """The receives it uses: (the stage at the edge's other end, the receive's key), one per remote edge."""
 
 
 class Sleep(NamedTuple):
@@ -217,7 +264,7 @@ class Executor:
             assert not missing, f"no module for stages {missing}"
             payload = {Op.SEND_ACT: self.activations_out, Op.SEND_GRAD: self.input_grads_out,
                        Op.RECV_ACT: self.buffers, Op.RECV_GRAD: self.buffers}
-            prepare = {}
+            prepare = dict.fromkeys(compute, self.compute_job)
             shard = {} if sharding is None else {
                 Op.UNSHARD: self.unshard, Op.RESHARD: self.reshard, Op.REDUCE_SCATTER: self.reduce_scatter}
         else:
@@ -244,8 +291,8 @@ class Executor:
                            if emulate is None and plan.tie_ranks(t.name) == (pp_rank,) and len(t.stages) > 1]
         """Tie groups held entirely by this rank: their copies' grads are summed here, without a collective."""
         self.units = self.build_units(fail_hook)
-        self.texts = {id(ins): ins.text() for ins in self.instructions}
-        """Each instruction's text, made once (the events of every step carry it)."""
+        self.state: StepState | None = None
+        """The step running (or the last one run): made fresh by :meth:`run_step`."""
 
     # ------------------------------------------------------------------ preparing the program
 
@@ -262,10 +309,10 @@ class Executor:
                     j += 1
             handler = self.handlers.get(ins.op)
             if handler is None and ins.op in SHARD_OPS:
-                raise RunError(f"{self.where(i, ins)}: the plan shards parameters (shard {self.mesh.shard}), but this "
-                               "executor has no FSDP2 driver; run it under torchrun (pipec run)")
+                raise self.failed(i, f"the plan shards parameters (shard {self.mesh.shard}), but this executor has no "
+                                  "FSDP2 driver; run it under torchrun (pipec run)")
             if handler is None:
-                raise RunError(f"{self.where(i, ins)}: no handler for opcode {ins.op}")
+                raise self.failed(i, f"no handler for opcode {ins.op}")
             prepare = self.prepare.get(ins.op)
             arg = ins if prepare is None else prepare(instrs[i:j])
             if self.early and ins.op in _COMM:  # the receives go out at the step's start; the sends stay here
@@ -318,17 +365,29 @@ class Executor:
         (ins,) = instrs
         return ShardJob(ins, ins.stage, self.mesh.group_ranks(ins.group, self.global_rank))
 
-    def sleep(self, instrs: Sequence[Instruction]) -> Sleep:
+    def compute_job(self, instrs: Sequence[Instruction]) -> Compute:
+        """A compute's receives: a forward's activations; the grads for the part of a backward that uses them (a
+        split stage's ``BWD_I``, else the part that runs the whole backward)."""
         (ins,) = instrs
+        grads = ins.op is Op.BWD or (ins.op is Op.BWD_I) == (ins.stage in self.split)
+        return Compute(ins, self.remote(ins, ins.op is Op.FWD, ins.op is not Op.FWD and grads))
+
+    def sleep(self, instrs: Sequence[Instruction]) -> Sleep:
+        """``emulate``: a forward waits for its activations, a backward (``BWD_W`` aside) for its grads."""
+        (ins,) = instrs
+        remote = self.remote(ins, ins.op is Op.FWD, ins.op not in (Op.FWD, Op.BWD_W))
+        cost = self.plan.stages[ins.stage].cost if self.plan.stages else UNIT_COST
+        return Sleep(ins, tuple(key for _, key in remote), getattr(cost, _COST_FIELD[ins.op]) * self.emulate)
+
+    def remote(self, ins: Instruction, acts: bool, grads: bool) -> tuple[tuple[int, tuple], ...]:
+        """(the other end's stage, the receive's key) of what compute ``ins`` receives: its activations from remote
+        producers (``acts``), or its grads from remote consumers (``grads``)."""
         s, m = ins.stage, ins.microbatch
-        if ins.op is Op.FWD:
-            receives = tuple(("A", p, s, m) for p in self.remote_producers.get(s, ()))
-        elif ins.op is Op.BWD_W:
-            receives = ()
-        else:
-            receives = tuple(("G", s, c, m) for c in self.remote_consumers.get(s, ()))
-        cost = self.plan.stages[s].cost if self.plan.stages else UNIT_COST
-        return Sleep(ins, receives, getattr(cost, _COST_FIELD[ins.op]) * self.emulate)
+        if acts:
+            return tuple((p, ("A", p, s, m)) for p in self.remote_producers.get(s, ()))
+        if grads:
+            return tuple((c, ("G", s, c, m)) for c in self.remote_consumers.get(s, ()))
+        return ()
 
     # ------------------------------------------------------------------ helpers
 
@@ -341,14 +400,14 @@ class Executor:
         """A timestamp token: seconds on the host clock, or a recorded CUDA event (resolved at the step's end)."""
         return self.clock.mark()
 
-    def where(self, index: int, ins: Instruction) -> str:
-        return f"{self.mesh.where(self.global_rank)}, instruction {index} ({ins.text()})"
+    def failed(self, index: int, detail: str) -> RunError:
+        """An error of instruction ``index``, named by this rank (kept apart, as data) and the instruction."""
+        return RunError(f"instruction {index} ({self.instructions[index].text()}): {detail}", rank=self.global_rank,
+                        where=self.mesh.where(self.global_rank))
 
     def located(self, index: int, err: Exception) -> RunError:
         """``err`` raised by instruction ``index``, named by rank and instruction; a pipec error keeps its exit code."""
-        ins = self.instructions[index]
-        detail = str(err) if isinstance(err, PipecError) else f"{type(err).__name__}: {err}"
-        out = RunError(f"{self.where(index, ins)}: {detail}")
+        out = self.failed(index, str(err) if isinstance(err, PipecError) else f"{type(err).__name__}: {err}")
         out.exit_code = err.exit_code if isinstance(err, PipecError) else EXIT_RUN
         return out
 
@@ -356,7 +415,7 @@ class Executor:
         t = self.clock.mark()
         for w in works:
             w.wait()
-        self.waits.append((t, self.clock.mark()))
+        self.state.waits.append((t, self.clock.mark()))
 
     def grad_sigs(self, edge: tuple[int, int]) -> tuple[Signature, ...]:
         return tuple(s for s in self.edge_tensors[edge] if torch_dtype(s.dtype).is_floating_point)
@@ -365,30 +424,9 @@ class Executor:
 
     def run_step(self, inputs: Sequence[Mapping[str, torch.Tensor]] | None, targets: Sequence[Any] | None) -> RankStep:
         """Run this rank's program once; ``inputs``/``targets`` are per microbatch."""
-        self.mb_inputs = inputs
-        self.mb_targets = targets
-        self.outputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self.saved: dict[tuple[int, int], tuple] = {}
-        self.input_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self.grad_uses: dict[tuple[int, int], int] = {}
-        self.recvs: dict[tuple, tuple[list[torch.Tensor], list]] = {}
-        self.sends: list[tuple[list, list[torch.Tensor]]] = []
-        self.reductions: list[tuple] = []
-        self.stashes: dict[tuple[int, int], WeightGradStash] = {}
-        self.unshards: dict[int, Any] = {}
-        """Stage -> its posted all-gather (``UNSHARD``), waited for by the stage's next compute."""
-        self.scatters: dict[int, Any] = {}
-        """Stage -> its posted reduce-scatter (``REDUCE_SCATTER``), waited for in ``OPT`` or by a reduction of the
-        stage's gradient shards."""
-        self.losses: list[torch.Tensor] = []
-        self.step = RankStep(self.global_rank)
+        st = self.state = StepState(inputs=inputs, targets=targets, result=RankStep(self.global_rank))
         self.transport.barrier()
         self.clock.start()
-        self.spans: list[tuple[Instruction, object, object, bool]] = []  # (instruction, start, end, is compute)
-        self.waits: list[tuple[object, object]] = []
-        self.wait_spans: list[tuple[Instruction, object, object]] = []
-        self.opt: tuple[Instruction, object] | None = None
-        """Inside ``OPT``: the instruction and when its work (since its last wait) started."""
         index = 0
         try:
             # no cyclic collection inside a step: one stalls this rank and every rank that waits for it (it runs
@@ -401,9 +439,9 @@ class Executor:
         except Exception as e:  # name the rank and instruction, keep the cause
             raise self.located(index, e) from e
         self.finish_accounting(self.now())
-        if self.losses:
-            self.step.loss = float(sum(self.losses))
-        return self.step
+        if st.losses:
+            st.result.loss = float(sum(st.losses))
+        return st.result
 
     # ------------------------------------------------------------------ communication
 
@@ -422,13 +460,14 @@ class Executor:
                 pending.append((msg.key, tensors, len(ops)))
                 ops.extend(msg.ops)
         works = self.transport.post(ops) if ops else []
+        st = self.state
         for key, tensors, first in pending:
-            self.recvs[key] = (tensors, works[first:first + len(tensors)])
+            st.recvs[key] = (tensors, works[first:first + len(tensors)])
         if keep:  # a send's buffer lives until it completes; each work is waited once (gloo hangs on a second wait)
-            self.sends.append(([w for w, op in zip(works, ops) if op.send], keep))
+            st.sends.append(([w for w, op in zip(works, ops) if op.send], keep))
 
     def activations_out(self, msg: Message) -> list[torch.Tensor]:
-        outputs = self.outputs[msg.key]
+        outputs = self.state.outputs[msg.key]
         return self.checked(msg, [outputs[sig.name] for sig in msg.sigs])
 
     def input_grads_out(self, msg: Message) -> list[torch.Tensor]:
@@ -461,71 +500,78 @@ class Executor:
 
     def take_input_grads(self, s: int, m: int, sigs: Sequence[Signature]) -> list[torch.Tensor]:
         """The grads w.r.t. stage s's inputs of one producer edge; freed once every producer has its part."""
-        grads = self.input_grads[(s, m)]
+        st = self.state
+        grads = st.input_grads[(s, m)]
         out = [grads[sig.name] for sig in sigs]
-        self.grad_uses[(s, m)] -= 1
-        if self.grad_uses[(s, m)] == 0:
-            del self.input_grads[(s, m)], self.grad_uses[(s, m)]
+        st.grad_uses[(s, m)] -= 1
+        if st.grad_uses[(s, m)] == 0:
+            del st.input_grads[(s, m)], st.grad_uses[(s, m)]
         return out
 
     def received(self, key: tuple) -> list[torch.Tensor]:
-        tensors, works = self.recvs.pop(key)
+        tensors, works = self.state.recvs.pop(key)
         self.wait(works)
         return tensors
 
     def gathered(self, s: int) -> None:
         """Wait for stage ``s``'s posted all-gather, if any (its parameters are usable after)."""
-        work = self.unshards.pop(s, None)
+        work = self.state.unshards.pop(s, None)
         if work is not None:
             self.wait([work])
+
+    def wait_inputs(self, job: Compute) -> tuple[dict[int, list[torch.Tensor]], Any]:
+        """Wait for what compute ``job`` uses: its receives (by the stage at the other end) and, when its stage's
+        all-gather is posted, that (the stage's parameters); returns the receives and when the work starts."""
+        remote = {other: self.received(key) for other, key in job.remote}
+        if self.state.unshards:
+            self.gathered(job.ins.stage)
+        return remote, self.now()
 
     # ------------------------------------------------------------------ compute
 
     def record(self, ins: Instruction, start, compute: bool = True) -> None:
-        self.spans.append((ins, start, self.now(), compute))  # its text is made after the step, off the clock
+        self.state.spans.append((ins, start, self.now(), compute))  # its event is made after the step, off the clock
 
     def waited(self, ins: Instruction, start):
         """Close the wait that opened instruction ``ins`` (for its posts, reductions or peers): it becomes its own
-        event, ``~`` and the instruction's text, so a view draws it as waiting; returns when the work starts."""
+        event, a wait (:attr:`Event.wait`), so a view draws it as waiting; returns when the work starts."""
         end = self.now()
-        self.wait_spans.append((ins, start, end))
+        self.state.wait_spans.append((ins, start, end))
         return end
 
     def finish_accounting(self, end) -> None:
         """Turn the step's timestamp tokens into seconds: events, compute time, comm wait, step time."""
         at = self.clock.resolve
-        step = self.step
+        st = self.state
+        step = st.result
         rank = self.global_rank
-        texts = self.texts
-        for ins, t0, t1, compute in self.spans:
+        for ins, t0, t1, compute in st.spans:
             a, b = at(t0), at(t1)
-            step.events.append(Event(rank, texts[id(ins)], a, b))
+            step.events.append(Event(rank, ins, a, b))
             if compute:
                 step.compute += b - a
-        for ins, t0, t1 in self.wait_spans:  # already counted in comm wait (each is made of waits)
+        for ins, t0, t1 in st.wait_spans:  # already counted in comm wait (each is made of waits)
             a, b = at(t0), at(t1)
             if b > a:
-                step.events.append(Event(rank, WAIT_PREFIX + texts[id(ins)], a, b))
-        step.comm_wait = sum(at(b) - at(a) for a, b in self.waits)
+                step.events.append(Event(rank, ins, a, b, True))
+        step.comm_wait = sum(at(b) - at(a) for a, b in st.waits)
         step.step_time = at(end)
 
     def emulated(self, job: Sleep) -> None:
         """``emulate``: any compute op waits for the receives it uses, then sleeps for its predicted cost."""
         for key in job.receives:
             self.received(key)
-        if self.unshards:
+        if self.state.unshards:
             self.gathered(job.ins.stage)
         start = self.now()
         if job.seconds > 0:  # zero compute (emulate=0: the host overhead alone) does not even yield
             time.sleep(job.seconds)
         self.record(job.ins, start)
 
-    def forward(self, ins: Instruction) -> None:
+    def forward(self, job: Compute) -> None:
+        remote, start = self.wait_inputs(job)
+        ins, st = job.ins, self.state
         s, m = ins.stage, ins.microbatch
-        remote = {p: self.received(("A", p, s, m)) for p in self.remote_producers.get(s, ())}
-        if self.unshards:
-            self.gathered(s)
-        start = self.now()
         stage = self.plan.stages[s]
         values: dict[str, torch.Tensor] = {}
         for p in self.producers.get(s, ()):
@@ -535,7 +581,7 @@ class Executor:
                     values[sig.name] = t
             else:
                 for sig in sigs:
-                    values[sig.name] = self.outputs[(p, m)][sig.name].detach()
+                    values[sig.name] = st.outputs[(p, m)][sig.name].detach()
         grad_inputs = {}
         for name, t in values.items():
             if t.is_floating_point():
@@ -546,19 +592,19 @@ class Executor:
             if sig.name in values:
                 args.append(values[sig.name])
             else:
-                args.append(self.mb_inputs[m][sig.name])
+                args.append(st.inputs[m][sig.name])
         if s in self.recompute:  # keep only the inputs (and the RNG state); the backward replays the forward
             rng = torch.get_rng_state()
             with torch.no_grad():
                 loss, named = self.stage_forward(s, m, args)
-            self.saved[(s, m)] = (grad_inputs, None, None, (args, rng))
+            st.saved[(s, m)] = (grad_inputs, None, None, (args, rng))
         else:
             loss, named = self.stage_forward(s, m, args)
-            self.saved[(s, m)] = (grad_inputs, loss, named, None)
+            st.saved[(s, m)] = (grad_inputs, loss, named, None)
         if loss is not None:
-            self.losses.append(loss.detach())
+            st.losses.append(loss.detach())
         else:
-            self.outputs[(s, m)] = named
+            st.outputs[(s, m)] = named
         self.record(ins, start)
 
     def stage_forward(self, s: int, m: int, args: list) -> tuple[torch.Tensor | None, dict | None]:
@@ -569,23 +615,21 @@ class Executor:
         """
         with self.autocast():
             if s in self.split:
-                stash = self.stashes[(s, m)] = WeightGradStash()
+                stash = self.state.stashes[(s, m)] = WeightGradStash()
                 with defer_weight_grads(stash):
                     out = self.modules[s](*args)
             else:
                 out = self.modules[s](*args)
         outs = out if isinstance(out, tuple) else (out,)
         if not self.consumers.get(s):  # the last stage: the loss, mean over microbatches
-            return self.loss_fn(outs[0] if len(outs) == 1 else outs, self.mb_targets[m]) / self.M, None
+            return self.loss_fn(outs[0] if len(outs) == 1 else outs, self.state.targets[m]) / self.M, None
         return None, {sig.name: t for sig, t in zip(self.plan.stages[s].outputs, outs)}
 
-    def backward(self, ins: Instruction) -> None:
+    def backward(self, job: Compute) -> None:
+        remote, start = self.wait_inputs(job)
+        ins, st = job.ins, self.state
         s, m = ins.stage, ins.microbatch
-        remote = {c: self.received(("G", s, c, m)) for c in self.remote_consumers.get(s, ())}
-        if self.unshards:
-            self.gathered(s)
-        start = self.now()
-        grad_inputs, loss, named, replay = self.saved.pop((s, m))
+        grad_inputs, loss, named, replay = st.saved.pop((s, m))
         if replay is not None:  # recompute: run the forward again, now building the graph
             args, rng = replay
             with torch.random.fork_rng(devices=[]):
@@ -609,28 +653,27 @@ class Executor:
         if tensors:
             torch.autograd.backward(tensors, grads)
         if self.producers.get(s):  # kept until every producer has taken its part
-            self.input_grads[(s, m)] = {
+            st.input_grads[(s, m)] = {
                 name: (t.grad if t.grad is not None else torch.zeros_like(t)) for name, t in grad_inputs.items()}
-            self.grad_uses[(s, m)] = len(self.producers[s])
-        self.outputs.pop((s, m), None)
-        if ins.op is Op.BWD and (s, m) in self.stashes:  # a split forward with an unsplit backward
-            self.stashes.pop((s, m)).run()
+            st.grad_uses[(s, m)] = len(self.producers[s])
+        st.outputs.pop((s, m), None)
+        if ins.op is Op.BWD and (s, m) in st.stashes:  # a split forward with an unsplit backward
+            st.stashes.pop((s, m)).run()
         self.record(ins, start)
 
-    def backward_input(self, ins: Instruction) -> None:
-        if ins.stage in self.split:
-            self.backward(ins)
+    def backward_input(self, job: Compute) -> None:
+        if job.ins.stage in self.split:
+            self.backward(job)
         else:  # no input gradient to send: the whole backward waits for BWD_W
-            self.record(ins, self.now())
+            self.record(job.ins, self.now())
 
-    def backward_weight(self, ins: Instruction) -> None:
+    def backward_weight(self, job: Compute) -> None:
+        ins = job.ins
         if ins.stage not in self.split:
-            self.backward(ins)
+            self.backward(job)
             return
-        if self.unshards:
-            self.gathered(ins.stage)
-        start = self.now()
-        self.stashes.pop((ins.stage, ins.microbatch)).run()
+        _, start = self.wait_inputs(job)  # nothing received: the stage's all-gather, if posted
+        self.state.stashes.pop((ins.stage, ins.microbatch)).run()
         self.record(ins, start)
 
     # ------------------------------------------------------------------ collectives
@@ -639,11 +682,12 @@ class Executor:
         """Post the all-reduce (one flat buffer, asynchronous) and go on; ``OPT`` waits for it."""
         start = self.now()
         params = job.params
-        if job.tie and (self.reductions or self.scatters):  # each copy's dp reduction is in before they are summed
+        st = self.state
+        if job.tie and (st.reductions or st.scatters):  # each copy's dp reduction is in before they are summed
             self.finish_scatters()
             self.finish_reductions()
             start = self.waited(job.ins, start)
-        elif job.ins.stage in self.scatters:  # HSDP's replicate all-reduce of the stage's shards: once they are in
+        elif job.ins.stage in st.scatters:  # HSDP's replicate all-reduce of the stage's shards: once they are in
             self.finish_scatters(job.ins.stage)
             start = self.waited(job.ins, start)
         grads = [local_grad(p) for p in params]  # a sharded parameter's: its shard
@@ -654,7 +698,7 @@ class Executor:
         else:
             flat = torch.cat([g.reshape(-1) for g in grads])
         work = self.transport.all_reduce(flat, job.group, average=not job.tie)
-        self.reductions.append((work, flat, params, job.tie))
+        st.reductions.append((work, flat, params, job.tie))
         self.record(job.ins, start, compute=False)
 
     def tied_params(self, name: str) -> list[torch.nn.Parameter]:
@@ -667,7 +711,8 @@ class Executor:
         return out
 
     def finish_reductions(self) -> None:
-        for work, flat, params, shared in self.reductions:
+        reductions = self.state.reductions
+        for work, flat, params, shared in reductions:
             self.wait([work])
             offset = 0
             for p in params:
@@ -675,7 +720,7 @@ class Executor:
                 n = g.numel()
                 g.copy_(flat.view_as(g) if shared else flat[offset:offset + n].view_as(g))
                 offset += n
-        self.reductions.clear()
+        reductions.clear()
 
     def sum_local_ties(self) -> None:
         """A tie group held entirely by this rank needs no collective: its copies' grads are summed here."""
@@ -692,7 +737,7 @@ class Executor:
         start = self.now()
         work = self.sharding.unshard(job.stage)
         if work is not None:
-            self.unshards[job.stage] = work
+            self.state.unshards[job.stage] = work
         self.record(job.ins, start, compute=False)
 
     def reshard(self, job: ShardJob) -> None:
@@ -705,67 +750,70 @@ class Executor:
     def reduce_scatter(self, job: ShardJob) -> None:
         """Post the reduction of the stage's step gradients to this rank's shards and go on, as ``ALLREDUCE`` does:
         ``OPT`` (or a reduction of those shards) waits for it, so it overlaps the backward work still to come."""
-        if self.unshards:
+        if self.state.unshards:
             self.gathered(job.stage)
         start = self.now()
         work = self.sharding.reduce_scatter(job.stage)
         if work is not None:
-            self.scatters[job.stage] = work
+            self.state.scatters[job.stage] = work
         self.record(job.ins, start, compute=False)
 
     def finish_scatters(self, stage: int | None = None) -> None:
         """Wait for the posted reduce-scatters (only stage ``stage``'s if given): their gradient shards are in."""
+        scatters = self.state.scatters
         if stage is not None:
-            self.wait([self.scatters.pop(stage)])
+            self.wait([scatters.pop(stage)])
             return
-        self.wait(list(self.scatters.values()))
-        self.scatters.clear()
+        self.wait(list(scatters.values()))
+        scatters.clear()
 
     def unshard_placeholder(self, job: ShardJob) -> None:
         """``emulate``: a one-element all-reduce over the shard group stands for the all-gather."""
         start = self.now()
-        self.unshards[job.stage] = self.transport.all_reduce(torch.zeros(1, device=self.device), job.group)
+        self.state.unshards[job.stage] = self.transport.all_reduce(torch.zeros(1, device=self.device), job.group)
         self.record(job.ins, start, compute=False)
 
     def reduce_scatter_placeholder(self, job: ShardJob) -> None:
         """``emulate``: a one-element all-reduce over the shard group stands for the reduce-scatter (posted)."""
         start = self.now()
-        self.scatters[job.stage] = self.transport.all_reduce(torch.zeros(1, device=self.device), job.group)
+        self.state.scatters[job.stage] = self.transport.all_reduce(torch.zeros(1, device=self.device), job.group)
         self.record(job.ins, start, compute=False)
 
     def optim_step(self, ins: Instruction) -> None:
         start = self.now()
-        if self.sends:
-            self.wait([w for works, _ in self.sends for w in works])
-            self.sends.clear()
-        if self.scatters:
+        st = self.state
+        if st.sends:
+            self.wait([w for works, _ in st.sends for w in works])
+            st.sends.clear()
+        if st.scatters:
             self.finish_scatters()
-        if self.reductions:
+        if st.reductions:
             self.finish_reductions()
-        self.opt = (ins, self.waited(ins, start))
+        st.opt = (ins, self.waited(ins, start))
         self.sum_local_ties()
-        if self.recvs or self.unshards:  # the verifier proves this cannot happen
-            raise RunError(f"receives or all-gathers posted but never used: {(list(self.recvs) + list(self.unshards))[:3]}")
+        if st.recvs or st.unshards:  # the verifier proves this cannot happen
+            raise RunError(f"receives or all-gathers posted but never used: {(list(st.recvs) + list(st.unshards))[:3]}")
         if self.optimizer_step is not None:
             self.optimizer_step()
-        ins, start = self.opt
-        self.opt = None
+        ins, start = st.opt
+        st.opt = None
         self.record(ins, start)
 
     def wait_in_optimizer_step(self, works: Sequence) -> None:
         """Wait, inside ``OPT``'s optimizer step, for a collective it posted (the grad norm's all-reduce over the
         pp ranks, or a shard group's): the wait is comm wait and its own ``~OPT`` event, and OPT's work is the
         spans around it, so the views draw a rank that only waits for a peer as waiting."""
-        assert self.opt is not None, "a wait inside the optimizer step outside OPT"
-        ins, start = self.opt
+        st = self.state
+        assert st is not None and st.opt is not None, "a wait inside the optimizer step outside OPT"
+        ins, start = st.opt
         t = self.now()
-        self.spans.append((ins, start, t, True))
+        st.spans.append((ins, start, t, True))
         for w in works:
             w.wait()
         end = self.now()
-        self.waits.append((t, end))
-        self.wait_spans.append((ins, t, end))
-        self.opt = (ins, end)
+        st.waits.append((t, end))
+        st.wait_spans.append((ins, t, end))
+        st.opt = (ins, end)
 
 
 def _posted(receives: Sequence[Message]) -> None:

@@ -195,8 +195,8 @@ def test_a_model_plan_with_unit_costs_says_units_everywhere(tmp_path):
     alone = compile_plan(num_ranks=2, num_microbatches=4, schedule="1f1b").plan.prediction
     assert plan.unit_costs and plan.prediction.time_unit == "unit"
     assert plan.prediction.step_time == alone.step_time == 15
-    compute = sorted((e.rank, e.op, e.start, e.end) for e in plan.prediction.events if e.op[0] in "FB")
-    assert compute == sorted((e.rank, e.op, e.start, e.end) for e in alone.events if e.op[0] in "FB")
+    compute = sorted((e.rank, e.text, e.start, e.end) for e in plan.prediction.events if e.text[0] in "FB")
+    assert compute == sorted((e.rank, e.text, e.start, e.end) for e in alone.events if e.text[0] in "FB")
 
     show = run_cli("show", "plan.json", "--trace", "trace.json", cwd=tmp_path, env={"COLUMNS": "160"})
     assert show.returncode == 0, show.stderr

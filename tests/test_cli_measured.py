@@ -61,17 +61,17 @@ def emulated(tmp_path_factory):
 
 def _shown(monkeypatch, capsys, *argv):
     """What `pipec show` drew: the predicted Timeline handed to the terminal view, and the trace it wrote."""
-    import pipec.views.terminal as terminal
+    import pipec.views.summary as summary
     from pipec.cli import main
 
     drawn = {}
-    real = terminal.show
+    real = summary.show
 
     def spy(timeline, **kw):
         drawn["predicted"], drawn["measured"] = timeline, kw.get("measured")
         real(timeline, **kw)
 
-    monkeypatch.setattr(terminal, "show", spy)
+    monkeypatch.setattr(summary, "show", spy)
     assert main(["show", *map(str, argv)]) == 0
     return drawn, capsys.readouterr().out
 
@@ -81,7 +81,7 @@ def test_show_draws_the_reports_resimulation_beside_the_measured(emulated, monke
     trace = tmp_path / "t.json"
     drawn, out = _shown(monkeypatch, capsys, plan, "--measured", report, "--trace", trace)
     assert drawn["predicted"].time_unit == "s" and drawn["predicted"].step_time == pytest.approx(resim.step_time)
-    assert [(e.op, e.start) for e in drawn["predicted"].events] == [(e.op, pytest.approx(e.start)) for e in resim.events]
+    assert [(e.text, e.start) for e in drawn["predicted"].events] == [(e.text, pytest.approx(e.start)) for e in resim.events]
     assert drawn["measured"] is not None and "re-simulated" in out
     # the trace's predicted process holds the re-simulation's events too (in microseconds), not the units'
     events = json.loads(trace.read_text())["traceEvents"]

@@ -26,7 +26,7 @@ def _start(early: bool, model: str, op: str) -> float:
                       transfer={(0, 1): 0.5, (1, 0): 0.5}, allreduce={}, early_receives=early)
     ex = execute(parse_program(GPIPE), placement=(0, 1), num_microbatches=2, edges=chain_edges(2), costs=costs,
                  model=model)
-    return next(e.start for e in ex.events if e.op == op)
+    return next(e.start for e in ex.events if e.text == op)
 
 
 def test_an_early_receive_lets_the_message_move_when_it_is_sent():

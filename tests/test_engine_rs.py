@@ -28,7 +28,7 @@ def _run(text: str, placement, allreduce: dict, model: str, ties=()):
 
 
 def _events(ex, rank: int) -> list[tuple[str, float, float]]:
-    return [(e.op, e.start, e.end) for e in ex.events if e.rank == rank]
+    return [(e.text, e.start, e.end) for e in ex.events if e.rank == rank]
 
 
 HSDP = ("0: UN0:dp.shard UN1:dp.shard F0.0 F1.0 B1.0 RS1:dp.shard B0.0 RS0:dp.shard AR1:dp.replicate "

@@ -4,6 +4,9 @@
   into the same tensors, and every step's loss and gradients stay exact.
 - A collective the optimizer step waits for (the grad norm's all-reduce) is
   timed as waiting, its own ``~OPT`` event, not as OPT's work.
+- A step's state is its own: nothing one step leaves behind reaches the next.
+- An instruction's error names the rank apart from what failed, so the
+  report names the rank once, without reading it back out of the message.
 - CUDA (run here on fakes: there is no GPU in CI): the clock resolves a step
   by waiting for its last event, never with a device-wide synchronize;
   communication is posted on its own stream after it waits for the compute
@@ -28,7 +31,9 @@ from pipec.runtime.stages import build_stages
 from pipec.compiler.ir.program import Op
 from pipec.runtime import clock as clock_mod
 from pipec.runtime.clock import CudaClock
-from pipec.runtime.executor import WAIT_PREFIX, Executor
+from pipec.errors import EXIT_RUN
+from pipec.runtime.executor import Executor, RunError
+from pipec.runtime.failures import RankFailed, RankReport
 from pipec.runtime.trainer import Trainer
 from pipec.runtime.training import make_data, make_loss, split_microbatches
 from pipec.runtime.transport import CommStream, FakeWorld
@@ -189,8 +194,8 @@ def test_a_collective_inside_the_optimizer_step_is_timed_as_waiting():
 
     for r in run_steps(plan, 1, emulate=0.0, executor_hook=hook).values():
         step = r.results[0]
-        waits = [e for e in step.events if e.op == WAIT_PREFIX + "OPT"]
-        work = [e for e in step.events if e.op == "OPT"]
+        waits = [e for e in step.events if e.op is Op.OPTIM_STEP and e.wait]
+        work = [e for e in step.events if e.op is Op.OPTIM_STEP and not e.wait]
         assert max(e.end - e.start for e in waits) >= late
         assert sum(e.end - e.start for e in work) < late  # OPT's work is what surrounds the wait
         for w in waits:
@@ -231,6 +236,38 @@ def test_grad_clipping_waits_for_its_norm_through_the_executor_and_scales_on_the
     clipped = sum(p.grad.double().pow(2).sum() for p in module.parameters())
     assert (2 * clipped).sqrt().item() == pytest.approx(1.0, rel=1e-5)
     assert clipped.item() == pytest.approx(mine.item() / (2 * mine.item()), rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- per step, per rank
+
+
+def test_each_step_starts_from_a_state_of_its_own():
+    """Whatever a step's handlers leave in their state (here a stray receive), the next step starts without it."""
+    plan = compile_plan(num_ranks=1, num_microbatches=2, schedule="gpipe").plan
+    ex = Executor(plan, pp_rank=0, dp_rank=0, transport=FakeWorld(1).transport(0), emulate=0.0)
+    first = ex.run_step(None, None)
+    ex.state.recvs[("A", 0, 1, 0)] = ([], [])  # OPT refuses a receive posted but never used
+    assert ex.state.spans and ex.run_step(None, None) is not first
+    assert not ex.state.recvs and len(ex.state.result.events) == len(first.events)
+
+
+def test_an_instructions_error_names_its_rank_once_in_the_report():
+    plan = compile_plan(num_ranks=1, num_microbatches=2, schedule="gpipe").plan
+
+    def boom(index, ins):
+        if index == 1:
+            raise RuntimeError("boom")
+
+    ex = Executor(plan, pp_rank=0, dp_rank=0, transport=FakeWorld(1).transport(0), emulate=0.0, fail_hook=boom)
+    with pytest.raises(RunError) as e:
+        ex.run_step(None, None)
+    where, text = plan.mesh.where(0), plan.program.ranks[0][1].text()
+    assert str(e.value) == f"{where}, instruction 1 ({text}): RuntimeError: boom"
+    assert (e.value.rank, e.value.where) == (0, where)
+    report = RankReport.of(RankFailed(where, e.value), rank=0, where=where)
+    assert report.line() == f"{where}: instruction 1 ({text}): RuntimeError: boom" and report.exit_code == EXIT_RUN
+    other = RankReport.of(RankFailed(plan.mesh.where(1), e.value), rank=1, where=plan.mesh.where(1))
+    assert other.message == str(e.value)  # another rank's error keeps its rank in the message
 
 
 # ----------------------------------------------------------------------------- CUDA, on fakes

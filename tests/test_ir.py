@@ -86,7 +86,7 @@ def _plan() -> Plan:
         spec={"schedule": "1f1b", "costs": "unit"},
         model={"target": "m:f", "kwargs": {}, "trace": "fx", "fingerprint": "abc"},
         prediction=Timeline.build(step_time=4.0, busy={0: (3.0, 0.5), 1: (2.0, 1.0)},
-                                  events=[Event(0, "F0.0", 0.0, 1.0)], peak_activations={0: 1, 1: 1}),
+                                  events=[Event.parse(0, "F0.0", 0.0, 1.0)], peak_activations={0: 1, 1: 1}),
         pipec_version="0.1.0",
     )
 

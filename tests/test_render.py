@@ -16,20 +16,14 @@ import xml.etree.ElementTree as ET
 import pytest
 from rich.console import Console
 
-from pipec.views.terminal import (
-    KINDS,
-    OpInfo,
-    RenderError,
-    classify,
-    format_time,
-    lanes,
-    render_image,
-    render_summary,
-    render_terminal,
-    show,
-)
+from pipec.compiler.ir.program import IRError, Op, parse_instruction
+from pipec.compiler.ir.schema import SchemaError
 from pipec.compiler.ir.timeline import Event, Timeline
+from pipec.views.common import KINDS, RenderError, format_time, kind_of, lanes
 from pipec.views.perfetto import trace_events, write_perfetto
+from pipec.views.picture import render_image
+from pipec.views.summary import render_summary, show
+from pipec.views.timeline import render_terminal
 
 COST = {"F": 1.0, "B": 2.0}
 
@@ -57,9 +51,9 @@ def one_f_one_b(P: int, M: int) -> Timeline:
                     break
                 start = max(free[r], done[dep] if dep else 0.0)
                 free[r] = done[(kind, r, m)] = start + COST[kind]
-                events.append(Event(r, f"{kind}{r}.{m}", start, free[r]))
+                events.append(Event.parse(r, f"{kind}{r}.{m}", start, free[r]))
                 if kind == "F" and r < P - 1:
-                    events.append(Event(r, f"SA{r}.{m}>{r + 1}@{r + 1}", free[r], free[r]))
+                    events.append(Event.parse(r, f"SA{r}.{m}>{r + 1}@{r + 1}", free[r], free[r]))
                 pos[r] += 1
     return Timeline.build(
         step_time=max(free),
@@ -73,7 +67,7 @@ def one_f_one_b(P: int, M: int) -> Timeline:
 def measured_from(pred: Timeline, dp: int, sec_per_unit: float = 0.01) -> Timeline:
     """A 'measured' timeline over P x dp global ranks, in seconds, each replica slightly late."""
     events = [
-        Event(e.rank * dp + d, e.op, e.start * sec_per_unit + 1e-3 * d, e.end * sec_per_unit + 1e-3 * d)
+        e._replace(rank=e.rank * dp + d, start=e.start * sec_per_unit + 1e-3 * d, end=e.end * sec_per_unit + 1e-3 * d)
         for e in pred.events
         for d in range(dp)
     ]
@@ -88,30 +82,57 @@ def text_of(renderable, width: int) -> list[str]:
     return console.export_text().splitlines()
 
 
-# ----------------------------------------------------------------------------- classify
+# ----------------------------------------------------------------------------- typed events
 
 
 @pytest.mark.parametrize(
-    "op, info",
+    "text, kind, op, stage, microbatch, peer, group, wait",
     [
-        ("F0.3", OpInfo("F", 0, 3)),
-        ("B12.15", OpInfo("B", 12, 15)),
-        ("I1.2", OpInfo("I", 1, 2)),
-        ("W1.2", OpInfo("W", 1, 2)),
-        ("SA0.3>1@1", OpInfo("comm", 0, 3)),
-        ("RG0.3<1@1", OpInfo("comm", 0, 3)),
-        ("AR0:dp", OpInfo("AR", 0)),
-        ("AR2:tie.wte", OpInfo("AR", 2)),
-        ("OPT", OpInfo("OPT")),
-        ("~OPT", OpInfo("comm")),
-        ("~AR0:dp", OpInfo("comm", 0)),
-        ("~F0.3x", OpInfo("other")),
-        ("barrier", OpInfo("other")),
-        ("F0.3x", OpInfo("other")),
+        ("F0.3", "F", Op.FWD, 0, 3, None, None, False),
+        ("B12.15", "B", Op.BWD, 12, 15, None, None, False),
+        ("I1.2", "I", Op.BWD_I, 1, 2, None, None, False),
+        ("W1.2", "W", Op.BWD_W, 1, 2, None, None, False),
+        ("SA0.3>1@1", "comm", Op.SEND_ACT, 0, 3, 1, None, False),
+        ("RG0.3<1@2", "comm", Op.RECV_GRAD, 0, 3, 2, None, False),
+        ("AR0:dp", "AR", Op.ALLREDUCE, 0, None, None, "dp", False),
+        ("AR2:tie.wte", "AR", Op.ALLREDUCE, 2, None, None, "tie.wte", False),
+        ("UN1:dp.shard", "UN", Op.UNSHARD, 1, None, None, "dp.shard", False),
+        ("OPT", "OPT", Op.OPTIM_STEP, None, None, None, None, False),
+        ("~OPT", "comm", Op.OPTIM_STEP, None, None, None, None, True),
+        ("~AR0:dp", "comm", Op.ALLREDUCE, 0, None, None, "dp", True),
     ],
 )
-def test_classify_reads_instruction_text(op, info):
-    assert classify(op) == info
+def test_an_event_read_from_its_text_carries_its_fields_and_writes_the_same_text(
+        text, kind, op, stage, microbatch, peer, group, wait):
+    ev = Event.parse(3, text, 1.0, 2.0)
+    assert (ev.rank, ev.op, ev.stage, ev.microbatch, ev.peer, ev.group, ev.wait) == (
+        3, op, stage, microbatch, peer, group, wait)
+    assert kind_of(ev) == kind and ev.text == text
+    tl = Timeline.build(step_time=2.0, busy={3: (1.0, 0.0)}, events=[ev])
+    assert tl.to_json()["events"] == [[3, text, 1.0, 2.0]]  # the JSON contract: [rank, op_text, start, end]
+    assert Timeline.from_json(tl.to_json()).events == (ev,)
+
+
+def test_an_events_text_is_read_as_the_programs_parser_reads_it():
+    """The reader's shortcut for compute text (``F0.3``) agrees with the IR's parser, edge cases included."""
+    texts = [f"{k}{s}.{m}" for k in "FBIW" for s in (0, 7, 12) for m in (0, 3, 15)]
+    odd = ["F0.3\n", "F.3", "F0.", "F0.3.4", "F00.03", "B1.2x", "F\u0661.2", "Fx.2", "F-1.2", "W1,2"]
+    for text in texts + odd:
+        try:
+            want = parse_instruction(text)
+        except IRError:
+            with pytest.raises(IRError):
+                Event.parse(0, text, 0.0, 0.0)
+            continue
+        assert Event.parse(0, text, 0.0, 0.0).ins == want and Event.parse(0, "~" + text, 0.0, 0.0).ins == want
+
+
+@pytest.mark.parametrize("text", ["~F0.3x", "barrier", "F0.3x", "~~OPT", ""])
+def test_an_event_whose_text_is_no_instruction_is_refused_where_it_is_read(text):
+    obj = Timeline.build(step_time=1.0, busy={0: (1.0, 0.0)}).to_json()
+    obj["events"] = [[0, "F0.0", 0.0, 1.0], [0, text, 0.0, 1.0]]
+    with pytest.raises(SchemaError, match=r"^plan\.prediction\.events\[1\]\[1\]: expected an instruction's text"):
+        Timeline.from_json(obj, "plan.prediction")
 
 
 def test_format_time_picks_a_readable_unit():
@@ -166,12 +187,12 @@ def test_terminal_colours_by_kind_with_odd_microbatches_shaded():
         step_time=10,
         busy={0: (10, 0)},
         events=[
-            Event(0, "F0.0", 0, 2),
-            Event(0, "F0.1", 2, 4),
-            Event(0, "I0.0", 4, 6),
-            Event(0, "W0.0", 6, 8),
-            Event(0, "AR0:dp", 8, 9),
-            Event(0, "OPT", 9, 10),
+            Event.parse(0, "F0.0", 0, 2),
+            Event.parse(0, "F0.1", 2, 4),
+            Event.parse(0, "I0.0", 4, 6),
+            Event.parse(0, "W0.0", 6, 8),
+            Event.parse(0, "AR0:dp", 8, 9),
+            Event.parse(0, "OPT", 9, 10),
         ],
         time_unit="unit",
     )
@@ -191,7 +212,7 @@ def test_terminal_zero_length_posts_are_not_drawn():
     tl = Timeline.build(
         step_time=2,
         busy={0: (1, 0)},
-        events=[Event(0, "F0.0", 0, 1), Event(0, "SA0.0>1@1", 1, 1)],
+        events=[Event.parse(0, "F0.0", 0, 1), Event.parse(0, "SA0.0>1@1", 1, 1)],
         time_unit="unit",
     )
     row = next(line for line in text_of(render_terminal(tl, width=27), 27) if line.startswith("rank 0"))
@@ -203,7 +224,7 @@ def _collectives() -> Timeline:
     return Timeline.build(
         step_time=8,
         busy={0: (3, 4), 1: (7, 0)},
-        events=[Event(0, "F0.0", 0, 2), Event(0, "OPT", 2, 8), Event(1, "F1.0", 0, 6), Event(1, "OPT", 6, 8)],
+        events=[Event.parse(0, "F0.0", 0, 2), Event.parse(0, "OPT", 2, 8), Event.parse(1, "F1.0", 0, 6), Event.parse(1, "OPT", 6, 8)],
         time_unit="unit",
     )
 
@@ -211,8 +232,8 @@ def _collectives() -> Timeline:
 def test_a_predicted_collective_is_waiting_until_its_last_member_arrives():
     all_lanes, span = lanes(_collectives())
     assert span == 8
-    assert [(e.op, e.start, e.end) for e in all_lanes[0].events] == [("F0.0", 0, 2), ("~OPT", 2, 6), ("OPT", 6, 8)]
-    assert [(e.op, e.start, e.end) for e in all_lanes[1].events] == [("F1.0", 0, 6), ("OPT", 6, 8)]
+    assert [(e.text, e.start, e.end) for e in all_lanes[0].events] == [("F0.0", 0, 2), ("~OPT", 2, 6), ("OPT", 6, 8)]
+    assert [(e.text, e.start, e.end) for e in all_lanes[1].events] == [("F1.0", 0, 6), ("OPT", 6, 8)]
     rows = [line[7:] for line in text_of(render_terminal(_collectives(), width=7 + 16), 23) if line.startswith("rank ")]
     assert rows[0] == "F0  " + "~" * 8 + "OPT "
     assert rows[1].endswith("OPT ")
@@ -222,12 +243,12 @@ def test_a_measured_wait_is_drawn_as_waiting_and_a_dp_all_reduce_stays_whole():
     meas = Timeline.build(
         step_time=0.01,
         busy={0: (0.004, 0.005), 1: (0.009, 0.0)},
-        events=[Event(0, "F0.0", 0, 0.004), Event(0, "AR0:dp", 0.004, 0.0041), Event(0, "~OPT", 0.0041, 0.009),
-                Event(0, "OPT", 0.009, 0.01), Event(1, "F0.0", 0, 0.009), Event(1, "AR0:dp", 0.009, 0.0091),
-                Event(1, "OPT", 0.0091, 0.01)],
+        events=[Event.parse(0, "F0.0", 0, 0.004), Event.parse(0, "AR0:dp", 0.004, 0.0041), Event.parse(0, "~OPT", 0.0041, 0.009),
+                Event.parse(0, "OPT", 0.009, 0.01), Event.parse(1, "F0.0", 0, 0.009), Event.parse(1, "AR0:dp", 0.009, 0.0091),
+                Event.parse(1, "OPT", 0.0091, 0.01)],
     )
     all_lanes, _ = lanes(meas)
-    assert [e.op for e in all_lanes[0].events] == ["F0.0", "AR0:dp", "~OPT", "OPT"]  # nothing split twice
+    assert [e.text for e in all_lanes[0].events] == ["F0.0", "AR0:dp", "~OPT", "OPT"]  # nothing split twice
     row = next(line for line in text_of(render_terminal(meas, width=7 + 20), 27) if line.startswith("rank 0"))
     assert row[7:].rstrip() == "F0      " + "~" * 10 + "O"  # OPT in 2 columns: its first letter
     cats = {e["name"]: e["cat"] for e in trace_events(meas)["traceEvents"] if e.get("ph") == "X"}
@@ -236,7 +257,7 @@ def test_a_measured_wait_is_drawn_as_waiting_and_a_dp_all_reduce_stays_whole():
 
 def test_nothing_is_cut_off_at_the_right_edge():
     tl = Timeline.build(step_time=4, busy={0: (5, 0)},
-                        events=[Event(0, "F0.0", 0, 4), Event(0, "OPT", 4, 6)], time_unit="unit")
+                        events=[Event.parse(0, "F0.0", 0, 4), Event.parse(0, "OPT", 4, 6)], time_unit="unit")
     all_lanes, span = lanes(tl)
     assert span == 6
     row = next(line for line in text_of(render_terminal(tl, width=7 + 12), 19) if line.startswith("rank 0"))
@@ -271,7 +292,7 @@ def test_measured_rank_count_must_be_pp_times_dp():
 
 
 def test_later_chunks_are_marked_and_legend_says_so():
-    events = [Event(0, "F0.0", 0, 1), Event(0, "F2.0", 1, 2), Event(1, "F1.0", 0.5, 1.5), Event(1, "F3.0", 2, 3)]
+    events = [Event.parse(0, "F0.0", 0, 1), Event.parse(0, "F2.0", 1, 2), Event.parse(1, "F1.0", 0.5, 1.5), Event.parse(1, "F3.0", 2, 3)]
     tl = Timeline.build(step_time=3, busy={0: (2, 0), 1: (2, 0)}, events=events, time_unit="unit")
     all_lanes, span = lanes(tl)
     assert [lane.chunks for lane in all_lanes] == [{0: 0, 2: 1}, {1: 0, 3: 1}]
@@ -361,9 +382,9 @@ def test_views_do_not_import_matplotlib_or_torch_until_a_picture_is_drawn():
         "import sys, io\n"
         "from rich.console import Console\n"
         "from pipec.compiler.ir.timeline import Timeline, Event\n"
-        "from pipec.views.terminal import show\n"
+        "from pipec.views.summary import show\n"
         "from pipec.views.perfetto import trace_events\n"
-        "tl = Timeline.build(step_time=1, busy={0: (1, 0)}, events=[Event(0, 'F0.0', 0, 1)])\n"
+        "tl = Timeline.build(step_time=1, busy={0: (1, 0)}, events=[Event.parse(0, 'F0.0', 0, 1)])\n"
         "show(tl, console=Console(file=io.StringIO()))\n"
         "trace_events(tl)\n"
         "bad = [m for m in ('matplotlib', 'torch') if m in sys.modules]\n"
@@ -383,10 +404,10 @@ def test_trace_has_one_complete_event_per_timeline_event(tmp_path):
     xs = [e for e in obj["traceEvents"] if e["ph"] == "X"]
     assert len(xs) == len(tl.events)
     for ev, x in zip(tl.events, xs):
-        assert (x["pid"], x["tid"], x["name"]) == (1, ev.rank, ev.op)
+        assert (x["pid"], x["tid"], x["name"]) == (1, ev.rank, ev.text)
         assert x["ts"] == pytest.approx(ev.start * 1000)  # 1 unit = 1 ms = 1000 µs
         assert x["dur"] == pytest.approx((ev.end - ev.start) * 1000)
-        assert x["cat"] == classify(ev.op).kind
+        assert x["cat"] == kind_of(ev)
     assert xs[0]["args"] == {"stage": 0, "microbatch": 0}
     threads = {e["tid"]: e["args"]["name"] for e in obj["traceEvents"] if e["name"] == "thread_name"}
     assert threads == {r: f"rank {r}" for r in range(4)}

@@ -38,7 +38,7 @@ from pipec.compiler.ir.plan import Mesh
 from pipec.dsl import load_spec
 from pipec.errors import PipecError
 from pipec.runtime.accounting import measured_timeline
-from pipec.runtime.executor import WAIT_PREFIX, Executor
+from pipec.runtime.executor import Executor
 from pipec.runtime.failures import RankReport, summarise
 from pipec.runtime.training import make_data, make_loss, split_microbatches
 from pipec.runtime.transport import FakeWorld
@@ -126,7 +126,7 @@ def test_zero_bubble_split_defers_weight_grads():
     assert any(ins.op.value == "BWD_W" for ins in plan.program.ranks[0])
     results, _ = run_in_process(plan)
     for r in results.values():
-        kinds = {e.op[0] for e in r.events}
+        kinds = {e.text[0] for e in r.events}
         assert {"F", "I", "W"} <= kinds and "B" not in kinds
 
 
@@ -144,7 +144,7 @@ def test_the_first_stage_runs_its_whole_backward_at_w_as_its_cost_says(monkeypat
     monkeypatch.setattr(Executor, "__init__", init)
     results, _ = run_in_process(plan)
     assert sorted(tuple(sorted(ex.split)) for ex in made) == [(), (1,)]
-    assert all(not ex.stashes for ex in made)  # every deferred weight grad was run
+    assert all(not ex.state.stashes for ex in made)  # every deferred weight grad was run
 
 
 def test_emulate_runs_every_kind_of_instruction_and_measures_the_predicted_bubble():
@@ -155,12 +155,12 @@ def test_emulate_runs_every_kind_of_instruction_and_measures_the_predicted_bubbl
     ran: set[str] = set()
     for plan in (model_plan, schedule_plan):
         results, _ = run_in_process(plan, emulate=0.01)
-        ran |= {re.match("[A-Z]+", e.op).group() + (":tie" if ":tie." in e.op else "")
-                for r in results.values() for e in r.events if not e.op.startswith(WAIT_PREFIX)}
+        ran |= {re.match("[A-Z]+", e.text).group() + (":tie" if ":tie." in e.text else "")
+                for r in results.values() for e in r.events if not e.wait}
         # a wait inside a collective is its own event, before the work: never overlapping it
         for r in results.values():
-            for wait in (e for e in r.events if e.op.startswith(WAIT_PREFIX)):
-                work = next(e for e in r.events if e.op == wait.op[1:] and e.start >= wait.end - 1e-12)
+            for wait in (e for e in r.events if e.wait):
+                work = next(e for e in r.events if e.ins == wait.ins and not e.wait and e.start >= wait.end - 1e-12)
                 assert wait.start <= wait.end <= work.start + 1e-12
     assert ran == {"F", "B", "I", "W", "AR", "AR:tie", "OPT"}
     measured = measured_timeline(list(results.values()))

@@ -29,7 +29,7 @@ from pipec.compiler.driver import compile_spec
 from pipec.runtime.stages import build_stages
 from pipec.compiler.ir.program import Op
 from pipec.dsl import load_spec
-from pipec.runtime.executor import WAIT_PREFIX, Executor
+from pipec.runtime.executor import Executor
 from pipec.runtime.training import make_data, make_loss, split_microbatches
 from pipec.runtime.transport import FakeWorld
 
@@ -113,8 +113,8 @@ def test_the_reduce_scatter_is_waited_in_opt_after_the_backwards_that_follow_it(
             assert [w for w in log if w == ("wait", rs.split(":")[0])] == [("wait", rs.split(":")[0])]
             assert opt < log.index(("wait", rs.split(":")[0])) < log.index(("step", None))
         assert all(w.waits == 1 for w in shards.posted)
-        ops = {e.op for e in step.events}
-        assert WAIT_PREFIX + "OPT" in ops and not any(op.startswith(WAIT_PREFIX + "RS") for op in ops)
+        waited = {e.op for e in step.events if e.wait}
+        assert Op.OPTIM_STEP in waited and Op.REDUCE_SCATTER not in waited
 
 
 def test_hsdp_replicate_allreduce_waits_only_for_its_own_stage():
@@ -128,7 +128,7 @@ def test_hsdp_replicate_allreduce_waits_only_for_its_own_stage():
             assert log[i - 1] == ("run", f"AR{s}:dp.replicate"), log[i - 3:i + 1]
             assert log.index(("run", f"RS{s}:dp.shard")) == i - 2
         assert all(w.waits == 1 for w in shards.posted)
-        assert any(e.op.startswith(WAIT_PREFIX + "AR") and e.op.endswith(":dp.replicate") for e in step.events)
+        assert any(e.wait and e.op is Op.ALLREDUCE and e.group == "dp.replicate" for e in step.events)
 
 
 # ----------------------------------------------------------------------------- FSDP2 under torchrun

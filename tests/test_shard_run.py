@@ -205,7 +205,7 @@ def test_emulate_runs_the_shard_instructions_as_placeholders():
 
     plan = tiny_gpt("zb_h1", 1, 2, 2, shard="full", shard_size=1)  # RS over dp.shard, then AR over dp.replicate
     results, _ = run_in_process(plan, emulate=0.001)
-    ran = {e.op.split(":")[0][:2] + ":" + e.op.split(":")[1] for r in results.values() for e in r.events if ":" in e.op}
+    ran = {e.text.split(":")[0][:2] + ":" + e.group for r in results.values() for e in r.events if e.group}
     assert {"UN:dp.shard", "RE:dp.shard", "RS:dp.shard", "AR:dp.replicate"} <= ran
 
 

@@ -4,10 +4,11 @@ Open the file at https://ui.perfetto.dev (or chrome://tracing). Layout: one
 process per timeline kind (``predicted``, ``measured``), one thread per rank
 (named ``rank 3`` for a pp rank, ``rank 5 (pp 2, dp 1)`` for a measured
 global rank), one complete (``"ph": "X"``) event per Timeline event, named by
-its instruction text (``F0.3``), with ``cat`` its kind (``F``, ``B``, ``I``,
-``W``, ``comm``, ``AR``, ``OPT``) and its stage and microbatch in ``args``;
+its text form (``F0.3``, :attr:`~pipec.compiler.ir.timeline.Event.text`), with
+``cat`` its kind (``F``, ``B``, ``I``, ``W``, ``comm``, ``AR``, ``OPT``,
+:func:`~pipec.views.common.kind_of`) and its stage and microbatch in ``args``;
 time a rank waits inside a collective is its own ``comm`` event (``~OPT``), as
-the terminal draws it (:func:`~pipec.views.terminal.split_waits`).
+the terminal draws it (:func:`~pipec.views.common.split_waits`).
 ``ts`` and ``dur`` are microseconds: seconds x 1e6, and for a unit-cost
 timeline 1 unit = 1 ms, which the trace's ``otherData`` states.
 """
@@ -19,8 +20,8 @@ import os
 from typing import Any
 
 from pipec.compiler.ir.plan import Mesh
-from pipec.views.terminal import RenderError, classify, infer_dp, split_waits
 from pipec.compiler.ir.timeline import Timeline
+from pipec.views.common import RenderError, infer_dp, kind_of, split_waits
 
 __all__ = ["trace_events", "write_perfetto", "US_PER"]
 
@@ -57,19 +58,18 @@ def _process(
         out.append(_meta(pid, rank, "thread_name", name))
         out.append(_meta(pid, rank, "thread_sort_index", rank))
     for ev in split_waits(timeline):
-        info = classify(ev.op)
         args: dict[str, Any] = {}
-        if info.stage is not None:
-            args["stage"] = info.stage
-        if info.microbatch is not None:
-            args["microbatch"] = info.microbatch
+        if ev.stage is not None:
+            args["stage"] = ev.stage
+        if ev.microbatch is not None:
+            args["microbatch"] = ev.microbatch
         out.append(
             {
                 "ph": "X",
                 "pid": pid,
                 "tid": ev.rank,
-                "name": ev.op,
-                "cat": info.kind,
+                "name": ev.text,
+                "cat": kind_of(ev),
                 "ts": ev.start * us,
                 "dur": max(0.0, ev.end - ev.start) * us,
                 "args": args,

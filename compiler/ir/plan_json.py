@@ -195,7 +195,7 @@ def write_plan(plan: Plan, path: str) -> None:
             f.write(',\n "prediction": ' + json.dumps(pred, separators=(",", ":"))[:-1])
             f.write(',"events":[\n   ')
             f.write(",\n   ".join(
-                f'[{e.rank},{json.dumps(e.op)},{e.start!r},{e.end!r}]' for e in plan.prediction.events))
+                f'[{e.rank},{json.dumps(e.text)},{e.start!r},{e.end!r}]' for e in plan.prediction.events))
             f.write("\n ]}")
         f.write("\n}\n")
 

@@ -11,27 +11,75 @@ the next instruction needs, a collective), ``idle`` the rest (before the
 first and after the last instruction, host overhead). The bubble of a rank is
 ``(comm_wait + idle) / step_time``; the Timeline's ``bubble_fraction`` is the
 sum over listed ranks of their bubble time over ``num_ranks x step_time``.
+
+An :class:`Event` is typed: the instruction it spans (its op, stage,
+microbatch, peer, group) and whether the span is that instruction's wait.
+Only the JSON form spells it as text (DESIGN: ``"events": [[rank, op_text,
+start, end], ...]``, a wait ``~`` and the instruction's text): made from the
+fields where it is written (:attr:`Event.text`), read back once where it is
+read (:meth:`Event.parse`); nothing else reads text back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Iterable, Mapping, NamedTuple
 
-__all__ = ["Event", "RankTime", "Timeline"]
+from pipec.compiler.ir.program import Instruction, IRError, Op, parse_instruction
+
+__all__ = ["Event", "RankTime", "Timeline", "WAIT_PREFIX"]
+
+WAIT_PREFIX = "~"
+"""The text form of a wait (:attr:`Event.wait`): ``~`` and the instruction's text, ``~OPT``."""
 
 
 class Event(NamedTuple):
-    """One instruction on one rank: ``op`` is its text form (``F0.3``, ``AR0:dp``).
+    """One instruction's span on one rank, or (``wait``) the time it waited before its work.
 
-    A ``NamedTuple`` (immutable, typed, and cheap to build: timelines of large
-    plans hold hundreds of thousands of events).
+    A wait is time an instruction spent blocked before its own work: for its
+    rank's posts and reductions, or for a peer of its collective (the executor
+    and the simulator record them; the views draw them as comm wait). A
+    ``NamedTuple`` (immutable, typed, and cheap to build: timelines of large
+    plans hold hundreds of thousands of events) that holds the instruction
+    itself, so recording an event makes no text.
     """
 
     rank: int
-    op: str
+    ins: Instruction
+    """The instruction (typed: :attr:`op`, :attr:`stage`, :attr:`microbatch`, :attr:`peer`, :attr:`group`)."""
     start: float
     end: float
+    wait: bool = False
+
+    op = property(attrgetter("ins.op"), doc="The instruction's opcode (:class:`Op`).")
+    stage = property(attrgetter("ins.stage"), doc="The stage (``None`` for ``OPT``).")
+    microbatch = property(attrgetter("ins.microbatch"), doc="The microbatch (compute, sends and receives).")
+    peer = property(attrgetter("ins.peer"), doc="Sends and receives: the pp rank at the other end.")
+    group = property(attrgetter("ins.group"), doc="Collectives over a group: ``dp``, ``dp.shard``, ``dp.replicate``, "
+                     "``tie.<name>``.")
+
+    @property
+    def text(self) -> str:
+        """The JSON form's ``op_text``: the instruction's text (``F0.3``), a wait's with ``~`` before (``~OPT``)."""
+        return WAIT_PREFIX + self.ins.text() if self.wait else self.ins.text()
+
+    @classmethod
+    def parse(cls, rank: int, text: str, start: float, end: float) -> "Event":
+        """The event an ``op_text`` names; text that is no instruction (nor ``~`` and one) raises ``IRError``."""
+        wait = text.startswith(WAIT_PREFIX)
+        if wait:
+            text = text[1:]
+        op = _COMPUTE_OPS.get(text[:1])
+        if op is not None:  # most events: F0.3 read without the regex (a large plan's prediction holds 100Ks)
+            stage, dot, mb = text[1:].partition(".")
+            if dot and stage.isdecimal() and mb.isdecimal():
+                return cls(rank, Instruction(op, int(stage), int(mb)), start, end, wait)
+        return cls(rank, parse_instruction(text), start, end, wait)
+
+
+_COMPUTE_OPS = {"F": Op.FWD, "B": Op.BWD, "I": Op.BWD_I, "W": Op.BWD_W}
+"""The compute ops by the letter of their text form (``F0.3``), as :func:`parse_instruction` reads them."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,6 +99,10 @@ class RankTime:
     state_bytes: int | None = None
     """Predicted: params, grads and optimizer state at rest as this rank holds them (sharded as the
     mesh's ``shard`` says; padding included)."""
+
+
+_OPTIONAL = ("peak_activations", "peak_memory_bytes", "state_bytes")
+"""The fields of :class:`RankTime` that JSON holds only where they are known."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,19 +173,17 @@ class Timeline:
                 "idle": r.idle,
                 "bubble_fraction": r.bubble_fraction,
             }
-            if r.peak_activations is not None:
-                d["peak_activations"] = r.peak_activations
-            if r.peak_memory_bytes is not None:
-                d["peak_memory_bytes"] = r.peak_memory_bytes
-            if r.state_bytes is not None:
-                d["state_bytes"] = r.state_bytes
+            for name in _OPTIONAL:
+                value = getattr(r, name)
+                if value is not None:
+                    d[name] = value
             per_rank.append(d)
         return {
             "step_time": self.step_time,
             "bubble_fraction": self.bubble_fraction,
             "time_unit": self.time_unit,
             "per_rank": per_rank,
-            **({"events": [[e.rank, e.op, e.start, e.end] for e in self.events]} if events else {}),
+            **({"events": [[e.rank, e.text, e.start, e.end] for e in self.events]} if events else {}),
         }
 
     @staticmethod
@@ -166,7 +216,11 @@ class Timeline:
             )
             if not ok:
                 raise rd.error(f"events[{i}]", "expected [rank, op_text, start, end]", ev)
-            events.append(Event(ev[0], ev[1], float(ev[2]), float(ev[3])))
+            try:
+                events.append(Event.parse(ev[0], ev[1], float(ev[2]), float(ev[3])))
+            except IRError:
+                raise rd.error(f"events[{i}][1]", "expected an instruction's text (F0.3, AR0:dp, OPT), or ~ and one "
+                               "(a wait: ~OPT)", ev[1]) from None
         unit = rd.str("time_unit", required=False) or "s"
         if unit not in ("s", "unit"):
             raise rd.error("time_unit", "expected 's' or 'unit'", unit)

@@ -24,8 +24,8 @@ instructions). Two comm models (DESIGN, "What the verifier proves"):
 clips gradients (:attr:`CostModel.grad_norm`); without it ``OPT`` is a
 collective of its rank alone: it still waits for what the rank posted, but
 for no peer. The time a rank waits inside a collective (``OPT``, a tie
-all-reduce) is its own event, ``~`` and the instruction's text, so a view
-draws it as waiting (as the executor records its waits).
+all-reduce) is its own event, a wait (:attr:`Event.wait`), so a view draws it
+as waiting (as the executor records its waits).
 
 Sharded data parallelism's ``UNSHARD``, ``RESHARD`` and ``REDUCE_SCATTER``
 are collectives over a dp group, posted asynchronously under both models (the
@@ -77,7 +77,7 @@ from pipec.compiler.ir.timeline import Event
 from pipec.errors import PipecError
 from pipec.schedules.timing import Cost
 
-__all__ = ["BUFFERED", "IN_ORDER", "MODELS", "OPTIM_GROUP", "WAIT_PREFIX", "Deadlock", "Execution", "Decoded", "decode", "drawn", "execute", "group_members"]
+__all__ = ["BUFFERED", "IN_ORDER", "MODELS", "OPTIM_GROUP", "Deadlock", "Execution", "Decoded", "decode", "drawn", "execute", "group_members"]
 
 BUFFERED = "buffered"
 IN_ORDER = "in_order"
@@ -86,9 +86,6 @@ MODELS = (BUFFERED, IN_ORDER)
 
 OPTIM_GROUP = "pp"
 """The group of the grad-norm collective inside ``OPT``: all pp ranks."""
-WAIT_PREFIX = "~"
-"""An event whose op is ``~`` + an instruction's text is time that instruction spent waiting (inside a collective:
-for its rank's posts and all-reduces, or for a peer); the executor names its waits the same way."""
 
 # decoded opcodes
 _COMPUTE, _SEND, _RECV, _AR, _OPT, _SHARD = range(6)
@@ -659,11 +656,11 @@ class _Engine:
         return got
 
     def event(self, r: int, pc: int, start: float, end: float, waited_from: float) -> None:
-        """Instruction pc's event; the time it waited before (from ``waited_from``) is a ``~`` event of its own."""
-        text = self.program.ranks[r][pc].text()
+        """Instruction pc's event; the time it waited before (from ``waited_from``) is a wait event of its own."""
+        ins = self.program.ranks[r][pc]
         if start > waited_from:
-            self.events.append(Event(r, WAIT_PREFIX + text, waited_from, start))
-        self.events.append(Event(r, text, start, end))
+            self.events.append(Event(r, ins, waited_from, start, True))
+        self.events.append(Event(r, ins, start, end))
 
     # ------------------------------------------------------------------ the rank loop
 
@@ -671,6 +668,7 @@ class _Engine:
         # the hottest loop of the simulator: the rank's running sums are locals, written back whenever it stops
         # (_park); resolving a compute's completion is inlined
         dec = self.dec[r]
+        instrs = self.program.ranks[r]
         n = len(dec)
         pc = self.pc[r]
         clock = self.clock[r]
@@ -690,8 +688,7 @@ class _Engine:
                 for key in d[1]:
                     t = done.get(key)
                     if t is None:
-                        self._park(r, pc, clock, wait, compute, held, held_bytes, peak, peak_bytes)
-                        self.block(r, key)
+                        self._park(r, pc, clock, wait, compute, held, held_bytes, peak, peak_bytes, key)
                         return
                     if t > start:
                         start = t
@@ -714,7 +711,7 @@ class _Engine:
                             peak_bytes = held_bytes
                 compute += d[2]
                 if record:
-                    self.events.append(Event(r, self.program.ranks[r][pc].text(), start, end))
+                    self.events.append(Event(r, instrs[pc], start, end))
                 clock = end
                 pc += 1
             elif code == _SEND or code == _RECV:
@@ -723,20 +720,17 @@ class _Engine:
                 clock += d[4]
                 comm.shard(r, d[3], d[2], clock)
                 if record:
-                    self.events.append(Event(r, self.program.ranks[r][pc].text(), clock, clock))
+                    self.events.append(Event(r, instrs[pc], clock, clock))
                 pc += 1
             else:  # a collective: ALLREDUCE, or OPT (its grad-norm collective, or its rank's alone)
                 is_opt = code == _OPT
                 # the host's waits before it arrives (shard instructions; under buffered, all-reduces in flight)
-                ready = clock
-                for key in d[4][waits_index]:
-                    t = done.get(key)
-                    if t is None:
-                        self._park(r, pc, clock, wait, compute, held, held_bytes, peak, peak_bytes)
-                        self.block(r, key)
-                        return
-                    if t > ready:
-                        ready = t
+                keys = d[4][waits_index]
+                missing = next((key for key in keys if key not in done), None)
+                if missing is not None:
+                    self._park(r, pc, clock, wait, compute, held, held_bytes, peak, peak_bytes, missing)
+                    return
+                ready = max([clock, *(done[key] for key in keys)])
                 ckey = d[5]
                 if not self.arrived[r]:
                     arrive = comm.ready(r, ready, is_opt)
@@ -758,8 +752,7 @@ class _Engine:
                         continue
                 t = done.get(ckey)
                 if t is None:
-                    self._park(r, pc, clock, wait, compute, held, held_bytes, peak, peak_bytes)
-                    self.block(r, ckey)
+                    self._park(r, pc, clock, wait, compute, held, held_bytes, peak, peak_bytes, ckey)
                     return
                 self.arrived[r] = False
                 self.blocked_on[r] = None
@@ -778,12 +771,15 @@ class _Engine:
         self.blocked_on[r] = None
 
     def _park(self, r: int, pc: int, clock: float, wait: float, compute: float, held: int, held_bytes: int,
-              peak: int, peak_bytes: int) -> None:
-        """Where rank r stopped and its running sums (:meth:`advance` keeps them in locals)."""
+              peak: int, peak_bytes: int, on=None) -> None:
+        """Where rank r stopped and its running sums (:meth:`advance` keeps them in locals); blocked ``on`` a key
+        until it resolves, if given."""
         self.pc[r], self.clock[r] = pc, clock
         self.wait[r], self.compute[r] = wait, compute
         self.in_flight[r], self.in_flight_bytes[r] = held, held_bytes
         self.peak[r], self.peak_bytes[r] = peak, peak_bytes
+        if on is not None:
+            self.block(r, on)
 
     def run(self) -> Execution:
         runnable = self.runnable
@@ -898,12 +894,12 @@ def _shared(program: Program, decoded: Decoded, placement: Sequence[int], ties: 
     """The run under processor sharing (:mod:`pipec.compiler.sim.contention`): the loop re-run with every compute's
     duration scaled until the scales settle (``ex``: the run at the costs as they are)."""
     where = [(r, pc) for r, dec in enumerate(decoded.ranks) for pc, d in enumerate(dec) if d[0] == _COMPUTE and d[2] > 0]
-    texts = [(r, program.ranks[r][pc].text()) for r, pc in where]
-    ops = [program.ranks[r][pc].op.value for r, pc in where]
+    keys = [(r, program.ranks[r][pc]) for r, pc in where]
+    ops = [ins.op.value for _, ins in keys]
     scales = [1.0] * len(where)
     for _ in range(ITERATIONS):
-        span = {(e.rank, e.op): (e.start, e.end) for e in ex.events}
-        new = sharing.scales([(r, op, *span[key]) for (r, _), op, key in zip(where, ops, texts)], scales)
+        span = {(e.rank, e.ins): (e.start, e.end) for e in ex.events if not e.wait}
+        new = sharing.scales([(r, op, *span[key]) for (r, _), op, key in zip(where, ops, keys)], scales)
         settled = all(abs(a - b) <= TOLERANCE * b for a, b in zip(new, scales))
         scales = new
         ranks = [list(dec) for dec in decoded.ranks]

@@ -1,0 +1,95 @@
+"""The picture of a Timeline (matplotlib): SVG or PNG.
+
+One lane per rank (with a measured timeline: each pp rank's predicted lane,
+then its replicas' measured lanes, :func:`~pipec.views.common.lanes`),
+blocks in :data:`~pipec.views.common.KINDS` colours, and a measurement scaled
+onto a unit-cost prediction gets its own axis in seconds on top. matplotlib is
+imported only when a picture is drawn.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pipec.compiler.ir.timeline import Timeline
+from pipec.views.common import KINDS, RenderError, axis_unit, headline, kind_of, lanes, span_of, tint
+
+__all__ = ["render_image"]
+
+_FORMATS = {".svg": "svg", ".png": "png"}
+
+
+def render_image(
+    timeline: Timeline,
+    path: str | os.PathLike[str],
+    *,
+    measured: Timeline | None = None,
+    dp: int | None = None,
+    title: str = "",
+) -> None:
+    """Draw the timeline to ``path``: SVG or PNG by its extension.
+
+    One lane per rank (with ``measured``: each pp rank's predicted lane, then
+    its replicas' measured lanes), blocks in :data:`KINDS` colours with their
+    microbatch number where it fits, a rank's later chunks in a lighter tint,
+    a legend, and an axis in the timeline's unit (a measurement scaled onto a
+    unit-cost prediction gets its own axis in seconds on top). Each lane's
+    bars are one collection with gid ``lane-<source>-<rank>``.
+    """
+    ext = os.path.splitext(os.fspath(path))[1].lower()
+    if ext not in _FORMATS:
+        raise RenderError(f"a picture path must end in .svg or .png, got {os.fspath(path)!r}")
+    from matplotlib.figure import Figure  # lazy: the compile path never imports matplotlib
+    from matplotlib.patches import Patch
+
+    all_lanes, span = lanes(timeline, measured=measured, dp=dp)
+    fig_w = 12.0
+    fig = Figure(figsize=(fig_w, 1.8 + 0.42 * len(all_lanes)), layout="constrained")
+    ax = fig.add_subplot()
+    points_per_unit = (fig_w - 1.5) * 72 / span
+    fontsize = 7.0
+    kinds: set[str] = set()
+    chunked = False
+    for y, lane in enumerate(all_lanes):
+        bars, colours = [], []
+        for ev in lane.events:
+            if ev.end <= ev.start:
+                continue
+            k = kind_of(ev)
+            kinds.add(k)
+            start, dur = ev.start * lane.scale, (ev.end - ev.start) * lane.scale
+            chunk = lane.chunks.get(ev.stage, 0) if ev.stage is not None else 0
+            chunked = chunked or chunk > 0
+            colour = KINDS[k].colour
+            bars.append((start, dur))
+            colours.append(tint(colour, 0.5) if chunk else colour)
+            if ev.microbatch is not None:
+                label = str(ev.microbatch)
+                if dur * points_per_unit >= 0.62 * fontsize * len(label) + 2:
+                    ax.text(start + dur / 2, y, label, ha="center", va="center", fontsize=fontsize, clip_on=True)
+        alpha = 1.0 if lane.source == "predicted" else 0.85
+        coll = ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=colours, edgecolors="white", linewidths=0.4, alpha=alpha)
+        coll.set_gid(f"lane-{lane.source}-{lane.rank}")
+    ax.set_yticks(range(len(all_lanes)), [lane.label for lane in all_lanes])
+    ax.set_ylim(len(all_lanes) - 0.5, -0.5)
+    ax.set_xlim(0, span)
+    factor, name = axis_unit(span, timeline.time_unit)
+    ax.set_xlabel(f"time ({name})")
+    if factor != 1.0:
+        ax.xaxis.set_major_formatter(lambda x, _pos: f"{x * factor:g}")
+    if measured is not None and measured.time_unit != timeline.time_unit:
+        scale = next(lane.scale for lane in all_lanes if lane.source == "measured")
+        m_factor, m_name = axis_unit(span_of(measured), measured.time_unit)
+        top = ax.secondary_xaxis("top", functions=(lambda x: x / scale * m_factor, lambda x: x * scale / m_factor))
+        top.set_xlabel(f"measured time ({m_name})")
+    handles = [Patch(facecolor=KINDS[k].colour, label=KINDS[k].name) for k in KINDS if k in kinds]
+    if chunked:
+        handles.append(Patch(facecolor=tint(KINDS["F"].colour, 0.5), label="later chunk (lighter)"))
+    if handles:
+        fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 7), frameon=False)
+    head = headline(timeline)
+    if measured is not None:
+        head = f"predicted {head}; measured {headline(measured)}"
+    ax.set_title(f"{title}\n{head}" if title else head, fontsize=10)
+    fig.savefig(os.fspath(path), format=_FORMATS[ext])
+
