@@ -20,6 +20,7 @@ import os
 import resource
 import signal
 import sys
+import time
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterator, Mapping, Sequence, TextIO
 
@@ -36,6 +37,8 @@ DEFAULT_UNIT_TIME = 0.01
 
 LINGER_S = 5.0
 """Seconds a rank the launcher stops (another rank failed) goes on, so that its own error is reported too."""
+STOP_GRACE_S = 5.0
+"""Seconds past :data:`LINGER_S` a rank stopped at a run's time limit is given before it is killed."""
 
 RENDEZVOUS_FLAGS = ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "master_addr", "master_port")
 """torchrun's multi-node flags, which ``pipec run`` passes through (:func:`start_ranks`)."""
@@ -354,9 +357,9 @@ def start_ranks(where: Callable[[int], str], options: RunOptions, *, nproc: int,
     The caller has read and proven the plan. ``rendezvous``: torchrun's multi-node flags by name
     (:data:`RENDEZVOUS_FLAGS`, None values left out); none: this machine alone (``--standalone``).
     ``verbose``: torchrun's own log lines shown. ``log_dir``: the ranks' stdout and stderr go to files
-    under it instead of this process's. ``time_limit``: seconds after which the ranks are stopped and
-    :class:`TimeLimitExceeded` is raised (from the main thread only: a signal interrupts it). The launcher's
-    signal handlers and environment are this process's own again afterwards.
+    under it instead of this process's. ``time_limit``: seconds after which the ranks are stopped (found
+    in /proc: Linux) and :class:`TimeLimitExceeded` is raised. The launcher's signal handlers and
+    environment are this process's own again afterwards.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -409,36 +412,68 @@ def _launcher_state_kept() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _time_limit(seconds: float | None) -> Iterator[None]:
-    """Raise :class:`TimeLimitExceeded` in this, the main, thread once ``seconds`` have passed: raised inside
-    torch's launcher, its agent stops the ranks on the way out. A timer thread signals this one (SIGUSR1, its
-    handler ours meanwhile), so that a wait in the launcher is cut short; SIGALRM and its timer stay the
-    caller's (pytest-timeout's, say)."""
+    """Once ``seconds`` have passed, stop the ranks this process started, and any it starts later, until the
+    block ends; then raise :class:`TimeLimitExceeded` in place of what the block ended with (the launcher's
+    failure: its ranks ended). Torch's launcher is never interrupted (an exception raised into it while it
+    starts its ranks loses them), it sees its ranks end. Each rank gets SIGTERM once (it reports within
+    :data:`LINGER_S`), then SIGKILL."""
     if seconds is None:
         yield
         return
     import threading
 
-    armed = threading.Event()
-    main = threading.main_thread().ident
+    done, expired = threading.Event(), threading.Event()
 
-    def expired(signum, frame) -> None:  # noqa: ANN001
-        if armed.is_set():            # not once the block is left (a signal sent just before)
-            armed.clear()
-            raise TimeLimitExceeded(f"the run took over {seconds:.0f} s")
+    def watch() -> None:
+        if done.wait(seconds):
+            return
+        expired.set()
+        stopped: dict[int, float] = {}   # rank -> when it was sent SIGTERM
+        while not done.is_set():
+            now = time.monotonic()
+            for pid in _rank_children():
+                if pid not in stopped:
+                    stopped[pid], sig = now, signal.SIGTERM
+                elif now - stopped[pid] > LINGER_S + STOP_GRACE_S:
+                    sig = signal.SIGKILL
+                else:
+                    continue
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            done.wait(0.1)
 
-    def ring() -> None:
-        if armed.is_set():
-            signal.pthread_kill(main, signal.SIGUSR1)
-
-    old = signal.signal(signal.SIGUSR1, expired)
-    armed.set()
-    timer = threading.Timer(seconds, ring)
-    timer.daemon = True
-    timer.start()
+    watcher = threading.Thread(target=watch, name="pipec-time-limit", daemon=True)
+    watcher.start()
     try:
         yield
-    finally:
-        armed.clear()
-        timer.cancel()
-        timer.join()                  # a signal it sent is handled (and ignored) before the handler is restored
-        signal.signal(signal.SIGUSR1, old)
+    except Exception:
+        done.set()
+        watcher.join()
+        if expired.is_set():
+            raise TimeLimitExceeded(f"the run took over {seconds:.0f} s") from None
+        raise
+    done.set()
+    watcher.join()
+    if expired.is_set():
+        raise TimeLimitExceeded(f"the run took over {seconds:.0f} s")
+
+
+def _rank_children() -> list[int]:
+    """The running processes this one started that run a rank (``-m pipec.runtime``), from /proc (none where
+    there is no /proc)."""
+    me, out = os.getpid(), []
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    state, ppid = f.read().rpartition(b")")[2].split()[:2]
+                if int(ppid) != me or state == b"Z":
+                    continue
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if b"pipec.runtime" in f.read().split(b"\0"):
+                        out.append(int(name))
+            except (OSError, ValueError):
+                continue                # ended meanwhile
+    return out

@@ -3,6 +3,7 @@ the no-fit error, the written plan and schedule file, --json; --measure's runs (
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -210,19 +211,21 @@ def test_kept_plans_predict_what_a_full_compile_predicts(small, budget):
         assert bare == replace(want.prediction, events=()) != want.prediction, c
 
 
-def _rank_processes() -> list[str]:
-    """The command lines of this process's children that run a rank (Linux: /proc)."""
+def _ranks_left(folder) -> list[int]:
+    """The processes still running whose command line names ``folder`` (a run's ranks), killed (Linux: /proc)."""
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rpartition(")")[2].split()[1])
+                zombie = f.read().rpartition(")")[2].split()[0] == "Z"
             with open(f"/proc/{pid}/cmdline") as f:
-                cmd = f.read().replace("\0", " ")
-        except (OSError, ValueError, IndexError):
+                cmd = f.read()
+        except OSError:
             continue                    # ended meanwhile
-        if ppid == os.getpid() and "pipec.runtime" in cmd:
-            out.append(cmd)
+        if not zombie and str(folder) in cmd and "pipec.runtime" in cmd:
+            out.append(int(pid))
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
     return out
 
 
@@ -246,6 +249,6 @@ def test_measure_starts_the_ranks_here_and_notes_a_failed_or_overlong_run(small,
         "cannot find module 'pipec_no_such_module'" in notes[0], notes
     out, notes = run_candidates([top], workdir=str(tmp_path / "slow"), steps=3, timeout=0.2)
     assert out == [top] and notes == [f"{c.layout} {c.schedule}: not measured: the run took over 0 s"]
-    assert _rank_processes() == []
+    assert _ranks_left(tmp_path) == []
     assert ({sig: signal.getsignal(sig) for sig in kept[0]}, dict(os.environ)) == kept
 
