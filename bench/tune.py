@@ -5,7 +5,7 @@
     alternating order, the median of all their steps but each run's warm-up); predicted beside measured per candidate,
     beside what the stages timed alone predict (the profile before it timed the run's ranks at once) and
     what the crowd's costs predict without processor sharing (every compute at its cost with all ranks
-    computing, last session's model), the prediction-only pick against the best measured (goal: within 5%), the Spearman rank
+    computing), the prediction-only pick against the best measured (goal: within 5%), the Spearman rank
     correlation of predicted and measured (goal >= 0.8), tune's own pick over its whole space and its
     ``--measure 3`` pick.
     ``--against DIR ...`` compiles the grid now and scores its predictions against the measured steps of
