@@ -23,7 +23,8 @@ from pipec.compiler.passes.lower import lower
 from pipec.compiler.passes.memory import breakdown, check_memory
 from pipec.compiler.ir.plan import DEFAULT_LINKS, Link, Mesh, Plan, Stage, check_limits, check_nodes, check_shard
 from pipec.compiler.request import CompileRequest, ModelSpec
-from pipec.compiler.sim.simulate import BUFFERED, CostModel, Execution, chain_edges, execute, plan_costs, timeline_of
+from pipec.compiler.sim.simulate import (BUFFERED, CostModel, Execution, chain_edges, execute, interval_of, plan_costs,
+                                         timeline_of)
 from pipec.compiler.passes.verify import verify
 from pipec.errors import Diagnostic, PipecError
 from pipec.schedules import check_rules, get_schedule, loop_placement, v_placement
@@ -196,8 +197,8 @@ def compile_spec(spec, *, trace: bool = True) -> Compiled:
 
 def prove_and_predict(plan: Plan, *, prove: bool = True, events: bool = True, costs: CostModel | None = None) -> Plan:
     """Verify a plan (all four proofs, both comm models) and attach its predicted timeline; ``prove=False``:
-    only the timeline (the buffered execution the proof would have made), without its events when
-    ``events=False`` (the rest of it the same). ``costs``: the plan's (:func:`plan_costs`), when the caller
+    only the timeline (the buffered execution the proof would have made), without its events and its interval
+    when ``events=False`` (the rest of it the same). ``costs``: the plan's (:func:`plan_costs`), when the caller
     has them."""
     costs = costs or plan_costs(plan)
     if prove:
@@ -206,17 +207,22 @@ def prove_and_predict(plan: Plan, *, prove: bool = True, events: bool = True, co
     else:
         ex = execute(plan.program, placement=plan.placement, num_microbatches=plan.num_microbatches,
                      edges=plan.edges, costs=costs, model=BUFFERED, ties=plan.ties, record_events=events)
-    return with_timeline(plan, ex, costs)
+    return with_timeline(plan, ex, costs, interval=events)
 
 
-def with_timeline(plan: Plan, ex: Execution, costs: CostModel | None = None) -> Plan:
+def with_timeline(plan: Plan, ex: Execution, costs: CostModel | None = None, *, interval: bool = True) -> Plan:
     """The plan with the predicted timeline of ``ex``, a buffered execution of its program (``costs``: the
-    plan's, :func:`~pipec.compiler.sim.simulate.plan_costs`, when the caller has them); ``pipec tune`` gives a
-    kept plan the timeline of its proof's execution, events and all."""
+    plan's, :func:`~pipec.compiler.sim.simulate.plan_costs`, when the caller has them), and, where the costs
+    carry a measured spread and ``interval`` is set, the range its steps are expected in
+    (:func:`~pipec.compiler.sim.simulate.interval_of`); ``pipec tune`` gives a kept plan the timeline of its
+    proof's execution, events and all."""
+    costs = costs or plan_costs(plan)
     rows = breakdown(plan)
     state = None if rows is None else [m.state for m in rows]
     static = None if rows is None else [m.state + m.transient for m in rows]
-    return replace(plan, prediction=timeline_of(ex, costs or plan_costs(plan), static, state))
+    timeline = timeline_of(ex, costs, static, state)
+    band = interval_of(plan, costs) if interval else None
+    return replace(plan, prediction=timeline if band is None else replace(timeline, interval=band))
 
 
 def _placed(stages: Sequence[Stage], placement: Sequence[int]) -> tuple[Stage, ...]:

@@ -58,6 +58,10 @@ class Cost:
     """Weight-grad ``W``."""
     optim: float = 0.0
     """The optimizer step over the stage's parameters, once per step (not part of the order)."""
+    spread: float | None = None
+    """How much the stage's measured compute times scatter: the relative standard deviation of its timed
+    samples (their standard deviation over their median, one figure for all its parts). None where nothing
+    was timed (unit and flops costs): such a cost has no spread, and a prediction from it no interval."""
 
     def of(self, kind: Kind) -> float:
         if kind is Kind.F:

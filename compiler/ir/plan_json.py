@@ -127,7 +127,7 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
             "inputs": [_sig_json(s) for s in st.inputs],
             "outputs": [_sig_json(s) for s in st.outputs],
             "cost": {"fwd": st.cost.fwd, "bwd": st.cost.bwd, "bwd_i": st.cost.bwd_i, "bwd_w": st.cost.bwd_w,
-                     "optim": st.cost.optim},
+                     "optim": st.cost.optim, **({} if st.cost.spread is None else {"spread": st.cost.spread})},
         }
         if st.activation_bytes is not None:
             d["activation_bytes"] = st.activation_bytes
@@ -309,7 +309,7 @@ def load_plan(obj: Any, where: str = "plan") -> Plan:
             c = s.sub("cost", required=False)
             cost = UNIT_COST if c is None else Cost(
                 fwd=c.num("fwd", lo=0), bwd=c.num("bwd", lo=0), bwd_i=c.num("bwd_i", lo=0), bwd_w=c.num("bwd_w", lo=0),
-                optim=c.num("optim", lo=0, required=False) or 0.0,
+                optim=c.num("optim", lo=0, required=False) or 0.0, spread=c.num("spread", lo=0, required=False),
             )
             params = s.strs("params", required=False) or ()
             stage = Stage(

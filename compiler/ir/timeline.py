@@ -28,7 +28,7 @@ from typing import Any, Iterable, Mapping, NamedTuple
 
 from pipec.compiler.ir.program import Instruction, IRError, Op, parse_instruction
 
-__all__ = ["Event", "RankTime", "Timeline", "WAIT_PREFIX"]
+__all__ = ["Event", "RankTime", "Interval", "Timeline", "WAIT_PREFIX"]
 
 WAIT_PREFIX = "~"
 """The text form of a wait (:attr:`Event.wait`): ``~`` and the instruction's text, ``~OPT``."""
@@ -94,15 +94,37 @@ class RankTime:
     peak_activations: int | None = None
     """Most microbatches whose activations this rank held at once (F done, backward not)."""
     peak_memory_bytes: int | None = None
-    """Predicted: params, grads, optimizer state, transiently unsharded parameters and activations;
-    measured: the allocator's peak."""
+    """Predicted: params, grads, optimizer state, transiently unsharded parameters and activations (an upper
+    bound: each part at its own peak); measured: the allocator's peak (``torch.cuda.max_memory_allocated``; absent
+    on CPU, where no allocator counts the tensors)."""
     state_bytes: int | None = None
-    """Predicted: params, grads and optimizer state at rest as this rank holds them (sharded as the
-    mesh's ``shard`` says; padding included)."""
+    """Params, grads and optimizer state at rest as this rank holds them (sharded as the mesh's ``shard`` says;
+    padding included): predicted from the counts; measured, the tensors' storages after the optimizer step."""
+    peak_activation_bytes: int | None = None
+    """Saved activations at the rank's peak: what autograd saves in each stage's forward, and the stage's outputs,
+    per microbatch held from its ``FWD`` to its last backward, summed over what is held at once. Predicted from the
+    trace's byte counts; measured from the storages the stages saved in the run's first step."""
 
 
-_OPTIONAL = ("peak_activations", "peak_memory_bytes", "state_bytes")
+_OPTIONAL = ("peak_activations", "peak_memory_bytes", "state_bytes", "peak_activation_bytes")
 """The fields of :class:`RankTime` that JSON holds only where they are known."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Interval:
+    """How sure a prediction is: the share ``coverage`` of steps is expected to take ``step_time[0]`` to
+    ``step_time[1]`` (and waste ``bubble_fraction[0]`` to ``[1]``), the range of ``draws`` simulations over the
+    measured spread of the costs (JSON: the Timeline's ``step_time_interval``, ``bubble_fraction_interval``,
+    ``coverage`` and ``interval_draws``). A prediction from costs without spread has none."""
+
+    step_time: tuple[float, float]
+    bubble_fraction: tuple[float, float]
+    coverage: float
+    draws: int
+
+    def holds(self, step_time: float) -> bool:
+        """Whether a measured step time falls inside."""
+        return self.step_time[0] <= step_time <= self.step_time[1]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,6 +135,8 @@ class Timeline:
     events: tuple[Event, ...] = field(default=(), repr=False)
     time_unit: str = "s"
     """``"s"`` for seconds, ``"unit"`` for a unit-cost plan."""
+    interval: Interval | None = None
+    """A predicted Timeline whose costs carry a measured spread: the range its steps are expected in."""
 
     @property
     def num_ranks(self) -> int:
@@ -127,6 +151,7 @@ class Timeline:
         peak_activations: Mapping[int, int] | None = None,
         peak_memory_bytes: Mapping[int, int] | None = None,
         state_bytes: Mapping[int, int] | None = None,
+        peak_activation_bytes: Mapping[int, int] | None = None,
         time_unit: str = "s",
     ) -> "Timeline":
         """Assemble a Timeline from per-rank ``(compute, comm_wait)`` totals.
@@ -151,6 +176,7 @@ class Timeline:
                     peak_activations=None if peak_activations is None else peak_activations.get(rank),
                     peak_memory_bytes=None if peak_memory_bytes is None else peak_memory_bytes.get(rank),
                     state_bytes=None if state_bytes is None else state_bytes.get(rank),
+                    peak_activation_bytes=None if peak_activation_bytes is None else peak_activation_bytes.get(rank),
                 )
             )
         denom = len(per_rank) * step_time
@@ -178,9 +204,13 @@ class Timeline:
                 if value is not None:
                     d[name] = value
             per_rank.append(d)
+        band = self.interval
         return {
             "step_time": self.step_time,
             "bubble_fraction": self.bubble_fraction,
+            **({} if band is None else {"step_time_interval": list(band.step_time),
+                                        "bubble_fraction_interval": list(band.bubble_fraction),
+                                        "coverage": band.coverage, "interval_draws": band.draws}),
             "time_unit": self.time_unit,
             "per_rank": per_rank,
             **({"events": [[e.rank, e.text, e.start, e.end] for e in self.events]} if events else {}),
@@ -202,6 +232,7 @@ class Timeline:
                 peak_activations=r.int("peak_activations", lo=0, required=False),
                 peak_memory_bytes=r.int("peak_memory_bytes", lo=0, required=False),
                 state_bytes=r.int("state_bytes", lo=0, required=False),
+                peak_activation_bytes=r.int("peak_activation_bytes", lo=0, required=False),
             )
             for r in rd.items("per_rank")
         )
@@ -230,4 +261,21 @@ class Timeline:
             per_rank=per_rank,
             events=tuple(events),
             time_unit=unit,
+            interval=_interval(rd),
         )
+
+
+def _interval(rd) -> Interval | None:
+    """A Timeline's interval: absent, or all four of its fields (a range that holds its prediction's order)."""
+    names = ("step_time_interval", "bubble_fraction_interval", "coverage", "interval_draws")
+    if not any(n in rd.obj for n in names):
+        return None
+    ranges = []
+    for name, hi in zip(names[:2], (None, 1.000001)):
+        raw = rd.list(name)
+        if len(raw) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in raw) \
+                or not 0 <= raw[0] <= raw[1] or hi is not None and raw[1] > hi:
+            raise rd.error(name, "expected [lo, hi] with 0 <= lo <= hi", raw)
+        ranges.append((float(raw[0]), float(raw[1])))
+    return Interval(step_time=ranges[0], bubble_fraction=ranges[1], coverage=rd.num("coverage", lo=0, hi=1),
+                    draws=rd.int("interval_draws", lo=1))

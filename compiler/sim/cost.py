@@ -53,6 +53,11 @@ class CostModel:
     """Whether the run posts every receive of a step when the step starts (the executor does over gloo, whose posts
     never block): a message then moves once its send is posted. False: each receive is posted where the program
     puts it. Only the buffered model reads it (NCCL keeps the plan's positions)."""
+    host_spread: float | None = None
+    """How much the host's speed scattered while the costs were timed (the relative standard deviation of the
+    profile's reference kernel), or None where it was not measured. With every stage's :attr:`Cost.spread`, what
+    :func:`~pipec.compiler.sim.simulate.interval_of` draws from: each draw runs the whole step at one host speed,
+    each compute at its own draw of its stage's spread."""
     sharing: Sharing | None = None
     """Ranks that share a host's cores (``costs profile`` timed the stages in a crowd): every run prices each
     compute at the share of the cores it gets (:mod:`pipec.compiler.sim.contention`). None: each compute takes its

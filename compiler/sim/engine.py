@@ -45,10 +45,11 @@ If no rank can move while some have instructions left, the program
 deadlocks: :class:`Deadlock` carries the cycle of waiting instructions, one
 line per rank.
 
-A cost model may carry measured spread (:attr:`CostModel.jitter`); only a run
-given a seeded ``random.Random`` draws from it (:func:`drawn`: each
-instruction's host overhead, each compute, each message's transfer), so every
-compile-time prediction stays deterministic.
+A cost model may carry measured spread (:attr:`CostModel.jitter`, every stage's
+:attr:`Cost.spread` and the host's); only a run given a seeded
+``random.Random`` draws from it (:func:`drawn`: each instruction's host
+overhead, each compute, each message's transfer), so every prediction stays
+deterministic, its interval too.
 
 Internally every instruction is decoded once into a tuple and every thing an
 instruction can wait for is an integer key, which keeps the loop fast enough
@@ -64,6 +65,7 @@ splitting them would put attribute lookups across modules on the fastest path.
 
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -77,7 +79,8 @@ from pipec.compiler.ir.timeline import Event
 from pipec.errors import PipecError
 from pipec.schedules.timing import Cost
 
-__all__ = ["BUFFERED", "IN_ORDER", "MODELS", "OPTIM_GROUP", "Deadlock", "Execution", "Decoded", "decode", "drawn", "execute", "group_members"]
+__all__ = ["BUFFERED", "IN_ORDER", "MODELS", "OPTIM_GROUP", "Deadlock", "Execution", "Decoded", "decode", "drawn",
+           "execute", "group_members", "spreads"]
 
 BUFFERED = "buffered"
 IN_ORDER = "in_order"
@@ -291,13 +294,18 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
     return Decoded(tuple(out), keys, costs.early_receives)
 
 
-def drawn(decoded: Decoded, program: Program, jitter: Mapping[str, Sequence[float]], rng: random.Random) -> Decoded:
+def drawn(decoded: Decoded, program: Program, jitter: Mapping[str, Sequence[float]], rng: random.Random, *,
+          spread: Sequence[float] = (), host_spread: float = 0.0) -> Decoded:
     """A copy of ``decoded`` with one draw from ``jitter`` (:attr:`CostModel.jitter`) added to each cost it
     covers: every instruction's host overhead (by its opcode), every compute's duration (a compute that takes
-    time), every message's transfer (one draw per message, the same on its send and its receive). Draws are
-    taken in program order, rank by rank, so a seeded ``rng`` gives the same copy every time."""
+    time), every message's transfer (one draw per message, the same on its send and its receive). ``spread``
+    (per stage, :attr:`Cost.spread`: a relative standard deviation) scales each compute of a stage by its own
+    draw, ``exp(spread x z)`` for a standard normal z (the median stays the cost), and ``host_spread`` every compute
+    of the copy by one draw the same way (the host's speed over the step). Draws are taken in program order, rank
+    by rank, so a seeded ``rng`` gives the same copy every time."""
     compute, transfer = jitter.get(COMPUTE_JITTER), jitter.get(TRANSFER_JITTER)
-    choice = rng.choice
+    choice, gauss = rng.choice, rng.gauss
+    speed = math.exp(gauss(0.0, host_spread)) if host_spread else 1.0
     hops: dict[int, float] = {}
     ranks = []
     for instrs, dec in zip(program.ranks, decoded.ranks):
@@ -308,6 +316,8 @@ def drawn(decoded: Decoded, program: Program, jitter: Mapping[str, Sequence[floa
             d = list(d)
             if host:
                 d[h] += choice(host)
+            if code == _COMPUTE and spread and d[2] > 0:
+                d[2] *= speed * math.exp(gauss(0.0, spread[ins.stage]))
             if code == _COMPUTE and compute and d[2] > 0:
                 d[2] += choice(compute)
             elif (code == _SEND or code == _RECV) and transfer:
@@ -882,11 +892,19 @@ def execute(
         raise ValueError(f"unknown comm model {model!r}; expected one of {', '.join(MODELS)}")
     if decoded is None:
         decoded = decode(program, placement=placement, num_microbatches=num_microbatches, edges=edges, costs=costs)
-    if rng is not None and costs.jitter:
-        decoded = drawn(decoded, program, costs.jitter, rng)
+    spread = spreads(costs)
+    if rng is not None and (costs.jitter or spread):
+        decoded = drawn(decoded, program, costs.jitter, rng, spread=spread, host_spread=costs.host_spread or 0.0)
     sharing = costs.sharing
     ex = _Engine(program, decoded, placement, ties, model, record_events or sharing is not None).run()
     return ex if sharing is None else _shared(program, decoded, placement, ties, model, record_events, sharing, ex)
+
+
+def spreads(costs: CostModel) -> tuple[float, ...]:
+    """Every stage's :attr:`Cost.spread` (a relative standard deviation), or ``()`` unless every stage has one: a
+    run over costs of which some were never timed draws none of them."""
+    out = tuple(c.spread for c in costs.stages)
+    return () if not out or None in out else out  # type: ignore[return-value]
 
 
 def _shared(program: Program, decoded: Decoded, placement: Sequence[int], ties: Sequence[Tie], model: str,

@@ -16,15 +16,16 @@ from typing import Mapping, Sequence
 
 from pipec.compiler.ir.plan import UNIT_COST, Edge, Link, Mesh, Plan, Tie, chain_edges
 from pipec.compiler.ir.program import Op, Program
-from pipec.compiler.ir.timeline import Timeline
+from pipec.compiler.ir.timeline import Interval, Timeline
 from pipec.compiler.sim.contention import sharing_of
 from pipec.compiler.sim.cost import COMPUTE_JITTER, TRANSFER_JITTER, CostModel
-from pipec.compiler.sim.engine import BUFFERED, IN_ORDER, MODELS, Deadlock, Execution, decode, execute, group_members
+from pipec.compiler.sim.engine import (BUFFERED, IN_ORDER, MODELS, Deadlock, Execution, decode, execute, group_members,
+                                       spreads)
 
 __all__ = [
     "BUFFERED", "IN_ORDER", "MODELS", "CostModel", "Deadlock", "Execution",
     "execute", "simulate", "plan_costs", "on_gloo", "Pricing", "NODE_SIDES", "link_sides", "emulated_costs", "simulate_costs",
-    "simulate_draws", "execute_draws", "DRAWS", "OVERSLEEP", "HOP",
+    "simulate_draws", "execute_draws", "DRAWS", "OVERSLEEP", "HOP", "interval_of", "COVERAGE", "INTERVAL_DRAWS",
     "timeline_of", "chain_edges", "group_members",
 ]
 
@@ -57,7 +58,15 @@ def plan_costs(plan: Plan) -> CostModel:
         grad_norm=plan.spec.get("grad_clip") is not None,
         early_receives=not unit and on_gloo(plan),
         sharing=None if unit else sharing_of((plan.model or {}).get("profile"), plan.mesh),
+        host_spread=None if unit else _host_spread((plan.model or {}).get("profile")),
     )
+
+
+def _host_spread(profile: Mapping | None) -> float | None:
+    """The profile's ``host_spread`` (the relative standard deviation of its reference kernel's times), if
+    recorded."""
+    value = (profile or {}).get("host_spread")
+    return None if value is None else float(value)
 
 
 def on_gloo(plan: Plan) -> bool:
@@ -206,10 +215,10 @@ def emulated_costs(plan: Plan, *, seconds_per_unit: float, latency_s: float, col
     from. The fixed costs are the same with or without them."""
     base = plan_costs(plan)
 
-    def scaled(c):
+    def scaled(c):  # a sleep scatters by its oversleep, not by the compute's spread
         return replace(c, **{k: (v * seconds_per_unit + oversleep_s if v > 0 else 0.0)
                              for k, v in (("fwd", c.fwd), ("bwd", c.bwd), ("bwd_i", c.bwd_i), ("bwd_w", c.bwd_w))},
-                       optim=0.0)
+                       optim=0.0, spread=None)
 
     shard = {(op.value, st.stage): collective_s for st in plan.stages for op in (Op.UNSHARD, Op.REDUCE_SCATTER)} \
         if plan.mesh.params_sharded else {}
@@ -227,6 +236,7 @@ def emulated_costs(plan: Plan, *, seconds_per_unit: float, latency_s: float, col
         time_unit="s",
         grad_norm=False,  # no optimizer runs, so OPT holds no grad-norm collective
         jitter=_deviations(jitter or {}, overhead, oversleep_s, latency_s),
+        host_spread=None,
     )
 
 
@@ -268,6 +278,48 @@ def execute_draws(program: Program, *, placement: Sequence[int], num_microbatche
                            costs=costs, model=model, ties=ties, decoded=decoded, rng=rng)
                    for _ in range(draws)), key=lambda ex: ex.step_time)
     return runs[len(runs) // 2]
+
+
+COVERAGE = 0.9
+"""The share of steps a predicted interval is meant to hold (:func:`interval_of`)."""
+INTERVAL_DRAWS = 20
+"""How many drawn steps an interval is read from."""
+
+
+def interval_of(plan: Plan, costs: CostModel | None = None, model: str = BUFFERED, *, draws: int = INTERVAL_DRAWS,
+                coverage: float = COVERAGE, seed: int = SEED) -> Interval | None:
+    """The range the plan's steps are expected in: the event loop run ``draws`` times, each drawing every compute
+    from its stage's :attr:`Cost.spread` and the whole step's host speed from :attr:`CostModel.host_spread`
+    (:func:`~pipec.compiler.sim.engine.drawn`; one ``random.Random(seed)``, so the same every time), and the middle
+    ``coverage`` of the drawn step times and bubbles (quantiles interpolated between the sorted draws). None where
+    the costs carry no spread (unit or flops costs, or some stage never timed): no interval rather than a made-up
+    one."""
+    costs = costs or plan_costs(plan)
+    if costs.time_unit != "s" or not spreads(costs):
+        return None
+    rng = random.Random(seed)
+    kw = dict(placement=plan.placement, num_microbatches=plan.num_microbatches, edges=plan.edges, costs=costs)
+    decoded = decode(plan.program, **kw)
+    steps, bubbles = [], []
+    for _ in range(draws):
+        ex = execute(plan.program, **kw, model=model, ties=plan.ties, decoded=decoded, record_events=False, rng=rng)
+        steps.append(ex.step_time)
+        n = len(ex.compute)
+        bubbles.append(sum(ex.step_time - c for c in ex.compute) / (n * ex.step_time) if ex.step_time > 0 else 0.0)
+    return Interval(step_time=_middle(steps, coverage), bubble_fraction=_middle(bubbles, coverage),
+                    coverage=coverage, draws=draws)
+
+
+def _middle(values: Sequence[float], coverage: float) -> tuple[float, float]:
+    """The quantiles (1 - coverage) / 2 and (1 + coverage) / 2 of ``values``, interpolated between sorted values."""
+    xs = sorted(values)
+
+    def at(q: float) -> float:
+        pos = q * (len(xs) - 1)
+        i = int(pos)
+        return xs[i] if i + 1 >= len(xs) else xs[i] + (xs[i + 1] - xs[i]) * (pos - i)
+
+    return at((1 - coverage) / 2), at((1 + coverage) / 2)
 
 
 def _shard_costs(plan: Plan, allreduce: dict[tuple[str, int], float],
@@ -325,6 +377,7 @@ def timeline_of(ex: Execution, costs: CostModel, static_bytes: Sequence[int] | N
         peak_activations=dict(enumerate(ex.peak_activations)),
         peak_memory_bytes=mem,
         state_bytes=None if state_bytes is None else dict(enumerate(state_bytes)),
+        peak_activation_bytes=dict(enumerate(ex.peak_activation_bytes)) if costs.activation_bytes else None,
         time_unit=costs.time_unit,
     )
 
