@@ -63,12 +63,10 @@ def _compile(req: CompileRequest, graph=None, verify: bool = True, events: bool 
     check_shard(mesh)                                            # a sharding that can work
     check_nodes(mesh)                                            # whole nodes
     order, diagnostics = schedule_order(req)                     # the schedule's rules, then its order
-    if graph is None and req.model:
-        graph = model_graph(req)                                 # trace, partition, costs (model plans)
-    if graph is not None and len(graph.stages) != order.num_stages:
-        raise PipecError(f"the model was partitioned into {len(graph.stages)} stages but the schedule runs "
-                         f"{order.num_stages}", key="partition")
+    if graph is None and req.model:                              # trace, partition, costs; what fits checked
+        graph = model_graph(req, before_timing=lambda g: check_untimed(req, order, g))  # before any timing
     if graph is not None:
+        check_stage_count(graph, order)
         diagnostics += [Diagnostic("note", note, key="trace") for note in graph.notes]
     plan = bare_plan(req, graph, order.placement)                # everything but the program and prediction
     if graph is not None and req.model.costs == "profile" and req.origin("links").kind == "default":
@@ -88,6 +86,28 @@ def _compile(req: CompileRequest, graph=None, verify: bool = True, events: bool 
     if req.device_memory is not None:                            # refuse what does not fit
         check_memory(plan, req.device_memory)
     return Compiled(plan, tuple(diagnostics))
+
+
+def check_stage_count(graph, order: ComputeOrder) -> None:
+    """The model's stages against the schedule's."""
+    if len(graph.stages) != order.num_stages:
+        raise PipecError(f"the model was partitioned into {len(graph.stages)} stages but the schedule runs "
+                         f"{order.num_stages}", key="partition")
+
+
+def check_untimed(req: CompileRequest, order: ComputeOrder, graph) -> None:
+    """The checks of a model plan that need no timing, run on its stage graph before the stages or links are
+    timed (``graph``'s costs are unit): its stage count, and with ``device_memory`` every rank's peak memory.
+    The peak is a function of byte counts and of each rank's instruction order, which the costs do not change
+    (only where comm posts sit), so the plan lowered and simulated at unit costs holds what the timed one will."""
+    check_stage_count(graph, order)
+    if req.device_memory is None:
+        return
+    plan = bare_plan(req, graph, order.placement)
+    costs = plan_costs(plan)
+    program = lower(order, edges=plan.edges, costs=costs, mesh=req.mesh, ties=plan.ties)
+    check_memory(prove_and_predict(replace(plan, program=program), prove=False, events=False, costs=costs),
+                 req.device_memory)
 
 
 def bare_plan(req: CompileRequest, graph, placement: tuple[int, ...]) -> Plan:
@@ -232,11 +252,12 @@ def _placed(stages: Sequence[Stage], placement: Sequence[int]) -> tuple[Stage, .
 # ----------------------------------------------------------------------------- the model
 
 
-def model_graph(req: CompileRequest):
-    """Run the model front end (trace, partition, costs) for a request that names a model."""
+def model_graph(req: CompileRequest, *, before_timing=None):
+    """Run the model front end (trace, partition, costs) for a request that names a model; ``before_timing``
+    as :func:`~pipec.compiler.frontend.cut_stage_graph` calls it."""
     from pipec.compiler.frontend import build_stage_graph
 
-    return build_stage_graph(model_request(req))
+    return build_stage_graph(model_request(req), before_timing=before_timing)
 
 
 def model_request(req: CompileRequest):

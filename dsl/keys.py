@@ -321,7 +321,8 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key(name="loss", kind=k.Target(("cross_entropy", "mse")), default=TRAINING.loss,
         default_doc=TRAINING.loss, flag="--loss", group="Training",
         meaning="Loss of the last stage: cross_entropy, mse, or \"pkg.module:fn\" called as "
-                "fn(output, target). The step's loss is the mean over microbatches.",
+                "fn(output, target). The step's loss is the mean over microbatches. pipec derives synthetic "
+                "targets only for cross_entropy and mse: a custom loss needs `targets` or a data function.",
         example="loss mse"),
     Key(name="checkpoint_dir", kind=k.Maybe(k.Text()), default=TRAINING.checkpoint_dir, default_doc="none",
         flag="--checkpoint-dir", group="Training",

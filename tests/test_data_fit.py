@@ -211,3 +211,32 @@ def test_a_good_data_function_passes_and_a_missing_one_is_refused_at_compile(reg
     with pytest.raises(PipecError, match=r"data 'regdata:nope': module 'regdata' has no callable 'nope'") as err:
         _plan(regressor, data="regdata:nope")
     assert err.value.located and "<command line>:1:" in str(err.value)
+
+
+CUSTOM_LOSS = '''
+import torch.nn.functional as F
+
+
+def smooth(output, target):
+    return F.cross_entropy(output, target)
+'''
+
+
+def test_a_custom_loss_without_targets_is_refused_at_the_loss_key_and_works_with_them(cli, regressor):
+    """pipec derives targets only for its own losses: a user's loss taking [B, C] logits gets no made-up
+    regression targets; with `targets`, or a data function, it compiles."""
+    (regressor.parent / "mylosses.py").write_text(CUSTOM_LOSS)
+    regressor.write_text(regressor.read_text().replace("loss mse", 'loss "mylosses:smooth"'))
+    out = cli("compile", str(regressor), "-o", "p.json")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "reg.pipe:3:6: error: loss mylosses:smooth is your own function, so pipec cannot tell what targets " \
+           "it takes" in out.stderr, out.stderr
+    assert "`targets NAME: DTYPE[SHAPE]`" in out.stderr and "or set `data` to your own data function" in out.stderr
+    plan = _plan(regressor, targets="y: int64[32]")
+    assert plan.model["data"]["target"] == {"name": "y", "dtype": "int64", "shape": [32], "fill": "classes",
+                                            "high": 2}
+    assert "target" not in _plan(regressor, data="regdata:good").model["data"]
+    with pytest.raises(PipecError, match="your own function") as err:
+        describe_data(_traced("pipec.examples.mlp:build", dict(layers=2, dim=8), (TensorSpec("x", "float32", (4, 8)),)),
+                      loss="mylosses:smooth", num_microbatches=1, search_path=(str(regressor.parent),))
+    assert err.value.key == "loss"

@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pipec.compiler.config import TokenData
 from pipec.compiler.frontend import costs as costs_pass
 from pipec.compiler.frontend.cutcost import FAST_COSTS, NodeTable, cost_split, cut_costs, node_table
-from pipec.compiler.frontend.data import data_of
+from pipec.compiler.frontend.data import check_data_source, data_of
 from pipec.compiler.ir.graph import StageGraph, make_graph
 from pipec.compiler.frontend.partition import Balanced, Markers, SplitBefore, analyse_cuts, assign_stages, split_graph
 from pipec.compiler.ir.plan import Stage
@@ -148,13 +148,15 @@ class TracedModel:
     """What each node contributes to a cut (:func:`~.cutcost.node_table`; None: cost-only cuts decline)."""
 
 
-def build_stage_graph(req: ModelRequest, *, placement: Sequence[int] | None = None) -> StageGraph:
-    """Trace, partition and cost the model of ``req``; stages get ranks from ``placement`` if given."""
-    return cut_stage_graph(trace_request(req), req, placement=placement)
+def build_stage_graph(req: ModelRequest, *, placement: Sequence[int] | None = None,
+                      before_timing: Callable[[StageGraph], None] | None = None) -> StageGraph:
+    """Trace, partition and cost the model of ``req``; stages get ranks from ``placement`` if given;
+    ``before_timing`` as :func:`cut_stage_graph` calls it."""
+    return cut_stage_graph(trace_request(req), req, placement=placement, before_timing=before_timing)
 
 
 def trace_request(req: ModelRequest, *, like: TracedModel | None = None) -> TracedModel:
-    """The passes that depend only on the model and one microbatch's shape (steps 1-6 below): a
+    """The passes that depend only on the model and one microbatch's shape (steps 0-6 below): a
     :class:`TracedModel` that :func:`cut_stage_graph` cuts into any number of stages (``pipec tune``
     traces once per microbatch shape and cuts many times). ``like``: the same model traced at another
     microbatch shape; an fx trace of it is annotated again at this shape on a copy of its graph (fx does
@@ -163,6 +165,9 @@ def trace_request(req: ModelRequest, *, like: TracedModel | None = None) -> Trac
     if req.dtype not in ("float32", *_AUTOCAST):
         raise FrontendError(f"dtype must be float32, bfloat16 or float16, got {req.dtype!r}", key="dtype")
     autocast = req.dtype if req.dtype in _AUTOCAST else None
+    # 0. the data, the loss and the targets, as far as they need no model (a token file, a data function)
+    check_data_source(req.data, inputs=req.inputs, loss=req.loss, dp=req.dp, targets=req.targets,
+                      search_path=req.search_path)
     key = _model_key(req, autocast)
     if like is not None and like.model_key == key and like.traced.path == "fx":
         src, init, fake_mode = like.src, like.init, like.fake_mode  # steps 1-3 as they were
@@ -213,19 +218,28 @@ def with_data(graph: StageGraph, tm: TracedModel, req: ModelRequest) -> StageGra
 
 
 def cut_stage_graph(tm: TracedModel, req: ModelRequest, *, placement: Sequence[int] | None = None,
-                    runnable: bool = True) -> StageGraph:
+                    runnable: bool = True, before_timing: Callable[[StageGraph], None] | None = None) -> StageGraph:
     """Partition, split and cost a traced model into ``req.num_stages`` stages (steps 7-9); ``req`` is
     the one ``tm`` was traced for, or one differing only in stages, partition, recompute and costs.
     ``runnable=False``: a cost-only cut where it can (:mod:`.cutcost`: costs unit or flops), the same
-    StageGraph without building the stage modules; :func:`confirm_cut` checks one the full way."""
+    StageGraph without building the stage modules; :func:`confirm_cut` checks one the full way.
+    ``before_timing``: called, when ``costs profile`` is about to time the stages, with the stage graph as
+    cut, its costs unit (its byte counts are final), so the caller's checks (memory) run first; with
+    ``balanced(by=time)`` the partition itself is timed, and the call follows that timing."""
     traced, src, cuts = tm.traced, tm.src, tm.cuts
     recompute = _recompute_set(req)
+    ranks = list(placement) if placement is not None else [-1] * req.num_stages
+    if len(ranks) != req.num_stages:
+        raise FrontendError(f"placement needs one pp rank per stage ({req.num_stages}), got {len(ranks)}")
     # 7. the partition
     weights = None
     if isinstance(req.partition, Balanced) or (req.partition is None and not cuts.marker_cuts):
         by = req.partition.by if isinstance(req.partition, Balanced) else "flops"
-        times = costs_pass.time_nodes(traced, src.target, req.kwargs, threads=req.threads_per_rank,
-                                      search_path=src.search_path) if by == "time" else None
+        times = None
+        if by == "time":  # the stage count checked before the nodes are timed
+            assign_stages(traced, cuts, Balanced("flops"), req.num_stages, costs_pass.node_weights(traced, cuts, "flops"))
+            times = costs_pass.time_nodes(traced, src.target, req.kwargs, threads=req.threads_per_rank,
+                                          search_path=src.search_path)
         weights = costs_pass.node_weights(traced, cuts, by, times=times)
     stage_of = assign_stages(traced, cuts, req.partition, req.num_stages, weights)
     # 8. split with torch.fx split_module: stage inputs/outputs, skip edges, tie groups; 9. costs and saved
@@ -233,15 +247,22 @@ def cut_stage_graph(tm: TracedModel, req: ModelRequest, *, placement: Sequence[i
     split, stage_costs = _cost_only(tm, req, stage_of, recompute) if not runnable else (None, None)
     if split is None:
         split = split_graph(traced, stage_of, req.num_stages)
+        if req.costs == "profile" and before_timing is not None:  # every check before the first timing
+            before_timing(_stage_graph(tm, req, split, costs_pass.stage_costs(split, "unit", recompute=recompute),
+                                       ranks, recompute))
         profile = costs_pass.profiling(local_ranks=req.local_ranks, threads=req.threads_per_rank,
                                        reps=req.profile_reps)
         stage_costs = costs_pass.stage_costs(
             split, req.costs, recompute=recompute, peak_flops=req.peak_flops, profile=profile, autocast=tm.autocast,
             target=src.target, kwargs=req.kwargs, search_path=src.search_path,
         )
-    ranks = list(placement) if placement is not None else [-1] * req.num_stages
-    if len(ranks) != req.num_stages:
-        raise FrontendError(f"placement needs one pp rank per stage ({req.num_stages}), got {len(ranks)}")
+    return _stage_graph(tm, req, split, stage_costs, ranks, recompute)
+
+
+def _stage_graph(tm: TracedModel, req: ModelRequest, split: Any, stage_costs: Sequence[Any], ranks: Sequence[int],
+                 recompute: frozenset[int]) -> StageGraph:
+    """The StageGraph of a cut: its split (or cost-only split) and each stage's costs."""
+    traced, src = tm.traced, tm.src
     stages = tuple(
         Stage(
             stage=p.stage, rank=int(ranks[p.stage]), nodes=p.nodes, params=p.params, inputs=p.inputs, outputs=p.outputs,

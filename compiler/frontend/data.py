@@ -22,6 +22,13 @@ one int64 ``[B, T]`` input, next-token targets, and the file itself checked
 by :func:`map_tokens`, which the runtime opens it with too), or a user's data
 function (found like the model; its targets are known only when ``targets``
 declares them). User functions (data, loss) are found by :func:`load_function`.
+
+:func:`check_data_source` runs before the model is built: every check of the
+data, the loss and the targets that needs no trace (a token file's dtype, size
+and windows, a data function or a loss found, a custom loss given its targets),
+so such a mistake is reported in the time it takes to import torch. Targets are
+derived only for the built-in :data:`LOSSES`, whose contract pipec knows; a
+custom loss with neither ``targets`` nor a data function is refused at ``loss``.
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ from pipec.compiler.frontend.tensors import FrontendError, TensorSpec, dtype_nam
 from pipec.compiler.frontend.trace import Traced
 from pipec.errors import PipecError, UserCodeError
 
-__all__ = ["LOSSES", "DataError", "load_function", "load_loss", "describe_data", "data_of", "map_tokens"]
+__all__ = ["LOSSES", "DataError", "load_function", "load_loss", "check_data_source", "describe_data", "data_of",
+           "map_tokens"]
 
 
 class DataError(PipecError):
@@ -206,6 +214,15 @@ def _check_loss(loss: str, output: torch.Tensor, target: dict[str, Any], mb: int
         raise err
 
 
+def _check_derivable(loss: str) -> None:
+    """Refuse to derive targets for a loss whose contract pipec does not know (a user's function)."""
+    if loss not in LOSSES:
+        raise DataError(f"loss {loss} is your own function, so pipec cannot tell what targets it takes and does not "
+                        "make them up", key="loss",
+                        hints=("declare them: `targets NAME: DTYPE[SHAPE]` (one dp replica's batch, e.g. targets y: "
+                               "int64[16]), or set `data` to your own data function",))
+
+
 def _declared_target(t: TensorSpec, output: torch.Tensor, loss: str, batch: int, key: str) -> dict[str, Any]:
     target = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
               "fill": "classes" if not to_dtype(t.dtype, f"targets {t.name!r}'s dtype", key).is_floating_point
@@ -236,6 +253,8 @@ def describe_data(traced: Traced, *, loss: str, num_microbatches: int, targets: 
         else:
             entry.update(_int_input(traced, spec))
         inputs.append(entry)
+    if derive and not targets:
+        _check_derivable(loss)
     output = _output_meta(traced, loss) if targets or derive else None
     if output is None:  # nothing to check the loss against: the inputs alone
         return {"inputs": inputs}
@@ -252,13 +271,31 @@ def describe_data(traced: Traced, *, loss: str, num_microbatches: int, targets: 
 # ----------------------------------------------------------------------------- the data a run trains on
 
 
+def check_data_source(data: str | TokenData, *, inputs: Sequence[TensorSpec], loss: str, dp: int,
+                      targets: Sequence[TensorSpec] = (), search_path: Sequence[str] = ()) -> None:
+    """The checks of the run's data that need no model, run before it is built (see the module docstring):
+    ``inputs`` are one dp replica's batch (key ``input``). :func:`data_of` checks the rest on the trace."""
+    if loss not in LOSSES:
+        load_loss(loss, search_path)
+        if data == "synthetic" and not targets:
+            _check_derivable(loss)
+    for t in targets:
+        to_dtype(t.dtype, f"targets {t.name!r}'s dtype", "targets")
+    if isinstance(data, TokenData):
+        tokens = _token_input(inputs, data)
+        map_tokens(data.path, dtype=data.dtype, seq=tokens.shape[1], batch=tokens.shape[0], dp_size=dp)
+    elif data != "synthetic":
+        load_function(data, "data", search_path)
+
+
 def data_of(traced: Traced, *, data: str | TokenData, loss: str, num_microbatches: int, dp: int,
             targets: Sequence[TensorSpec] = (), search_path: Sequence[str] = ()) -> dict[str, Any]:
     """plan.json's ``model["data"]`` for the run's data (see the module docstring); refuses, naming the key,
     a token file the model cannot read or that cannot be read, and a data function that cannot be found."""
     common = dict(loss=loss, num_microbatches=num_microbatches, search_path=search_path)
     if isinstance(data, TokenData):
-        tokens = _token_input(traced, num_microbatches, data)
+        tokens = _token_input([TensorSpec(i.name, i.dtype, (i.shape[0] * num_microbatches, *i.shape[1:]))
+                               for i in traced.inputs], data)
         implied = TensorSpec("target", "int64", tokens.shape)  # each row's next tokens
         desc = describe_data(traced, targets=(implied,), declared_by="data", **common)
         high = desc["inputs"][0].get("high") if desc["inputs"][0]["fill"] == "tokens" else None
@@ -270,16 +307,14 @@ def data_of(traced: Traced, *, data: str | TokenData, loss: str, num_microbatche
     return describe_data(traced, targets=targets, **common)
 
 
-def _token_input(traced: Traced, mb: int, data: TokenData) -> TensorSpec:
-    """The model's one int64 ``[B, T]`` input (one replica's batch), which a token file feeds."""
-    ins = traced.inputs
-    if len(ins) != 1 or ins[0].dtype != "int64" or len(ins[0].shape) != 2:
-        got = ", ".join(f"{i.name}: {i.dtype}{list(i.shape)}" for i in ins)
+def _token_input(inputs: Sequence[TensorSpec], data: TokenData) -> TensorSpec:
+    """The model's one int64 ``[B, T]`` input (``inputs``: one replica's batch), which a token file feeds."""
+    if len(inputs) != 1 or inputs[0].dtype != "int64" or len(inputs[0].shape) != 2:
+        got = ", ".join(f"{i.name}: {i.dtype}{list(i.shape)}" for i in inputs)
         raise FrontendError(f"data {data.text()} feeds a model with one int64 input [batch, seq]; this model's "
-                            f"inputs (one microbatch) are {got}", key="data",
+                            f"inputs are {got}", key="data",
                             hints=("use a data function for other inputs, or write input tokens: int64[B, T]",))
-    spec = ins[0]
-    return TensorSpec(spec.name, spec.dtype, (spec.shape[0] * mb, spec.shape[1]))
+    return inputs[0]
 
 
 def map_tokens(path: str, *, dtype: str, seq: int, batch: int, dp_size: int, vocab: int | None = None) -> np.ndarray:
