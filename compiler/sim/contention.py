@@ -29,12 +29,14 @@ not oscillate between two crowds). Deterministic; only plans whose profile measu
 from __future__ import annotations
 
 import bisect
+import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from pipec.compiler.ir.plan import Mesh
 
-__all__ = ["Sharing", "sharing_of", "ITERATIONS", "TOLERANCE"]
+__all__ = ["Sharing", "sharing_of", "ITERATIONS", "TOLERANCE", "host_load", "load_factor", "LOAD_SAMPLES"]
 
 ITERATIONS = 24
 """The most runs of the event loop the fixed point takes."""
@@ -150,3 +152,41 @@ def sharing_of(profile: Mapping[str, Any] | None, mesh: Mesh) -> Sharing | None:
     cores = profile.get("cores")
     slots = max(1, int(cores) // max(1, int(profile.get("threads_per_rank", 1)))) if cores else None
     return Sharing(hosts=tuple(hosts), at_once=at_once, slowdown=slowdown, slots=slots)
+
+
+LOAD_SAMPLES = 10
+"""How many times :func:`host_load` reads the runnable count (every 20 ms)."""
+
+
+def host_load(samples: int = LOAD_SAMPLES, every_s: float = 0.02) -> float:
+    """How many other processes want a core now: the runnable count the kernel reports (``/proc/loadavg``'s fourth
+    field, the reader itself among them) less this one, averaged over ``samples`` reads ``every_s`` apart. Where
+    there is no ``/proc/loadavg``, the 1-minute load average (``os.getloadavg``), which lags by a minute and counts
+    the caller's own recent work."""
+    counts = []
+    for i in range(samples):
+        try:
+            with open("/proc/loadavg", encoding="ascii") as f:
+                running = int(f.read().split()[3].split("/")[0])
+        except (OSError, ValueError, IndexError):
+            try:
+                return float(os.getloadavg()[0])
+            except (AttributeError, OSError):
+                return 0.0
+        counts.append(max(0, running - 1))
+        if i + 1 < samples:
+            time.sleep(every_s)
+    return sum(counts) / len(counts)
+
+
+def load_factor(profile: Mapping[str, Any] | None, load: float) -> float | None:
+    """How many times longer each compute takes at host load ``load`` (:func:`host_load`) than the profile's costs
+    say, the profile having recorded the load it was timed at (``model["profile"]["load"]``): the K ranks on this
+    host share its C slots (cores over threads per rank) ``max(C, K + load)`` ways, against ``max(C, K + load
+    then)`` when profiled. None where the profile recorded no load (or there is no profile)."""
+    if not profile or profile.get("load") is None:
+        return None
+    at_once = max(1, int(profile.get("concurrent_ranks", 1)))
+    cores = profile.get("cores") or profile.get("cpu_count") or 1
+    slots = max(1, int(cores) // max(1, int(profile.get("threads_per_rank", 1))))
+    return max(slots, at_once + load) / max(slots, at_once + float(profile["load"]))
