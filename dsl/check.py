@@ -392,7 +392,8 @@ def _model(st: _State) -> None:
     part = st.values["partition"]
     stages = st.values["stages"]
     if part.method == "split" and len(part.split_before) + 1 != stages:
-        raise st.error("partition", f"{len(part.split_before)} split points make {len(part.split_before) + 1} "
+        num = len(part.split_before)
+        raise st.error("partition", f"{num} split point{'s' if num != 1 else ''} make{'s' if num == 1 else ''} {num + 1} "
                        f"stages, but there are {stages}",
                        f"give {stages - 1} split point{'s' if stages != 2 else ''}", fallback=("stages",))
     recompute = st.values["recompute"]

@@ -114,8 +114,10 @@ def test_split_point_errors_name_the_problem():
                                             r"blocks.0 .. blocks.1\)") as err:
         assign_stages(traced, cuts, SplitBefore(("blocks.1", "layers.1")), 3)
     assert (err.value.key, err.value.index) == ("partition", 1)  # the second split point
-    with pytest.raises(FrontendError, match="gives 2 stages but stages is 4"):
+    with pytest.raises(FrontendError, match="gives 2 stages but stages is 4; list 3 split points or set stages 2"):
         assign_stages(traced, cuts, SplitBefore(("blocks.1",)), 4)
+    with pytest.raises(FrontendError, match="gives 3 stages but stages is 2; list 1 split point or set stages 3"):
+        assign_stages(traced, cuts, SplitBefore(("blocks.0", "blocks.1")), 2)
     mlp = traced_model("pipec.examples.mlp:build", dict(layers=2, dim=8), X)
     with pytest.raises(FrontendError, match="leaves stage 0 empty"):
         assign_stages(mlp, analyse_cuts(mlp), SplitBefore(("blocks.0",)), 2)
@@ -231,3 +233,15 @@ def test_balance_by_measured_time():
     assert [len(st.nodes) for st in sg.stages] and all(st.params for st in sg.stages)
     held = [p for st in sg.stages for p in st.params]
     assert held == sorted(set(held), key=held.index) and len(held) == 6 * 4 + 2  # each parameter in one stage
+
+
+def test_one_split_point_is_worded_in_the_singular():
+    from pipec.dsl import load_spec
+
+    flags = {"model": GPT, "input": "tokens: int64[8, 8]", "pp": "3", "partition": "split before blocks.1"}
+    with pytest.raises(Exception, match=r"error: 1 split point makes 2 stages, but there are 3") as err:
+        load_spec(None, flags)
+    assert "give 2 split points" in str(err.value)
+    with pytest.raises(Exception, match=r"error: 2 split points make 3 stages, but there are 2") as err:
+        load_spec(None, {**flags, "pp": "2", "partition": "split before blocks.1, blocks.2"})
+    assert "give 1 split point\n" in str(err.value) + "\n"

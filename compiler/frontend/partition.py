@@ -243,7 +243,8 @@ def _check_count(what: str, num_cuts: int, num_stages: int) -> None:
     if num_cuts + 1 != num_stages:
         raise FrontendError(
             f"{what} gives {num_cuts + 1} stages but stages is {num_stages}; "
-            f"list {num_stages - 1} split points or set stages {num_cuts + 1}", key="partition",
+            f"list {num_stages - 1} split point{'s' if num_stages != 2 else ''} or set stages {num_cuts + 1}",
+            key="partition",
         )
 
 
