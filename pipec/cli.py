@@ -4,7 +4,8 @@ Errors pipec raises on purpose (:class:`pipec.errors.PipecError`: a bad
 flag, a schedule rule, a malformed plan, a failed proof, a user's factory
 that raised) print ``pipec: error:`` and the message and exit with the
 error's code (2 for a user's mistake); never a traceback. Anything else is a
-bug and keeps its traceback.
+bug and keeps its traceback. Output cut short by its reader (``pipec show
+plan.json | head``) ends the command quietly (exit 141, as SIGPIPE would).
 """
 
 from __future__ import annotations
@@ -470,7 +471,30 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+SIGPIPE_EXIT = 141
+"""Exit status when the reader of pipec's output went away (``pipec show plan.json | head``): 128 + SIGPIPE,
+what a command killed by the signal reports."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # the reader went away: no traceback, and nothing more written
+        _drop_stdout()
+        return SIGPIPE_EXIT
+
+
+def _drop_stdout() -> None:
+    """Point stdout at the null device, so that the interpreter's last flush at exit does not fail again."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    except (OSError, ValueError):  # stdout is no file (a test's capture): nothing to flush
+        pass
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     try:
         args = parser.parse_args(argv)
