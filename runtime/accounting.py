@@ -12,10 +12,11 @@ import statistics
 from typing import Any, Mapping, Sequence
 
 from pipec.compiler.ir.plan import Mesh, Plan
-from pipec.compiler.ir.timeline import Timeline
+from pipec.compiler.ir.timeline import Interval, Timeline
 from pipec.runtime.executor import RankStep
 
-__all__ = ["measured_timeline", "median_step", "stragglers", "state_bytes_report", "build_report", "STRAGGLER_FACTOR"]
+__all__ = ["measured_timeline", "median_step", "stragglers", "state_bytes_report", "interval_report", "build_report",
+           "STRAGGLER_FACTOR"]
 
 STRAGGLER_FACTOR = 1.25
 """A rank whose compute exceeds the median rank's compute by this factor is a straggler."""
@@ -26,11 +27,15 @@ def measured_timeline(steps: Sequence[RankStep]) -> Timeline:
     step_time = max(s.step_time for s in steps)
     events = sorted((e for s in steps for e in s.events), key=lambda e: (e.rank, e.start))
     mem = {s.global_rank: s.peak_memory_bytes for s in steps if s.peak_memory_bytes is not None}
+    state = {s.global_rank: sum(s.state_bytes.values()) for s in steps if s.state_bytes is not None}
+    acts = {s.global_rank: s.peak_activation_bytes for s in steps if s.peak_activation_bytes is not None}
     return Timeline.build(
         step_time=step_time,
         busy={s.global_rank: (s.compute, s.comm_wait) for s in steps},
         events=events,
         peak_memory_bytes=mem or None,
+        state_bytes=state or None,
+        peak_activation_bytes=acts or None,
     )
 
 
@@ -79,6 +84,19 @@ def state_bytes_report(plan: Plan, ranks: Sequence[RankStep]) -> list[dict[str, 
     return out
 
 
+def interval_report(band: Interval, steps: Sequence[Mapping[str, Any]], measured: Timeline) -> dict[str, Any]:
+    """report.json's ``interval``: the plan's, and how the run's steps fell in it: the median step (and its bubble),
+    and how many steps were inside, of those after the first when there are more (the first warms up, as
+    :func:`median_step` leaves it out)."""
+    counted = steps[1:] if len(steps) > 1 else steps
+    return {"coverage": band.coverage, "step_time": list(band.step_time),
+            "bubble_fraction": list(band.bubble_fraction), "draws": band.draws,
+            "median_inside": band.holds(measured.step_time),
+            "bubble_inside": band.bubble_fraction[0] <= measured.bubble_fraction <= band.bubble_fraction[1],
+            "steps_inside": sum(1 for e in counted if e["in_interval"]), "steps_counted": len(counted),
+            "after_first": len(steps) > 1}
+
+
 def build_report(
     plan: Plan,
     plan_path: str,
@@ -92,12 +110,16 @@ def build_report(
     goodput: Mapping[str, Any] | None = None,
     predicted: Timeline | None = None,
     emulation: Mapping[str, Any] | None = None,
+    host_load: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """report.json; fields that do not apply are absent, never faked.
 
     ``predicted``: the plan's program re-simulated under what the run measured (``--emulate``: the link
     latency and the executor's overhead); report.json's ``predicted`` is then that, and the plan's own
-    prediction is kept beside it as ``planned``. None: ``predicted`` is the plan's own."""
+    prediction is kept beside it as ``planned``. None: ``predicted`` is the plan's own, and where it has an
+    interval, each step says whether it fell inside (``in_interval``) and ``interval`` sums it up
+    (:func:`interval_report`). ``host_load``: the load the plan was profiled at and the run's (the trainer's
+    ``check_load``)."""
     steps = []
     for i, ranks in enumerate(per_step):
         step_time = max(s.step_time for s in ranks)
@@ -112,6 +134,10 @@ def build_report(
         steps.append(entry)
     med = median_step(per_step)
     measured = measured_timeline(per_step[med])
+    band = plan.prediction.interval if predicted is None and plan.prediction is not None else None
+    if band is not None:
+        for entry in steps:
+            entry["in_interval"] = band.holds(entry["step_time"])
     report: dict[str, Any] = {
         "plan": plan_path,
         "mesh": {"pp": plan.mesh.pp, "dp": plan.mesh.dp,
@@ -138,9 +164,16 @@ def build_report(
         report["tokens_per_s"] = tokens_per_step / measured.step_time
     if flops_per_step and peak_flops:
         report["mfu"] = flops_per_step / measured.step_time / (peak_flops * plan.mesh.world_size)
+    if band is not None:
+        report["interval"] = interval_report(band, steps, measured)
+    if host_load is not None:
+        report["host_load"] = dict(host_load)
     mems = [r.peak_memory_bytes for r in measured.per_rank if r.peak_memory_bytes is not None]
     if mems:
         report["peak_memory_bytes"] = max(mems)
+    resident = [s.resident_bytes for s in per_step[med] if s.resident_bytes is not None]
+    if resident:
+        report["resident_bytes"] = max(resident)
     held = state_bytes_report(plan, per_step[-1])
     if held:
         report["state_bytes"] = held

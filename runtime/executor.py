@@ -61,7 +61,8 @@ from pipec.errors import EXIT_RUN, PipecError
 from pipec.runtime.clock import CudaClock, HostClock
 from pipec.compiler.frontend.deferred import WeightGradStash, defer_weight_grads
 from pipec.runtime.failures import RunError
-from pipec.runtime.sharding import local_grad
+from pipec.runtime.saved import SavedBytes
+from pipec.runtime.sharding import local, local_grad
 from pipec.runtime.transport import P2P, Transport
 from pipec.schedules.order import gc_paused
 
@@ -101,6 +102,11 @@ class RankStep:
     peak_memory_bytes: int | None = None
     state_bytes: dict[str, int] | None = None
     """Bytes of parameters, grads and optimizer state held after the optimizer step (runtime/sharding.py)."""
+    resident_bytes: int | None = None
+    """On CPU, the process's peak resident size (``ru_maxrss``): all its memory, not the tensors a plan counts."""
+    peak_activation_bytes: int | None = None
+    """The saved activations this rank held at its peak (runtime/saved.py), measured in the executor's first
+    step; None in the others and without modules (``emulate``)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -293,6 +299,9 @@ class Executor:
         self.units = self.build_units(fail_hook)
         self.state: StepState | None = None
         """The step running (or the last one run): made fresh by :meth:`run_step`."""
+        self.saved: SavedBytes | None = None
+        """The first step's count of the saved activations (runtime/saved.py); None in every later step."""
+        self.steps_run = 0
 
     # ------------------------------------------------------------------ preparing the program
 
@@ -425,6 +434,9 @@ class Executor:
     def run_step(self, inputs: Sequence[Mapping[str, torch.Tensor]] | None, targets: Sequence[Any] | None) -> RankStep:
         """Run this rank's program once; ``inputs``/``targets`` are per microbatch."""
         st = self.state = StepState(inputs=inputs, targets=targets, result=RankStep(self.global_rank))
+        if self.steps_run == 0 and self.modules and self.emulate is None:  # the sizes are the same in every step
+            self.saved = SavedBytes((local(p) for mod in self.modules.values() for p in mod.parameters()),
+                                    (t for mb in inputs or () for t in mb.values() if isinstance(t, torch.Tensor)))
         self.transport.barrier()
         self.clock.start()
         index = 0
@@ -441,6 +453,9 @@ class Executor:
         self.finish_accounting(self.now())
         if st.losses:
             st.result.loss = float(sum(st.losses))
+        if self.saved is not None:
+            st.result.peak_activation_bytes, self.saved = self.saved.peak, None
+        self.steps_run += 1
         return st.result
 
     # ------------------------------------------------------------------ communication
@@ -596,10 +611,10 @@ class Executor:
         if s in self.recompute:  # keep only the inputs (and the RNG state); the backward replays the forward
             rng = torch.get_rng_state()
             with torch.no_grad():
-                loss, named = self.stage_forward(s, m, args)
+                loss, named = self.stage_forward(s, m, args, count=True)
             st.saved[(s, m)] = (grad_inputs, None, None, (args, rng))
         else:
-            loss, named = self.stage_forward(s, m, args)
+            loss, named = self.stage_forward(s, m, args, count=True)
             st.saved[(s, m)] = (grad_inputs, loss, named, None)
         if loss is not None:
             st.losses.append(loss.detach())
@@ -607,13 +622,15 @@ class Executor:
             st.outputs[(s, m)] = named
         self.record(ins, start)
 
-    def stage_forward(self, s: int, m: int, args: list) -> tuple[torch.Tensor | None, dict | None]:
+    def stage_forward(self, s: int, m: int, args: list, count: bool = False) -> tuple[torch.Tensor | None, dict | None]:
         """Run stage s on microbatch m: (the loss, for the last stage) or (None, its outputs by name).
 
         A stage whose backward is split records its linear weight-grad work in a
-        stash that ``BWD_W`` runs later.
+        stash that ``BWD_W`` runs later. ``count``: the microbatch's forward (not a recompute's replay), whose
+        saved activations the first step counts (:attr:`saved`).
         """
-        with self.autocast():
+        counting = count and self.saved is not None
+        with self.autocast(), self.saved.forward(s, m) if counting else contextlib.nullcontext():
             if s in self.split:
                 stash = self.state.stashes[(s, m)] = WeightGradStash()
                 with defer_weight_grads(stash):
@@ -621,6 +638,8 @@ class Executor:
             else:
                 out = self.modules[s](*args)
         outs = out if isinstance(out, tuple) else (out,)
+        if counting:  # held: what it saved, its outputs, and a recomputed stage's inputs (kept for the replay)
+            self.saved.hold(s, m, (*outs, *(args if s in self.recompute else ())))
         if not self.consumers.get(s):  # the last stage: the loss, mean over microbatches
             return self.loss_fn(outs[0] if len(outs) == 1 else outs, self.state.targets[m]) / self.M, None
         return None, {sig.name: t for sig, t in zip(self.plan.stages[s].outputs, outs)}
@@ -659,6 +678,8 @@ class Executor:
         st.outputs.pop((s, m), None)
         if ins.op is Op.BWD and (s, m) in st.stashes:  # a split forward with an unsplit backward
             st.stashes.pop((s, m)).run()
+        if self.saved is not None and ins.op is not Op.BWD_I:  # its last backward part: what it held is free
+            self.saved.release(s, m)
         self.record(ins, start)
 
     def backward_input(self, job: Compute) -> None:
@@ -674,6 +695,8 @@ class Executor:
             return
         _, start = self.wait_inputs(job)  # nothing received: the stage's all-gather, if posted
         self.state.stashes.pop((ins.stage, ins.microbatch)).run()
+        if self.saved is not None:
+            self.saved.release(ins.stage, ins.microbatch)
         self.record(ins, start)
 
     # ------------------------------------------------------------------ collectives

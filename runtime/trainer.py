@@ -33,11 +33,15 @@ from pipec.runtime.training import (
     split_microbatches,
 )
 
-__all__ = ["Trainer", "CHECK_TOLERANCE"]
+__all__ = ["Trainer", "CHECK_TOLERANCE", "LOAD_WARNING", "interval_line"]
 
 CHECK_TOLERANCE = {"float32": (1e-6, 1e-4), "bfloat16": (1e-3, 5e-2), "float16": (1e-3, 5e-2)}
 """--check passes when every gradient differs from the reference's by at most atol + rtol x max|reference|
 of that tensor, and the loss by at most atol + rtol x |reference loss| (per dtype: (atol, rtol))."""
+
+
+LOAD_WARNING = 0.1
+"""Without an interval, a load that changes a compute's time by more than this share gets a warning."""
 
 
 class Trainer:
@@ -64,6 +68,12 @@ class Trainer:
         self.state_bytes: dict[str, int] | None = None
         """What this rank held after its optimizer step (params, grads, optimizer state), in bytes: measured at the
         first step of this run (the sizes stay the same in every later one)."""
+        self.activation_bytes: int | None = None
+        """The saved activations this rank held at its peak, measured by the executor in the first step of this run
+        (runtime/saved.py; the sizes stay the same in every later one)."""
+        self.host_load: dict[str, float] | None = None
+        """The host's load when the plan was profiled and now, and how much longer a compute takes for it
+        (:meth:`check_load`); None where it does not apply."""
         self.check_pending = options.check
         self.check_result: dict[str, Any] | None = None
         self.emulation = None
@@ -218,6 +228,8 @@ class Trainer:
         if start >= self.steps:
             return 0
         self.emulation = self.measure_emulation() if self.options.emulate else None
+        self.check_load()
+        band = self.interval()
         for step in range(start, self.steps):
             self.step = step
             if self.optimizer is not None:
@@ -228,14 +240,20 @@ class Trainer:
             else:
                 mb_inputs = mb_targets = None
             result = self.executor.run_step(mb_inputs, mb_targets)
-            result.peak_memory_bytes = self.peak_memory()
+            if self.device.type == "cuda":  # the allocator's peak; on CPU only the process's resident size is known
+                result.peak_memory_bytes = self.peak_memory()
+            else:
+                result.resident_bytes = self.peak_memory()
             result.state_bytes = self.state_bytes
+            if result.peak_activation_bytes is not None:
+                self.activation_bytes = result.peak_activation_bytes
+            result.peak_activation_bytes = self.activation_bytes
             gathered = [None] * self.env.world_size if rank0 else None
             dist.gather_object(result, gathered, dst=0)
             if rank0:
                 per_step.append(gathered)
                 if console is not None:
-                    self.progress(console, step, gathered, tokens_per_step)
+                    self.progress(console, step, gathered, tokens_per_step, band)
             if self.check_result is not None and step == 0:
                 ok = self.finish_check(gathered if rank0 else None)
                 if not ok:
@@ -250,6 +268,43 @@ class Trainer:
         if rank0:
             self.write_outputs(per_step, tokens_per_step)
         return exit_code
+
+    def interval(self):
+        """The plan's predicted interval, where a run can be held to it: a run of the plan's own costs (not
+        ``--emulate``, which sleeps them)."""
+        if self.options.emulate or self.plan.prediction is None:
+            return None
+        return self.plan.prediction.interval
+
+    def check_load(self) -> None:
+        """Before the first step: the host's load now against the load the plan was profiled at (every rank waits
+        while rank 0 reads it, so the ranks' own start-up is not counted), and a warning when the difference moves
+        the predicted step out of its interval (or by more than :data:`LOAD_WARNING` without one). Only a CPU run of a
+        plan whose profile recorded its load."""
+        from pipec.compiler.sim.contention import host_load, load_factor
+
+        profile = (self.plan.model or {}).get("profile") or {}
+        pred = self.plan.prediction
+        if self.options.emulate or self.device.type != "cpu" or profile.get("host_load") is None or pred is None:
+            return
+        self.transport.barrier()
+        if self.env.rank == 0:
+            now = host_load()
+            factor = load_factor(profile, now)
+            self.host_load = {"profile": float(profile["host_load"]), "run": now, "factor": factor}
+            expected = pred.step_time * factor
+            band = pred.interval
+            moved = not band.holds(expected) if band is not None else abs(factor - 1) > LOAD_WARNING
+            self.host_load["warned"] = moved
+            if moved:
+                print(f"pipec: warning: the host's load is {now:.1f} now, {profile['host_load']:.1f} when the plan was "
+                      f"profiled ({profile.get('cores', '?')} cores, {profile.get('concurrent_ranks', 1)} ranks at "
+                      f"once): each compute would take about {factor:.2f}x its predicted time, a step about {expected:.3f} s "
+                      f"against the predicted {pred.step_time:.3f} s"
+                      + (f" ({band.coverage:.0%} interval {band.step_time[0]:.3f}-{band.step_time[1]:.3f} s)"
+                         if band is not None else "")
+                      + "; recompile with --reprofile to time the stages under this load", file=sys.stderr, flush=True)
+        self.transport.barrier()
 
     def measure_emulation(self):
         """``--emulate``: the link latency, the executor's host overhead and the sleep's excess, measured on every
@@ -321,7 +376,7 @@ class Trainer:
             return None
         return int(math.prod(ints[0]["shape"])) * self.D
 
-    def progress(self, console, step: int, gathered, tokens_per_step) -> None:
+    def progress(self, console, step: int, gathered, tokens_per_step, band=None) -> None:
         step_time = max(g.step_time for g in gathered)
         losses = [g.loss for g in gathered if g.loss is not None]
         busy = sum(g.compute for g in gathered)
@@ -333,6 +388,9 @@ class Trainer:
         if tokens_per_step:
             parts.append(f"{tokens_per_step / step_time:,.0f} tok/s")
         parts.append(f"bubble {bubble:.1%}")
+        if band is not None:
+            parts.append("in interval" if band.holds(step_time) else
+                         "above interval" if step_time > band.step_time[1] else "below interval")
         console.print("  ".join(parts))
 
     def write_outputs(self, per_step, tokens_per_step) -> None:
@@ -343,7 +401,7 @@ class Trainer:
             flops *= self.D
         report = build_report(self.plan, self.options.plan, per_step, tokens_per_step=tokens_per_step,
                               flops_per_step=flops, peak_flops=self.peak_flops,
-                              check=self._check_json(), first_step=self.first_step,
+                              check=self._check_json(), first_step=self.first_step, host_load=self.host_load,
                               predicted=self.resimulated(),
                               emulation=None if self.emulation is None else self.emulation.to_json(),
                               goodput=self.attempt_log.summary(
@@ -417,6 +475,21 @@ class Trainer:
         if report.get("stragglers"):
             extra.append("stragglers: " + ", ".join(f"rank {s['rank']} ({s['ratio']:.2f}x)" for s in report["stragglers"]))
         console.print("  ".join(extra))
+        if (line := interval_line(report)) is not None:
+            console.print(line)
+
+
+def interval_line(report) -> str | None:
+    """The run's steps against the plan's interval (report.json ``interval``), in one line; None without one."""
+    got = report.get("interval")
+    if got is None:
+        return None
+    lo, hi = got["step_time"]
+    med = report["measured"]["step_time"]
+    where = "inside" if got["median_inside"] else "above" if med > hi else "below"
+    return (f"median step {med:.3f} s: {where} the predicted {got['coverage']:.0%} interval {lo:.3f}-{hi:.3f} s "
+            f"(predicted {report['predicted']['step_time']:.3f} s); {got['steps_inside']} of {got['steps_counted']} "
+            f"steps{' after the first' if got['after_first'] else ''} inside")
 
 
 def _mib(n: int) -> str:

@@ -4,7 +4,14 @@ Per rank: compute, comm wait, idle, bubble, peak activations and memory
 (columns only where some rank has them: absent, never faked). With a measured
 timeline, each pp rank's predicted row is followed by its replicas' measured
 rows (:func:`~pipec.views.common.lanes`), and the totals of both close the
-table.
+table. The caption gives the step and, where the prediction has one, the
+interval its steps are expected in.
+
+Beside a measured timeline, :func:`memory_table` puts the bytes the
+prediction counts beside the same bytes measured: the state at rest and the
+saved activations at their peak, and the peak itself (predicted, an upper
+bound; measured, the allocator's, on GPU); each figure says what it is, and
+one that was not measured is left blank.
 """
 
 from __future__ import annotations
@@ -13,11 +20,12 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from pipec.compiler.ir.plan import Mesh
 from pipec.compiler.ir.timeline import Timeline
-from pipec.views.common import format_time, lanes
+from pipec.views.common import format_time, infer_dp, lanes
 from pipec.views.timeline import render_terminal
 
-__all__ = ["render_summary", "show"]
+__all__ = ["render_summary", "memory_table", "show", "step_caption"]
 
 
 def _rank_cells(tl: Timeline, rank: int, has_act: bool, has_mem: bool) -> list[str]:
@@ -75,8 +83,7 @@ def render_summary(
     has_act = any(r.peak_activations is not None for tl in timelines for r in tl.per_rank)
     has_mem = any(r.peak_memory_bytes is not None for tl in timelines for r in tl.per_rank)
     step = ", ".join(
-        f"{name}step {format_time(tl.step_time, tl.time_unit)}"
-        for name, tl in zip(("predicted " if measured else "", "measured "), timelines)
+        step_caption(tl, name) for name, tl in zip(("predicted " if measured else "", "measured "), timelines)
     )
     table = Table(title=title or None, caption=step, caption_justify="left", header_style="bold")
     table.add_column("rank", justify="left", no_wrap=True)
@@ -102,6 +109,67 @@ def render_summary(
     return table
 
 
+def step_caption(tl: Timeline, name: str = "") -> str:
+    """``predicted step 512 ms (90% interval 480 ms-580 ms, bubble 28.0-33.1%)``: the step, and its interval where
+    the timeline has one."""
+    out = f"{name}step {format_time(tl.step_time, tl.time_unit)}"
+    band = tl.interval
+    if band is not None:
+        (lo, hi), (blo, bhi) = band.step_time, band.bubble_fraction
+        out += (f" ({band.coverage:.0%} interval {format_time(lo, tl.time_unit)}-{format_time(hi, tl.time_unit)}, "
+                f"bubble {blo:.1%}-{bhi:.1%})")
+    return out
+
+
+_MEMORY = (("state", "state_bytes"), ("activations", "peak_activation_bytes"), ("peak", "peak_memory_bytes"))
+"""The memory table's columns and the per-rank field each shows."""
+
+
+MEMORY_NOTE = """\
+state: params, grads and optimizer state held (measured after the optimizer step)
+activations: saved for the backward, at the peak (measured in the first step)
+peak: predicted, an upper bound (state, unsharded parameters, collective buffers
+  and activations, each at its own peak); measured, the allocator's peak
+  (torch.cuda.max_memory_allocated; none on CPU)
+blank: not measured"""
+"""What each figure of :func:`memory_table` is, under it."""
+
+
+def memory_table(predicted: Timeline, measured: Timeline, *, dp: int | None = None) -> Table | None:
+    """Per pp rank, the bytes the prediction counts, then the same bytes its replicas measured; None when the
+    measured timeline has none of them (a run from before they were measured, ``--emulate``)."""
+    if not any(getattr(r, field) is not None for r in measured.per_rank for _, field in _MEMORY):
+        return None
+    dp = infer_dp(predicted, measured, dp)
+    mesh = Mesh(pp=len(predicted.per_rank), dp=dp)
+    table = Table(title="memory: what the prediction counts, and the same measured", header_style="bold",
+                  caption=MEMORY_NOTE, caption_justify="left")
+    table.add_column("rank", justify="left", no_wrap=True)
+    for name, _ in _MEMORY:
+        table.add_column(name, justify="right", no_wrap=True)
+    meas = {r.rank: r for r in measured.per_rank}
+    for i, p in enumerate(predicted.per_rank):
+        table.add_row(f"{p.rank} pred", *_memory_cells(p), style="bold")
+        for g in mesh.replicas(i):
+            if g in meas:
+                table.add_row(f"{p.rank} meas" if dp == 1 else f"{p.rank} meas g{g}", *_memory_cells(meas[g], p))
+    return table
+
+
+def _memory_cells(r, pred=None) -> list[str]:
+    """A row's figures; a measured one's with its difference from the prediction where both are counts."""
+    cells = []
+    for name, field in _MEMORY:
+        value = getattr(r, field)
+        if value is None:
+            cells.append("")
+            continue
+        want = None if pred is None or name == "peak" else getattr(pred, field)
+        diff = f" ({(value - want) / want:+.1%})" if want else ""
+        cells.append(_bytes(value) + diff)
+    return cells
+
+
 def show(
     timeline: Timeline,
     *,
@@ -114,4 +182,8 @@ def show(
     """Print the timeline view and the summary table (``pipec show``)."""
     console = console or Console()
     view = render_terminal(timeline, measured=measured, dp=dp, width=width, title=title)
-    console.print(Group(view, Text(), render_summary(timeline, measured=measured, dp=dp)))
+    parts = [view, Text(), render_summary(timeline, measured=measured, dp=dp)]
+    memory = None if measured is None else memory_table(timeline, measured, dp=dp)
+    if memory is not None:
+        parts += [Text(), memory]
+    console.print(Group(*parts))

@@ -181,12 +181,12 @@ def host_load(samples: int = LOAD_SAMPLES, every_s: float = 0.02) -> float:
 
 def load_factor(profile: Mapping[str, Any] | None, load: float) -> float | None:
     """How many times longer each compute takes at host load ``load`` (:func:`host_load`) than the profile's costs
-    say, the profile having recorded the load it was timed at (``model["profile"]["load"]``): the K ranks on this
+    say, the profile having recorded the load it was timed at (``model["profile"]["host_load"]``): the K ranks on this
     host share its C slots (cores over threads per rank) ``max(C, K + load)`` ways, against ``max(C, K + load
     then)`` when profiled. None where the profile recorded no load (or there is no profile)."""
-    if not profile or profile.get("load") is None:
+    if not profile or profile.get("host_load") is None:
         return None
     at_once = max(1, int(profile.get("concurrent_ranks", 1)))
     cores = profile.get("cores") or profile.get("cpu_count") or 1
     slots = max(1, int(cores) // max(1, int(profile.get("threads_per_rank", 1))))
-    return max(slots, at_once + load) / max(slots, at_once + float(profile["load"]))
+    return max(slots, at_once + load) / max(slots, at_once + float(profile["host_load"]))

@@ -1,0 +1,185 @@
+"""Predictions that say how sure they are: the step's interval from draws over the costs' measured spread, what
+plan.json and report.json hold of it, and the run's check of its steps and of the host's load.
+
+- A plan whose every stage cost carries a spread gets an interval (the same every time); unit or flops costs,
+  or one stage never timed, get none (not a made-up one); no spread at all gives the point itself.
+- Steps drawn the way the interval assumes (another seed) fall inside it about as often as it says.
+- plan.json keeps a cost's spread and the interval; a malformed interval is named.
+- report.json marks each step in or out of the interval and sums it up, only for a run of the plan's own costs.
+- The host's load now against the profile's: the factor, and a warning that names both loads and --reprofile.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from pipec.compiler.driver import compile_plan, prove_and_predict
+from pipec.compiler.ir.plan import PlanError
+from pipec.compiler.ir.plan_json import load_plan, plan_to_json, read_plan, write_plan
+from pipec.compiler.ir.timeline import Interval
+from pipec.compiler.sim.contention import load_factor
+from pipec.compiler.sim.engine import execute
+from pipec.compiler.sim.simulate import COVERAGE, interval_of, plan_costs
+from pipec.runtime.accounting import build_report
+from pipec.runtime.executor import RankStep
+from pipec.schedules.timing import Cost
+
+COST = Cost(fwd=0.01, bwd=0.02, bwd_i=0.01, bwd_w=0.01)
+
+
+def _timed(spread: float | None = 0.1, host: float | None = 0.05, schedule: str = "1f1b", ranks: int = 4,
+           load: float | None = None):
+    """A plan in seconds whose stage costs carry ``spread`` (as costs profile times them) and whose profile
+    recorded the host's spread and load."""
+    plan = compile_plan(num_ranks=ranks, num_microbatches=2 * ranks, schedule=schedule).plan
+    stages = tuple(replace(st, cost=replace(COST, spread=spread)) for st in plan.stages)
+    profile = {"concurrent_ranks": ranks, "threads_per_rank": 1, "cores": 2,
+               **({} if host is None else {"host_spread": host}), **({} if load is None else {"host_load": load})}
+    plan = replace(plan, stages=stages, model={"target": "m:f", "profile": profile},
+                   spec={**plan.spec, "costs": "profile"}, prediction=None)
+    return prove_and_predict(plan)
+
+
+def test_spread_costs_give_an_interval_the_same_every_time():
+    plan = _timed()
+    band = plan.prediction.interval
+    assert band is not None and band.coverage == COVERAGE and band.draws == 20
+    lo, hi = band.step_time
+    assert 0 < lo < hi
+    assert 0 <= band.bubble_fraction[0] < band.bubble_fraction[1] < 1
+    assert lo < plan.prediction.step_time * 1.05 and hi > plan.prediction.step_time  # around the point, not off it
+    assert _timed().prediction.interval == band
+    wider = _timed(spread=0.3).prediction.interval
+    assert wider.step_time[1] - wider.step_time[0] > hi - lo
+
+
+def test_no_spread_no_interval():
+    unit = compile_plan(num_ranks=4, num_microbatches=8, schedule="1f1b").plan
+    assert unit.prediction.interval is None  # unit costs: nothing was timed
+    assert _timed(spread=None).prediction.interval is None  # flops-like costs in seconds: no spread
+    some = _timed()
+    stages = list(some.stages)
+    stages[1] = replace(stages[1], cost=replace(stages[1].cost, spread=None))  # one stage never timed
+    assert interval_of(replace(some, stages=tuple(stages))) is None
+    assert "step_time_interval" not in plan_to_json(unit)["prediction"]
+
+
+def test_a_spread_of_zero_is_the_point_prediction():
+    plan = _timed(spread=0.0, host=None)
+    assert plan.prediction.interval.step_time == (plan.prediction.step_time,) * 2
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "interleaved_1f1b"])
+def test_steps_drawn_as_the_interval_assumes_fall_inside_about_as_often_as_it_says(schedule):
+    """An interval is read from 20 draws; steps drawn the same way with other seeds (the run it stands for, when
+    the spread is the one the run meets) fall inside it nine times in ten on average over intervals of other seeds
+    (one interval's share scatters: it rests on 20 draws)."""
+    plan = _timed(spread=0.15, host=0.1, schedule=schedule)
+    costs = plan_costs(plan)
+    kw = dict(placement=plan.placement, num_microbatches=plan.num_microbatches, edges=plan.edges, costs=costs,
+              ties=plan.ties, record_events=False)
+    steps = [execute(plan.program, **kw, rng=random.Random(1000 + i)).step_time for i in range(200)]
+    shares = []
+    for seed in range(12):
+        band = interval_of(plan, costs, seed=seed)
+        shares.append(sum(band.holds(t) for t in steps) / len(steps))
+    assert 0.84 <= sum(shares) / len(shares) <= 0.95, shares
+
+
+def test_plan_json_keeps_the_spread_and_the_interval(tmp_path):
+    plan = _timed()
+    write_plan(plan, str(tmp_path / "p.json"))
+    back = read_plan(str(tmp_path / "p.json"))
+    assert [st.cost.spread for st in back.stages] == [0.1] * 4
+    assert back.prediction.interval == plan.prediction.interval
+    raw = json.loads((tmp_path / "p.json").read_text())
+    assert raw["prediction"]["coverage"] == 0.9 and len(raw["prediction"]["step_time_interval"]) == 2
+    assert "spread" not in plan_to_json(compile_plan(num_ranks=2, num_microbatches=2, schedule="1f1b").plan)[
+        "stages"][0]["cost"]
+    lo, hi = raw["prediction"]["step_time_interval"]
+    raw["prediction"]["step_time_interval"] = [hi, lo]
+    with pytest.raises(PlanError, match=r"prediction\.step_time_interval: expected \[lo, hi\]"):
+        load_plan(raw)
+    del raw["prediction"]["coverage"]
+    raw["prediction"]["step_time_interval"] = [lo, hi]
+    with pytest.raises(PlanError, match=r"prediction\.coverage"):
+        load_plan(raw)
+
+
+def _steps(plan, times):
+    """One RankStep per pp rank per step, the step taking ``times[i]``."""
+    return [[RankStep(global_rank=r, step_time=t, compute=t / 2) for r in range(plan.mesh.pp)] for t in times]
+
+
+def test_the_report_says_which_steps_fell_inside():
+    plan = _timed()
+    lo, hi = plan.prediction.interval.step_time
+    mid = (lo + hi) / 2
+    times = [3 * hi, mid, mid, hi * 1.5, lo * 0.5, mid]  # the first warms up
+    kw = dict(tokens_per_step=None, flops_per_step=None, peak_flops=None)
+    report = build_report(plan, "p.json", _steps(plan, times), **kw)
+    assert [s["in_interval"] for s in report["steps"]] == [False, True, True, False, False, True]
+    got = report["interval"]
+    assert (got["steps_inside"], got["steps_counted"], got["after_first"]) == (3, 5, True)
+    assert got["median_inside"] and got["step_time"] == [lo, hi] and got["coverage"] == 0.9
+    # a re-simulated prediction (--emulate sleeps the costs): the plan's interval does not apply
+    emulated = build_report(plan, "p.json", _steps(plan, times), predicted=plan.prediction, **kw)
+    assert "interval" not in emulated and "in_interval" not in emulated["steps"][0]
+    plain = compile_plan(num_ranks=4, num_microbatches=8, schedule="1f1b").plan
+    assert "interval" not in build_report(plain, "p.json", _steps(plain, times), **kw)
+
+
+def test_the_run_prints_where_its_steps_fell():
+    from pipec.runtime.trainer import interval_line
+
+    plan = _timed()
+    lo, hi = plan.prediction.interval.step_time
+    report = build_report(plan, "p.json", _steps(plan, [hi * 2, hi * 2, hi * 2]), tokens_per_step=None,
+                          flops_per_step=None, peak_flops=None)
+    line = interval_line(report)
+    assert line.startswith(f"median step {hi * 2:.3f} s: above the predicted 90% interval {lo:.3f}-{hi:.3f} s")
+    assert line.endswith("0 of 2 steps after the first inside")
+    assert interval_line({"measured": {"step_time": 1.0}}) is None
+
+
+def test_the_load_factor_is_the_share_of_the_cores():
+    profile = {"concurrent_ranks": 4, "threads_per_rank": 1, "cores": 2, "host_load": 0.0}
+    assert load_factor(profile, 0.0) == 1.0
+    assert load_factor(profile, 2.0) == pytest.approx(6 / 4)
+    assert load_factor({**profile, "concurrent_ranks": 1}, 1.0) == 1.0  # one rank and one busy process: a core each
+    assert load_factor({**profile, "host_load": 4.0}, 0.0) == pytest.approx(4 / 8)
+    assert load_factor({k: v for k, v in profile.items() if k != "host_load"}, 3.0) is None
+    assert load_factor(None, 3.0) is None
+
+
+def _check_load(plan, load_now, monkeypatch, capsys, *, emulate=False, device="cpu"):
+    """Run Trainer.check_load on ``plan`` as rank 0 of a run whose host reads ``load_now``."""
+    import pipec.compiler.sim.contention as contention
+    from pipec.runtime.trainer import Trainer
+
+    monkeypatch.setattr(contention, "host_load", lambda *a, **k: load_now)
+    barriers = []
+    me = SimpleNamespace(plan=plan, options=SimpleNamespace(emulate=emulate), device=SimpleNamespace(type=device),
+                         transport=SimpleNamespace(barrier=lambda: barriers.append(1)), env=SimpleNamespace(rank=0),
+                         host_load=None)
+    Trainer.check_load(me)
+    return me.host_load, capsys.readouterr().err, len(barriers)
+
+
+def test_a_load_that_moves_the_step_out_of_its_interval_is_warned_about(monkeypatch, capsys):
+    plan = _timed(load=0.0)
+    got, err, barriers = _check_load(plan, 3.0, monkeypatch, capsys)
+    assert got == {"profile": 0.0, "run": 3.0, "factor": pytest.approx(7 / 4), "warned": True} and barriers == 2
+    assert "the host's load is 3.0 now, 0.0 when the plan was profiled (2 cores, 4 ranks at once)" in err
+    assert "each compute would take about 1.75x its predicted time" in err and "--reprofile" in err
+    assert f"against the predicted {plan.prediction.step_time:.3f} s" in err
+    quiet, err, _ = _check_load(plan, 0.0, monkeypatch, capsys)
+    assert quiet["warned"] is False and err == ""
+    # nothing to compare with: an emulated run, a GPU run, a profile without its load
+    for kw, p in (({"emulate": True}, plan), ({"device": "cuda"}, plan), ({}, _timed())):
+        assert _check_load(p, 3.0, monkeypatch, capsys, **kw) == (None, "", 0)
