@@ -65,7 +65,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     what = f"model {plan.model['target']}, " if plan.model else ""
     print(f"wrote {args.output}: {what}{plan.num_stages} stages, {plan.program.num_instructions} instructions on "
           f"{plan.mesh.pp} pp x {plan.mesh.dp} dp ranks; verified; predicted step "
-          f"{format_time(pred.step_time, pred.time_unit)}, bubble {pred.bubble_fraction:.1%}")
+          f"{format_time(pred.step_time, pred.time_unit)}" + ("" if pred.interval is None else
+          f" ({pred.interval.coverage:.0%} interval {format_time(pred.interval.step_time[0], pred.time_unit)}-"
+          f"{format_time(pred.interval.step_time[1], pred.time_unit)})") + f", bubble {pred.bubble_fraction:.1%}")
     if (line := _links_line(plan)) is not None:
         print(line)
     return 0
