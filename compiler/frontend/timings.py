@@ -1,0 +1,253 @@
+"""The timings a cut needs: read from the profile cache, or measured (:mod:`.profile`) and kept there.
+
+What decides each timing is its key (:mod:`pipec.compiler.cache`); every key holds the host's fields
+(:func:`_host_key`: threads per rank, the cores this process may use, the CPU count and model, torch's
+version, :data:`~.profile.PROFILE_METHOD`):
+
+- ``stage``, a stage timed alone: the stage's own graph (:func:`stage_digest`: its code, the modules it
+  calls with their source where the model defines them, its parameters, inputs and outputs) and the
+  microbatch's dtype. The same stage in another cut (its nodes, and so its inputs, the same) is the same
+  entry; recompute is not in it (a recomputed stage's cost is derived from its timing, nothing is timed).
+- ``crowd``, the slowdown of the run's ranks here computing at once: the model's fingerprint, the
+  microbatch's inputs (names, shapes, dtypes), the dtype and the ranks sharing the host. It has no cut in
+  it: it is measured once per microbatch shape and shared by every cut of it.
+- ``host``, the host's reference time (:func:`~.profile._reference`) every timing is scaled to: kept from
+  the first profile here (or the last ``--reprofile``), so timings taken at different times are priced at
+  one host speed; an entry measured at another reference time is rescaled to it.
+
+So a recompile of the same model (another schedule, another microbatch count at the same microbatch
+shape, another pp, another shard mode) times only stages it has not timed before, and a warm one times
+nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import platform
+import statistics
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from pipec.compiler import cache, progress
+from pipec.compiler.frontend.load import instantiate
+from pipec.compiler.frontend.partition import Split
+from pipec.compiler.frontend.profile import (PROFILE_METHOD, Profiling, _cost, _least_sample, _median_slowdown,
+                                             _rel_spread, _Sample, _stage_runner, _threads, _total, crowd,
+                                             usable_cores)
+from pipec.compiler.ir.plan import Cost
+
+__all__ = ["profile_stages", "stage_digest"]
+
+
+# ----------------------------------------------------------------------------- what decides a timing
+
+
+def _device_name() -> str:
+    """The CPU's model name (Linux), else what the platform says."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _host_key(threads: int) -> dict[str, Any]:
+    """The key fields of every timing: threads per rank, the host (cores, CPU), torch's version, the method."""
+    return {"threads": threads, "cores": usable_cores(), "cpu_count": os.cpu_count(), "device": _device_name(),
+            "torch": torch.__version__, "method": PROFILE_METHOD}
+
+
+_SOURCES: dict[Any, str] = {}
+
+
+def _source(obj: Any) -> str:
+    """A digest of the Python source of a class or function outside torch (a model's own module or function a
+    stage calls: editing it changes the stage's key); "" for torch's and builtins."""
+    if obj in _SOURCES:
+        return _SOURCES[obj]
+    mod = getattr(obj, "__module__", None) or ""
+    digest = ""
+    if mod.split(".")[0] not in ("torch", "builtins", "operator", "math", "_operator", "typing"):
+        try:
+            digest = hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
+        except (OSError, TypeError):
+            digest = f"{mod}.{getattr(obj, '__qualname__', '')}"
+    _SOURCES[obj] = digest
+    return digest
+
+
+def _resolve(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def stage_digest(split: Split, s: int) -> str:
+    """The fingerprint of stage ``s`` as it is timed: its graph's code, the modules it calls (their repr and, for a
+    model's own, their source), the tensors it reads by attribute, the functions it calls that are not torch's,
+    its parameters (canonical name, shape, dtype), and its inputs (shape, dtype, whether a gradient flows back)
+    and outputs. The same stage of another cut (its nodes, and so its inputs, the same) has the same one."""
+    part, gm = split.parts[s], split.traced.gm
+    graph = split.stage_graph(s)
+    mods, attrs, funcs = {}, {}, {}
+    for n in graph.nodes:
+        target = str(n.target)
+        if n.op == "call_module":
+            mod = gm.get_submodule(target)
+            mods[target] = [repr(mod), sorted({_source(type(m)) for m in mod.modules()} - {""})]
+        elif n.op == "get_attr":
+            obj = _resolve(gm, target)
+            attrs[target] = [list(obj.shape), str(obj.dtype)] if isinstance(obj, torch.Tensor) else type(obj).__name__
+        elif n.op == "call_function" and (src := _source(n.target)):
+            funcs[n.name] = src
+    params = [[c, list(split.traced.param_of[c].shape), str(split.traced.param_of[c].dtype)] for c in part.params]
+    inputs = [[list(x.shape), x.dtype, src >= 0] for x, src in zip(part.inputs, part.sources)]
+    outputs = [[list(x.shape), x.dtype] for x in part.outputs]
+    text = json.dumps([graph.python_code("self").src, mods, attrs, funcs, params, inputs, outputs], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _load() -> float | None:
+    """This host's 1-minute load average now (None where the platform has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def _floats(value: Any, n: int) -> list[float]:
+    if not isinstance(value, list) or len(value) != n or not all(isinstance(x, (int, float)) and x >= 0 for x in value):
+        raise ValueError(f"expected {n} non-negative numbers")
+    return [float(x) for x in value]
+
+
+def _check_host(value: Mapping[str, Any]) -> None:
+    if not float(value["reference_s"]) > 0:
+        raise ValueError("reference_s must be positive")
+
+
+def _check_stage(value: Mapping[str, Any]) -> None:
+    _floats(value["least"], 5)
+    _check_host({"reference_s": value["baseline_s"]})
+    int(value["rounds"]), float(value["spread"]), float(value["host_spread"])
+
+
+def _check_crowd(value: Mapping[str, Any]) -> None:
+    _floats(value["slowdown"], 4)
+    for r in value["repeats"]:
+        _floats(r, 4)
+    _check_host({"reference_s": value["baseline_s"]})
+    float(value["spread"]), float(value["host_spread"])
+
+
+# ----------------------------------------------------------------------------- the profile
+
+
+def _runners(split: Split, stages: Sequence[int], autocast: str | None, target: str, kwargs: Mapping[str, Any],
+             search_path: Sequence[str]) -> dict[int, Callable[[], _Sample]]:
+    """Stage runners of ``stages``, each on its stage module with seeded random parameters (the same in any cut)."""
+    from pipec.compiler.frontend.stages import materialize  # profile -> stages -> partition; late to keep layers clear
+
+    _, buffers = instantiate(target, kwargs, mode="skeleton", search_path=search_path)
+    gen = torch.Generator().manual_seed(0)
+    values = {c: (torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype) for c, p in split.traced.param_of.items()}
+    return {s: _stage_runner(materialize(split, s, {c: values[c] for c in split.parts[s].params}, buffers, "cpu"),
+                             split.parts[s].inputs, split.parts[s].sources, autocast) for s in stages}
+
+
+def profile_stages(split: Split, profile: Profiling, *, autocast: str | None, target: str, kwargs: Mapping[str, Any],
+                   search_path: Sequence[str]) -> tuple[list[Cost], dict[str, Any]]:
+    """Every stage's cost (its least alone times the crowd's slowdown per part; its spread the crowd's, with one
+    rank its own) and plan.json's ``model["profile"]`` (:func:`_record`), timing only what the profile cache does
+    not hold."""
+    host = _host_key(profile.threads)
+    dtype = autocast or "float32"
+    num, many = split.num_stages, profile.num_ranks > 1
+    keys = [{"stage": stage_digest(split, s), "inputs": [[list(x.shape), x.dtype] for x in split.parts[s].inputs],
+             "dtype": dtype, **host} for s in range(num)]
+    entries: dict[int, cache.Entry] = {}
+    for s in range(num):
+        if (e := cache.lookup("stage", keys[s], _check_stage)) is not None:
+            entries[s] = e
+    crowd_key = {"model": split.traced.fingerprint, "inputs": [[x.name, list(x.shape), x.dtype] for x in split.traced.inputs],
+                 "dtype": dtype, "ranks": profile.num_ranks, **host}
+    shared = cache.lookup("crowd", crowd_key, _check_crowd) if many else None
+    host_entry = cache.lookup("host", host, _check_host)
+    baseline = float(host_entry.value["reference_s"]) if host_entry else None
+    if baseline is None and entries:  # the host's entry lost: the stages' own speed
+        baseline = float(next(iter(entries.values())).value["baseline_s"])
+        cache.store("host", host, {"reference_s": baseline})
+    todo = [s for s in range(num) if s not in entries]
+    restore = _threads(profile.threads)
+    try:
+        built = sorted(set(todo) | (set(range(num)) if many and shared is None else set()))
+        runners = _runners(split, built, autocast, target, kwargs, search_path) if built else {}
+        if todo:
+            load = _load()
+            samples, speed = profile.alone({s: runners[s] for s in todo}, baseline=baseline)
+            if baseline is None:
+                baseline = statistics.median(speed)
+                cache.store("host", host, {"reference_s": baseline})
+            for s in todo:
+                entries[s] = cache.store("stage", keys[s], {
+                    "least": list(_least_sample(samples[s])), "rounds": len(samples[s]), "baseline_s": baseline,
+                    "spread": _rel_spread([_total(x) for x in samples[s]]), "host_spread": _rel_spread(speed),
+                    "load": load})
+        assert baseline is not None
+        alone = {s: [x * baseline / float(e.value["baseline_s"]) for x in e.value["least"]] for s, e in entries.items()}
+        if many and shared is None:
+            load = _load()
+            got = crowd(profile, runners, alone, num, baseline)
+            shared = cache.store("crowd", crowd_key, {
+                "slowdown": list(_median_slowdown(got.repeats)), "repeats": [list(r) for r in got.repeats],
+                "spread": got.spread, "baseline_s": baseline, "host_spread": _rel_spread(got.speed), "load": load,
+                "num_stages": num})
+    finally:
+        restore()
+        progress.done()
+    slowdown = tuple(float(x) for x in shared.value["slowdown"]) if shared else None
+    factor = (*slowdown, slowdown[2]) if slowdown else (1.0,) * 5  # the weight half is a backward's
+    costs = [_cost([x * f for x, f in zip(alone[s], factor)],
+                   float(shared.value["spread"]) if shared else float(entries[s].value["spread"])) for s in range(num)]
+    return costs, _record(profile, [entries[s] for s in range(num)], shared)
+
+
+def _record(profile: Profiling, stages: Sequence[cache.Entry], crowd: cache.Entry | None) -> dict[str, Any]:
+    """plan.json's ``model["profile"]``: how the stages were timed, each timing's provenance (``stages[s]`` and
+    ``crowd``: ``at``, when it was measured, and ``reused``, whether an earlier compile measured it), the slowdown
+    measured, ``host_spread`` (the reference kernel's standard deviation over its median, in the rounds that timed
+    them: the median of the timings'), ``host_load`` (the 1-minute load average when the timings that set the
+    costs' level were taken: the crowd's, else the median of the stages') and notes of the profile cache."""
+    out: dict[str, Any] = {"concurrent_ranks": profile.num_ranks, "threads_per_rank": profile.threads,
+                           "reps": profile.reps, "max_reps": profile.max_reps, "spread_target": profile.spread_target,
+                           "cpu_count": os.cpu_count(), "cores": usable_cores()}
+    out["stages"] = [{"stage": s, "at": e.at, "reused": e.reused, "rounds": int(e.value["rounds"])}
+                     for s, e in enumerate(stages)]
+    timings = [*stages, *([crowd] if crowd else [])]
+    out["host_spread"] = round(statistics.median(float(e.value["host_spread"]) for e in timings), 4)
+    loads = [e.value.get("load") for e in ([crowd] if crowd else stages)]
+    loads = [float(x) for x in loads if isinstance(x, (int, float))]
+    if loads:
+        out["host_load"] = round(statistics.median(loads), 2)
+    if crowd is not None:
+        out["min_time_s"] = profile.min_time_s
+        out["crowd_repeats"] = len(crowd.value["repeats"])
+        out["slowdown"] = dict(zip(_PARTS, (round(float(x), 4) for x in crowd.value["slowdown"])))
+        out["crowd"] = {"at": crowd.at, "reused": crowd.reused, "repeats": len(crowd.value["repeats"]),
+                        "spread": round(float(crowd.value["spread"]), 4)}
+    notes = cache.take_notes()
+    if notes:
+        out["notes"] = notes
+    return out
+
+
+_PARTS = ("fwd", "bwd_i", "bwd", "optim")
