@@ -155,3 +155,73 @@ def test_forward_arguments_left_at_their_defaults_are_specialised():
     traced = trace("test_trace:optional", {}, (TensorSpec("x", "float32", (2, 4)),), mode="fx")
     assert [n.target for n in traced.gm.graph.nodes if n.op == "placeholder"] == ["x"]
     assert [n.op for n in traced.gm.graph.nodes] == ["placeholder", "call_module", "call_function", "output"]
+
+
+# ----------------------------------------------------------------------------- a forward that fails, said as the user wrote it
+
+BAD_MODEL = '''
+import torch
+from torch import nn
+
+
+class Heads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(12, 12)
+
+    def forward(self, x):
+        return self.fc(x).view(x.shape[0], 5, -1)  # 12 features are no 5 heads
+
+
+def build():
+    return Heads()
+'''
+
+
+@pytest.mark.parametrize("flags", [{}, {"trace": "export"}, {"dtype": "bfloat16"}])
+def test_a_forward_that_fails_on_the_inputs_names_the_users_file_and_line(tmp_path, flags):
+    from pipec.compiler.driver import compile_spec
+    from pipec.dsl import load_spec
+
+    from pipec.errors import PipecError
+
+    (tmp_path / "heads.py").write_text(BAD_MODEL)
+    (tmp_path / "heads.pipe").write_text('model "heads.py:build"\ninput x: float32[4, 12]\nloss mse\ncosts unit\n')
+    with pytest.raises(PipecError) as err:
+        compile_spec(load_spec(str(tmp_path / "heads.pipe"), flags))
+    text = str(err.value)
+    assert "heads.py:12 (in forward: return self.fc(x).view(x.shape[0], 5, -1)" in text, text
+    assert "heads.pipe:2:7: error: the model's forward fails on the declared inputs at " in text, text
+    assert "While executing" not in text and "tlparse" not in text and "make forward traceable" not in text
+
+
+def test_an_input_longer_than_the_models_positions_is_said_so_without_torchs_log_lines(cli):
+    out = cli("compile", "--model", GPT, "--model-arg", "layers=2, dim=16, heads=2, vocab=64, seq=16", "--input",
+              "tokens: int64[4, 32]", "--costs", "unit", "--dtype", "bfloat16", "-o", "p.json")
+    assert out.returncode == 2
+    assert "error: input tokens has 32 positions (dim 1), more than the model's 16: its position embedding wpe is " \
+           "nn.Embedding(16, 16)" in out.stderr, out.stderr
+    assert "fake_tensor.py" not in out.stderr and "Traceback" not in out.stderr and "make forward" not in out.stderr
+    assert len(out.stderr.splitlines()) == 4, out.stderr  # the message, the source line, the caret, the hint
+
+
+def test_torch_log_records_are_dropped_while_tracing_unless_torch_logs_is_set(monkeypatch):
+    import logging
+
+    from pipec.compiler.frontend.trace import quiet_torch
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger.addHandler(handler)
+    try:
+        with quiet_torch():
+            logger.error("inside")
+        logger.error("outside")
+        monkeypatch.setenv("TORCH_LOGS", "+dynamo")
+        with quiet_torch():
+            logger.error("asked for")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["outside", "asked for"]

@@ -11,6 +11,8 @@ copies an fx trace without them, to be annotated again at other input shapes.
 from __future__ import annotations
 
 import contextlib
+import io
+import sys
 from dataclasses import replace
 from typing import Any, Mapping
 
@@ -19,8 +21,8 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from pipec.compiler.frontend.tensors import FrontendError, TensorSpec, storage_key, to_dtype
-from pipec.compiler.frontend.trace import Traced
+from pipec.compiler.frontend.tensors import TensorSpec, storage_key, to_dtype
+from pipec.compiler.frontend.trace import Traced, forward_failed, quiet_torch
 
 __all__ = ["PROPAGATED", "propagate", "at_shapes"]
 
@@ -51,8 +53,11 @@ def _flop_counter() -> FlopCounterMode:
 class _Probe(ShapeProp):
     """ShapeProp that also records FLOPs, saved storages and non-tensor values per node."""
 
-    def __init__(self, gm: GraphModule, counter: FlopCounterMode, param_keys: set[int]) -> None:
-        super().__init__(gm)
+    def __init__(self, traced: Traced, example: Mapping[str, torch.Tensor], counter: FlopCounterMode,
+                 param_keys: set[int]) -> None:
+        super().__init__(traced.gm)
+        self.extra_traceback = False  # torch's "While executing ..." text on the error: pipec says where instead
+        self.traced, self.example = traced, example
         self.counter = counter
         self.param_keys = param_keys
         self.current: Node | None = None
@@ -67,15 +72,15 @@ class _Probe(ShapeProp):
     def run_node(self, n: Node) -> Any:
         self.current, self.saved = n, {}
         before = self.counter.get_total_flops()
+        printed, sys.stderr = sys.stderr, io.StringIO()  # ShapeProp prints a failure's traceback: kept back
         try:
             result = super().run_node(n)
         except Exception as e:  # noqa: BLE001
-            cause = e.__cause__ or e
-            raise FrontendError(
-                f"running node {n.name!r} ({n.format_node()}) on meta tensors failed: "
-                f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}; "
-                "the model's forward must run on the declared input shapes", key="input",
-            ) from None
+            raise forward_failed(self.traced, n.name, e, self.example) from None
+        finally:
+            held, sys.stderr = sys.stderr.getvalue(), printed
+        if held:  # what the node printed when it did not fail
+            sys.stderr.write(held)
         n.meta["pipec_flops"] = self.counter.get_total_flops() - before
         n.meta["pipec_saved"] = tuple(self.saved.items())
         if isinstance(result, torch.Tensor):
@@ -101,9 +106,10 @@ def propagate(traced: Traced, example: Mapping[str, torch.Tensor], *, fake_mode:
     gm = traced.gm
     param_keys = {storage_key(p) for p in gm.parameters()}
     counter = _flop_counter()
-    probe = _Probe(gm, counter, param_keys)
+    probe = _Probe(traced, example, counter, param_keys)
     args = [example[n.target] for n in gm.graph.nodes if n.op == "placeholder"]
     with contextlib.ExitStack() as stack:
+        stack.enter_context(quiet_torch())
         if fake_mode is not None:
             stack.enter_context(fake_mode)
         if autocast is not None:

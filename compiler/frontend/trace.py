@@ -18,10 +18,17 @@ The :class:`Traced` it returns carries the :mod:`.fingerprint` and each paramete
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 import operator
+import os
+import re
+import sysconfig
+import traceback
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -30,7 +37,8 @@ from torch.fx import GraphModule, Node, Tracer
 from pipec.compiler.frontend.fingerprint import fingerprint
 from pipec.compiler.frontend.tensors import FrontendError, TensorSpec
 
-__all__ = ["TRACE_PATHS", "Traced", "pipe_split", "is_pipe_split", "trace_model", "module_path", "compute_nodes"]
+__all__ = ["TRACE_PATHS", "Traced", "pipe_split", "is_pipe_split", "trace_model", "module_path", "compute_nodes",
+           "quiet_torch", "forward_failed"]
 
 TRACE_PATHS = ("auto", "fx", "export")
 
@@ -110,7 +118,7 @@ def _hides_layers(mod: nn.Module) -> bool:
     return False
 
 
-def _fx_trace(model: nn.Module, names: list[str]) -> GraphModule:
+def _fx_trace(model: nn.Module, names: list[str], *, stack_traces: bool = False) -> GraphModule:
     sig = inspect.signature(model.forward)
     concrete: dict[str, Any] = {}
     for pname, p in sig.parameters.items():
@@ -122,7 +130,9 @@ def _fx_trace(model: nn.Module, names: list[str]) -> GraphModule:
                 f"declare it as an input (input {pname}: dtype[shape])", key="input",
             )
         concrete[pname] = p.default
-    graph = _Tracer().trace(model, concrete_args=concrete or None)
+    tracer = _Tracer()
+    tracer.record_stack_traces = stack_traces  # only to say where a node failed: it slows the trace
+    graph = tracer.trace(model, concrete_args=concrete or None)
     gm = GraphModule(model, graph, type(model).__name__)
     # concrete args leave placeholders behind, guarded by asserts that they keep their value: drop both
     checks = {torch.fx._symbolic_trace._assert_is_none, operator.eq, torch._assert}
@@ -200,6 +210,19 @@ def trace_model(
                     f"input {n!r} is not an argument of {type(model).__name__}.forward "
                     f"({', '.join(params)}); name inputs after forward's arguments", key="input",
                 )
+    with quiet_torch():
+        gm, path, fallback = _trace(model, names, example, mode, split_paths)
+    fp, parts = fingerprint(path, gm, model)
+    canonical, param_of = _canonical_names(model)
+    return Traced(
+        gm=gm, model=model, path=path, inputs=inputs, fingerprint=fp, fingerprint_parts=parts,
+        canonical=canonical, fallback=fallback, param_of=param_of,
+    )
+
+
+def _trace(model: nn.Module, names: list[str], example: Mapping[str, torch.Tensor], mode: str,
+           split_paths: tuple[str, ...]) -> tuple[GraphModule, str, str]:
+    """The graph, its path (fx or export) and why auto fell back ("" when it did not)."""
     fallback = ""
     gm: GraphModule | None = None
     path = mode
@@ -230,19 +253,21 @@ def trace_model(
         try:
             gm = _export_trace(model, example)
         except Exception as e:  # noqa: BLE001
+            shapes = _positions_problem(model, example)
+            if shapes:
+                raise FrontendError(shapes, key="input", hints=_POSITIONS_HINTS) from None
+            at = _frame_text(_user_frame(traceback.extract_tb(e.__traceback__)))
+            if type(e).__module__ == "builtins" and at:  # the user's code raised, or a kernel it called: shapes
+                raise FrontendError(f"the model's forward fails on the declared inputs{at}: {type(e).__name__}: "
+                                    f"{_first_line(e)}", key="input", hints=_SHAPES_HINTS) from None
             how = f" ({fallback})" if fallback else ""
             raise FrontendError(
-                f"torch.export cannot capture {type(model).__name__}{how}: {type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}; make forward traceable (no data-dependent "
+                f"torch.export cannot capture {type(model).__name__}{how}{at}: {type(e).__name__}: "
+                f"{_first_line(e)}; make forward traceable (no data-dependent "
                 "control flow, tensor or tuple outputs; for Hugging Face models set use_cache=False)",
                 key="trace" if mode == "export" else "model",
             ) from None
-    fp, parts = fingerprint(path, gm, model)
-    canonical, param_of = _canonical_names(model)
-    return Traced(
-        gm=gm, model=model, path=path, inputs=inputs, fingerprint=fp, fingerprint_parts=parts,
-        canonical=canonical, fallback=fallback, param_of=param_of,
-    )
+    return gm, path, fallback
 
 
 
@@ -256,3 +281,125 @@ def _hidden_paths(gm: GraphModule, split_paths: tuple[str, ...]) -> list[str]:
             hidden.append(target)
     return hidden
 
+
+# ----------------------------------------------------------------------------- failures, said as the user wrote them
+
+
+@contextlib.contextmanager
+def quiet_torch() -> Iterator[None]:
+    """torch's own log lines (``E1202 ... fake_tensor.py:3090] failed while attempting to run meta``, with its
+    traceback) are dropped while pipec traces and annotates: a failure comes back as pipec's one message.
+    ``TORCH_LOGS`` set in the environment (torch's own switch) keeps them."""
+    if os.environ.get("TORCH_LOGS"):
+        yield
+        return
+    drop = _DropTorchRecords()
+    handlers = {h for name, lg in list(logging.Logger.manager.loggerDict.items())
+                if (name == "torch" or name.startswith("torch.")) and isinstance(lg, logging.Logger)
+                for h in lg.handlers}
+    handlers.update(logging.getLogger().handlers)
+    for h in handlers:
+        h.addFilter(drop)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(drop)
+
+
+class _DropTorchRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "torch" or record.name.startswith("torch."))
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else ""
+
+
+_NOT_USER = tuple(str(Path(p).resolve()) + os.sep for p in (
+    os.path.dirname(torch.__file__), Path(__file__).resolve().parents[1], Path(__file__).resolve().parents[2] / "runtime",
+    sysconfig.get_paths()["stdlib"]))
+"""Folders whose frames are not the user's: torch, pipec's compiler and runtime, Python's own library (the
+example models, ``pipec.examples``, count as a user's)."""
+
+_STACK_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)\n(?P<code>[^\n]*)')
+
+
+def _user_frame(frames: Sequence[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+    """The innermost frame of the user's code (neither torch's, pipec's nor Python's)."""
+    for frame in reversed(frames):
+        if frame.filename.startswith("<"):
+            continue
+        if not str(Path(frame.filename).resolve()).startswith(_NOT_USER):
+            return frame
+    return None
+
+
+def _frame_text(frame: traceback.FrameSummary | None) -> str:
+    """`` at examples/gpt.py:42 (in forward: y = F.scaled_dot_product_attention(...))``, or ``""``."""
+    if frame is None:
+        return ""
+    path = frame.filename
+    with contextlib.suppress(ValueError):
+        rel = os.path.relpath(path)
+        path = path if rel.startswith("..") else rel
+    code = (frame.line or "").strip()
+    return f" at {path}:{frame.lineno} (in {frame.name}" + (f": {code}" if code else "") + ")"
+
+
+def _node_frame(traced: Traced, node_name: str) -> traceback.FrameSummary | None:
+    """Where in the user's code the node ``node_name`` was made: its stack trace (export records it; an fx
+    trace is made again, recording them, which only a failure pays for)."""
+    stack = next((n.meta.get("stack_trace") for n in traced.gm.graph.nodes if n.name == node_name), None)
+    if not stack and traced.path == "fx":
+        with contextlib.suppress(Exception):
+            gm = _fx_trace(traced.model, [s.name for s in traced.inputs], stack_traces=True)
+            stack = next((n.meta.get("stack_trace") for n in gm.graph.nodes if n.name == node_name), None)
+    if not stack:
+        return None
+    frames = [traceback.FrameSummary(m["file"], int(m["line"]), m["name"], line=m["code"].strip())
+              for m in _STACK_FRAME.finditer(stack)]
+    return _user_frame(frames)
+
+
+_POSITION_NAME = re.compile(r"(^|[._])(wpe|pos|pos_emb\w*|position\w*|positional\w*)$")
+_POSITION_LIMITS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_sequence_length")
+_SHAPES_HINTS = ("the model's forward must run on the declared input shapes (input NAME: DTYPE[SHAPE], one dp "
+                 "replica's batch)",)
+_POSITIONS_HINTS = ("declare an input no longer than the model's positions, or build the model with more "
+                    "(model_args)",)
+
+
+def _positions_problem(model: nn.Module, example: Mapping[str, Any]) -> str:
+    """An integer input longer (dim 1) than the model's positions, said so; "" when none is."""
+    limits: list[tuple[str, int]] = []
+    config = getattr(model, "config", None)
+    for attr in _POSITION_LIMITS:
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            limits.append((f"its config's {attr} is {value}", value))
+            break
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Embedding) and _POSITION_NAME.search(name.lower()):
+            limits.append((f"its position embedding {name} is nn.Embedding({mod.num_embeddings}, "
+                           f"{mod.embedding_dim})", mod.num_embeddings))
+    for name, x in example.items():
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.dtype.is_floating_point:
+            continue
+        for what, limit in limits:
+            if x.shape[1] > limit:
+                return f"input {name} has {x.shape[1]} positions (dim 1), more than the model's {limit}: {what}"
+    return ""
+
+
+def forward_failed(traced: Traced, node_name: str, error: BaseException,
+                   example: Mapping[str, Any]) -> FrontendError:
+    """The error for a forward that fails on the declared inputs at node ``node_name`` (while annotating): an
+    input longer than the model's positions said as that, else the error where the user's code made the node."""
+    shapes = _positions_problem(traced.model, example)
+    if shapes:
+        return FrontendError(shapes, key="input", hints=_POSITIONS_HINTS)
+    cause = error.__cause__ or error
+    at = _frame_text(_node_frame(traced, node_name)) or f" at node {node_name!r}"
+    return FrontendError(f"the model's forward fails on the declared inputs{at}: {type(cause).__name__}: "
+                         f"{_first_line(cause)}", key="input", hints=_SHAPES_HINTS)
