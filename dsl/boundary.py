@@ -116,6 +116,9 @@ def locate(complaint, spec):
     if complaint.key == "order" and spec["order"] is not None:
         message = f"invalid order: {message}"
     hints = (*complaint.hints, note)
+    if isinstance(complaint, Diagnostic) and complaint.level == "note":  # a note's key left at its default: noise
+        return DSLWarning(message, location, tuple(h for h in complaint.hints if h), level="note",
+                          verbose_hints=(note,) if note else ())
     if isinstance(complaint, Diagnostic):
         return DSLWarning(message, location, tuple(h for h in hints if h), level=complaint.level)
     return DSLError(message, location, hints)

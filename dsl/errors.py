@@ -130,9 +130,15 @@ class DSLWarning(_Located):
     location: Location
     hints: tuple[str, ...] = ()
     level: str = "warning"
+    verbose_hints: tuple[str, ...] = ()
+    """Lines shown only when asked (``--verbose``): a note's word that its key was left at its default."""
 
     def __str__(self) -> str:
         return _render(self.level, self.message, self.location, self.hints)
+
+    def render(self, verbose: bool = False) -> str:
+        """``str()``, with :attr:`verbose_hints` when ``verbose``."""
+        return _render(self.level, self.message, self.location, (*self.hints, *(self.verbose_hints if verbose else ())))
 
 
 def suggest(word: str, candidates: Iterable[str]) -> str | None:

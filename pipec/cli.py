@@ -34,6 +34,19 @@ def _warn(message: str) -> None:
     print(f"pipec: warning: {message}", file=sys.stderr)
 
 
+def _add_reprofile(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reprofile", action="store_true", help="costs profile: time the stages and probe the links "
+                   "again, ignoring the profile cache's timings (`pipec cache` shows it)")
+
+
+def _reprofile(args: argparse.Namespace) -> None:
+    """``--reprofile``: this process measures again what the profile cache holds (and replaces it)."""
+    if getattr(args, "reprofile", False):
+        from pipec.compiler import cache
+
+        cache.reprofile()
+
+
 # ----------------------------------------------------------------------------- compile / check
 
 
@@ -45,10 +58,11 @@ def _spec(args: argparse.Namespace):
     return load_spec(args.file, overrides_from_args(args))
 
 
-def _report(diagnostics) -> None:
-    """Print warnings and notes: located ones as they render, others after ``pipec: <level>:``."""
+def _report(diagnostics, verbose: bool = False) -> None:
+    """Print warnings and notes: located ones as they render (``verbose``: with what only --verbose shows),
+    others after ``pipec: <level>:``."""
     for d in diagnostics:
-        text = str(d)
+        text = d.render(verbose) if hasattr(d, "render") else str(d)
         print(text if getattr(d, "location", None) is not None else f"pipec: {getattr(d, 'level', 'warning')}: {text}",
               file=sys.stderr)
 
@@ -58,8 +72,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from pipec.compiler.ir.plan_json import write_plan
     from pipec.views.common import format_time
 
+    _reprofile(args)
     compiled = compile_spec(_spec(args))
-    _report(compiled.diagnostics)
+    _report(compiled.diagnostics, args.verbose)
     write_plan(compiled.plan, args.output)
     plan, pred = compiled.plan, compiled.plan.prediction
     what = f"model {plan.model['target']}, " if plan.model else ""
@@ -99,10 +114,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         return 0
     from pipec.compiler.driver import compile_spec
 
+    _reprofile(args)
     spec = _spec(args)
     untraced = bool(spec["model"]) and args.no_model
     compiled = compile_spec(spec, trace=not untraced)  # --no-model: the schedule alone, at unit costs
-    _report(compiled.diagnostics)
+    _report(compiled.diagnostics, args.verbose)
     plan = compiled.plan
     if untraced:
         print(f"{args.file}: checked, schedule compiled and verified (the model {spec['model']} was not traced: "
@@ -299,6 +315,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
+    from pipec.compiler import progress as steps
+
+    _reprofile(args)
     overrides = {k: v for k, v in (("device_memory", args.device_memory), ("peak_flops", args.peak_flops)) if v}
     spec = load_spec(args.file, overrides)
     if args.devices_per_node is not None:
@@ -308,10 +327,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("searching", total=1)
         progress = lambda done, total: bar.update(task, completed=done, total=total)  # noqa: E731
+        step = lambda text: bar.update(task, description=text or "searching")  # noqa: E731 - a profile's steps
         try:
-            result = tune(TuneRequest(base=spec.request, num_devices=args.devices, global_batch=args.global_batch,
-                                      keep=keep, num_top=args.top, progress=progress,
-                                      devices_per_node=args.devices_per_node))
+            with steps.routed(step):
+                result = tune(TuneRequest(base=spec.request, num_devices=args.devices, global_batch=args.global_batch,
+                                          keep=keep, num_top=args.top, progress=progress,
+                                          devices_per_node=args.devices_per_node))
         except PipecError as e:
             raise spec.locate(e) from None
         notes: list[str] = []
@@ -367,9 +388,31 @@ def _tuned_pipe(path: str, lines: list[str]) -> str:
     return format_file(text, filename=path)
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    """Show the profile cache (where, its entries, their size), or with ``--clear`` empty it."""
+    from pipec.compiler import cache
+
+    got = cache.clear() if args.clear else cache.summary()
+    kinds = ", ".join(f"{n} {kind}" for kind, n in got["by_kind"].items() if n)
+    what = f"{got['entries']} entries" + (f" ({kinds})" if kinds else "") + f", {_size_text(got['bytes'])}"
+    if args.clear:
+        print(f"cleared the profile cache at {got['path']}: {what} removed")
+    else:
+        print(f"profile cache at {got['path']}: {what}")
+    return 0
+
+
+def _size_text(num: int) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num >= size:
+            return f"{num / size:.1f} {unit}"
+    return f"{num} bytes"
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from pipec.demo import run_demo
 
+    _reprofile(args)
     return run_demo(ranks=args.ranks, microbatches=args.microbatches, run=not args.no_run, out=args.out,
                     steps=args.steps)
 
@@ -387,13 +430,17 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compile", help="compile a schedule file and/or flags into a verified plan.json")
     c.add_argument("file", nargs="?", help="a schedule file (.pipe); optional: flags alone make a spec")
     c.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
+    c.add_argument("--verbose", action="store_true", help="also say which keys a note's defaults came from")
     add_flags(c)
+    _add_reprofile(c)
     c.set_defaults(func=cmd_compile)
 
     k = sub.add_parser("check", help="prove a plan.json, or check (and compile and prove) a schedule file")
     k.add_argument("file")
     k.add_argument("--no-model", action="store_true", help="a .pipe naming a model: check the file only, trace nothing")
+    k.add_argument("--verbose", action="store_true", help="also say which keys a note's defaults came from")
     add_flags(k)
+    _add_reprofile(k)
     k.set_defaults(func=cmd_check)
 
     f = sub.add_parser("fmt", help="print a schedule file in canonical form")
@@ -461,6 +508,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="print the result as JSON (fields: docs/reference.md)")
     t.add_argument("--pipe", metavar="FILE", help="also write the winner as a complete schedule file")
     t.add_argument("-o", "--output", default="plan.json", help="where to write the best plan (default plan.json)")
+    _add_reprofile(t)
     t.set_defaults(func=cmd_tune)
 
     d = sub.add_parser("demo", help="the main job: compile, show and compare schedules")
@@ -469,7 +517,12 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--no-run", action="store_true", help="only the compile part (no torchrun)")
     d.add_argument("--steps", type=int, default=4, help="training steps of each GPT run")
     d.add_argument("--out", default="pipec-demo", help="folder for the plans, reports and pictures")
+    _add_reprofile(d)
     d.set_defaults(func=cmd_demo)
+
+    h = sub.add_parser("cache", help="show the profile cache (costs profile's timings, the links probed), or clear it")
+    h.add_argument("--clear", action="store_true", help="remove every entry: the next compile measures again")
+    h.set_defaults(func=cmd_cache)
     return p
 
 

@@ -177,5 +177,9 @@ def test_the_trace_fallback_is_a_note_at_the_model(tmp_path, capsys):
     code, err = _compile_file(tmp_path, capsys, text)
     assert code == 0, err
     assert f"{tmp_path / 'f.pipe'}:1:7: note: trace: auto fell back to torch.export" in err, err
-    assert "trace was not set" in err and err.count("fell back") == 1
+    assert "trace was not set" not in err and err.count("fell back") == 1  # a note's default: only --verbose
     assert "fell back to torch.export" in read_plan(str(tmp_path / "plan.json")).model["notes"][0]
+    from pipec.cli import main
+
+    assert main(["compile", str(tmp_path / "f.pipe"), "-o", str(tmp_path / "plan.json"), "--verbose"]) == 0
+    assert "trace was not set; its default is used" in capsys.readouterr().err
