@@ -205,6 +205,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         from rich.console import Console
 
         Console().print(table)
+    from pipec.views.keys import key_lines
+
+    print("keys, as resolved:")
+    for line in key_lines(plan, width=78):
+        print(f"  {line}")
     if args.graph:
         from pipec.views.graph import render_graph
 

@@ -31,3 +31,23 @@ def test_no_traceback_when_the_reader_of_the_output_goes_away(cli, tmp_path, arg
     # argparse drops a failed write (0); rich stops with 1 when its write fails; pipec's own with 128 + SIGPIPE
     assert code == (0 if "--help" in args else 141 if "--text" in args else 1), err
     assert "Traceback" not in err and "BrokenPipeError" not in err and "Exception ignored" not in err, err
+
+
+def test_pipec_show_gives_every_keys_resolved_value(cli, tmp_path):
+    from pipec.dsl.keys import KEYS
+    from pipec.views.keys import KEY_ORDER
+
+    assert sorted(k for group in KEY_ORDER for k in group) == sorted(KEYS)  # every key, once
+    assert cli("compile", "--model", "pipec.examples.gpt:build", "--model-arg", "layers=4, dim=16, heads=2, vocab=64, "
+               "seq=16", "--input", "tokens: int64[4, 16]", "--costs", "unit", "--schedule", "interleaved_1f1b",
+               "--ranks", "2", "--dp", "2", "--shard", "full", "--microbatches", "4", "-o", "p.json").returncode == 0
+    out = cli("show", "p.json")
+    assert out.returncode == 0, out.stderr
+    keys = out.stdout.split("keys, as resolved:\n", 1)[1].splitlines()
+    assert all(len(line) <= 80 for line in keys)
+    words = {part.split(" ", 1)[0] for line in keys for part in line.strip().split("  ")}
+    assert set(KEYS) <= words, set(KEYS) - words
+    text = "\n".join(keys)
+    for shown in ("virtual 2", "stages 4", "placement loop", "init module", "trace auto (traced with fx)",
+                  "shard full", "links pp(latency=10us, bandwidth=25GB/s)", "input tokens: int64[4, 16]"):
+        assert shown in text, (shown, text)
