@@ -5,7 +5,8 @@ this order:
 
 - :mod:`.request` (the frozen, torch-free :class:`~.request.CompileRequest` the language hands
   over), :mod:`.config` (training settings and their defaults), :mod:`.limits` (the one table of
-  size limits).
+  size limits), :mod:`.cache` (the profile cache: timings kept between compiles), :mod:`.progress`
+  (the slow parts' progress line).
 - :mod:`pipec.schedules` (a package of its own): the named schedule's rules and its per-rank
   compute order; a policy's or an explicit order's too.
 - :mod:`.frontend` (the only part of the compiler that imports torch): trace, init, partition,

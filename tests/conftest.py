@@ -16,6 +16,19 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _profile_cache(tmp_path_factory):
+    """The whole run's profile cache (costs profile's timings, the links probed) is a temporary folder, never the
+    user's: ``XDG_CACHE_HOME`` for this process and every one it starts. Tests of the cache itself set their own."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
+
+
 def run_cli(*args: str, cwd: str | os.PathLike | None = None, timeout: float = 120, env: dict | None = None):
     """Run ``python -m pipec ARGS`` in a fresh process (cwd outside the repo by default)."""
     return subprocess.run(

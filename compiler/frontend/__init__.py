@@ -12,7 +12,8 @@ the :class:`~pipec.compiler.ir.graph.StageGraph` that becomes plan.json's
 - :mod:`.tensors`: what they share (FrontendError, TensorSpec, dtypes);
 - :mod:`.weights`: each module's init path, ``init auto`` resolved on meta;
 - :mod:`.partition`: where cuts can go, the partition, the split;
-- :mod:`.costs`: stage costs and saved activations (unit, flops, profile);
+- :mod:`.costs`: stage costs and saved activations (unit, flops, profile: :mod:`.timings` reads the
+  profile cache and times what it lacks as :mod:`.profile` says);
 - :mod:`.cutcost`: a cut's stages, edges, ties and costs read off the trace's nodes, without the stage
   modules (``pipec tune``'s search, ``runnable=False``; equal to the full cut);
 - :mod:`.data`: the data a run trains on described (synthetic data that fits
@@ -281,7 +282,8 @@ def _stage_graph(tm: TracedModel, req: ModelRequest, split: Any, stage_costs: Se
         stages=stages, edges=split.edges, ties=split.ties,
         graph=make_graph(stages, split.edges, split.ties), recompute=recompute,
         full_activation_bytes=tuple(c.full_activation_bytes for c in stage_costs),
-        flops=tuple(c.flops for c in stage_costs), notes=notes,
+        flops=tuple(c.flops for c in stage_costs),
+        notes=(*notes, *(stage_costs[0].profile or {}).get("notes", ())) if stage_costs else notes,  # the cache's
     )
 
 

@@ -34,7 +34,8 @@ class WeightGradStash:
         """Accumulate the stashed weight grads (the ``BWD_W`` instruction)."""
         with torch.no_grad():
             for weight, x, grad_out in self.items:
-                g = grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+                # under autocast the linear ran in grad_out's dtype on x cast to it; x was saved uncast
+                g = grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(grad_out.dtype)
                 g = g.to(weight.dtype)
                 if weight.grad is None:
                     weight.grad = g

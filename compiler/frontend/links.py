@@ -1,15 +1,22 @@
 """Measured links for ``costs profile``: a short job of two local ranks, on the backend the run will use.
 
-``pipec compile`` starts ``pipec.runtime.linkprobe`` under torchrun (two
-processes, gloo on CPU, NCCL when two or more GPUs are here) as a separate
-job: the compiler imports nothing of the runtime, the probe times the real
-executor. It measures point-to-point at the plan's edge sizes, the all-reduce
-at the sizes of the stages' parameters and tied weights (and the all-gather
-for a sharded plan), and the executor's host time per instruction kind; the
-plan then carries them as its ``links`` (each marked measured) and its
-``overhead``. Explicit ``links`` in the schedule file win (the caller does not
-probe). A probe that fails, or runs past :data:`PROBE_TIMEOUT_S` (its ranks are
-stopped), leaves the default links and says why.
+``pipec compile`` starts ``pipec.runtime.linkprobe`` as two processes on
+this machine (gloo on CPU, NCCL when two or more GPUs are here), started
+here as torchrun would start them (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT`` in their environment; no launcher process, which cost a
+third import of torch): the compiler imports nothing of the runtime, the
+probe times the real executor. It measures point-to-point at the plan's edge
+sizes, the all-reduce at the sizes of the stages' parameters and tied weights
+(and the all-gather for a sharded plan), and the executor's host time per
+instruction kind; the plan then carries them as its ``links`` (each marked
+measured) and its ``overhead``. Explicit ``links`` in the schedule file win
+(the caller does not probe). A probe that fails, or runs past
+:data:`PROBE_TIMEOUT_S` (its ranks are stopped), leaves the default links and
+says why.
+
+What the probe measured is kept in the profile cache (:mod:`pipec.compiler.cache`, kind ``links``) per host,
+backend and layout (sharded or not), torch's and pipec's version: a later compile here reuses it (its
+``measured`` says when, and ``"reused": true``) unless ``--reprofile``.
 
 Who owns what: this module owns what the plan needs (the sizes, read off its
 edges, stages and ties; the job's command line; its file read with the plan's
@@ -24,11 +31,15 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import replace
 
+import pipec
+from pipec.compiler import cache, progress
 from pipec.compiler.ir.plan import Overhead, Plan
 from pipec.compiler.ir.plan_json import read_overhead, read_links
 from pipec.compiler.ir.schema import Reader, SchemaError
@@ -45,9 +56,8 @@ MAX_SIZES = 4
 ANCHOR_BYTES = 1 << 22
 """Always measured too: a size large enough that the fit's bandwidth is not noise when the plan's messages are small."""
 
-_MEASURED: dict[tuple[str, bool], dict] = {}
-"""What this process measured, by (backend, sharded): a second compile here (``pipec tune``'s candidates, a
-test session) reuses it instead of starting the job again."""
+PROBE_METHOD = 1
+"""What the probe measures; cache entries of another method are misses."""
 
 
 def _sizes(plan: Plan) -> list[int]:
@@ -68,57 +78,133 @@ def _backend() -> str:
 
 
 def _probe(plan: Plan, backend: str) -> dict | str:
-    """The probe job's file (parsed), or why there is none."""
+    """The probe job's file (parsed), or why there is none (a port taken between choosing and binding it: once
+    more on another)."""
     with tempfile.TemporaryDirectory(prefix="pipec-links-") as tmp:
         out = os.path.join(tmp, "links.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={PROBE_RANKS}",
-               "-m", "pipec.runtime.linkprobe", "--backend", backend,
-               "--sizes", ",".join(map(str, _sizes(plan))), "-o", out]
-        if plan.mesh.sharded:
-            cmd.append("--sharded")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        try:
-            _, err = job.communicate(timeout=PROBE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            _stop(job)
-            return f"the probe job took more than {PROBE_TIMEOUT_S:g} s"
-        if job.returncode != 0 or not os.path.exists(out):
-            return "the probe job failed: " + (err.strip().splitlines() or ["no output"])[-1]
-        with open(out, encoding="utf-8") as f:
-            return json.load(f)
+        args = ["-m", "pipec.runtime.linkprobe", "--backend", backend, "--sizes", ",".join(map(str, _sizes(plan))),
+                "-o", out] + (["--sharded"] if plan.mesh.sharded else [])
+        for attempt in range(2):
+            why = _run_ranks(args, out, tmp)
+            if why is None:
+                with open(out, encoding="utf-8") as f:
+                    return json.load(f)
+            if attempt or "address already in use" not in why.lower():
+                return why
+        return why
 
 
-def _stop(job: subprocess.Popen) -> None:
-    """End the probe job, its ranks with it: torchrun stops its ranks on SIGTERM (each in a session of its own,
-    they would outlive a torchrun killed outright), and is killed if it has not ended after :data:`STOP_S`."""
-    job.terminate()
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(args: list[str], out: str, tmp: str) -> str | None:
+    """Run ``python ARGS`` as the probe's :data:`PROBE_RANKS` ranks on this machine (their errors logged in
+    ``tmp``); None when rank 0 wrote ``out``, else why not."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "WORLD_SIZE": str(PROBE_RANKS), "LOCAL_WORLD_SIZE": str(PROBE_RANKS),
+           "GROUP_RANK": "0"}
+    logs = [os.path.join(tmp, f"rank{r}.err") for r in range(PROBE_RANKS)]
+    ranks: list[subprocess.Popen] = []
     try:
-        job.communicate(timeout=STOP_S)
-    except subprocess.TimeoutExpired:
-        job.kill()
-        job.wait()                      # not its pipes: a rank that outlived it may hold them open
+        for r in range(PROBE_RANKS):
+            with open(logs[r], "w", encoding="utf-8") as err:
+                ranks.append(subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL, stderr=err,
+                                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}))
+        deadline = time.monotonic() + PROBE_TIMEOUT_S
+        for job in ranks:
+            try:
+                job.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _stop(ranks)
+                return f"the probe job took more than {PROBE_TIMEOUT_S:g} s"
+            if job.returncode != 0:  # the other rank may wait for it: it is stopped
+                _stop(ranks)
+                break
+    except BaseException:
+        _stop(ranks)
+        raise
+    if ranks[0].returncode == 0 and os.path.exists(out):
+        return None
+    failed = next((r for r, job in enumerate(ranks) if job.returncode not in (0, None, -15)), 0)
+    with open(logs[failed], encoding="utf-8", errors="replace") as f:
+        lines = [line.strip() for line in f.read().splitlines() if line.strip()]
+    return "the probe job failed: " + (lines[-1] if lines else "no output")
+
+
+def _stop(ranks: list[subprocess.Popen]) -> None:
+    """End the probe's ranks: SIGTERM to each still running, SIGKILL to any not ended after :data:`STOP_S`."""
+    for job in ranks:
+        if job.poll() is None:
+            job.terminate()
+    deadline = time.monotonic() + STOP_S
+    for job in ranks:
+        try:
+            job.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            job.kill()
+            job.wait()
+
+
+def _key(backend: str, sharded: bool) -> dict:
+    """What decides the probe's figures: the host, the backend and the layout (sharded or not), the versions."""
+    import torch
+
+    return {"host": socket.gethostname(), "backend": backend, "sharded": sharded, "torch": torch.__version__,
+            "pipec": pipec.__version__, "method": PROBE_METHOD}
+
+
+def _readable(obj: dict) -> tuple[dict, Overhead | None]:
+    rd = Reader(obj, "linkprobe")
+    return read_links(rd), read_overhead(rd)
+
+
+def _check(obj) -> None:
+    try:
+        _readable(obj)
+    except SchemaError as e:
+        raise ValueError(str(e)) from None
 
 
 def measure_links(plan: Plan) -> tuple[Plan, list[str]]:
-    """The plan with measured ``links`` and ``overhead``, and notes (why nothing was measured, if so)."""
-    key = (_backend(), plan.mesh.sharded)
-    obj = _MEASURED.get(key) or _probe(plan, key[0])
-    if isinstance(obj, str):
-        return plan, [f"links not measured ({obj}); the default links are used (give links in the schedule file)"]
-    _MEASURED[key] = obj
-    try:
-        rd = Reader(obj, "linkprobe")
-        links = {**plan.links, **read_links(rd)}
-        overhead: Overhead | None = read_overhead(rd)
-    except SchemaError as e:
-        return plan, [f"links not measured: the probe wrote an unreadable file ({e})"]
-    links, overhead, slow = _under_load(plan, links, overhead)
+    """The plan with measured ``links`` and ``overhead`` (the profile cache's, else probed now), and notes (why
+    nothing was measured, if so)."""
+    backend = _backend()
+    key = _key(backend, plan.mesh.sharded)
+    entry = cache.lookup("links", key, _check)
+    notes = cache.take_notes()
+    if entry is None:
+        progress.report(f"measuring the links: {PROBE_RANKS} ranks on {backend}")
+        try:
+            obj = _probe(plan, backend)
+        finally:
+            progress.done()
+        if isinstance(obj, str):
+            return plan, notes + [f"links not measured ({obj}); the default links are used (give links in the "
+                                  "schedule file)"]
+        try:
+            _readable(obj)
+        except SchemaError as e:
+            return plan, notes + [f"links not measured: the probe wrote an unreadable file ({e})"]
+        entry = cache.store("links", key, obj)
+        notes += cache.take_notes()
+    probed, overhead = _readable(dict(entry.value))
+    if entry.reused:
+        probed = {axis: replace(link, measured=replace(link.measured, reused=True)) if link.measured else link
+                  for axis, link in probed.items()}
+        if overhead is not None and overhead.measured is not None:
+            overhead = replace(overhead, measured=replace(overhead.measured, reused=True))
+    links, overhead, slow = _under_load(plan, {**plan.links, **probed}, overhead)
     pp = links["pp"]
-    note = (f"links measured on {pp.measured.backend if pp.measured else '?'}: pp {pp.latency_s * 1e6:.0f} us + "
-            f"{pp.bandwidth_Bps / 1e9:.2f} GB/s; executor overhead measured per instruction kind"
-            + (f"; both {slow:.2f}x slower, as the profile's ranks computing at once" if slow > 1 else ""))
-    return replace(plan, links=links, overhead=overhead), [note]
+    note = (f"links measured on {pp.measured.backend if pp.measured else '?'}"
+            + (f" ({pp.measured.at}, kept in the profile cache)" if entry.reused and pp.measured else "")
+            + f": pp {pp.latency_s * 1e6:.0f} us + {pp.bandwidth_Bps / 1e9:.2f} GB/s; executor overhead measured "
+            "per instruction kind" + (f"; both {slow:.2f}x slower, as the profile's ranks computing at once"
+                                      if slow > 1 else ""))
+    return replace(plan, links=links, overhead=overhead), notes + [note]
 
 
 def _under_load(plan: Plan, links: dict, overhead: Overhead | None) -> tuple[dict, Overhead | None, float]:

@@ -135,10 +135,12 @@ class Measured:
     """How many processes the probe ran."""
     host: str = ""
     """The machine the probe ran on (the first rank's host name)."""
+    reused: bool = False
+    """Measured by an earlier compile and kept in the profile cache (``at`` says when); plan.json: ``"reused": true``."""
 
     def to_json(self) -> dict[str, Any]:
         out = {"at": self.at, "backend": self.backend, "ranks": self.num_ranks}
-        return out | ({"host": self.host} if self.host else {})
+        return out | ({"host": self.host} if self.host else {}) | ({"reused": True} if self.reused else {})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

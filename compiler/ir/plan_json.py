@@ -400,8 +400,11 @@ def _read_measured(rd: Reader) -> Measured | None:
     m = rd.sub("measured", required=False)
     if m is None:
         return None
+    reused = m.obj.get("reused", False)
+    if not isinstance(reused, bool):
+        raise m.error("reused", "true or false", reused)
     return Measured(at=m.str("at"), backend=m.str("backend"), num_ranks=m.int("ranks", lo=1, required=False) or 2,
-                    host=m.str("host", required=False) or "")
+                    host=m.str("host", required=False) or "", reused=reused)
 
 
 def read_links(rd: Reader) -> dict[str, Link]:

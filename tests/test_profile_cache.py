@@ -1,0 +1,286 @@
+"""The profile cache (compiler/cache.py; what decides each timing: compiler/frontend/timings.py).
+
+A timing is reused when nothing that decides it changed (the stage's own graph, the microbatch's shape and
+dtype, threads per rank, the ranks sharing the host for the crowd, the host, torch's version) and measured
+again when something did; entries are written whole under concurrent compiles; a damaged one is named and
+measured again; ``--reprofile`` measures again; ``pipec cache`` shows and clears the folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import PYTHON, REPO
+from pipec.compiler import cache, progress
+from pipec.compiler.frontend import ModelRequest, SplitBefore, TensorSpec, build_stage_graph
+from pipec.compiler.frontend import links
+from pipec.compiler.frontend import profile as prof
+
+X = TensorSpec("x", "float32", (8, 16))
+
+
+def _mlp(**kw) -> ModelRequest:
+    base = dict(target="pipec.examples.mlp:build", kwargs=dict(layers=4, dim=16), inputs=(X,), num_microbatches=2,
+                num_stages=2, costs="profile", threads_per_rank=1, profile_reps=2, local_ranks=1)
+    return ModelRequest(**{**base, **kw})
+
+
+@pytest.fixture(autouse=True)
+def root(tmp_path, monkeypatch):
+    """A cache of this test's own, empty, and a process that has measured nothing yet."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(cache, "_memory", {})
+    monkeypatch.setattr(cache, "_not_before", 0.0)
+    cache.take_notes()
+    return tmp_path / "xdg" / "pipec"
+
+
+def new_process() -> None:
+    """What this process measured is forgotten, as by a compile in a new process (only the folder is left)."""
+    cache._memory.clear()
+
+
+@pytest.fixture()
+def timed(monkeypatch):
+    """The stages timed alone (one list per profile) and the number of crowds."""
+    got = {"alone": [], "crowds": 0}
+    real_alone, real_at_once = prof.Profiling.alone, prof._at_once
+
+    def alone(self, runners, **kw):
+        got["alone"].append(sorted(runners))
+        return real_alone(self, runners, **kw)
+
+    def at_once(*args, **kw):
+        got["crowds"] += 1
+        return real_at_once(*args, **kw)
+
+    monkeypatch.setattr(prof.Profiling, "alone", alone)
+    monkeypatch.setattr(prof, "_at_once", at_once)
+    return got
+
+
+def test_an_unchanged_model_is_timed_once(timed):
+    first = build_stage_graph(_mlp())
+    new_process()
+    again = build_stage_graph(_mlp(num_microbatches=2, recompute=True))  # recompute: nothing more is timed
+    assert timed["alone"] == [[0, 1]]  # the second compile timed nothing
+    rec0, rec1 = first.model["profile"], again.model["profile"]
+    assert [st["reused"] for st in rec0["stages"]] == [False, False]
+    assert [st["reused"] for st in rec1["stages"]] == [True, True]
+    assert [st["at"] for st in rec1["stages"]] == [st["at"] for st in rec0["stages"]]
+    assert again.stages[1].cost.fwd == first.stages[1].cost.fwd and again.stages[1].cost.spread is not None
+    assert again.stages[1].cost.bwd == pytest.approx(first.stages[1].cost.bwd + first.stages[1].cost.fwd)
+
+
+@pytest.mark.parametrize("change", ["model", "shape", "dtype", "threads", "torch"])
+def test_what_decides_a_timing_changed_times_it_again(change, timed, monkeypatch):
+    build_stage_graph(_mlp())
+    new_process()
+    req = _mlp()
+    if change == "model":
+        req = _mlp(kwargs=dict(layers=4, dim=16, hidden=32))
+    elif change == "shape":
+        req = _mlp(inputs=(TensorSpec("x", "float32", (16, 16)),))
+    elif change == "dtype":
+        req = _mlp(dtype="bfloat16")
+    elif change == "threads":
+        req = _mlp(threads_per_rank=2)
+    else:
+        monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
+    got = build_stage_graph(req).model["profile"]
+    assert timed["alone"] == [[0, 1], [0, 1]], change
+    assert not any(st["reused"] for st in got["stages"])
+
+
+def test_a_stage_of_another_cut_is_reused_and_so_is_the_crowd_of_its_shape(timed):
+    three = _mlp(num_stages=3, partition=SplitBefore(("blocks.1", "blocks.2")), local_ranks=2)
+    two = _mlp(num_stages=2, partition=SplitBefore(("blocks.1",)), local_ranks=2)
+    build_stage_graph(three)
+    new_process()
+    got = build_stage_graph(two).model["profile"]
+    assert timed["alone"] == [[0, 1, 2], [1]]  # stage 0 (blocks.0) is the same stage in both cuts
+    assert timed["crowds"] == 1 and got["crowd"]["reused"]  # one microbatch shape, one crowd
+    assert [st["reused"] for st in got["stages"]] == [True, False]
+    build_stage_graph(dataclasses.replace(two, local_ranks=3))
+    assert timed["crowds"] == 2  # another number of ranks sharing the host: a crowd of its own
+
+
+def test_a_damaged_entry_is_named_and_measured_again(timed, root):
+    first = build_stage_graph(_mlp())
+    files = sorted((root / "stage").glob("*.json"))
+    assert len(files) == 2
+    entries = {p: json.loads(p.read_text()) for p in files}
+    bad = next(p for p, e in entries.items() if e["key"]["stage"] == _digest(first, 1))
+    bad.write_text(bad.read_text()[:40])  # a write cut short (not ours: ours are atomic)
+    new_process()
+    again = build_stage_graph(_mlp())
+    assert timed["alone"] == [[0, 1], [1]]
+    assert any(str(bad) in note and "damaged" in note for note in again.notes)
+    assert [st["reused"] for st in again.model["profile"]["stages"]] == [True, False]
+    assert json.loads(bad.read_text())["value"]["rounds"] >= 2  # written whole again
+    for damage in ('{"format": "pipec.cache/1"}', json.dumps({**entries[bad], "key": {"stage": "another"}}),
+                   json.dumps({**entries[bad], "value": {**entries[bad]["value"], "least": [1.0]}})):
+        bad.write_text(damage)
+        new_process()
+        assert any("damaged" in n for n in build_stage_graph(_mlp()).notes), damage
+    assert timed["alone"][2:] == [[1]] * 3
+
+
+def _digest(graph, s: int) -> str:
+    """Stage ``s``'s key digest in ``graph``'s cut."""
+    from pipec.compiler.frontend import trace_request
+    from pipec.compiler.frontend.partition import split_graph
+    from pipec.compiler.frontend.timings import stage_digest
+
+    stage_of = {n: st.stage for st in graph.stages for n in st.nodes}
+    return stage_digest(split_graph(trace_request(_mlp()).traced, stage_of, len(graph.stages)), s)
+
+
+def test_reprofile_measures_again_once(timed):
+    build_stage_graph(_mlp())
+    new_process()
+    cache.reprofile()
+    got = build_stage_graph(_mlp()).model["profile"]
+    again = build_stage_graph(_mlp()).model["profile"]  # measured since --reprofile: used (tune's other cuts)
+    assert timed["alone"] == [[0, 1], [0, 1]]
+    assert not any(st["reused"] for st in got["stages"]) and again["stages"] == got["stages"]
+
+
+_WRITER = textwrap.dedent("""
+    import sys
+    from pipec.compiler import cache
+    for i in range(int(sys.argv[1])):
+        cache.store("stage", {"k": 1}, {"writer": sys.argv[2], "i": i, "pad": "x" * 60000})
+""")
+
+
+def test_concurrent_writers_never_leave_a_partial_entry(root):
+    writers = [subprocess.Popen([PYTHON, "-c", _WRITER, "300", name], cwd=REPO) for name in ("a", "b")]
+    seen = set()
+    while any(w.poll() is None for w in writers):
+        new_process()
+        got = cache.lookup("stage", {"k": 1})
+        if got is not None:
+            seen.add(got.value["writer"])
+            assert len(got.value["pad"]) == 60000
+    assert [w.returncode for w in writers] == [0, 0]
+    assert cache.take_notes() == []  # not one read found half a file
+    assert seen and not list((root / "stage").glob(".tmp-*"))
+
+
+def test_two_compiles_at_once_then_one_that_reuses_every_timing(tmp_path, root):
+    pipe = tmp_path / "mlp.pipe"
+    pipe.write_text('model "pipec.examples.mlp:build" (layers=4, dim=16)\ninput x: float32[8, 16]\nloss mse\n'
+                    "schedule 1f1b\npp 2  microbatches 2\ncosts profile\n"
+                    "links pp(latency=10us, bandwidth=10GB/s), dp(latency=10us, bandwidth=10GB/s)\n")
+    env = {**os.environ, "XDG_CACHE_HOME": str(root.parent)}
+    jobs = [subprocess.Popen([PYTHON, "-m", "pipec", "compile", str(pipe), "-o", str(tmp_path / f"p{i}.json")],
+                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(2)]
+    outs = [job.communicate(timeout=600) for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0], outs
+    files = sorted(root.rglob("*.json"))
+    assert {p.parent.name for p in files} == {"host", "stage", "crowd"}
+    for p in files:
+        assert json.loads(p.read_text())["format"] == cache.FORMAT
+    from pipec.cli import main
+
+    assert main(["compile", str(pipe), "-o", str(tmp_path / "p2.json")]) == 0
+    rec = json.loads((tmp_path / "p2.json").read_text())["model"]["profile"]
+    assert all(st["reused"] for st in rec["stages"]) and rec["crowd"]["reused"]
+    assert main(["compile", str(pipe), "--reprofile", "-o", str(tmp_path / "p3.json")]) == 0
+    rec = json.loads((tmp_path / "p3.json").read_text())["model"]["profile"]
+    assert not any(st["reused"] for st in rec["stages"]) and not rec["crowd"]["reused"]
+
+
+_PROBED = {"links": {axis: {"latency_s": 1e-4, "bandwidth_Bps": 1e9,
+                            "measured": {"at": "2026-01-01T00:00:00Z", "backend": "gloo", "ranks": 2}}
+                     for axis in ("pp", "dp", "tie")},
+           "overhead": {"seconds": {"FWD": 1e-5}, "measured": {"at": "2026-01-01T00:00:00Z", "backend": "gloo"}}}
+
+
+def test_links_are_probed_once_per_host_backend_and_layout(monkeypatch, root):
+    from pipec.compiler.driver import compile_plan
+
+    probes = []
+    monkeypatch.setattr(links, "_backend", lambda: "gloo")
+    monkeypatch.setattr(links, "_probe", lambda plan, backend: probes.append(plan.mesh.sharded) or json.loads(
+        json.dumps(_PROBED)))
+    plan = compile_plan(num_ranks=2, num_microbatches=2, schedule="1f1b").plan
+    first, _ = links.measure_links(plan)
+    new_process()
+    again, notes = links.measure_links(plan)
+    assert probes == [False] and again.links["pp"].latency_s == first.links["pp"].latency_s
+    assert again.links["pp"].measured.reused and not first.links["pp"].measured.reused
+    assert again.links["pp"].measured.at == "2026-01-01T00:00:00Z" and "kept in the profile cache" in notes[-1]
+    assert again.overhead.measured.reused
+    sharded = compile_plan(num_ranks=2, num_microbatches=2, schedule="1f1b", dp=2, shard="full").plan
+    links.measure_links(sharded)
+    assert probes == [False, True]  # another layout
+    (path,) = [p for p in (root / "links").glob("*.json") if not json.loads(p.read_text())["key"]["sharded"]]
+    path.write_text("[]")
+    new_process()
+    _, notes = links.measure_links(plan)
+    assert probes == [False, True, False] and any(str(path) in n and "damaged" in n for n in notes)
+    cache.reprofile()
+    links.measure_links(plan)
+    assert probes == [False, True, False, False]
+
+
+def test_pipec_cache_shows_and_clears_without_torch(root):
+    cache.store("stage", {"k": 1}, {"v": 1})
+    cache.store("crowd", {"k": 2}, {"v": 2})
+    code = ("import sys; from pipec.cli import main; main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'pipec cache imported torch'")
+    env = {**os.environ, "XDG_CACHE_HOME": str(root.parent)}
+
+    def cli(*args):
+        done = subprocess.run([PYTHON, "-c", code, *args], cwd=REPO, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    shown = cli("cache")
+    assert shown.startswith(f"profile cache at {root}: 2 entries (1 stage, 1 crowd), ") and "bytes" in shown
+    assert cli("cache", "--clear").startswith(f"cleared the profile cache at {root}: 2 entries")
+    assert cli("cache") == f"profile cache at {root}: 0 entries, 0 bytes" and not root.exists()
+
+
+def test_a_cache_folder_that_cannot_be_written_keeps_the_timings_in_the_process(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # a file where the folder should be
+    cache.store("stage", {"k": 1}, {"v": 1})
+    cache.store("stage", {"k": 2}, {"v": 2})
+    notes = cache.take_notes()
+    assert len(notes) == 1 and "cannot write" in notes[0]
+    assert cache.lookup("stage", {"k": 1}).value == {"v": 1}
+
+
+def test_progress_is_shown_on_a_terminal_only(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty, pipe = Terminal(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", pipe)
+    progress.report("profiling stage 1/2 alone")
+    progress.done()
+    assert pipe.getvalue() == ""
+    monkeypatch.setattr(sys, "stderr", tty)
+    progress.report("profiling stage 1/2 alone")
+    progress.done()
+    assert tty.getvalue() == "\r\x1b[Kprofiling stage 1/2 alone\r\x1b[K"
+    got = []
+    with progress.routed(got.append):
+        progress.report("measuring the links")
+        progress.done()
+    assert got == ["measuring the links", ""] and tty.getvalue().count("profiling") == 1
