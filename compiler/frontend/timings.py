@@ -117,11 +117,12 @@ def stage_digest(split: Split, s: int) -> str:
 
 
 def _load() -> float | None:
-    """This host's 1-minute load average now (None where the platform has none)."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):
-        return None
+    """The processes wanting a core on this host now besides this one (:func:`~pipec.compiler.sim.contention.
+    host_load`, which ``pipec run`` reads the same way to compare: the 1-minute load average lags a minute and counts
+    this compile's own work)."""
+    from pipec.compiler.sim.contention import host_load
+
+    return round(host_load(), 2)
 
 
 def _floats(value: Any, n: int) -> list[float]:
@@ -225,7 +226,7 @@ def _record(profile: Profiling, stages: Sequence[cache.Entry], crowd: cache.Entr
     """plan.json's ``model["profile"]``: how the stages were timed, each timing's provenance (``stages[s]`` and
     ``crowd``: ``at``, when it was measured, and ``reused``, whether an earlier compile measured it), the slowdown
     measured, ``host_spread`` (the reference kernel's standard deviation over its median, in the rounds that timed
-    them: the median of the timings'), ``host_load`` (the 1-minute load average when the timings that set the
+    them: the median of the timings'), ``host_load`` (the processes wanting a core besides the compile when the timings that set the
     costs' level were taken: the crowd's, else the median of the stages') and notes of the profile cache."""
     out: dict[str, Any] = {"concurrent_ranks": profile.num_ranks, "threads_per_rank": profile.threads,
                            "reps": profile.reps, "max_reps": profile.max_reps, "spread_target": profile.spread_target,

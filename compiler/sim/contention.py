@@ -154,11 +154,11 @@ def sharing_of(profile: Mapping[str, Any] | None, mesh: Mesh) -> Sharing | None:
     return Sharing(hosts=tuple(hosts), at_once=at_once, slowdown=slowdown, slots=slots)
 
 
-LOAD_SAMPLES = 10
-"""How many times :func:`host_load` reads the runnable count (every 20 ms)."""
+LOAD_SAMPLES = 5
+"""How many times :func:`host_load` reads the runnable count (every 10 ms)."""
 
 
-def host_load(samples: int = LOAD_SAMPLES, every_s: float = 0.02) -> float:
+def host_load(samples: int = LOAD_SAMPLES, every_s: float = 0.01) -> float:
     """How many other processes want a core now: the runnable count the kernel reports (``/proc/loadavg``'s fourth
     field, the reader itself among them) less this one, averaged over ``samples`` reads ``every_s`` apart. Where
     there is no ``/proc/loadavg``, the 1-minute load average (``os.getloadavg``), which lags by a minute and counts

@@ -300,12 +300,14 @@ def drawn(decoded: Decoded, program: Program, jitter: Mapping[str, Sequence[floa
     covers: every instruction's host overhead (by its opcode), every compute's duration (a compute that takes
     time), every message's transfer (one draw per message, the same on its send and its receive). ``spread``
     (per stage, :attr:`Cost.spread`: a relative standard deviation) scales each compute of a stage by its own
-    draw, ``exp(spread x z)`` for a standard normal z (the median stays the cost), and ``host_spread`` every compute
-    of the copy by one draw the same way (the host's speed over the step). Draws are taken in program order, rank
+    draw, ``exp(spread x z - spread^2 / 2)`` for a standard normal z (a lognormal whose mean is 1: a cost is a mean,
+    the profile's slowdown a ratio of sums), and ``host_spread`` every compute of the copy by one draw the same way
+    (the host's speed over the step). Draws are taken in program order, rank
     by rank, so a seeded ``rng`` gives the same copy every time."""
     compute, transfer = jitter.get(COMPUTE_JITTER), jitter.get(TRANSFER_JITTER)
     choice, gauss = rng.choice, rng.gauss
-    speed = math.exp(gauss(0.0, host_spread)) if host_spread else 1.0
+    speed = math.exp(gauss(0.0, host_spread) - host_spread * host_spread / 2) if host_spread else 1.0
+    shift = [x * x / 2 for x in spread]
     hops: dict[int, float] = {}
     ranks = []
     for instrs, dec in zip(program.ranks, decoded.ranks):
@@ -317,7 +319,7 @@ def drawn(decoded: Decoded, program: Program, jitter: Mapping[str, Sequence[floa
             if host:
                 d[h] += choice(host)
             if code == _COMPUTE and spread and d[2] > 0:
-                d[2] *= speed * math.exp(gauss(0.0, spread[ins.stage]))
+                d[2] *= speed * math.exp(gauss(0.0, spread[ins.stage]) - shift[ins.stage])
             if code == _COMPUTE and compute and d[2] > 0:
                 d[2] += choice(compute)
             elif (code == _SEND or code == _RECV) and transfer:
