@@ -356,7 +356,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result_json(result, plan_path=args.output, pipe=args.pipe, notes=notes), indent=2))
         return 0
-    out = Console() if sys.stdout.isatty() else Console(width=150)
+    out = Console() if sys.stdout.isatty() else Console(width=80)
     out.print(f"searched {result.num_candidates} candidates on {result.num_devices} devices (global batch "
               f"{result.global_batch}) in {result.seconds:.1f} s: {result.num_compiled} compiled, "
               f"{result.num_pruned} pruned by bounds, {result.num_over_budget} over budget; "

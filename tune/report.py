@@ -134,26 +134,60 @@ def why(r: TuneResult) -> list[str]:
     return out
 
 
-def _row(s: Scored) -> list[str]:
+def _short_seconds(t: float) -> str:
+    """Three significant digits: ``23.4 us``, ``120 ms``, ``1.23 s``."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if t >= scale or unit == "us":
+            return f"{t / scale:.3g} {unit}"
+    raise AssertionError(t)
+
+
+def _short_bytes(n: int | None) -> str:
+    """``617 KiB``, ``1.2 MiB``: three significant digits at most."""
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
+
+
+_COLUMNS = ("layout", "schedule", "v", "M", "partition", "recompute", "step", "MFU", "tokens/s", "bubble", "peak")
+_LEFT = frozenset(("layout", "schedule", "partition", "recompute"))
+_HEADS = {"partition": "part", "recompute": "recomp"}
+"""Headers shorter than their key, to keep the table within 80 columns."""
+_ELIDED = ("partition", "recompute")
+"""Columns said once above the table when every row has the same value."""
+
+
+def _cells(s: Scored) -> dict[str, str]:
     c = s.candidate
-    return [c.layout, c.schedule, str(c.num_chunks), str(c.num_microbatches), c.partition_by or "file",
-            c.recompute_text, _seconds(s.step_time), f"{s.tokens_per_s:,.0f}" if s.tokens_per_s else "-",
-            f"{s.mfu:.1%}" if s.mfu is not None else "-", f"{s.bubble:.1%}",
-            human_bytes(s.peak_memory) if s.peak_memory is not None else "-"]
-
-
-_HEAD = ["layout", "schedule", "v", "M", "partition", "recompute", "step", "tokens/s", "MFU", "bubble", "peak/rank"]
+    return {"layout": c.layout, "schedule": c.schedule, "v": str(c.num_chunks), "M": str(c.num_microbatches),
+            "partition": c.partition_by or "file", "recompute": c.recompute_text,
+            "step": _short_seconds(s.step_time), "MFU": f"{s.mfu:.1%}" if s.mfu is not None else "-",
+            "tokens/s": f"{s.tokens_per_s:,.0f}" if s.tokens_per_s else "-", "bubble": f"{s.bubble:.1%}",
+            "peak": _short_bytes(s.peak_memory)}
 
 
 def table(rows: Sequence[Scored], title: str, measured: bool = False):
-    """A rich table of candidates (``measured``: a measured-step column beside the predicted)."""
+    """A rich table of candidates (``measured``: a measured-step column beside the predicted), within 80
+    columns: step, tokens/s and MFU say one thing for one model and global batch, so tokens/s is left out
+    where MFU is known; a partition or recompute every row shares is said once in the title."""
+    from rich import box
     from rich.table import Table
 
-    t = Table(title=title, title_justify="left")
-    for h in _HEAD + (["measured"] if measured else []):
-        t.add_column(h, justify="right" if h not in ("layout", "schedule", "partition", "recompute") else "left")
-    for s in rows:
-        t.add_row(*_row(s), *([_seconds(s.measured_step) if s.measured_step else "skipped"] if measured else []))
+    cells = [_cells(s) for s in rows]
+    columns = [h for h in _COLUMNS if not (h == "tokens/s" and cells and all(c["MFU"] != "-" for c in cells))]
+    same = [h for h in _ELIDED if cells and len({c[h] for c in cells}) == 1]
+    columns = [h for h in columns if h not in same]
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=0,
+              caption=("every row: " + ", ".join(f"{h} {cells[0][h]}" for h in same)) if same else None,
+              caption_justify="left")
+    for h in columns + (["measured"] if measured else []):
+        t.add_column(_HEADS.get(h, h), justify="left" if h in _LEFT else "right", no_wrap=True)
+    for s, c in zip(rows, cells):
+        t.add_row(*(c[h] for h in columns),
+                  *([_short_seconds(s.measured_step) if s.measured_step else "skipped"] if measured else []))
     return t
 
 
