@@ -125,13 +125,57 @@ def why(r: TuneResult) -> list[str]:
                    f"{human_bytes(budget)}")
     if c.dp > 1:
         out.append(f"dp {c.dp}: once the model fits, replicas scale the throughput (the cheapest axis)")
-    out.append(f"{c.schedule} with {c.num_microbatches} microbatches"
-               + (f" x {c.num_chunks} chunks" if c.num_chunks > 1 else "") + f": predicted bubble {b.bubble:.1%}")
+    out.extend(_microbatch_reasons(r))
     if r.start_scored is not None and r.start_scored.candidate != c:
         s = r.start_scored
         out.append(f"the file's own layout ({s.candidate.layout}, {s.candidate.schedule}, M {s.candidate.num_microbatches}) "
                    f"predicts {_seconds(s.step_time)}: the winner is {s.step_time / b.step_time:.2f}x faster")
     return out
+
+
+def _microbatch_reasons(r: TuneResult) -> list[str]:
+    """Why these microbatches and chunks: the bubble they leave against what each microbatch costs, beside
+    the same layout and schedule at the nearest other counts the search kept (the table and the frontier)."""
+    b, c = r.best, r.best.candidate
+    per_rank = b.plan.prediction.per_rank if b.plan.prediction else ()
+    compute = sum(x.compute for x in per_rank) / len(per_rank) if per_rank else 0.0
+    head = (f"{c.schedule} with {c.num_microbatches} microbatches" + (f" x {c.num_chunks} chunks" if c.num_chunks > 1
+            else "") + f": predicted bubble {b.bubble:.1%} ({_short_seconds(b.step_time * b.bubble)} of "
+            f"{_short_seconds(b.step_time)}), {_short_seconds(compute / c.num_microbatches)} of compute per "
+            "microbatch per rank")
+    out = [head]
+    kept = {s.candidate: s for s in (*r.top, *r.frontier)}.values()
+    for what, field, why in (
+            ("microbatches", "num_microbatches", "fewer microbatches leave more of the step idle (the bubble); more "
+             "pay each microbatch's fixed cost (its messages, host time) for less compute each"),
+            ("chunks", "num_chunks", "more chunks fill the pipeline sooner but send each microbatch over more "
+             "hops")):
+        same = [s for s in kept if s.candidate != c and _but(s.candidate, field) == _but(c, field)]
+        near = [min(sides, key=lambda s: abs(getattr(s.candidate, field) - getattr(c, field))) for sides in (
+            [s for s in same if getattr(s.candidate, field) < getattr(c, field)],
+            [s for s in same if getattr(s.candidate, field) > getattr(c, field)]) if sides]
+        if not near and field == "num_chunks":
+            continue
+        name = "M" if field == "num_microbatches" else "v"
+        shown = "; ".join(_beside(name, getattr(s.candidate, field), s, b) for s in near) if near else (
+            f"no other {what} of {c.layout} {c.schedule} made the table")
+        out.append(f"{name} {getattr(c, field)}: {shown}; {why}")
+    return out
+
+
+def _beside(name: str, value: int, s: Scored, best: Scored) -> str:
+    """``M 4 is slower: 27.3 us (bubble 61.2%)``; a tie (the winner holds less) names both peaks."""
+    if f"{s.step_time:.9g}" != f"{best.step_time:.9g}":
+        return f"{name} {value} is slower: {_short_seconds(s.step_time)} (bubble {s.bubble:.1%})"
+    return (f"{name} {value} ties at {_short_seconds(s.step_time)} (bubble {s.bubble:.1%}) but holds "
+            f"{_short_bytes(s.peak_memory)} at its peak, against {_short_bytes(best.peak_memory)}")
+
+
+def _but(c: Candidate, field: str) -> tuple:
+    """What identifies a candidate but ``field`` (microbatches or chunks)."""
+    return tuple(v for k, v in (("layout", c.layout), ("schedule", c.schedule), ("num_chunks", c.num_chunks),
+                                ("num_microbatches", c.num_microbatches), ("partition", c.partition_by),
+                                ("recompute", c.recompute_text)) if k != field)
 
 
 def _short_seconds(t: float) -> str:
