@@ -36,7 +36,7 @@ def stage_table(plan: Plan) -> Table | None:
     how = f"{sum(bytes_per_param(plan.spec))} B per parameter copy" + (
         f", shard {mesh.shard} over {mesh.num_shards} ranks" if mesh.sharded else "")
     t = Table(title=f"stages: cost per microbatch ({tname}; B = I + W), memory (MiB; state = {how}, "
-                    "act = saved activations per microbatch)")
+                    "act = saved activations per microbatch)", title_justify="left", caption_justify="left")
     for col in ("stage", "rank", "params", "state", "act", "F", "B", "I", "W"):
         t.add_column(col, justify="right")
     peak = {r.rank: r for r in plan.prediction.per_rank} if plan.prediction else {}
