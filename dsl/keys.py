@@ -217,7 +217,9 @@ KEYS: dict[str, Key] = {key.name: key for key in (
         flag="--costs", group="Costs and hardware",
         meaning="Where stage costs come from: unit (F=1, B=2, I=W=1), flops (FLOPs at peak_flops: "
                 "reproducible and machine-independent, the choice when compiling for other hardware), "
-                "profile (measured on this machine: best when compiling on the target hardware).",
+                "profile (measured on this machine: best when compiling on the target hardware; the timings are "
+                "kept in the profile cache, ~/.cache/pipec or $XDG_CACHE_HOME/pipec, for the next compile: "
+                "--reprofile measures again, pipec cache shows and clears it).",
         constraints="flops and profile need a model; flops needs peak_flops.",
         example="costs profile"),
     Key(name="peak_flops", kind=k.Maybe(k.FLOP_RATE), default=None, default_doc="none",
