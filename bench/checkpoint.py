@@ -84,7 +84,7 @@ def main() -> None:
         for r in reports:
             for s in r["steps"][1:]:  # the first is a warm-up
                 # the step right after a save runs while an asynchronous save is still writing
-                (busy if s["step"] % args.every == 0 else quiet).append(s["step_time"])
+                (busy if (s["step"] - 1) % args.every == 0 else quiet).append(s["step_time"])  # steps count from 1
         g = [r["goodput"] for r in reports]
         print(f"{mode:6} {reports[0]['goodput']['checkpoints']['saves']:>5} "
               f"{statistics.mean(b['mean'] for b in blocked):>12.3f}s {max(b['max'] for b in blocked):>11.3f}s "

@@ -124,7 +124,7 @@ def build_report(
     for i, ranks in enumerate(per_step):
         step_time = max(s.step_time for s in ranks)
         loss = next((s.loss for s in ranks if s.loss is not None), None)
-        entry: dict[str, Any] = {"step": first_step + i, "step_time": step_time}
+        entry: dict[str, Any] = {"step": first_step + i + 1, "step_time": step_time}  # counted from 1, as printed
         if loss is not None:
             # each replica's last stage holds its replica's loss: the step's loss is their mean
             losses = [s.loss for s in ranks if s.loss is not None]
@@ -143,7 +143,7 @@ def build_report(
         "mesh": {"pp": plan.mesh.pp, "dp": plan.mesh.dp,
                  **({"shard": plan.mesh.shard, "shard_size": plan.mesh.num_shards} if plan.mesh.sharded else {})},
         "steps": steps,
-        "median_step": first_step + med,
+        "median_step": first_step + med + 1,
         "measured": measured.to_json(),
     }
     planned = plan.prediction

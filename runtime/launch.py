@@ -72,7 +72,7 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync-checkpoints", action="store_true",
                    help="block each step until its checkpoint is written (default: training goes on once the state "
                         "is copied to host memory)")
-    p.add_argument("--fail-at", metavar="STEP:RANK", help="kill global rank RANK at step STEP (first attempt only)")
+    p.add_argument("--fail-at", metavar="STEP:RANK", help="kill global rank RANK in step STEP (from 1, as the progress lines count; first attempt only)")
     p.add_argument("--peak-flops", type=float, help="device peak FLOP/s for MFU (known GPUs are detected)")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
 

@@ -115,9 +115,10 @@ class Trainer:
     # ------------------------------------------------------------------ hooks the executor calls
 
     def fail_hook(self, index: int, ins) -> None:
-        """--fail-at STEP:RANK: kill this rank mid-step (the first attempt only, so a restart can finish)."""
+        """--fail-at STEP:RANK: kill this rank mid-step STEP, counted from 1 as the progress lines count (the first
+        attempt only, so a restart can finish)."""
         step, rank = self.options.fail_at
-        if self.step == step and self.env.rank == rank and self.env.attempt == 0 \
+        if self.step + 1 == step and self.env.rank == rank and self.env.attempt == 0 \
                 and index == len(self.executor.instructions) // 2:
             print(f"pipec: injected failure: {self.plan.mesh.where(rank)} killed at "
                   f"step {step}, instruction {index} ({ins.text()})", file=sys.stderr, flush=True)

@@ -349,17 +349,17 @@ def test_stop_and_resume_is_bit_identical_to_an_uninterrupted_run(runs):
     assert "resumed from" in second.stderr and "step_00000003 at step 3" in second.stderr
     assert [s for s, _ in list_checkpoints(runs / "b")] == [6, 4, 3, 2]
     # the same token stream: steps 3..5 have the uninterrupted run's losses, exactly
-    assert losses(runs / "b.json") == {k: v for k, v in losses(runs / "ref.json").items() if k >= 3}
+    assert losses(runs / "b.json") == {k: v for k, v in losses(runs / "ref.json").items() if k >= 4}  # steps count from 1
     assert_same_state(full_state(runs / "b" / "step_00000006"), full_state(runs / "ref" / "step_00000006"))
 
 
 @pytest.mark.timeout(300)
 def test_a_failure_under_max_restarts_resumes_and_ends_bit_identical(runs):
     plan = with_checkpoints(runs / "x.json", runs / "x_f.json", runs / "f", every=2)
-    run = pipec_run(plan, "--nproc", "2", "--steps", "6", "--fail-at", "4:1", "--max-restarts", "1",
+    run = pipec_run(plan, "--nproc", "2", "--steps", "6", "--fail-at", "5:1", "--max-restarts", "1",
                     "--sync-checkpoints", "--keep-checkpoints", "1", "--report", str(runs / "f.json"))
     assert run.returncode == 0, run.stderr[-4000:]
-    assert "injected failure: global rank 1 (pp 1, dp 0) killed at step 4" in run.stderr
+    assert "injected failure: global rank 1 (pp 1, dp 0) killed at step 5" in run.stderr
     assert "step_00000004 at step 4" in run.stderr  # the restarted attempt resumed from the last checkpoint
     assert [s for s, _ in list_checkpoints(runs / "f")] == [6]  # --keep-checkpoints 1
     assert_same_state(full_state(runs / "f" / "step_00000006"), full_state(runs / "ref" / "step_00000006"))
@@ -395,7 +395,7 @@ def test_a_checkpoint_loads_under_other_plans(runs):
     run = pipec_run(y, "--nproc", "2", "--steps", "4", "--resume", str(src), "--report", str(runs / "y.json.report"))
     assert run.returncode == 0, run.stderr[-4000:]
     assert "resharded" in run.stderr
-    assert losses(runs / "y.json.report")[3] == pytest.approx(ref_losses[3], rel=1e-6)
+    assert losses(runs / "y.json.report")[4] == pytest.approx(ref_losses[4], rel=1e-6)
     # one more step under the other partition lands where the reference's did (optimizer state resharded too)
     got, _, _ = load_model_state(runs / "y_out")
     want, _, _ = load_model_state(runs / "ref" / "step_00000004")
@@ -413,4 +413,4 @@ def test_a_checkpoint_loads_under_other_plans(runs):
     data, loss_fn = make_data(TrainingConfig.from_spec(plan.spec), plan), make_loss("cross_entropy")
     with torch.no_grad():
         expected = sum(loss_fn(model(data(3, d, 2)[0]["tokens"])[0], data(3, d, 2)[1]).item() for d in range(2)) / 2
-    assert losses(runs / "z.json.report")[3] == pytest.approx(expected, rel=1e-5)
+    assert losses(runs / "z.json.report")[4] == pytest.approx(expected, rel=1e-5)

@@ -213,11 +213,11 @@ def test_every_schedule_trains_correctly_under_torchrun(plans, tmp_path, world):
 @pytest.mark.timeout(300)
 def test_injected_failure_ends_the_job_naming_the_rank(plans):
     plan = plans[("1f1b", 2, 1)]
-    run = run_in_session([PYTHON, "-m", "pipec", "run", plan, "--nproc", "2", "--steps", "3", "--fail-at", "1:1",
+    run = run_in_session([PYTHON, "-m", "pipec", "run", plan, "--nproc", "2", "--steps", "3", "--fail-at", "2:1",
                           "--timeout", "30"], timeout=240)
     err = run.stderr
     assert run.returncode != 0
-    assert "injected failure: global rank 1 (pp 1, dp 0) killed at step 1" in err
+    assert "injected failure: global rank 1 (pp 1, dp 0) killed at step 2" in err
     assert "the run failed: global rank 1 (pp 1, dp 0) ended with exit code 13" in err
     assert "Traceback" not in err.split("pipec: error:")[-1]
 
