@@ -126,11 +126,11 @@ _MEMORY = (("state", "state_bytes"), ("activations", "peak_activation_bytes"), (
 
 
 MEMORY_NOTE = """\
-state: params, grads and optimizer state held (measured after the optimizer step)
+state: params, grads, optimizer state (measured after the optimizer step)
 activations: saved for the backward, at the peak (measured in the first step)
-peak: predicted, an upper bound (state, unsharded parameters, collective buffers
-  and activations, each at its own peak); measured, the allocator's peak
-  (torch.cuda.max_memory_allocated; none on CPU)
+peak: predicted, an upper bound (state, unsharded parameters, collective
+  buffers and activations, each at its own peak); measured, the allocator's
+  peak (torch.cuda.max_memory_allocated; none on CPU)
 blank: not measured"""
 """What each figure of :func:`memory_table` is, under it."""
 

@@ -1,0 +1,164 @@
+"""Coverage benchmark: how often measured steps fall inside the predicted interval, beside the point's error.
+
+Prints figures, asserts nothing. Each round compiles a small GPT with ``costs profile`` (a fresh profile cache
+per round, so every round times the stages again) and runs it with ``pipec run --report``; from the report it
+takes every step after the first (the first warms up) and the median step, and checks them against the plan's
+interval (``step_time_interval``, stated coverage 90%) and against the point prediction. Three settings:
+
+- ``quiet``: the machine as it is;
+- ``loaded``: a busy loop of this script's own (one process, killed at the end of the round, and stopping
+  itself after ``--load-limit`` seconds) runs through the compile and the run: profiled and run under the
+  same load;
+- ``shifted``: the busy loop runs only through the run: the profile's load is not the run's, and ``pipec run``
+  should say so (the ``warned`` column counts the rounds whose run warned).
+
+Per setting: the share of steps inside the interval (goal: the stated coverage, 9 in 10), the share of rounds
+whose median step was inside, the median of the point prediction's relative error per step and per round
+(|measured - predicted| / measured), and the interval's median width over its prediction.
+
+    .venv/bin/python bench/coverage.py --rounds 20            # the full benchmark (about an hour on 2 cores)
+    .venv/bin/python bench/coverage.py --rounds 2 --settings quiet,loaded
+    .venv/bin/python bench/coverage.py --rounds 1 --steps 6 --out /tmp/coverage.json
+
+The machine is shared: the load average is printed with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SETTINGS = ("quiet", "loaded", "shifted")
+
+MODEL = """\
+model        "pipec.examples.gpt:build" (layers=4, dim=64, heads=2, vocab=256, seq=32)
+input        tokens: int64[8, 32]
+schedule     {schedule}
+pp 2
+microbatches 4
+costs        profile
+steps        {steps}
+"""
+
+
+def _pipec(*args: str, env: dict, timeout: float = 900) -> subprocess.CompletedProcess:
+    exe = os.path.join(os.path.dirname(sys.executable), "pipec")
+    return subprocess.run([exe, *args], capture_output=True, text=True, env=env, timeout=timeout, check=True)
+
+
+class BusyLoop:
+    """One process spinning on a core, bounded: stopped when the block ends, and by itself after ``limit_s``."""
+
+    def __init__(self, on: bool, limit_s: float) -> None:
+        self.on, self.limit_s, self.proc = on, limit_s, None
+
+    def __enter__(self) -> "BusyLoop":
+        if self.on:
+            code = f"import time\nend = time.monotonic() + {self.limit_s}\nwhile time.monotonic() < end: pass\n"
+            self.proc = subprocess.Popen([sys.executable, "-c", code])
+            time.sleep(0.5)  # running before what it loads starts
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def one_round(work: Path, setting: str, *, schedule: str, steps: int, load_limit: float) -> dict:
+    """Compile and run once under ``setting``; what the report says of the interval and the point."""
+    work.mkdir(parents=True, exist_ok=True)
+    pipe, plan, report = work / "model.pipe", work / "plan.json", work / "report.json"
+    pipe.write_text(MODEL.format(schedule=schedule, steps=steps))
+    env = {**os.environ, "XDG_CACHE_HOME": str(work / "cache")}  # a fresh profile cache: the round times anew
+    t0 = time.perf_counter()
+    with BusyLoop(setting == "loaded", load_limit):
+        _pipec("compile", str(pipe), "-o", str(plan), env=env)
+    compile_s = time.perf_counter() - t0
+    with BusyLoop(setting in ("loaded", "shifted"), load_limit):
+        run = _pipec("run", str(plan), "--nproc", "2", "--report", str(report), "--quiet", env=env)
+    rep = json.loads(report.read_text())
+    pred = json.loads(plan.read_text())["prediction"]
+    band = rep.get("interval")
+    steps_after = [s["step_time"] for s in rep["steps"][1:]] or [s["step_time"] for s in rep["steps"]]
+    median = rep["measured"]["step_time"]
+    return {
+        "setting": setting, "compile_s": compile_s, "predicted": pred["step_time"],
+        "interval": pred.get("step_time_interval"), "steps": steps_after, "median": median,
+        "inside": None if band is None else band["steps_inside"], "counted": None if band is None else band["steps_counted"],
+        "median_inside": None if band is None else band["median_inside"],
+        "host_load": rep.get("host_load"), "warned": "the host's load is" in run.stderr,
+        "load_avg": os.getloadavg()[0],
+    }
+
+
+def summary(rounds: list[dict], setting: str) -> list[str] | None:
+    mine = [r for r in rounds if r["setting"] == setting]
+    if not mine:
+        return None
+    banded = [r for r in mine if r["interval"] is not None]
+    inside = sum(r["inside"] for r in banded)
+    counted = sum(r["counted"] for r in banded)
+    step_err = [abs(t - r["predicted"]) / t for r in mine for t in r["steps"]]
+    round_err = [abs(r["median"] - r["predicted"]) / r["median"] for r in mine]
+    widths = [(r["interval"][1] - r["interval"][0]) / r["predicted"] for r in banded]
+    return [setting, str(len(mine)),
+            f"{inside}/{counted} ({inside / counted:.0%})" if counted else "-",
+            f"{sum(r['median_inside'] for r in banded)}/{len(banded)}" if banded else "-",
+            f"{statistics.median(step_err):.1%}", f"{statistics.median(round_err):.1%}",
+            f"{statistics.median(widths):.1%}" if widths else "-",
+            f"{sum(r['warned'] for r in mine)}/{len(mine)}"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=20, help="compile+run rounds per setting")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated: " + ", ".join(SETTINGS))
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--steps", type=int, default=8, help="steps per run (the first is left out)")
+    ap.add_argument("--load-limit", type=float, default=600.0, help="seconds a busy loop runs at most")
+    ap.add_argument("--work", help="folder for the plans and reports (default: a temporary one)")
+    ap.add_argument("--out", help="write every round's figures here (JSON)")
+    args = ap.parse_args(argv)
+    settings = [s for s in args.settings.split(",") if s]
+    unknown = set(settings) - set(SETTINGS)
+    if unknown:
+        ap.error(f"unknown setting {sorted(unknown)[0]!r}; expected {', '.join(SETTINGS)}")
+    work = Path(args.work or tempfile.mkdtemp(prefix="pipec-coverage-"))
+    print(f"# {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the start; {args.rounds} rounds per "
+          f"setting, {args.steps} steps each; work in {work}", flush=True)
+    rounds = []
+    for i in range(args.rounds):
+        for setting in settings:  # the settings interleaved, so a busy hour of the machine touches every one
+            r = one_round(work / f"{setting}-{i}", setting, schedule=args.schedule, steps=args.steps,
+                          load_limit=args.load_limit)
+            rounds.append(r)
+            band = r["interval"]
+            print(f"{setting:8s} round {i + 1}: predicted {r['predicted']:.4f} s"
+                  + (f" [{band[0]:.4f}, {band[1]:.4f}]" if band else " (no interval)")
+                  + f", median {r['median']:.4f} s, steps inside {r['inside']}/{r['counted']}"
+                  + (", warned" if r["warned"] else "") + f"; compile {r['compile_s']:.1f} s, "
+                  f"load average {r['load_avg']:.2f}", flush=True)
+    header = ["setting", "rounds", "steps inside", "medians inside", "point err/step", "point err/round",
+              "width", "warned"]
+    rows = [row for s in settings if (row := summary(rounds, s)) is not None]
+    widths = [max(len(h), *(len(r[k]) for r in rows)) for k, h in enumerate(header)]
+    print()
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    print(f"# stated coverage 90%; load average {os.getloadavg()[0]:.2f} at the end")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rounds, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
