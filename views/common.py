@@ -54,7 +54,7 @@ KINDS: dict[str, KindStyle] = {
     "OPT": KindStyle("OPT", "optimizer", "#2dd4bf"),
     "UN": KindStyle("UN", "unshard (all-gather)", "#fb923c"),
     "RS": KindStyle("RS", "reduce-scatter", "#e879f9"),
-    "RE": KindStyle("RE", "reshard", "#a3a3a3"),
+    "RE": KindStyle("RE", "reshard", "#b45309"),  # not the comm wait's grey
     "comm": KindStyle("~", "comm wait", "#94a3b8"),
 }
 """Per event kind: its letter, legend name and colour."""
