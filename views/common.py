@@ -89,6 +89,9 @@ class Lane:
     """Multiplies the timeline's times into the shared axis."""
     chunks: dict[int, int]
     """Stage -> chunk index on this rank (0 for its first stage in model order)."""
+    title: str = ""
+    """The row's name said in full, for a picture's axis: ``pp 1 predicted``, ``pp 1 dp 0 measured (global
+    rank 2)``; ``label`` is the terminal's short form (``1 pred``, ``1 meas g2``)."""
 
 
 def infer_dp(timeline: Timeline, measured: Timeline, dp: int | None = None) -> int:
@@ -191,7 +194,8 @@ def lanes(timeline: Timeline, *, measured: Timeline | None = None, dp: int | Non
     pred = _collective_waits(_by_rank(timeline))
     span = span_of(timeline)
     if measured is None:
-        return [Lane(f"rank {r}", "predicted", r, tuple(evs), 1.0, _chunks(evs)) for r, evs in pred.items()], span
+        return [Lane(f"rank {r}", "predicted", r, tuple(evs), 1.0, _chunks(evs), f"pp rank {r}")
+                for r, evs in pred.items()], span
     dp = infer_dp(timeline, measured, dp)
     meas = _by_rank(measured)
     if measured.time_unit == timeline.time_unit:
@@ -202,11 +206,12 @@ def lanes(timeline: Timeline, *, measured: Timeline | None = None, dp: int | Non
     out = []
     mesh = Mesh(pp=len(pred), dp=dp)
     for i, (p, evs) in enumerate(pred.items()):
-        out.append(Lane(f"{p} pred", "predicted", p, tuple(evs), 1.0, _chunks(evs)))
-        for g in mesh.replicas(i):
+        out.append(Lane(f"{p} pred", "predicted", p, tuple(evs), 1.0, _chunks(evs), f"pp {p} predicted"))
+        for d, g in enumerate(mesh.replicas(i)):
             mevs = meas.get(g, [])
             label = f"{p} meas" if dp == 1 else f"{p} meas g{g}"
-            out.append(Lane(label, "measured", g, tuple(mevs), meas_scale, _chunks(mevs)))
+            title = f"pp {p} measured" if dp == 1 else f"pp {p} dp {d} measured (global rank {g})"
+            out.append(Lane(label, "measured", g, tuple(mevs), meas_scale, _chunks(mevs), title))
     return out, span
 
 

@@ -3,8 +3,11 @@
 One lane per rank (with a measured timeline: each pp rank's predicted lane,
 then its replicas' measured lanes, :func:`~pipec.views.common.lanes`),
 blocks in :data:`~pipec.views.common.KINDS` colours, and a measurement scaled
-onto a unit-cost prediction gets its own axis in seconds on top. matplotlib is
-imported only when a picture is drawn.
+onto a unit-cost prediction gets its own axis in seconds on top. A prediction
+records a shard collective's post as an instant (the host posts it and goes
+on): it is drawn as a thin block of its kind, as a run's measured one is, and
+the legend names every kind drawn. matplotlib is imported only when a picture
+is drawn.
 """
 
 from __future__ import annotations
@@ -14,9 +17,14 @@ import os
 from pipec.compiler.ir.timeline import Timeline
 from pipec.views.common import KINDS, RenderError, axis_unit, headline, kind_of, lanes, span_of, tint
 
-__all__ = ["render_image"]
+__all__ = ["render_image", "figure"]
 
 _FORMATS = {".svg": "svg", ".png": "png"}
+
+_INSTANTS = frozenset(("UN", "RE", "RS"))
+"""Kinds a prediction records as instants, drawn :data:`INSTANT_WIDTH` of the axis wide."""
+
+INSTANT_WIDTH = 0.004
 
 
 def render_image(
@@ -39,6 +47,11 @@ def render_image(
     ext = os.path.splitext(os.fspath(path))[1].lower()
     if ext not in _FORMATS:
         raise RenderError(f"a picture path must end in .svg or .png, got {os.fspath(path)!r}")
+    figure(timeline, measured=measured, dp=dp, title=title).savefig(os.fspath(path), format=_FORMATS[ext])
+
+
+def figure(timeline: Timeline, *, measured: Timeline | None = None, dp: int | None = None, title: str = ""):
+    """The matplotlib Figure :func:`render_image` saves."""
     from matplotlib.figure import Figure  # lazy: the compile path never imports matplotlib
     from matplotlib.patches import Patch
 
@@ -51,13 +64,18 @@ def render_image(
     kinds: set[str] = set()
     chunked = False
     for y, lane in enumerate(all_lanes):
-        bars, colours = [], []
+        bars, colours, instants = [], [], []
         for ev in lane.events:
-            if ev.end <= ev.start:
-                continue
             k = kind_of(ev)
+            instant = k in _INSTANTS and (ev.end - ev.start) * lane.scale < INSTANT_WIDTH * span
+            if ev.end <= ev.start and not instant:
+                continue
             kinds.add(k)
             start, dur = ev.start * lane.scale, (ev.end - ev.start) * lane.scale
+            if instant:  # drawn over whatever follows it at the same time (a wait), after one just before
+                at = max(start, instants[-1][0][0] + instants[-1][0][1]) if instants else start
+                instants.append(((at, INSTANT_WIDTH * span), KINDS[k].colour))
+                continue
             chunk = lane.chunks.get(ev.stage, 0) if ev.stage is not None else 0
             chunked = chunked or chunk > 0
             colour = KINDS[k].colour
@@ -70,7 +88,11 @@ def render_image(
         alpha = 1.0 if lane.source == "predicted" else 0.85
         coll = ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=colours, edgecolors="white", linewidths=0.4, alpha=alpha)
         coll.set_gid(f"lane-{lane.source}-{lane.rank}")
-    ax.set_yticks(range(len(all_lanes)), [lane.label for lane in all_lanes])
+        if instants:
+            marks = ax.broken_barh([b for b, _ in instants], (y - 0.4, 0.8), facecolors=[c for _, c in instants],
+                                   linewidths=0, zorder=3)
+            marks.set_gid(f"instants-{lane.source}-{lane.rank}")
+    ax.set_yticks(range(len(all_lanes)), [lane.title or lane.label for lane in all_lanes])
     ax.set_ylim(len(all_lanes) - 0.5, -0.5)
     ax.set_xlim(0, span)
     factor, name = axis_unit(span, timeline.time_unit)
@@ -91,5 +113,5 @@ def render_image(
     if measured is not None:
         head = f"predicted {head}; measured {headline(measured)}"
     ax.set_title(f"{title}\n{head}" if title else head, fontsize=10)
-    fig.savefig(os.fspath(path), format=_FORMATS[ext])
+    return fig
 

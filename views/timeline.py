@@ -87,7 +87,8 @@ def _axis_lines(span: float, unit: str, bar: int, pad: int) -> list[Text]:
     ]
 
 
-def _legend_lines(kinds: set[str], chunked: bool, width: int) -> list[Text]:
+def _legend_lines(kinds: set[str], chunked: bool, width: int, replicas: bool = False) -> list[Text]:
+    """The kinds drawn, idle, a later chunk's underline, and (``replicas``) what a measured row's ``gN`` is."""
     entries = []
     for key, style in KINDS.items():
         if key in kinds:
@@ -95,6 +96,8 @@ def _legend_lines(kinds: set[str], chunked: bool, width: int) -> list[Text]:
     entries.append(Text.assemble((IDLE * 3, "dim"), " idle"))
     if chunked:
         entries.append(Text.assemble(("F3", "black on #60a5fa underline"), " later chunk"))
+    if replicas:
+        entries.append(Text("meas gN: measured on global rank N"))
     lines, line = [], Text(no_wrap=True, overflow="crop")
     for entry in entries:
         if len(line) and len(line) + 2 + len(entry) > width:
@@ -146,7 +149,7 @@ class TimelineView:
             kinds.update(kind_of(e) for e in lane.events if e.end > e.start)
             chunked = chunked or len(lane.chunks) > 1
         out.extend(_axis_lines(span, tl.time_unit, bar, pad))
-        out.extend(_legend_lines(kinds, chunked, width))
+        out.extend(_legend_lines(kinds, chunked, width, replicas=any(" g" in lane.label for lane in all_lanes)))
         for line in out:
             line.no_wrap = True
             line.truncate(width, overflow="ellipsis")
