@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import compiled, on_threads
 
@@ -105,6 +106,31 @@ def test_only_the_first_step_counts():
     for steps, ex, _ in _run(plan, steps=2).values():
         assert steps[0].peak_activation_bytes and steps[1].peak_activation_bytes is None
         assert ex.saved is None  # the second step ran without the hook
+
+
+@pytest.mark.parametrize("schedule, virtual", [("zb_h1", 1), ("zbv", 2)])
+def test_a_counted_step_computes_the_same_gradients(schedule, virtual, monkeypatch):
+    """The count's hook leaves the step as it is: a split backward's deferred weight grads reach the parameters
+    (under saved_tensors_hooks autograd hands a saved weight back as an alias; the stash keeps the parameter)."""
+    plan = _gpt(schedule, virtual)
+    counted = _run(plan)
+    monkeypatch.setattr(Executor, "run_step", _uncounted(Executor.run_step))
+    plain = _run(plan)
+    for key, (_, _, mods) in counted.items():
+        for s, mod in mods.items():
+            other = plain[key][2][s].canonical_params()
+            for name, p in mod.canonical_params().items():
+                assert p.grad is not None and torch.equal(p.grad, other[name].grad), (s, name)
+    assert all(steps[0].peak_activation_bytes for steps, _, _ in counted.values())
+    assert all(steps[0].peak_activation_bytes is None for steps, _, _ in plain.values())
+
+
+def _uncounted(run_step):
+    def run(self, *args):
+        self.steps_run = max(self.steps_run, 1)  # as if its first step were done: nothing counted
+        return run_step(self, *args)
+
+    return run
 
 
 def test_the_state_after_an_optimizer_step_equals_the_prediction():

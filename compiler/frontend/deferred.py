@@ -48,6 +48,7 @@ class DeferredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, stash):  # type: ignore[override]
         ctx.save_for_backward(x, weight)
+        ctx.weight = weight  # the parameter itself: under saved_tensors_hooks, saved_tensors gives back an alias
         ctx.stash = stash
         ctx.has_bias = bias is not None
         return F.linear(x, weight, bias)
@@ -58,7 +59,7 @@ class DeferredLinear(torch.autograd.Function):
         grad_x = grad_out @ weight.to(grad_out.dtype) if ctx.needs_input_grad[0] else None
         grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if ctx.needs_input_grad[1]:
-            ctx.stash.items.append((weight, x.detach(), grad_out.detach()))
+            ctx.stash.items.append((ctx.weight, x.detach(), grad_out.detach()))
         return grad_x, None, grad_b, None
 
 
