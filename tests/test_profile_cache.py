@@ -204,17 +204,17 @@ def test_two_compiles_at_once_then_one_that_reuses_every_timing(tmp_path, root):
 
 _PROBED = {"links": {axis: {"latency_s": 1e-4, "bandwidth_Bps": 1e9,
                             "measured": {"at": "2026-01-01T00:00:00Z", "backend": "gloo", "ranks": 2}}
-                     for axis in ("pp", "dp", "tie")},
+                     for axis in ("pp", "dp", "tie", "shard")},
            "overhead": {"seconds": {"FWD": 1e-5}, "measured": {"at": "2026-01-01T00:00:00Z", "backend": "gloo"}}}
 
 
-def test_links_are_probed_once_per_host_backend_and_layout(monkeypatch, root):
+def test_links_are_probed_once_per_host_and_backend_for_every_layout(monkeypatch, root):
     from pipec.compiler.driver import compile_plan
 
     probes = []
     monkeypatch.setattr(links, "_backend", lambda: "gloo")
     monkeypatch.setattr(links, "_probe", lambda plan, backend: probes.append(plan.mesh.sharded) or json.loads(
-        json.dumps(_PROBED)))
+        json.dumps(_PROBED)))  # its links: pp, dp, tie and the all-gather's shard
     plan = compile_plan(num_ranks=2, num_microbatches=2, schedule="1f1b").plan
     first, _ = links.measure_links(plan)
     new_process()
@@ -223,17 +223,18 @@ def test_links_are_probed_once_per_host_backend_and_layout(monkeypatch, root):
     assert again.links["pp"].measured.reused and not first.links["pp"].measured.reused
     assert again.links["pp"].measured.at == "2026-01-01T00:00:00Z" and "kept in the profile cache" in notes[-1]
     assert again.overhead.measured.reused
+    assert "shard" not in again.links or not again.links["shard"].measured  # an unsharded plan keeps no all-gather
     sharded = compile_plan(num_ranks=2, num_microbatches=2, schedule="1f1b", dp=2, shard="full").plan
-    links.measure_links(sharded)
-    assert probes == [False, True]  # another layout
-    (path,) = [p for p in (root / "links").glob("*.json") if not json.loads(p.read_text())["key"]["sharded"]]
+    got, _ = links.measure_links(sharded)
+    assert probes == [False] and got.links["shard"].measured.reused  # one probe for every layout
+    (path,) = (root / "links").glob("*.json")
     path.write_text("[]")
     new_process()
     _, notes = links.measure_links(plan)
-    assert probes == [False, True, False] and any(str(path) in n and "damaged" in n for n in notes)
+    assert probes == [False, False] and any(str(path) in n and "damaged" in n for n in notes)
     cache.reprofile()
     links.measure_links(plan)
-    assert probes == [False, True, False, False]
+    assert probes == [False, False, False]
 
 
 def test_pipec_cache_shows_and_clears_without_torch(root):

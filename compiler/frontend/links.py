@@ -7,7 +7,7 @@ here as torchrun would start them (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 third import of torch): the compiler imports nothing of the runtime, the
 probe times the real executor. It measures point-to-point at the plan's edge
 sizes, the all-reduce at the sizes of the stages' parameters and tied weights
-(and the all-gather for a sharded plan), and the executor's host time per
+and the all-gather (for a sharded plan's shard groups), and the executor's host time per
 instruction kind; the plan then carries them as its ``links`` (each marked
 measured) and its ``overhead``. Explicit ``links`` in the schedule file win
 (the caller does not probe). A probe that fails, or runs past
@@ -15,8 +15,10 @@ measured) and its ``overhead``. Explicit ``links`` in the schedule file win
 says why.
 
 What the probe measured is kept in the profile cache (:mod:`pipec.compiler.cache`, kind ``links``) per host,
-backend and layout (sharded or not), torch's and pipec's version: a later compile here reuses it (its
-``measured`` says when, and ``"reused": true``) unless ``--reprofile``.
+backend, torch's and pipec's version: a later compile here reuses it (its ``measured`` says when, and
+``"reused": true``) unless ``--reprofile``. One probe serves every layout: it always measures the all-gather
+too, which only a sharded plan keeps (``pipec tune``'s sharded and unsharded candidates once started a probe
+each).
 
 Who owns what: this module owns what the plan needs (the sizes, read off its
 edges, stages and ties; the job's command line; its file read with the plan's
@@ -56,7 +58,7 @@ MAX_SIZES = 4
 ANCHOR_BYTES = 1 << 22
 """Always measured too: a size large enough that the fit's bandwidth is not noise when the plan's messages are small."""
 
-PROBE_METHOD = 1
+PROBE_METHOD = 2
 """What the probe measures; cache entries of another method are misses."""
 
 
@@ -83,7 +85,7 @@ def _probe(plan: Plan, backend: str) -> dict | str:
     with tempfile.TemporaryDirectory(prefix="pipec-links-") as tmp:
         out = os.path.join(tmp, "links.json")
         args = ["-m", "pipec.runtime.linkprobe", "--backend", backend, "--sizes", ",".join(map(str, _sizes(plan))),
-                "-o", out] + (["--sharded"] if plan.mesh.sharded else [])
+                "-o", out, "--sharded"]
         for attempt in range(2):
             why = _run_ranks(args, out, tmp)
             if why is None:
@@ -149,11 +151,11 @@ def _stop(ranks: list[subprocess.Popen]) -> None:
             job.wait()
 
 
-def _key(backend: str, sharded: bool) -> dict:
-    """What decides the probe's figures: the host, the backend and the layout (sharded or not), the versions."""
+def _key(backend: str) -> dict:
+    """What decides the probe's figures: the host, the backend, the versions."""
     import torch
 
-    return {"host": socket.gethostname(), "backend": backend, "sharded": sharded, "torch": torch.__version__,
+    return {"host": socket.gethostname(), "backend": backend, "torch": torch.__version__,
             "pipec": pipec.__version__, "method": PROBE_METHOD}
 
 
@@ -173,7 +175,7 @@ def measure_links(plan: Plan) -> tuple[Plan, list[str]]:
     """The plan with measured ``links`` and ``overhead`` (the profile cache's, else probed now), and notes (why
     nothing was measured, if so)."""
     backend = _backend()
-    key = _key(backend, plan.mesh.sharded)
+    key = _key(backend)
     entry = cache.lookup("links", key, _check)
     notes = cache.take_notes()
     if entry is None:
@@ -191,7 +193,10 @@ def measure_links(plan: Plan) -> tuple[Plan, list[str]]:
             return plan, notes + [f"links not measured: the probe wrote an unreadable file ({e})"]
         entry = cache.store("links", key, obj)
         notes += cache.take_notes()
-    probed, overhead = _readable(dict(entry.value))
+    obj = dict(entry.value)
+    if not plan.mesh.sharded:  # the all-gather prices only shard groups
+        obj["links"] = {axis: link for axis, link in obj["links"].items() if axis != "shard"}
+    probed, overhead = _readable(obj)
     if entry.reused:
         probed = {axis: replace(link, measured=replace(link.measured, reused=True)) if link.measured else link
                   for axis, link in probed.items()}
