@@ -37,8 +37,8 @@ from pipec.compiler import progress
 from pipec.compiler.frontend.tensors import FrontendError, to_dtype
 from pipec.compiler.ir.plan import Cost
 
-__all__ = ["Profiling", "Crowd", "profiling", "crowd", "median_ci", "usable_cores", "MAX_PROFILE_RANKS", "CROWD_REPEATS",
-           "MIN_CROWD_REPEATS", "MAX_REPS", "SPREAD_TARGET", "PROFILE_METHOD"]
+__all__ = ["Profiling", "Crowd", "profiling", "crowd", "median_ci", "usable_cores", "MAX_PROFILE_RANKS",
+           "CROWD_REPEATS", "MIN_CROWD_REPEATS", "MAX_REPS", "SPREAD_TARGET", "PROFILE_METHOD"]
 
 _T = TypeVar("_T")
 
@@ -191,10 +191,9 @@ class Profiling:
     is luck the run does not repeat. The processes repeat that (one fork, stages built once) until the median of
     the repeats' slowdowns is known to ``spread_target``, at least :data:`MIN_CROWD_REPEATS` and at most
     ``crowd_repeats`` times: a window in which the whole host ran slow is one repeat, not the price of every
-    stage. The slowdown is kept per microbatch shape and shared by every cut of it (``pipec tune`` cuts one
-    shape dozens of times): it is how K processes share C cores on that work, measured to a stated spread and at
-    one host speed, where one crowd per cut priced each cut with its own crowd's luck (a median of 5 repeats
-    moved by up to 30% from cut to cut)."""
+    stage. The slowdown is kept per microbatch shape and shared by every cut of it (:mod:`.timings`; ``pipec
+    tune`` cuts one shape dozens of times): it is how K processes share C cores on that work, measured to a stated
+    spread and at one host speed."""
 
     num_ranks: int = 1
     """Processes timing the stages at once (this one and ``num_ranks - 1`` forked from it)."""
@@ -330,7 +329,8 @@ def _ratio(sums: Sequence[Sequence[float]]) -> tuple[float, ...]:
     return tuple(fallback if x is None else x for x in out)
 
 
-def _slowdown(alone: Mapping[int, Sequence[float]], at_once: Sequence[Mapping[int, Sequence[_Sample]]]) -> tuple[float, ...]:
+def _slowdown(alone: Mapping[int, Sequence[float]],
+              at_once: Sequence[Mapping[int, Sequence[_Sample]]]) -> tuple[float, ...]:
     """Per part: what every concurrent sample of one repeat took over what the same samples took alone."""
     return _ratio([_sums(alone, mine) for mine in at_once])
 
@@ -462,7 +462,8 @@ def crowd(profile: Profiling, runners: Mapping[int, Callable[[], _Sample]], alon
     returns every process reads the same slowdowns and makes the same choice to stop or go on."""
     cap = max(MIN_CROWD_REPEATS, profile.crowd_repeats)
 
-    def work(rank: int, together: _Together) -> tuple[list[dict[int, list[_Sample]]], list[tuple[float, ...]], list[float]]:
+    def work(rank: int, together: _Together) -> tuple[list[dict[int, list[_Sample]]], list[tuple[float, ...]],
+                                                      list[float]]:
         torch.set_num_threads(profile.threads)
         mine = {s: runners[s] for s in profile.share(rank, num_stages)}
         reference = _reference(profile.threads) if rank == 0 else None
