@@ -33,7 +33,7 @@ from pipec.runtime.training import (
     split_microbatches,
 )
 
-__all__ = ["Trainer", "CHECK_TOLERANCE", "LOAD_WARNING", "interval_line"]
+__all__ = ["Trainer", "CHECK_TOLERANCE", "LOAD_WARNING", "interval_line", "activations_line"]
 
 CHECK_TOLERANCE = {"float32": (1e-6, 1e-4), "bfloat16": (1e-3, 5e-2), "float16": (1e-3, 5e-2)}
 """--check passes when every gradient differs from the reference's by at most atol + rtol x max|reference|
@@ -468,6 +468,8 @@ class Trainer:
         console.print(t)
         if report.get("state_bytes"):
             console.print(self.state_table(report["state_bytes"]))
+        if (line := activations_line(self.plan.mesh, report)) is not None:
+            console.print(line)
         extra = [f"step {meas['step_time']:.3f} s"]
         if "tokens_per_s" in report:
             extra.append(f"{report['tokens_per_s']:,.0f} tokens/s")
@@ -478,6 +480,23 @@ class Trainer:
         console.print("  ".join(extra))
         if (line := interval_line(report)) is not None:
             console.print(line)
+
+
+def activations_line(mesh, report) -> str | None:
+    """The saved activations each rank held at its peak (measured in the first step) beside its pp rank's
+    prediction, in one line; None where none was measured (``--emulate``)."""
+    from pipec.views.summary import format_bytes
+
+    pred = {r["rank"]: r.get("peak_activation_bytes") for r in (report.get("predicted") or {}).get("per_rank", [])}
+    parts = []
+    for r in report["measured"]["per_rank"]:
+        got = r.get("peak_activation_bytes")
+        if got is None:
+            continue
+        want = pred.get(mesh.coords(r["rank"])[0])
+        parts.append(f"rank {r['rank']} {format_bytes(got)}"
+                     + (f" ({(got - want) / want:+.1%} of {format_bytes(want)})" if want else ""))
+    return "saved activations at their peak (first step), beside the prediction: " + ", ".join(parts) if parts else None
 
 
 def interval_line(report) -> str | None:

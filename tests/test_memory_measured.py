@@ -176,6 +176,20 @@ def test_the_report_carries_the_counted_bytes_and_no_allocator_peak_on_cpu(measu
     assert "peak_memory_bytes" not in report and report["resident_bytes"] == 300 << 20
 
 
+def test_the_run_prints_the_activations_beside_the_prediction(measured_report):
+    from pipec.runtime.trainer import activations_line
+
+    plan, report, _ = measured_report
+    line = activations_line(plan.mesh, report)
+    acts = [r.peak_activation_bytes / 1024 for r in plan.prediction.per_rank]
+    assert line == ("saved activations at their peak (first step), beside the prediction: "
+                    f"rank 0 {acts[0]:.1f} KiB (+0.0% of {acts[0]:.1f} KiB), rank 1 {acts[1]:.1f} KiB (+0.0% of "
+                    f"{acts[1]:.1f} KiB)")
+    emulated = {**report, "measured": {**report["measured"], "per_rank": [
+        {k: v for k, v in r.items() if k != "peak_activation_bytes"} for r in report["measured"]["per_rank"]]}}
+    assert activations_line(plan.mesh, emulated) is None
+
+
 def test_show_measured_puts_the_counted_bytes_beside_the_predicted(measured_report, capsys):
     from pipec.cli import main
 

@@ -25,7 +25,7 @@ from pipec.compiler.ir.timeline import Timeline
 from pipec.views.common import format_time, infer_dp, lanes
 from pipec.views.timeline import render_terminal
 
-__all__ = ["render_summary", "memory_table", "show", "step_caption"]
+__all__ = ["render_summary", "memory_table", "show", "step_caption", "format_bytes"]
 
 
 def _rank_cells(tl: Timeline, rank: int, has_act: bool, has_mem: bool) -> list[str]:
@@ -41,7 +41,7 @@ def _rank_cells(tl: Timeline, rank: int, has_act: bool, has_mem: bool) -> list[s
     if has_act:
         cells.append("" if r.peak_activations is None else str(r.peak_activations))
     if has_mem:
-        cells.append("" if r.peak_memory_bytes is None else _bytes(r.peak_memory_bytes))
+        cells.append("" if r.peak_memory_bytes is None else format_bytes(r.peak_memory_bytes))
     return cells
 
 
@@ -58,11 +58,12 @@ def _total_cells(tl: Timeline, has_act: bool, has_mem: bool) -> list[str]:
         cells.append(f"max {max(acts)}" if acts else "")
     if has_mem:
         mems = [r.peak_memory_bytes for r in pr if r.peak_memory_bytes is not None]
-        cells.append(f"max {_bytes(max(mems))}" if mems else "")
+        cells.append(f"max {format_bytes(max(mems))}" if mems else "")
     return cells
 
 
-def _bytes(n: int) -> str:
+def format_bytes(n: int) -> str:
+    """``512 B``, ``437.1 KiB``, ``28.3 MiB``."""
     size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if size < 1024 or unit == "TiB":
@@ -166,7 +167,7 @@ def _memory_cells(r, pred=None) -> list[str]:
             continue
         want = None if pred is None or name == "peak" else getattr(pred, field)
         diff = f" ({(value - want) / want:+.1%})" if want else ""
-        cells.append(_bytes(value) + diff)
+        cells.append(format_bytes(value) + diff)
     return cells
 
 
