@@ -92,7 +92,8 @@ def one_round(work: Path, setting: str, *, schedule: str, steps: int, load_limit
     return {
         "setting": setting, "compile_s": compile_s, "predicted": pred["step_time"],
         "interval": pred.get("step_time_interval"), "steps": steps_after, "median": median,
-        "inside": None if band is None else band["steps_inside"], "counted": None if band is None else band["steps_counted"],
+        "inside": None if band is None else band["steps_inside"],
+        "counted": None if band is None else band["steps_counted"],
         "median_inside": None if band is None else band["median_inside"],
         "host_load": rep.get("host_load"), "warned": "the host's load is" in run.stderr,
         "load_avg": os.getloadavg()[0],

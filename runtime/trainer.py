@@ -300,7 +300,8 @@ class Trainer:
             if moved:
                 print(f"pipec: warning: the host's load is {now:.1f} now, {profile['host_load']:.1f} when the plan was "
                       f"profiled ({profile.get('cores', '?')} cores, {profile.get('concurrent_ranks', 1)} ranks at "
-                      f"once): each compute would take about {factor:.2f}x its predicted time, a step about {expected:.3f} s "
+                      f"once): each compute would take about {factor:.2f}x its predicted time, a step about "
+                      f"{expected:.3f} s "
                       f"against the predicted {pred.step_time:.3f} s"
                       + (f" ({band.coverage:.0%} interval {band.step_time[0]:.3f}-{band.step_time[1]:.3f} s)"
                          if band is not None else "")
