@@ -1,16 +1,29 @@
-"""Shared test helpers."""
+"""Shared test helpers: the ``--slow`` option, the launches' queue, and plans compiled once per run.
+
+- ``--slow``: the tests marked ``slow`` (the long tail: soaks, tune's whole space, every Hugging Face
+  family, the full schedule x layout matrices under torchrun) run only with it, and only they do:
+  ``./dev test`` and ``./dev test --slow`` split the suite, and CI (``.ci/run``) runs both. A test named
+  on the command line (``FILE::NAME``) runs either way.
+- :data:`LAUNCHES` (tests/launches.py): the tests' processes, queued and run in the background while the
+  in-process tests run (the tests that wait for them run last): runs under torchrun batched over the
+  whole test run (tests/runtime_worker.py, one launch per world size and round) for the tests that need
+  only each run's outcome, and whole commands for those that must see a process end.
+- :func:`compiled`: a plan compiled once per run, however many tests and launches use it.
+"""
 
 from __future__ import annotations
 
+import json
 import os
-import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Hashable, Iterable
+from typing import Any, Callable, Hashable, Iterable, Iterator
 
 import pytest
+
+from launches import LAUNCHES, Launches, call_job, run_job  # noqa: F401 - the tests import them from here
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -27,6 +40,36 @@ def _profile_cache(tmp_path_factory):
         os.environ.pop("XDG_CACHE_HOME", None)
     else:
         os.environ["XDG_CACHE_HOME"] = before
+
+
+# ----------------------------------------------------------------------------- --slow
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--slow", action="store_true", default=False,
+                     help="run only the tests marked slow (the long tail, which a plain run leaves out)")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    slow = config.getoption("--slow")
+    named = [arg for arg in config.args if "::" in arg]
+
+    def chosen(item) -> bool:
+        if (item.get_closest_marker("slow") is not None) == slow:
+            return True
+        return any(item.nodeid == arg or item.nodeid.startswith(arg + "[") or item.nodeid.endswith("/" + arg)
+                   for arg in named)
+
+    keep = [item for item in items if chosen(item)]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if not chosen(item)])
+    # the tests that wait for the launches' queue run last, so that it runs while the others do
+    waits = [item for item in keep if set(getattr(item, "fixturenames", ())) & set(LAUNCHES.needs)]
+    items[:] = [item for item in keep if item not in waits] + waits
+    LAUNCHES.needed = {name for item in items for name in getattr(item, "fixturenames", ())}
+
+
+# ----------------------------------------------------------------------------- processes
 
 
 def run_cli(*args: str, cwd: str | os.PathLike | None = None, timeout: float = 120, env: dict | None = None):
@@ -49,25 +92,43 @@ def on_threads(rank: Callable, keys: Iterable[Hashable]) -> dict:
         return dict(zip(keys, pool.map(lambda k: rank(*k), keys)))
 
 
-def run_in_session(cmd: list[str], timeout: float, cwd: str | os.PathLike | None = None,
-                   env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``cmd`` (a launcher and its ranks) in its own session (in ``cwd``, tests/ by default, with ``env`` over
-    this environment); on timeout kill the whole session, so no rank outlives the test, and fail with the end of
-    its stderr."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            cwd=cwd or REPO / "tests", env={**os.environ, **(env or {})})
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd[:4])} ... did not finish in {timeout} s:\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
 @pytest.fixture
 def cli(tmp_path):
     def _run(*args: str, timeout: float = 120, env: dict | None = None):
         return run_cli(*args, cwd=tmp_path, timeout=timeout, env=env)
 
     return _run
+
+
+# ----------------------------------------------------------------------------- launches
+
+
+@pytest.fixture(scope="session", autouse=True)
+def launches(tmp_path_factory) -> Iterator[Launches]:
+    """The queue of the tests' processes (tests/launches.py), its files under this run's temporary folder."""
+    LAUNCHES.root = tmp_path_factory.mktemp("launches")
+    yield LAUNCHES
+    LAUNCHES.stop_all()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    LAUNCHES.poll()  # between tests, before this one's fixtures: collect what ended, start what is next
+
+
+# ----------------------------------------------------------------------------- compiled once
+
+
+_PLANS: dict[str, Any] = {}
+
+
+def compiled(overrides: dict[str, Any]):
+    """The plan of ``compile_spec(load_spec(None, overrides))``, compiled once per distinct ``overrides`` in the
+    whole run (plans are immutable: every caller gets the same one)."""
+    key = json.dumps(overrides, sort_keys=True)
+    if key not in _PLANS:
+        from pipec.compiler.driver import compile_spec
+        from pipec.dsl import load_spec
+
+        _PLANS[key] = compile_spec(load_spec(None, overrides)).plan
+    return _PLANS[key]

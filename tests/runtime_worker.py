@@ -1,32 +1,42 @@
-"""A torchrun worker for the runtime tests: several plans in one process group.
+"""A torchrun worker for the runtime tests: several runs in one process group, one launch for them all.
 
-    torchrun --standalone --nproc-per-node N tests/runtime_worker.py OUT.json STEPS PLAN...
+    torchrun --standalone --nproc-per-node N tests/runtime_worker.py JOBS.json OUT.json
 
-For each plan (whose pp x dp must equal N): run STEPS training steps with
-``--check`` through the real launcher pieces and Trainer; then, on rank 0,
-train the unpartitioned reference for the same steps on the same data and
-record both loss curves; and check that every tied weight's copies are
-identical on every rank. Rank 0 writes one JSON record per plan to OUT.json.
+JOBS.json lists runs, each ``{"plan": PATH, "flags": [FLAG...], "reference": BOOL}`` (every plan's pp x dp
+must equal N). Each is what ``python -m pipec.runtime PATH FLAGS --quiet`` runs on a rank: its plan read and
+proven, its mesh's process groups, the Trainer (checkpoints, --resume, --check, --emulate and report.json as
+a run has them), one run after another in this process group. For each, rank 0 records its exit code, its
+report.json, what every rank printed to stderr meanwhile, whether every tied weight's copies are identical
+on every rank, and, with ``reference``, the losses of the unpartitioned model trained as many steps on the
+same data in this process. A job ``{"function": "module:name"}`` instead calls that function on every rank
+(the world process group up); its record holds what each rank returned. OUT.json: the records, in the order
+of the jobs (tests/launches.py reads them).
+
+A run that reads another run's checkpoint must come from another launch: one process that trained and then
+"resumed" keeps what it had in memory (its random streams, say), which a resume from disk must restore.
 
 Also the data functions of the tests of errors on some ranks only, and of resharded checkpoints.
 """
 
 from __future__ import annotations
 
+import gc
+import importlib
+import io
 import json
 import os
 import sys
-import tempfile
+from contextlib import redirect_stderr
 
 import torch
 import torch.distributed as dist
 
-from pipec.compiler.ir.plan_json import read_plan
-from pipec.runtime.stages import build_reference
-from pipec.compiler.passes.verify import verify
 from pipec.compiler.config import TrainingConfig
+from pipec.compiler.ir.plan_json import read_plan
+from pipec.compiler.passes.verify import verify
 from pipec.runtime.launch import Env, RunOptions, init_process_group, plan_transport, run_parser
 from pipec.runtime.sharding import local
+from pipec.runtime.stages import build_reference
 from pipec.runtime.trainer import Trainer
 from pipec.runtime.training import make_data, make_loss, make_optimizer, replica_inputs, split_microbatches
 
@@ -98,37 +108,85 @@ def tied_copies_equal(plan, trainer) -> bool:
     return all(all(torch.equal(ts[0], t) for t in ts[1:]) for ts in by_tie.values())
 
 
+class _Tee(io.TextIOBase):
+    """stderr kept for the record and still shown (a hung run's last words reach the test)."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.kept = stream, io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.kept.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def run_job(job: dict, index: int, out_path: str, env: Env, backend: str, device) -> dict | None:
+    """One run of the job's plan on every rank; rank 0's record of it (None on the other ranks)."""
+    path = job["plan"]
+    plan = read_plan(path)
+    verify(plan)  # as a run does: a plan that fails its proofs is never launched
+    report = f"{out_path}.{index}.report.json"
+    options = RunOptions.from_args(run_parser().parse_args(
+        [path, "--quiet", "--timeout", "120", "--report", report, *job.get("flags", [])]))
+    err = _Tee(sys.stderr)
+    with redirect_stderr(err):
+        transport = plan_transport(plan, env, options.timeout, backend, device)
+        trainer = Trainer(plan, TrainingConfig.from_spec(plan.spec), options, env, transport, device,
+                          peak_flops=None, peak_memory=lambda: 0)
+        rc = trainer.train()
+    ties_ok = tied_copies_equal(plan, trainer) if trainer.modules is not None else None  # --emulate: no weights
+    said = [None] * env.world_size
+    dist.all_gather_object(said, err.kept.getvalue())
+    record = None
+    if env.rank == 0:
+        with open(report, encoding="utf-8") as f:
+            rep = json.load(f)
+        record = {
+            "plan": path, "rc": rc, "report": rep, "stderr": "".join(said), "check": rep.get("check"),
+            "losses": [s.get("loss") for s in rep["steps"]], "bubble": rep["bubble_fraction"],
+            "state_bytes": rep.get("state_bytes"), "ties": len(plan.ties), "ties_equal": ties_ok,
+            "reference_losses": reference_losses(plan, trainer.steps) if job.get("reference") else None,
+        }
+    # the trainer's groups (and their gloo threads) go before the next run makes its own, as a run's exit frees them
+    del trainer, transport
+    gc.collect()
+    dist.barrier()
+    return record
+
+
+def call_job(job: dict, env: Env) -> dict | None:
+    """The job's function on every rank; rank 0's record of what each returned."""
+    module, name = job["function"].split(":")
+    returned = getattr(importlib.import_module(module), name)()
+    everyone = [None] * env.world_size
+    dist.all_gather_object(everyone, returned)
+    return {"function": job["function"], "returned": everyone} if env.rank == 0 else None
+
+
 def main() -> None:
-    out_path, steps, plans = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    jobs_path, out_path = sys.argv[1], sys.argv[2]
+    with open(jobs_path, encoding="utf-8") as f:
+        jobs = json.load(f)
     env = Env(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)), 0)
     backend, device = init_process_group(env, timeout=120)
     records = []
-    for path in plans:
-        plan = read_plan(path)
-        verify(plan)
-        report = os.path.join(tempfile.gettempdir(), f"pipec-test-{os.getpid()}-{len(records)}.json")
-        report = [report]
-        dist.broadcast_object_list(report, src=0)
-        options = RunOptions.from_args(run_parser().parse_args(
-            [path, "--steps", str(steps), "--check", "--quiet", "--report", report[0], "--timeout", "120"]))
-        transport = plan_transport(plan, env, 120, backend, device)
-        trainer = Trainer(plan, TrainingConfig.from_spec(plan.spec), options, env, transport, device, peak_flops=None,
-                          peak_memory=lambda: 0)
-        rc = trainer.train()
-        ties_ok = tied_copies_equal(plan, trainer)
-        if env.rank == 0:
-            with open(report[0], encoding="utf-8") as f:
-                rep = json.load(f)
-            records.append({
-                "plan": path, "rc": rc, "check": rep.get("check"), "losses": [s["loss"] for s in rep["steps"]],
-                "reference_losses": reference_losses(plan, steps), "ties": len(plan.ties), "ties_equal": ties_ok,
-                "bubble": rep["bubble_fraction"], "state_bytes": rep.get("state_bytes"),
-            })
-        dist.barrier()
+    for i, job in enumerate(jobs):
+        try:
+            records.append(call_job(job, env) if "function" in job else run_job(job, i, out_path, env, backend, device))
+        except BaseException:
+            print(f"runtime_worker: job {i} failed on rank {env.rank}: {json.dumps(job)}", file=sys.stderr, flush=True)
+            raise
     if env.rank == 0:
         with open(out_path, "w", encoding="utf-8") as f:
             json.dump(records, f, indent=1)
     dist.destroy_process_group()
+    # Every record is written: leave without the interpreter's teardown of what the runs left (seconds per
+    # launch, growing with the runs); a run's own exit is that of pipec run, which other tests launch.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

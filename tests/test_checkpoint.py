@@ -11,7 +11,9 @@
   --max-restarts 1 finishes bit-identical, resuming from its last checkpoint,
   with goodput in its report; a corrupted newest checkpoint is passed over for
   the previous one; the reference's checkpoint resumed under pp=2 1f1b and
-  under dp=2 x pp=2 (reshard).
+  under dp=2 x pp=2 (reshard). The runs that only need their outcome share
+  launches (tests/launches.py): the reference and the first half of the
+  stopped run in one, the resumes in later ones.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import datetime
 import json
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -27,13 +28,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import PYTHON, run_in_session
+from conftest import LAUNCHES, PYTHON, compiled, run_job
 
 from pipec.compiler.config import TrainingConfig
-from pipec.compiler.driver import compile_spec
 from pipec.compiler.ir.plan_json import write_plan
 from pipec.runtime.stages import build_reference, build_stages, run_stages
-from pipec.dsl import load_spec
 from pipec.runtime.checkpoint import CheckpointError, Checkpointer, list_checkpoints, read_manifest, validate
 from pipec.runtime.checkpoint_export import export_checkpoint, load_model_state
 from pipec.runtime.goodput import summarize
@@ -43,12 +42,11 @@ MODEL_ARGS = {"layers": 4, "dim": 16, "heads": 2, "vocab": 32, "seq": 8}
 
 
 def tiny_gpt(schedule: str, virtual: int, pp: int, dp: int = 1):
-    overrides = {
+    return compiled({
         "model": "pipec.examples.gpt:build", "model_args": MODEL_ARGS, "input": "tokens: int64[8, 8]",
         "schedule": schedule, "pp": pp, "dp": dp, "virtual": virtual, "microbatches": 4, "costs": "unit",
         "partition": "balanced(by=params)",
-    }
-    return compile_spec(load_spec(None, overrides)).plan
+    })
 
 
 def with_checkpoints(plan_path: Path, out: Path, folder: Path | None, every: int) -> str:
@@ -58,11 +56,6 @@ def with_checkpoints(plan_path: Path, out: Path, folder: Path | None, every: int
     data["spec"]["checkpoint_every"] = every
     out.write_text(json.dumps(data))
     return str(out)
-
-
-def pipec_run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """``pipec run`` in its own session (killed whole on timeout)."""
-    return run_in_session([PYTHON, "-m", "pipec", "run", *args, "--timeout", "60", "--quiet"], timeout)
 
 
 def full_state(path: Path) -> dict:
@@ -320,50 +313,89 @@ def test_goodput_splits_wall_time_across_attempts():
 # ----------------------------------------------------------------------------- torchrun
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, plan_x):
-    """The plans, and the reference run: 6 steps of plan X, a checkpoint after every step."""
-    root = tmp_path_factory.mktemp("ckpt")
-    x = root / "x.json"
-    write_plan(plan_x, str(x))
+def losses(record: dict) -> dict[int, float]:
+    """A run's loss by step (tests/runtime_worker.py's record of it)."""
+    return {s["step"]: s["loss"] for s in record["report"]["steps"]}
+
+
+def assert_ran(record: dict) -> None:
+    assert record["rc"] == 0, record["stderr"][-4000:]
+
+
+def _runs(folder: Path) -> dict[str, dict]:
+    """The plans; the reference run (6 steps of plan X, a checkpoint after every step); and the first half of a
+    run stopped after 3 steps (a checkpoint every 2: saves steps 2, and 3 as it ends)."""
+    x = folder / "x.json"
+    write_plan(tiny_gpt("interleaved_1f1b", 2, 2), str(x))
     for name, plan in (("y", tiny_gpt("1f1b", 1, 2)), ("z", tiny_gpt("1f1b", 1, 2, dp=2))):
-        write_plan(plan, str(root / f"{name}.json"))
-    ref = with_checkpoints(x, root / "x_ref.json", root / "ref", every=1)
-    run = pipec_run(ref, "--nproc", "2", "--steps", "6", "--report", str(root / "ref.json"))
-    assert run.returncode == 0, run.stderr[-4000:]
-    return root
+        write_plan(plan, str(folder / f"{name}.json"))
+    ref = with_checkpoints(x, folder / "x_ref.json", folder / "ref", every=1)
+    stopped = with_checkpoints(x, folder / "x_b.json", folder / "b", every=2)
+    return {"ref": run_job(ref, "--steps", "6"), "stopped": run_job(stopped, "--steps", "3")}
 
 
-def losses(report: Path) -> dict[int, float]:
-    return {s["step"]: s["loss"] for s in json.loads(report.read_text())["steps"]}
+def _resumed(folder: Path) -> dict[str, dict]:
+    """Every 2-rank resume from the reference's or the stopped run's checkpoints: the stopped run to 6 steps; a
+    copy of the reference's checkpoints whose newest is corrupt, to 6 steps; the reference's step 3 under plan
+    Y (pp=2 1f1b, 2 stages: resharded), to 4 steps."""
+    runs = LAUNCHES.folder("checkpoint_runs")
+    shutil.copytree(runs / "ref", folder / "c")
+    victim = sorted((folder / "c" / "step_00000006").glob("*.distcp"))[-1]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    (folder / "victim").write_text(victim.name)
+    corrupt = with_checkpoints(runs / "x.json", folder / "x_c.json", folder / "c", every=1)
+    y = with_checkpoints(runs / "y.json", folder / "y_ck.json", folder / "y_out", every=1)
+    return {"stopped": run_job(runs / "x_b.json", "--steps", "6", "--resume", str(runs / "b")),
+            "corrupt": run_job(corrupt, "--steps", "6", "--resume", str(folder / "c")),
+            "y": run_job(y, "--steps", "4", "--resume", str(runs / "ref" / "step_00000003"))}
 
 
-@pytest.mark.timeout(300)
-def test_stop_and_resume_is_bit_identical_to_an_uninterrupted_run(runs):
-    plan = with_checkpoints(runs / "x.json", runs / "x_b.json", runs / "b", every=2)
-    first = pipec_run(plan, "--nproc", "2", "--steps", "3")  # saves step 2, and step 3 as it ends
-    assert first.returncode == 0, first.stderr[-4000:]
-    second = pipec_run(plan, "--nproc", "2", "--steps", "6", "--resume", str(runs / "b"),
-                       "--report", str(runs / "b.json"))
-    assert second.returncode == 0, second.stderr[-4000:]
-    assert "resumed from" in second.stderr and "step_00000003 at step 3" in second.stderr
+def _resumed_4(folder: Path) -> dict[str, dict]:
+    """The reference's step 3 under plan Z (dp=2 x pp=2 1f1b), to 4 steps."""
+    runs = LAUNCHES.folder("checkpoint_runs")
+    return {"z": run_job(runs / "z.json", "--steps", "4", "--resume", str(runs / "ref" / "step_00000003"))}
+
+
+checkpoint_runs = LAUNCHES.runs("checkpoint_runs", world=2, make=_runs)
+checkpoint_resumed = LAUNCHES.runs("checkpoint_resumed", world=2, round=2, after=("checkpoint_runs",), make=_resumed)
+checkpoint_resumed_4 = LAUNCHES.runs("checkpoint_resumed_4", world=4, round=2, after=("checkpoint_runs",),
+                                    make=_resumed_4)
+
+
+@pytest.mark.timeout(900)
+def test_stop_and_resume_is_bit_identical_to_an_uninterrupted_run(checkpoint_runs, checkpoint_resumed):
+    runs = LAUNCHES.folder("checkpoint_runs")
+    first, second = checkpoint_runs["stopped"], checkpoint_resumed["stopped"]
+    assert_ran(first)
+    assert_ran(second)
+    assert "resumed from" in second["stderr"] and "step_00000003 at step 3" in second["stderr"]
     assert [s for s, _ in list_checkpoints(runs / "b")] == [6, 4, 3, 2]
-    # the same token stream: steps 3..5 have the uninterrupted run's losses, exactly
-    assert losses(runs / "b.json") == {k: v for k, v in losses(runs / "ref.json").items() if k >= 4}  # steps count from 1
+    # the same token stream: steps 4..6 (counted from 1) have the uninterrupted run's losses, exactly
+    assert losses(second) == {k: v for k, v in losses(checkpoint_runs["ref"]).items() if k >= 4}
     assert_same_state(full_state(runs / "b" / "step_00000006"), full_state(runs / "ref" / "step_00000006"))
 
 
-@pytest.mark.timeout(300)
-def test_a_failure_under_max_restarts_resumes_and_ends_bit_identical(runs):
-    plan = with_checkpoints(runs / "x.json", runs / "x_f.json", runs / "f", every=2)
-    run = pipec_run(plan, "--nproc", "2", "--steps", "6", "--fail-at", "5:1", "--max-restarts", "1",
-                    "--sync-checkpoints", "--keep-checkpoints", "1", "--report", str(runs / "f.json"))
+def _restarted(folder: Path) -> list[str]:
+    """Plan X run 6 steps with a checkpoint every 2, rank 1 killed in step 5 (after 4 done), one restart allowed."""
+    plan = with_checkpoints(LAUNCHES.folder("checkpoint_runs") / "x.json", folder / "x_f.json", folder / "f", every=2)
+    return [PYTHON, "-m", "pipec", "run", plan, "--nproc", "2", "--steps", "6", "--fail-at", "5:1", "--max-restarts",
+            "1", "--sync-checkpoints", "--keep-checkpoints", "1", "--report", str(folder / "f.json"), "--timeout", "60",
+            "--quiet"]
+
+
+restarted = LAUNCHES.command("restarted", make=_restarted, timeout=240, round=1, after=("checkpoint_runs",))
+
+
+@pytest.mark.timeout(900)
+def test_a_failure_under_max_restarts_resumes_and_ends_bit_identical(checkpoint_runs, restarted):
+    runs, tmp_path = LAUNCHES.folder("checkpoint_runs"), LAUNCHES.folder("restarted")
+    run = restarted
     assert run.returncode == 0, run.stderr[-4000:]
     assert "injected failure: global rank 1 (pp 1, dp 0) killed at step 5" in run.stderr
     assert "step_00000004 at step 4" in run.stderr  # the restarted attempt resumed from the last checkpoint
-    assert [s for s, _ in list_checkpoints(runs / "f")] == [6]  # --keep-checkpoints 1
-    assert_same_state(full_state(runs / "f" / "step_00000006"), full_state(runs / "ref" / "step_00000006"))
-    g = json.loads((runs / "f.json").read_text())["goodput"]
+    assert [s for s, _ in list_checkpoints(tmp_path / "f")] == [6]  # --keep-checkpoints 1
+    assert_same_state(full_state(tmp_path / "f" / "step_00000006"), full_state(runs / "ref" / "step_00000006"))
+    g = json.loads((tmp_path / "f.json").read_text())["goodput"]
     assert g["restarts"] == 1 and [a["resumed_from"] for a in g["attempts"]] == [0, 4]
     assert [a["steps_done"] for a in g["attempts"]] == [4, 6] and g["steps_recomputed"] == 0
     assert g["checkpoints"]["mode"] == "sync" and g["checkpoints"]["committed"] == [6]
@@ -371,41 +403,42 @@ def test_a_failure_under_max_restarts_resumes_and_ends_bit_identical(runs):
     assert g["productive_s"] + sum(g["lost_s"].values()) == pytest.approx(g["wall_s"])
 
 
-@pytest.mark.timeout(300)
-def test_a_corrupt_newest_checkpoint_is_passed_over_for_the_previous_one(runs):
-    folder = runs / "c"
-    shutil.copytree(runs / "ref", folder)
-    victim = sorted((folder / "step_00000006").glob("*.distcp"))[-1]
-    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    plan = with_checkpoints(runs / "x.json", runs / "x_c.json", folder, every=1)
-    run = pipec_run(plan, "--nproc", "2", "--steps", "6", "--resume", str(folder))
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert f"checkpoint {folder / 'step_00000006'} is corrupt: file {victim.name} has" in run.stderr
-    assert f"resuming from {folder / 'step_00000005'} instead" in run.stderr
+@pytest.mark.timeout(900)
+def test_a_corrupt_newest_checkpoint_is_passed_over_for_the_previous_one(checkpoint_runs, checkpoint_resumed):
+    runs, folder = LAUNCHES.folder("checkpoint_runs"), LAUNCHES.folder("checkpoint_resumed")
+    run = checkpoint_resumed["corrupt"]
+    assert_ran(run)
+    c = folder / "c"
+    assert f"checkpoint {c / 'step_00000006'} is corrupt: file {(folder / 'victim').read_text()} has" in run["stderr"]
+    assert f"resuming from {c / 'step_00000005'} instead" in run["stderr"]
     # the corrupt checkpoint was replaced by a good one, equal to the reference's
-    assert_same_state(full_state(folder / "step_00000006"), full_state(runs / "ref" / "step_00000006"))
+    assert_same_state(full_state(c / "step_00000006"), full_state(runs / "ref" / "step_00000006"))
 
 
-@pytest.mark.timeout(300)
-def test_a_checkpoint_loads_under_other_plans(runs):
-    """Written under pp=2 interleaved (4 stages), resumed under pp=2 1f1b (2 stages) and dp=2 x pp=2."""
-    src = runs / "ref" / "step_00000003"
-    ref_losses = losses(runs / "ref.json")
-    y = with_checkpoints(runs / "y.json", runs / "y_ck.json", runs / "y_out", every=1)
-    run = pipec_run(y, "--nproc", "2", "--steps", "4", "--resume", str(src), "--report", str(runs / "y.json.report"))
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert "resharded" in run.stderr
-    assert losses(runs / "y.json.report")[4] == pytest.approx(ref_losses[4], rel=1e-6)
+@pytest.mark.timeout(900)
+def test_a_checkpoint_loads_under_another_partition(checkpoint_runs, checkpoint_resumed):
+    """Written under pp=2 interleaved (4 stages), resumed under pp=2 1f1b (2 stages)."""
+    runs, folder = LAUNCHES.folder("checkpoint_runs"), LAUNCHES.folder("checkpoint_resumed")
+    run = checkpoint_resumed["y"]
+    assert_ran(run)
+    assert "resharded" in run["stderr"]
+    assert losses(run)[4] == pytest.approx(losses(checkpoint_runs["ref"])[4], rel=1e-6)  # the 4th, after 3 done
     # one more step under the other partition lands where the reference's did (optimizer state resharded too)
-    got, _, _ = load_model_state(runs / "y_out")
+    got, _, _ = load_model_state(folder / "y_out")
     want, _, _ = load_model_state(runs / "ref" / "step_00000004")
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
 
-    run = pipec_run(str(runs / "z.json"), "--nproc", "4", "--steps", "4", "--resume", str(src),
-                    "--report", str(runs / "z.json.report"))
-    assert run.returncode == 0, run.stderr[-4000:]
-    # the loss of step 3 is that of the checkpoint's weights on both replicas' batches
+
+@pytest.mark.timeout(900)
+def test_a_checkpoint_loads_under_data_parallelism(checkpoint_resumed_4):
+    """Written under pp=2 interleaved, resumed under dp=2 x pp=2 1f1b: the loss of step 3 is that of the
+    checkpoint's weights on both replicas' batches."""
+    runs = LAUNCHES.folder("checkpoint_runs")
+    run = checkpoint_resumed_4["z"]
+    assert_ran(run)
+    assert "resharded" in run["stderr"]
+    src = runs / "ref" / "step_00000003"
     plan = tiny_gpt("1f1b", 1, 2, dp=2)
     model = build_reference(plan, seed=0)
     state, _, _ = load_model_state(src)
@@ -413,4 +446,4 @@ def test_a_checkpoint_loads_under_other_plans(runs):
     data, loss_fn = make_data(TrainingConfig.from_spec(plan.spec), plan), make_loss("cross_entropy")
     with torch.no_grad():
         expected = sum(loss_fn(model(data(3, d, 2)[0]["tokens"])[0], data(3, d, 2)[1]).item() for d in range(2)) / 2
-    assert losses(runs / "z.json.report")[4] == pytest.approx(expected, rel=1e-5)
+    assert losses(run)[4] == pytest.approx(expected, rel=1e-5)  # step 4 (from 1) reads batch index 3

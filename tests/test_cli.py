@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pipec.compiler.ir.plan_json import read_plan
 
 
@@ -71,6 +73,8 @@ def test_torch_csv_round_trip_through_the_cli(cli, tmp_path):
     assert out.returncode == 2 and "OVERLAP_F_B" in out.stderr
 
 
+@pytest.mark.slow  # the whole demo: profiles, then three schedules under torchrun (~50 s on 2 cores)
+@pytest.mark.timeout(600)
 def test_demo_shows_three_schedules(cli):
     out = cli("demo", timeout=300)
     assert out.returncode == 0, out.stderr

@@ -305,6 +305,8 @@ def test_the_vectorised_balancer_gives_the_same_cuts_bit_for_bit():
         assert balance(weights, stages) == _balance_one_j_at_a_time(weights, stages)
 
 
+@pytest.mark.slow  # tune's whole space under costs profile: every cut timed in a crowd (~50 s on 2 cores)
+@pytest.mark.timeout(600)
 def test_tune_with_profile_costs_confirms_no_cut_it_made_the_full_way(tmp_path, monkeypatch):
     """A profile cut is timed, so cutting it again would not repeat its costs: tune's winner is confirmed only
     where its cut was cost-only, and a search with ``costs profile`` runs to its end."""

@@ -6,8 +6,9 @@ absolute; the runtime's batches are windows of that file with their next
 tokens; a missing file and a model without one int64 [B, T] input are
 refused at the ``data`` key. Under torchrun (2 ranks, gloo, CPU): a 2N-step
 run that checkpoints every N steps, and a run resumed from its step-N
-checkpoint to 2N, end with bit-identical parameters and optimizer state, and
-the resumed steps have the uninterrupted run's losses: the stream continued.
+checkpoint to 2N (in a later launch, tests/launches.py), end with
+bit-identical parameters and optimizer state, and the resumed steps have the
+uninterrupted run's losses: the stream continued.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from pipec.dsl import load_spec
 from pipec.errors import PipecError
 from pipec.runtime.checkpoint import list_checkpoints
 from pipec.runtime.training import make_data
-from test_checkpoint import assert_same_state, full_state, losses, pipec_run, with_checkpoints
+from conftest import LAUNCHES, run_job
+from test_checkpoint import assert_ran, assert_same_state, full_state, losses, with_checkpoints
 
 VOCAB, SEQ, BATCH = 32, 8, 8
 N = 3
@@ -40,14 +42,19 @@ partition balanced(by=params)
 '''
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    """A schedule file and, beside it, a token file of 40 windows (byte-level ids mod the vocabulary)."""
-    root = tmp_path_factory.mktemp("tokens")
-    (root / "corpus").mkdir()
+def write_tokens(path: Path) -> None:
+    """A token file of 40 windows (byte-level ids mod the vocabulary)."""
     text = ("pipec reads a flat file of token ids, written back to back. " * 12).encode()
     ids = np.frombuffer(text, dtype=np.uint8)[: 40 * (SEQ + 1)] % VOCAB
-    ids.astype(np.uint16).tofile(root / "corpus" / "train.bin")
+    ids.astype(np.uint16).tofile(path)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """A schedule file and, beside it, a token file."""
+    root = tmp_path_factory.mktemp("tokens")
+    (root / "corpus").mkdir()
+    write_tokens(root / "corpus" / "train.bin")
     (root / "run.pipe").write_text(SCHEDULE)
     return root
 
@@ -92,21 +99,37 @@ def test_the_language_refuses_what_data_and_targets_cannot_say(folder, flags, ma
     assert err.value.exit_code == 2 and ":1:" in str(err.value)  # located (a flag, or the file's statement)
 
 
-@pytest.mark.timeout(300)
-def test_stop_and_resume_continues_the_token_stream_bit_identically(folder):
-    plan = folder / "plan.json"
-    write_plan(compiled(folder), str(plan))
-    ref = with_checkpoints(plan, folder / "ref.json", folder / "ref", every=N)
-    run = pipec_run(ref, "--nproc", "2", "--steps", str(2 * N), "--report", str(folder / "ref_report.json"))
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert [s for s, _ in list_checkpoints(folder / "ref")] == [2 * N, N]
-    resumed = with_checkpoints(plan, folder / "resumed.json", folder / "resumed", every=N)
-    run = pipec_run(resumed, "--nproc", "2", "--steps", str(2 * N), "--resume", str(folder / "ref" / f"step_{N:08d}"),
-                    "--report", str(folder / "resumed_report.json"))
-    assert run.returncode == 0, run.stderr[-4000:]
-    ref_losses = losses(folder / "ref_report.json")
-    assert losses(folder / "resumed_report.json") == {k: v for k, v in ref_losses.items() if k >= N}
+def _token_runs(root: Path) -> dict[str, dict]:
+    """The reference: 2N steps of the schedule file's plan, a checkpoint every N."""
+    (root / "corpus").mkdir()
+    write_tokens(root / "corpus" / "train.bin")
+    (root / "run.pipe").write_text(SCHEDULE)
+    write_plan(compiled(root), str(root / "plan.json"))
+    ref = with_checkpoints(root / "plan.json", root / "ref.json", root / "ref", every=N)
+    return {"ref": run_job(ref, "--steps", str(2 * N))}
+
+
+def _token_resumed(folder: Path) -> dict[str, dict]:
+    """The plan resumed from the reference's step N, to 2N."""
+    root = LAUNCHES.folder("token_runs")
+    resumed = with_checkpoints(root / "plan.json", folder / "resumed.json", folder / "resumed", every=N)
+    return {"resumed": run_job(resumed, "--steps", str(2 * N), "--resume", str(root / "ref" / f"step_{N:08d}"))}
+
+
+token_runs = LAUNCHES.runs("token_runs", world=2, make=_token_runs)
+token_resumed = LAUNCHES.runs("token_resumed", world=2, round=2, after=("token_runs",), make=_token_resumed)
+
+
+@pytest.mark.timeout(900)
+def test_stop_and_resume_continues_the_token_stream_bit_identically(token_runs, token_resumed):
+    root, folder = LAUNCHES.folder("token_runs"), LAUNCHES.folder("token_resumed")
+    ref, resumed = token_runs["ref"], token_resumed["resumed"]
+    assert_ran(ref)
+    assert_ran(resumed)
+    assert [s for s, _ in list_checkpoints(root / "ref")] == [2 * N, N]
+    ref_losses = losses(ref)
+    assert losses(resumed) == {k: v for k, v in ref_losses.items() if k > N}  # steps count from 1
     assert len(set(ref_losses.values())) == 2 * N  # each step read other windows
     assert_same_state(full_state(folder / "resumed" / f"step_{2 * N:08d}"),
-                      full_state(folder / "ref" / f"step_{2 * N:08d}"))
-    assert json.loads(plan.read_text())["model"]["data"]["inputs"][0]["high"] == VOCAB
+                      full_state(root / "ref" / f"step_{2 * N:08d}"))
+    assert json.loads((root / "plan.json").read_text())["model"]["data"]["inputs"][0]["high"] == VOCAB

@@ -3,10 +3,13 @@
 - In-process: every schedule's program runs on threads over the fake
   transport; loss and every gradient equal one unpartitioned step on the whole
   batch. Fast.
-- torchrun (gloo, CPU): two launches, each running several plans: every
-  schedule at pp=2, pp=4 and dp=2 x pp=2 passes --check, trains for K steps
-  with the same losses as single-process training on the same data, and keeps
-  tied weights identical across stages.
+- In-process at pp=4 too (the fake transport), every schedule exact.
+- torchrun (gloo, CPU), several plans per launch (tests/launches.py):
+  every schedule at pp=2 passes --check, trains for K steps with the same
+  losses as single-process training on the same data, and keeps tied weights
+  identical across stages; with ``--slow``, every schedule at pp=4 and
+  dp=2 x pp=2 too (the default run has one of each: interleaved_1f1b at pp=4
+  here, 1f1b at dp=2 x pp=2 among tests/test_shard_run.py's).
 - An injected rank failure ends the job non-zero, naming the rank.
 - ``--emulate``: every kind of instruction runs through the emulated table, and
   the measured bubble of a unit-cost plan is the predicted one.
@@ -18,17 +21,15 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import signal
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import PYTHON, on_threads, run_in_session
+from conftest import LAUNCHES, PYTHON, compiled, on_threads, run_job
 
 from pipec.compiler.config import TrainingConfig
 from pipec.compiler.driver import compile_spec
@@ -47,13 +48,12 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 
 
 
 def tiny_gpt(schedule: str, virtual: int, pp: int, dp: int = 1, microbatches: int = 4, **extra):
-    """A small GPT plan (8 blocks of dim 16) with unit costs: compiles in about a second."""
-    overrides = {
+    """A small GPT plan (8 blocks of dim 16) with unit costs, compiled once per run (conftest.py's compiled)."""
+    return compiled({
         "model": "pipec.examples.gpt:build", "model_args": {"layers": 8, "dim": 16, "heads": 2, "vocab": 32, "seq": 8},
         "input": "tokens: int64[8, 8]", "schedule": schedule, "pp": pp, "dp": dp, "virtual": virtual,
         "microbatches": microbatches, "costs": "unit", "partition": "balanced(by=params)", **extra,
-    }
-    return compile_spec(load_spec(None, overrides)).plan
+    })
 
 
 def run_in_process(plan, step: int = 0, on_modules=None, emulate: float | None = None):
@@ -99,9 +99,9 @@ def reference_step(plan, step: int = 0):
 
 
 @pytest.mark.parametrize("schedule, virtual", SCHEDULES)
-@pytest.mark.parametrize("pp, dp", [(2, 1), (2, 2)])
+@pytest.mark.parametrize("pp, dp", [(2, 1), (2, 2), (4, 1)])
 def test_fake_transport_runs_every_schedule_exactly(schedule, virtual, pp, dp):
-    plan = tiny_gpt(schedule, virtual, pp, dp)
+    plan = tiny_gpt(schedule, virtual, pp, dp, microbatches=4 if pp == 2 else 8)
     results, modules = run_in_process(plan)
     ref_loss, ref_grads = reference_step(plan)
     losses = [r.loss for r in results.values() if r.loss is not None]  # each replica's last stage
@@ -170,51 +170,76 @@ def test_emulate_runs_every_kind_of_instruction_and_measures_the_predicted_bubbl
 # ----------------------------------------------------------------------------- torchrun
 
 
-def torchrun(args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    return run_in_session([PYTHON, "-m", "torch.distributed.run", *args], timeout)
-
-
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def plans(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("plans")
-    out = {}
-    for schedule, virtual in SCHEDULES:
-        for pp, dp in ((2, 1), (4, 1), (2, 2)):
-            extra = {"grad_clip": 1.0, "lr_schedule": "cosine(warmup=1)"} if schedule == "1f1b" else {}
-            plan = tiny_gpt(schedule, virtual, pp, dp, microbatches=4 if pp == 2 else 8, **extra)
-            path = folder / f"{schedule}-pp{pp}-dp{dp}.json"
-            write_plan(plan, str(path))
-            out[(schedule, pp, dp)] = str(path)
-    return out
+def schedule_runs(layouts: list[tuple[int, int]], only: set[tuple[str, int, int]] | None = None,
+                  but: set[tuple[str, int, int]] = frozenset()):
+    """A set of runs for tests/launches.py: every schedule at each (pp, dp) of ``layouts`` (those in
+    ``only``, not those in ``but``: (schedule, pp, dp)), STEPS steps with --check (1f1b with clipping and a
+    warm-up cosine lr schedule)."""
+
+    def make(folder: Path) -> dict[str, dict]:
+        jobs = {}
+        for schedule, virtual in SCHEDULES:
+            for pp, dp in layouts:
+                if (only is not None and (schedule, pp, dp) not in only) or (schedule, pp, dp) in but:
+                    continue
+                extra = {"grad_clip": 1.0, "lr_schedule": "cosine(warmup=1)"} if schedule == "1f1b" else {}
+                plan = tiny_gpt(schedule, virtual, pp, dp, microbatches=4 if pp == 2 else 8, **extra)
+                path = folder / f"{schedule}-pp{pp}-dp{dp}.json"
+                write_plan(plan, str(path))
+                jobs[path.stem] = run_job(path, "--steps", str(STEPS), "--check", reference=True)
+        return jobs
+
+    return make
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_schedule_trains_correctly_under_torchrun(plans, tmp_path, world):
-    chosen = [path for (schedule, pp, dp), path in plans.items() if pp * dp == world]
-    result = tmp_path / "result.json"
-    run = torchrun(["--standalone", "--nproc-per-node", str(world), "runtime_worker.py", str(result), str(STEPS),
-                    *chosen], timeout=800)
-    assert run.returncode == 0, run.stderr[-4000:]
-    records = json.loads(result.read_text())
-    assert len(records) == len(chosen)
-    for rec in records:
-        name = Path(rec["plan"]).stem
+PP4 = {("interleaved_1f1b", 4, 1)}
+"""The 4-rank run of the default suite (the others are --slow's)."""
+every_schedule_2_ranks = LAUNCHES.runs("every_schedule_2_ranks", world=2, make=schedule_runs([(2, 1)]))
+# 4-rank sets join round 2, the launch of tests/test_checkpoint.py's 4-rank resume
+pp4_4_ranks = LAUNCHES.runs("pp4_4_ranks", world=4, round=2, make=schedule_runs([(4, 1)], only=PP4))
+every_schedule_4_ranks = LAUNCHES.runs("every_schedule_4_ranks", world=4, round=2,
+                                      make=schedule_runs([(4, 1), (2, 2)], but=PP4))
+
+
+def assert_trained_as_one_process(records: dict[str, dict]) -> None:
+    assert records
+    for name, rec in records.items():
         assert rec["rc"] == 0 and rec["check"]["passed"], (name, rec["check"])
         assert rec["check"]["max_grad_diff"] < 1e-4, name
         # K steps of pipelined training equal K steps of single-process training on the same data
+        assert len(rec["losses"]) == STEPS, name
         assert rec["losses"] == pytest.approx(rec["reference_losses"], rel=1e-4, abs=1e-5), name
         assert rec["ties"] == 1 and rec["ties_equal"], name
 
 
-@pytest.mark.timeout(300)
-def test_injected_failure_ends_the_job_naming_the_rank(plans):
-    plan = plans[("1f1b", 2, 1)]
-    run = run_in_session([PYTHON, "-m", "pipec", "run", plan, "--nproc", "2", "--steps", "3", "--fail-at", "2:1",
-                          "--timeout", "30"], timeout=240)
+@pytest.mark.timeout(900)
+def test_every_schedule_trains_correctly_under_torchrun(every_schedule_2_ranks, pp4_4_ranks):
+    assert len(every_schedule_2_ranks) == len(SCHEDULES)
+    assert_trained_as_one_process(every_schedule_2_ranks | pp4_4_ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_every_schedule_trains_correctly_on_4_ranks(every_schedule_4_ranks):
+    assert len(every_schedule_4_ranks) == 2 * len(SCHEDULES) - len(PP4)
+    assert_trained_as_one_process(every_schedule_4_ranks)
+
+
+def _injected_failure(folder: Path) -> list[str]:
+    plan = str(folder / "plan.json")
+    write_plan(tiny_gpt("1f1b", 1, 2), plan)
+    return [PYTHON, "-m", "pipec", "run", plan, "--nproc", "2", "--steps", "3", "--fail-at", "2:1", "--timeout", "30"]
+
+
+injected_failure = LAUNCHES.command("injected_failure", make=_injected_failure, timeout=240)
+
+
+@pytest.mark.timeout(900)
+def test_injected_failure_ends_the_job_naming_the_rank(injected_failure):
+    run = injected_failure
     err = run.stderr
     assert run.returncode != 0
     assert "injected failure: global rank 1 (pp 1, dp 0) killed at step 2" in err
@@ -291,32 +316,41 @@ class _Mistake(PipecError):
     """A user's mistake (exit code 2)."""
 
 
-@pytest.fixture(scope="module")
-def data_plans(tmp_path_factory):
-    """dp=2 plans whose data function fails on dp rank 1 only, or on every rank (tests/runtime_worker.py)."""
-    folder = tmp_path_factory.mktemp("data_plans")
-    out = {}
-    for fn in ("uneven_batches", "short_batches"):
-        path = folder / f"{fn}.json"
-        write_plan(tiny_gpt("1f1b", 1, 1, dp=2, data=f"runtime_worker:{fn}"), str(path))
-        out[fn] = str(path)
-    return out
+def launch(launcher: str, data: str, *flags: str):
+    """A command for the launches' queue: two ranks of a dp=2 plan whose data function (tests/runtime_worker.py)
+    fails on dp rank 1 only (``uneven_batches``) or on every rank (``short_batches``), under ``pipec run`` or
+    plain torchrun."""
+
+    def make(folder: Path) -> list[str]:
+        plan = str(folder / f"{data}.json")
+        write_plan(tiny_gpt("1f1b", 1, 1, dp=2, data=f"runtime_worker:{data}"), plan)
+        if launcher == "pipec run":
+            cmd = [PYTHON, "-m", "pipec", "run", plan, "--nproc", "2"]
+        else:
+            cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                   "pipec.runtime", plan]
+        return [*cmd, "--steps", "1", "--timeout", "30", *flags]
+
+    return make
 
 
-def launch(launcher: str, plan: str, *flags: str) -> subprocess.CompletedProcess:
-    """Two ranks of ``plan`` under ``pipec run`` or plain torchrun, in their own session."""
-    if launcher == "pipec run":
-        cmd = [PYTHON, "-m", "pipec", "run", plan, "--nproc", "2"]
-    else:
-        cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "pipec.runtime",
-               plan]
-    return run_in_session([*cmd, "--steps", "1", "--timeout", "30", *flags], timeout=120)
+uneven_under_pipec_run = LAUNCHES.command("uneven_under_pipec_run", make=launch("pipec run", "uneven_batches"),
+                                          timeout=120)
+uneven_under_torchrun = LAUNCHES.command("uneven_under_torchrun", make=launch("torchrun", "uneven_batches"),
+                                         timeout=120)
+short_under_pipec_run = LAUNCHES.command("short_under_pipec_run",
+                                         make=launch("pipec run", "short_batches", "--verbose"), timeout=120)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("launcher", ["pipec run", "torchrun"])
-def test_an_error_on_one_rank_only_reaches_the_user_named_by_its_rank(data_plans, launcher):
-    run = launch(launcher, data_plans["uneven_batches"])
+@pytest.fixture(params=["pipec run", "torchrun"])
+def uneven(request, uneven_under_pipec_run, uneven_under_torchrun):
+    """The run whose data fails on dp rank 1 only, under each launcher."""
+    return request.param, uneven_under_pipec_run if request.param == "pipec run" else uneven_under_torchrun
+
+
+@pytest.mark.timeout(900)
+def test_an_error_on_one_rank_only_reaches_the_user_named_by_its_rank(uneven):
+    launcher, run = uneven
     err = run.stderr
     cause = next((line for line in err.splitlines() if line.startswith("pipec: error: global rank 1 (pp 0, dp 1): ")),
                  None)
@@ -331,9 +365,9 @@ def test_an_error_on_one_rank_only_reaches_the_user_named_by_its_rank(data_plans
         assert "exitcode  : 2" in err
 
 
-@pytest.mark.timeout(300)
-def test_identical_errors_from_every_rank_are_printed_once_with_the_ranks(data_plans):
-    run = launch("pipec run", data_plans["short_batches"], "--verbose")
+@pytest.mark.timeout(900)
+def test_identical_errors_from_every_rank_are_printed_once_with_the_ranks(short_under_pipec_run):
+    run = short_under_pipec_run
     err = run.stderr
     assert run.returncode == 2, err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith("pipec: error:")]

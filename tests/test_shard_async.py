@@ -6,7 +6,8 @@
   (interleaved_1f1b: ``RS2`` comes before ``B0.2``, ``B0.3``); under HSDP the
   ``AR<s>:dp.replicate`` right after it waits for that stage's alone (it
   reduces the shards), and the wait is timed as waiting (``~AR``).
-- Under torchrun with gloo, FSDP2 itself (:class:`ParamShards`): the
+- Under torchrun with gloo (on 2 ranks, in a launch shared with other tests:
+  tests/launches.py), FSDP2 itself (:class:`ParamShards`): the
   reduce-scatter's collective is posted and left unwaited by
   ``reduce_scatter``; after the handle's ``wait`` the gradient shards are the
   dp average of the accumulated microbatch gradients (float32, and bfloat16
@@ -18,11 +19,11 @@
 from __future__ import annotations
 
 import copy
-import sys
 
+import pytest
 import torch
 
-from conftest import PYTHON, on_threads, run_in_session
+from conftest import LAUNCHES, call_job, on_threads
 
 from pipec.compiler.config import TrainingConfig
 from pipec.compiler.driver import compile_spec
@@ -134,23 +135,25 @@ def test_hsdp_replicate_allreduce_waits_only_for_its_own_stage():
 # ----------------------------------------------------------------------------- FSDP2 under torchrun
 
 
-def test_fsdp2_reduce_scatter_is_posted_and_right_after_its_wait(tmp_path):
-    run = run_in_session([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          __file__], timeout=240)
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert run.stdout.count("posted ok") == 2, run.stdout[-2000:]
+fsdp2_runs = LAUNCHES.runs("fsdp2_runs", world=2,
+                          make=lambda folder: {"fsdp2": call_job("test_shard_async:fsdp2_reduce_scatter")})
 
 
-def _worker() -> None:
-    """Each rank: FSDP2 on a small model over the 2 ranks (the rank's own batch), two accumulated backwards, then
-    ``reduce_scatter``; checked against an unsharded copy's grads averaged over both ranks' batches."""
+@pytest.mark.timeout(900)
+def test_fsdp2_reduce_scatter_is_posted_and_right_after_its_wait(fsdp2_runs):
+    assert fsdp2_runs["fsdp2"]["returned"] == ["rank 0: posted ok", "rank 1: posted ok"]
+
+
+def fsdp2_reduce_scatter() -> str:
+    """Each rank (tests/runtime_worker.py, 2 ranks): FSDP2 on a small model over the 2 ranks (the rank's own
+    batch), two accumulated backwards, then ``reduce_scatter``; checked against an unsharded copy's grads
+    averaged over both ranks' batches. What it says when every check held."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from pipec.runtime import sharding
     from pipec.runtime.sharding import ParamShards, full
 
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2,))
     posted: list = []
@@ -169,7 +172,7 @@ def _worker() -> None:
         posted.append(Tracked(post(*args, **kwargs)))
         return posted[-1]
 
-    sharding._reduce_scatter = tracked
+    sharding._reduce_scatter = tracked  # this process's own module (the worker's), not the test run's
 
     def batches(r: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(10 + r)
@@ -209,9 +212,5 @@ def _worker() -> None:
         assert handle is None and waited, dtype
         for p, w in zip(model.parameters(), want):
             torch.testing.assert_close(full(p.grad), 2 * w, atol=2 * tol, rtol=tol)
-    print(f"rank {rank}: posted ok", flush=True)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    sys.exit(_worker())
+    sharding._reduce_scatter = post
+    return f"rank {rank}: posted ok"

@@ -1,13 +1,15 @@
 """Sharded data parallelism at run time (runtime/sharding.py), under torchrun with gloo on CPU.
 
-- One 4-rank job runs every shard mode (optimizer, grads, full) at pp 2 x dp 2
-  under 1f1b, interleaved_1f1b and zb_h1, HSDP's shard_size 1 beside the
-  default 2 at dp 2, shard_size 2 at dp 4, grad clipping over the shard group,
-  zbv and gpipe with recompute, and bfloat16 under FSDP2's mixed-precision
-  policy: each passes --check (loss and every gradient, the shards gathered,
-  against one unpartitioned step), trains K steps with the losses of
-  single-process training, keeps tied copies identical, and reports the state
-  each rank holds: sharded below unsharded, within 5% of the plan's prediction.
+- 4-rank runs (one launch, tests/launches.py): every shard mode
+  (optimizer, grads, full) and none at pp 2 x dp 2 under 1f1b, with grad
+  clipping over the shard group; HSDP's shard_size 1 beside the default 2 at
+  dp 2, and shard_size 2 at dp 4; bfloat16 under FSDP2's mixed-precision
+  policy. With ``--slow``, each mode under interleaved_1f1b and zb_h1 too,
+  shard_size 1 under zb_h1, grads at dp 4, zbv and gpipe with recompute. Each
+  passes --check (loss and every gradient, the shards gathered, against one
+  unpartitioned step), trains K steps with the losses of single-process
+  training, keeps tied copies identical, and reports the state each rank
+  holds: sharded below unsharded, within 5% of the plan's prediction.
 - In-process: --emulate runs the shard instructions as placeholders; a plan
   that shards parameters needs the FSDP2 driver.
 - Checkpoints: a dp 2 ``shard full`` run stopped and resumed ends bit-identical
@@ -19,19 +21,16 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
 
-from conftest import PYTHON, run_in_session
-from test_checkpoint import assert_same_state, full_state, losses, with_checkpoints
+from conftest import LAUNCHES, compiled, run_job
+from test_checkpoint import assert_ran, assert_same_state, full_state, losses, with_checkpoints
 
-from pipec.compiler.driver import compile_spec
 from pipec.compiler.ir.plan_json import write_plan
-from pipec.dsl import load_spec
 from pipec.runtime.checkpoint import list_checkpoints
 from pipec.runtime.checkpoint_export import load_model_state
 
@@ -41,17 +40,11 @@ SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1))
 
 def tiny_gpt(schedule: str, virtual: int, pp: int, dp: int, **extra):
     """A small GPT (8 blocks of dim 16, tied embedding) with unit costs."""
-    overrides = {
+    return compiled({
         "model": "pipec.examples.gpt:build", "model_args": {"layers": 8, "dim": 16, "heads": 2, "vocab": 32, "seq": 8},
         "input": "tokens: int64[8, 8]", "schedule": schedule, "pp": pp, "dp": dp, "virtual": virtual,
         "microbatches": 4, "costs": "unit", "partition": "balanced(by=params)", **extra,
-    }
-    return compile_spec(load_spec(None, overrides)).plan
-
-
-def torchrun(world: int, result: Path, plans: list[str], timeout: float) -> subprocess.CompletedProcess:
-    return run_in_session([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-                           "runtime_worker.py", str(result), str(STEPS), *plans], timeout)
+    })
 
 
 def plans_4_ranks() -> dict[str, dict]:
@@ -73,26 +66,37 @@ def plans_4_ranks() -> dict[str, dict]:
     return out
 
 
-@pytest.fixture(scope="module")
-def shard_runs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("shard_plans")
-    paths = {}
-    for name, keys in plans_4_ranks().items():
-        keys = dict(keys)
-        plan = tiny_gpt(keys.pop("schedule"), keys.pop("virtual"), keys.pop("pp"), keys.pop("dp"), **keys)
-        paths[name] = str(folder / f"{name}.json")
-        write_plan(plan, paths[name])
-    result = folder / "result.json"
-    run = torchrun(4, result, list(paths.values()), timeout=800)
-    assert run.returncode == 0, run.stderr[-4000:]
-    records = {Path(r["plan"]).stem: r for r in json.loads(result.read_text())}
-    assert sorted(records) == sorted(paths)
-    return records
+DEFAULT = ("none-1f1b", "optimizer-1f1b", "grads-1f1b", "full-1f1b", "grads-size1", "optimizer-dp4-size2",
+           "grads-bf16")
+"""The 4-rank runs of the default suite; the others are --slow's."""
 
 
-@pytest.mark.timeout(900)
-def test_every_shard_mode_and_schedule_passes_check_and_trains_as_one_process(shard_runs):
-    for name, rec in shard_runs.items():
+def shard_plans(chosen: Callable[[str], bool]) -> Callable[[Path], dict[str, dict]]:
+    """A set of runs for tests/launches.py: the plans of ``plans_4_ranks`` that ``chosen(name)`` picks, STEPS
+    steps with --check."""
+
+    def make(folder: Path) -> dict[str, dict]:
+        jobs = {}
+        for name, keys in plans_4_ranks().items():
+            if not chosen(name):
+                continue
+            keys = dict(keys)
+            plan = tiny_gpt(keys.pop("schedule"), keys.pop("virtual"), keys.pop("pp"), keys.pop("dp"), **keys)
+            path = folder / f"{name}.json"
+            write_plan(plan, str(path))
+            jobs[name] = run_job(path, "--steps", str(STEPS), "--check", reference=True)
+        return jobs
+
+    return make
+
+
+# round 2: the launch of the other 4-rank sets (tests/test_runtime.py, tests/test_checkpoint.py)
+shard_runs = LAUNCHES.runs("shard_runs", world=4, round=2, make=shard_plans(lambda name: name in DEFAULT))
+shard_runs_more = LAUNCHES.runs("shard_runs_more", world=4, round=2, make=shard_plans(lambda name: name not in DEFAULT))
+
+
+def assert_checked_and_trained_as_one_process(runs: dict[str, dict]) -> None:
+    for name, rec in runs.items():
         check = rec["check"]
         assert rec["rc"] == 0 and check["passed"], (name, check)
         bf16 = name.endswith("bf16")
@@ -100,23 +104,42 @@ def test_every_shard_mode_and_schedule_passes_check_and_trains_as_one_process(sh
                                    if bf16 else "float32"), name
         assert check["max_grad_diff"] < (5e-2 if bf16 else 1e-4), name
         tolerance = {"rel": 2e-2} if bf16 else {"rel": 1e-4, "abs": 1e-5}
+        assert len(rec["losses"]) == STEPS, name
         assert rec["losses"] == pytest.approx(rec["reference_losses"], **tolerance), name
         assert rec["ties"] == (plans_4_ranks()[name]["pp"] == 2) and rec["ties_equal"], name  # pp 1: one stage
 
 
+def held(runs: dict[str, dict], name: str) -> list[dict]:
+    """What each rank of run ``name`` held, as measured and predicted (sum and prediction checked)."""
+    entries = runs[name]["state_bytes"]
+    assert [e["rank"] for e in entries] == [0, 1, 2, 3], name
+    for e in entries:
+        assert e["measured"] == e["params"] + e["grads"] + e["optimizer"]
+        assert abs(e["measured"] - e["predicted"]) <= 0.05 * e["predicted"], (name, e)
+    return entries
+
+
+@pytest.mark.timeout(900)
+def test_every_shard_mode_passes_check_and_trains_as_one_process(shard_runs):
+    assert sorted(shard_runs) == sorted(DEFAULT)
+    assert_checked_and_trained_as_one_process(shard_runs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_every_shard_mode_and_schedule_passes_check_and_trains_as_one_process(shard_runs_more):
+    assert sorted(shard_runs_more) == sorted(set(plans_4_ranks()) - set(DEFAULT))
+    assert_checked_and_trained_as_one_process(shard_runs_more)
+    for name in shard_runs_more:
+        held(shard_runs_more, name)
+
+
 @pytest.mark.timeout(900)
 def test_each_rank_holds_its_shards_as_predicted(shard_runs):
-    def held(name: str) -> list[dict]:
-        entries = shard_runs[name]["state_bytes"]
-        assert [e["rank"] for e in entries] == [0, 1, 2, 3], name
-        return entries
-
     for name in shard_runs:
-        for e in held(name):
-            assert e["measured"] == e["params"] + e["grads"] + e["optimizer"]
-            assert abs(e["measured"] - e["predicted"]) <= 0.05 * e["predicted"], (name, e)
-    none, opt, grads, full = (held(f"{m}-1f1b") for m in ("none", "optimizer", "grads", "full"))
-    for n, o, g, f, one in zip(none, opt, grads, full, held("grads-size1")):
+        held(shard_runs, name)
+    none, opt, grads, full = (held(shard_runs, f"{m}-1f1b") for m in ("none", "optimizer", "grads", "full"))
+    for n, o, g, f, one in zip(none, opt, grads, full, held(shard_runs, "grads-size1")):
         assert o["params"] == n["params"] and o["grads"] == n["grads"] and o["optimizer"] < 0.6 * n["optimizer"]
         assert g["params"] < 0.6 * n["params"] and g["grads"] < 0.6 * n["grads"] and g["optimizer"] < 0.6 * n["optimizer"]
         assert f["measured"] == g["measured"]  # ZeRO-3 differs from ZeRO-2 in what is gathered, not at rest
@@ -126,36 +149,53 @@ def test_each_rank_holds_its_shards_as_predicted(shard_runs):
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def pipec_run(plan: str, nproc: int, *args: str) -> subprocess.CompletedProcess:
-    run = run_in_session([PYTHON, "-m", "pipec", "run", plan, "--nproc", str(nproc), "--timeout", "60", "--quiet",
-                          *args], 240)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return run
-
-
-@pytest.fixture(scope="module")
-def ckpt_plans(tmp_path_factory):
-    """dp 2 shard full, dp 1 unsharded, dp 2 shard optimizer: pp 1, every replica on the same batch."""
-    root = tmp_path_factory.mktemp("shard_ckpt")
-    out = {"root": root}
+def _checkpoint_runs(folder: Path) -> dict[str, dict]:
+    """dp 2 shard full, dp 1 unsharded, dp 2 shard optimizer: pp 1, every replica on the same batch. The
+    reference run (4 steps of shard full, a checkpoint after every step) and the first half of a run stopped
+    after 2 (a checkpoint every 2)."""
     for name, dp, shard in (("full", 2, "full"), ("none", 1, "none"), ("optimizer", 2, "optimizer")):
         plan = tiny_gpt("1f1b", 1, 1, dp, shard=shard, data="runtime_worker:same_batches")
-        write_plan(plan, str(root / f"{name}.json"))
-        out[name] = root / f"{name}.json"
-    ref = with_checkpoints(out["full"], root / "ref.json", root / "ref", every=1)
-    pipec_run(ref, 2, "--steps", "4", "--report", str(root / "ref.report.json"))
-    return out
+        write_plan(plan, str(folder / f"{name}.json"))
+    ref = with_checkpoints(folder / "full.json", folder / "ref.json", folder / "ref", every=1)
+    stopped = with_checkpoints(folder / "full.json", folder / "b.json", folder / "b", every=2)
+    return {"ref": run_job(ref, "--steps", "4"), "stopped": run_job(stopped, "--steps", "2")}
 
 
-@pytest.mark.timeout(300)
-def test_stop_and_resume_under_shard_full_is_bit_identical(ckpt_plans):
-    root = ckpt_plans["root"]
-    plan = with_checkpoints(ckpt_plans["full"], root / "b.json", root / "b", every=2)
-    pipec_run(plan, 2, "--steps", "2")
-    run = pipec_run(plan, 2, "--steps", "4", "--resume", str(root / "b"), "--report", str(root / "b.report.json"))
-    assert "step_00000002 at step 2" in run.stderr and "resharded" not in run.stderr
-    assert losses(root / "b.report.json") == {k: v for k, v in losses(root / "ref.report.json").items() if k >= 2}
-    assert_same_state(full_state(root / "b" / "step_00000004"), full_state(root / "ref" / "step_00000004"))
+def _unsharded(folder: Path) -> dict[str, dict]:
+    """The reference's step 2 under dp 1 unsharded, to 3 steps (a checkpoint every step)."""
+    runs = LAUNCHES.folder("shard_checkpoint_runs")
+    none = with_checkpoints(runs / "none.json", folder / "n.json", folder / "n", every=1)
+    return {"none": run_job(none, "--steps", "3", "--resume", str(runs / "ref" / "step_00000002"))}
+
+
+def _resumed(folder: Path) -> dict[str, dict]:
+    """The stopped run to 4 steps; the dp 1 run's checkpoint back under dp 2 full, and the reference's step 2
+    under dp 2 shard optimizer, each to 4 steps."""
+    runs = LAUNCHES.folder("shard_checkpoint_runs")
+    back = with_checkpoints(runs / "full.json", folder / "back.json", folder / "back", every=1)
+    zero1 = with_checkpoints(runs / "optimizer.json", folder / "o.json", folder / "o", every=1)
+    return {"stopped": run_job(runs / "b.json", "--steps", "4", "--resume", str(runs / "b")),
+            "back": run_job(back, "--steps", "4", "--resume", str(LAUNCHES.folder("shard_checkpoint_unsharded") / "n")),
+            "optimizer": run_job(zero1, "--steps", "4", "--resume", str(runs / "ref" / "step_00000002"))}
+
+
+shard_checkpoint_runs = LAUNCHES.runs("shard_checkpoint_runs", world=2, make=_checkpoint_runs)
+shard_checkpoint_unsharded = LAUNCHES.runs("shard_checkpoint_unsharded", world=1, round=1,
+                                          after=("shard_checkpoint_runs",), make=_unsharded)
+shard_checkpoint_resumed = LAUNCHES.runs("shard_checkpoint_resumed", world=2, round=2,
+                                        after=("shard_checkpoint_runs", "shard_checkpoint_unsharded"), make=_resumed)
+
+
+@pytest.mark.timeout(900)
+def test_stop_and_resume_under_shard_full_is_bit_identical(shard_checkpoint_runs, shard_checkpoint_resumed):
+    runs = LAUNCHES.folder("shard_checkpoint_runs")
+    assert_ran(shard_checkpoint_runs["stopped"])
+    run = shard_checkpoint_resumed["stopped"]
+    assert_ran(run)
+    assert "step_00000002 at step 2" in run["stderr"] and "resharded" not in run["stderr"]
+    # steps count from 1: the resumed run's first is step 3, the 3rd
+    assert losses(run) == {k: v for k, v in losses(shard_checkpoint_runs["ref"]).items() if k >= 3}
+    assert_same_state(full_state(runs / "b" / "step_00000004"), full_state(runs / "ref" / "step_00000004"))
 
 
 def assert_close_models(a: Path, b: Path) -> None:
@@ -170,30 +210,32 @@ def assert_close_models(a: Path, b: Path) -> None:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.timeout(400)
-def test_a_sharded_checkpoint_loads_unsharded_and_back(ckpt_plans):
+@pytest.mark.timeout(900)
+def test_a_sharded_checkpoint_loads_unsharded_and_back(shard_checkpoint_runs, shard_checkpoint_unsharded,
+                                                       shard_checkpoint_resumed):
     """dp 2 full -> dp 1 none -> dp 2 full, and dp 2 full -> dp 2 optimizer: each continues as the reference."""
-    root = ckpt_plans["root"]
-    ref = losses(root / "ref.report.json")
-    none = with_checkpoints(ckpt_plans["none"], root / "n.json", root / "n", every=1)
-    run = pipec_run(none, 1, "--steps", "3", "--resume", str(root / "ref" / "step_00000002"),
-                    "--report", str(root / "n.report.json"))
-    assert "resharded" in run.stderr and "shard full" in run.stderr
-    assert losses(root / "n.report.json")[2] == pytest.approx(ref[2], rel=1e-6)
-    assert_close_models(root / "n" / "step_00000003", root / "ref" / "step_00000003")  # optimizer state went too
+    runs = LAUNCHES.folder("shard_checkpoint_runs")
+    ref = losses(shard_checkpoint_runs["ref"])
+    assert_ran(shard_checkpoint_runs["ref"])
+    folder = LAUNCHES.folder("shard_checkpoint_unsharded")
+    run = shard_checkpoint_unsharded["none"]
+    assert_ran(run)
+    assert "resharded" in run["stderr"] and "shard full" in run["stderr"]
+    assert losses(run)[3] == pytest.approx(ref[3], rel=1e-6)  # steps count from 1: the 3rd, after 2 done
+    assert_close_models(folder / "n" / "step_00000003", runs / "ref" / "step_00000003")  # optimizer state went too
 
-    back = with_checkpoints(ckpt_plans["full"], root / "back.json", root / "back", every=1)
-    pipec_run(back, 2, "--steps", "4", "--resume", str(root / "n"), "--report", str(root / "back.report.json"))
-    assert losses(root / "back.report.json")[3] == pytest.approx(ref[3], rel=1e-6)
-    assert_close_models(root / "back" / "step_00000004", root / "ref" / "step_00000004")
-    assert [s for s, _ in list_checkpoints(root / "back")] == [4]
+    folder = LAUNCHES.folder("shard_checkpoint_resumed")
+    run = shard_checkpoint_resumed["back"]
+    assert_ran(run)
+    assert losses(run)[4] == pytest.approx(ref[4], rel=1e-6)
+    assert_close_models(folder / "back" / "step_00000004", runs / "ref" / "step_00000004")
+    assert [s for s, _ in list_checkpoints(folder / "back")] == [4]
 
-    zero1 = with_checkpoints(ckpt_plans["optimizer"], root / "o.json", root / "o", every=1)
-    pipec_run(zero1, 2, "--steps", "4", "--resume", str(root / "ref" / "step_00000002"),
-              "--report", str(root / "o.report.json"))
-    got = losses(root / "o.report.json")
-    assert [got[k] for k in (2, 3)] == pytest.approx([ref[2], ref[3]], rel=1e-6)
-    assert_close_models(root / "o" / "step_00000004", root / "ref" / "step_00000004")
+    run = shard_checkpoint_resumed["optimizer"]
+    assert_ran(run)
+    got = losses(run)
+    assert [got[k] for k in (3, 4)] == pytest.approx([ref[3], ref[4]], rel=1e-6)
+    assert_close_models(folder / "o" / "step_00000004", runs / "ref" / "step_00000004")
 
 
 # ----------------------------------------------------------------------------- in-process
