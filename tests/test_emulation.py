@@ -8,7 +8,7 @@ import pytest
 from pipec.compiler.driver import compile_plan
 from pipec.compiler.sim.cost import COMPUTE_JITTER, TRANSFER_JITTER
 from pipec.compiler.sim import simulate
-from pipec.compiler.sim.simulate import HOP, OVERSLEEP, TAIL, emulated_costs, simulate_draws
+from pipec.compiler.sim.simulate import HOP, OVERSLEEP, emulated_costs, simulate_draws
 
 UNIT = 0.01
 FIXED = {"latency_s": 3e-4, "collective_s": 5e-4, "oversleep_s": 1e-3, "overhead": {"FWD": 1e-4}}
@@ -23,7 +23,7 @@ def _plan(schedule: str = "looped_bfs"):
 
 
 def test_each_kind_is_capped_at_its_tail_quantile():
-    assert TAIL == 0.97
+    # by hand, at simulate.TAIL = 0.97 (another TAIL moves these caps):
     # 100 oversleeps 0, 1e-4, ..., 99e-4: sorted, the 97th (int(0.97 x 100)) is 97e-4, so 98e-4 and 99e-4 fall to it
     oversleeps = tuple(i * 1e-4 for i in range(100))
     # 100 hops, the first three far out: sorted, the 97th is 6.0, so 7.0 and 9.0 fall to it

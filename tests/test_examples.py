@@ -7,6 +7,7 @@ from importlib import resources
 import pytest
 
 from pipec.compiler.driver import compile_spec
+from pipec.compiler.passes.verify import verify
 from pipec.dsl import load_spec
 
 EXAMPLES = sorted(p.name for p in resources.files("pipec.examples").iterdir() if p.name.endswith(".pipe"))
@@ -29,7 +30,9 @@ def test_example_compiles_and_verifies(name):
     if spec["model"] and spec["costs"] == "profile":
         spec = load_spec(path, FAST)
     plan = compile_spec(spec).plan
-    assert plan.prediction is not None and plan.program.num_instructions > 0
+    verify(plan)  # the proofs hold on the plan as written
+    assert plan.program.num_instructions > 0
+    assert plan.prediction.step_time > 0 and 0 <= plan.prediction.bubble_fraction < 1
     assert plan.mesh.pp == spec["pp"] and plan.num_microbatches == spec["microbatches"]
     if spec["model"]:
         assert plan.model["target"] == spec["model"] and plan.stages[0].inputs and plan.edges[0].tensors
