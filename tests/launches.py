@@ -5,8 +5,9 @@ A test module declares what it needs at import, each as a session fixture of its
 - :meth:`Launches.runs`: a set of runs of tests/runtime_worker.py (``make(folder)`` returns them by key,
   each a :func:`run_job` or :func:`call_job`). Every needed set of one world size and round goes into one
   torchrun launch: the fixture's value is the set's records by key.
-- :meth:`Launches.command`: one command in its own process group (``make(folder)`` returns its argv), for a
-  test that must see a whole process end (a rank killed, an error on some ranks): the fixture's value is its
+- :meth:`Launches.command`: one command in its own process group (``make(folder)`` returns its argv, or
+  ``{"argv": [...], "cwd": FOLDER, "env": {NAME: VALUE}}``), for a test that must see a whole process end (a
+  rank killed, an error on some ranks), or that only needs its output: the fixture's value is its
   ``subprocess.CompletedProcess``.
 
 Only what the selected tests use is queued (``-k``, ``--slow``). The queue runs one process at a time, in
@@ -73,6 +74,8 @@ class _Unit:
     jobs: list[tuple[str, str]] = field(default_factory=list)
     """(set, key) of each run of a launch, in order."""
     argv: list[str] = field(default_factory=list)
+    cwd: Path = TESTS
+    env: dict[str, str] = field(default_factory=dict)
 
 
 class Launches:
@@ -95,10 +98,10 @@ class Launches:
         same name)."""
         return self._declare(_Need(name, world, round, make, after))
 
-    def command(self, name: str, *, make: Callable[[Path], list[str]], timeout: float, round: int = 0,
-                after: tuple[str, ...] = ()):
-        """Declare a command (run in tests/, its process group killed past ``timeout`` seconds); returns its
-        fixture (assign it to a module attribute of the same name)."""
+    def command(self, name: str, *, make: Callable[[Path], list[str] | dict[str, Any]], timeout: float,
+                round: int = 0, after: tuple[str, ...] = ()):
+        """Declare a command (run in tests/ unless it says, its process group killed past ``timeout`` seconds);
+        returns its fixture (assign it to a module attribute of the same name)."""
         return self._declare(_Need(name, None, round, make, after, timeout))
 
     def _declare(self, need: _Need):
@@ -214,7 +217,9 @@ class Launches:
                 unit.needs.remove(need)
                 continue
             if need.world is None:
-                unit.argv = [str(a) for a in made]
+                made = made if isinstance(made, dict) else {"argv": made}
+                unit.argv = [str(a) for a in made["argv"]]
+                unit.cwd, unit.env = Path(made.get("cwd", TESTS)), dict(made.get("env", {}))
             else:
                 jobs += [(need.name, key, job) for key, job in made.items()]
         if not unit.needs:
@@ -237,7 +242,7 @@ class Launches:
         # output to files: a pipe nobody reads while the process runs would fill and stop it
         with open(unit.folder / "stdout", "w") as out, open(unit.folder / "stderr", "w") as err:
             unit.proc = subprocess.Popen(unit.argv, stdout=out, stderr=err, text=True, start_new_session=True,
-                                         cwd=TESTS, stdin=subprocess.DEVNULL)
+                                         cwd=unit.cwd, env={**os.environ, **unit.env}, stdin=subprocess.DEVNULL)
         unit.deadline = time.monotonic() + timeout
         return True
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LAUNCHES, run_cli, run_job
+from conftest import LAUNCHES, PYTHON, run_cli, run_job
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 TOKENS = "int64[8, 16]"
@@ -173,55 +173,68 @@ microbatches 4
 '''
 
 
-def _user_file(root: Path) -> dict[str, dict]:
+def _user_file(root: Path) -> dict:
     """A user's model file beside its schedule file, compiled with ``pipec compile`` from another folder into a
-    third, no PYTHONPATH; then one step with --check (a run whose ranks have none of these folders on their path)."""
+    third, no PYTHONPATH."""
     project, elsewhere, later = root / "project", root / "elsewhere", root / "later"
     for folder in (project, elsewhere, later):
         folder.mkdir()
     (project / "mymodel.py").write_text(textwrap.dedent(MODEL_FILE).lstrip())
     (project / "my.pipe").write_text(textwrap.dedent(SCHEDULE_FILE).lstrip())
-    out = run_cli("compile", "../project/my.pipe", "-o", str(later / "plan.json"), cwd=elsewhere,
-                  env={"PYTHONPATH": ""})
-    assert out.returncode == 0, out.stderr
-    return {"run": run_job(later / "plan.json", "--steps", "1", "--check")}
+    return {"argv": [PYTHON, "-m", "pipec", "compile", "../project/my.pipe", "-o", str(later / "plan.json")],
+            "cwd": elsewhere, "env": {"PYTHONPATH": ""}}
 
 
-def _unit_costs(root: Path) -> dict[str, dict]:
-    """The example GPT compiled with ``costs unit`` by ``pipec compile``, then two steps under --emulate at 0.01 s
-    per unit."""
-    gpt = ["--model", "pipec.examples.gpt:build", "--model-arg", "layers=2", "--model-arg", "dim=16",
-           "--model-arg", "vocab=32", "--model-arg", "seq=8", "--input", "tokens: int64[8, 8]"]
-    out = run_cli("compile", *gpt, "--costs", "unit", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "4",
-                  "-o", "plan.json", cwd=root)
-    assert out.returncode == 0, out.stderr
-    (root / "compile.out").write_text(out.stdout)
-    return {"emulated": run_job(root / "plan.json", "--steps", "2", "--emulate", "--unit-time", "0.01")}
+def _user_file_run(folder: Path) -> dict[str, dict]:
+    """The user's plan, one step with --check, by ranks with none of its folders on their path."""
+    assert LAUNCHES.get("byom_user_file").returncode == 0, LAUNCHES.get("byom_user_file").stderr
+    return {"run": run_job(LAUNCHES.folder("byom_user_file") / "later" / "plan.json", "--steps", "1", "--check")}
 
 
-byom_user_file = LAUNCHES.runs("byom_user_file", world=2, make=_user_file)
-byom_unit_costs = LAUNCHES.runs("byom_unit_costs", world=2, make=_unit_costs)
+def _unit_costs(root: Path) -> list[str]:
+    """The example GPT compiled with ``costs unit`` by ``pipec compile``."""
+    return [PYTHON, "-m", "pipec", "compile", "--model", "pipec.examples.gpt:build", "--model-arg", "layers=2",
+            "--model-arg", "dim=16", "--model-arg", "vocab=32", "--model-arg", "seq=8", "--input",
+            "tokens: int64[8, 8]", "--costs", "unit", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "4",
+            "-o", str(root / "plan.json")]
+
+
+def _unit_costs_run(folder: Path) -> dict[str, dict]:
+    """Two steps of the unit-cost plan under --emulate, at 0.01 s per unit."""
+    assert LAUNCHES.get("byom_unit_costs").returncode == 0, LAUNCHES.get("byom_unit_costs").stderr
+    return {"emulated": run_job(LAUNCHES.folder("byom_unit_costs") / "plan.json", "--steps", "2", "--emulate",
+                                "--unit-time", "0.01")}
+
+
+# the compiles first, in the queue; their plans run in round 2's 2-rank launch
+byom_user_file = LAUNCHES.command("byom_user_file", make=_user_file, timeout=240)
+byom_user_file_run = LAUNCHES.runs("byom_user_file_run", world=2, round=2, after=("byom_user_file",),
+                                   make=_user_file_run)
+byom_unit_costs = LAUNCHES.command("byom_unit_costs", make=_unit_costs, timeout=240)
+byom_unit_costs_run = LAUNCHES.runs("byom_unit_costs_run", world=2, round=2, after=("byom_unit_costs",),
+                                    make=_unit_costs_run)
 
 
 @pytest.mark.timeout(900)
-def test_a_model_file_beside_its_schedule_file_needs_no_pythonpath(byom_user_file):
+def test_a_model_file_beside_its_schedule_file_needs_no_pythonpath(byom_user_file, byom_user_file_run):
+    assert byom_user_file.returncode == 0, byom_user_file.stderr
     root = LAUNCHES.folder("byom_user_file")
     plan = json.loads((root / "later" / "plan.json").read_text())
     assert plan["model"]["search_path"][0] == str(root / "project")  # the schedule file's folder, recorded absolute
-    run = byom_user_file["run"]
+    run = byom_user_file_run["run"]
     assert run["rc"] == 0, run["stderr"][-3000:]
     assert "--check passed" in run["stderr"] and run["check"]["passed"]
 
 
 @pytest.mark.timeout(900)
-def test_a_model_plan_with_unit_costs_says_units_everywhere(byom_unit_costs):
+def test_a_model_plan_with_unit_costs_says_units_everywhere(byom_unit_costs, byom_unit_costs_run):
     from pipec.compiler.driver import compile_plan
     from pipec.compiler.ir.plan_json import read_plan
 
     root = LAUNCHES.folder("byom_unit_costs")
+    assert byom_unit_costs.returncode == 0, byom_unit_costs.stderr
     # 1f1b at P=2, M=4 in units: (M + P - 1) x (F + B) = 15, communication free, as for the schedule alone
-    compiled = (root / "compile.out").read_text()
-    assert "predicted step 15 units, bubble 20.0%" in compiled, compiled
+    assert "predicted step 15 units, bubble 20.0%" in byom_unit_costs.stdout, byom_unit_costs.stdout
     plan = read_plan(str(root / "plan.json"))
     alone = compile_plan(num_ranks=2, num_microbatches=4, schedule="1f1b").plan.prediction
     assert plan.unit_costs and plan.prediction.time_unit == "unit"
@@ -238,7 +251,7 @@ def test_a_model_plan_with_unit_costs_says_units_everywhere(byom_unit_costs):
 
     # --emulate sleeps --unit-time seconds per unit (not a second per unit); report.json keeps the plan's own
     # prediction in units as planned, and its predicted is the re-simulation under what was measured, in seconds
-    run = byom_unit_costs["emulated"]
+    run = byom_unit_costs_run["emulated"]
     assert run["rc"] == 0, run["stderr"][-3000:]
     report = run["report"]
     assert report["planned"]["time_unit"] == "unit" and report["planned"]["step_time"] == 15
