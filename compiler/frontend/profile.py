@@ -52,11 +52,11 @@ MAX_PROFILE_RANKS = 16
 CONCURRENT_MIN_TIME_S = 0.1
 """The least time each process spends timing a stage in each repeat of the crowd (:attr:`Profiling.min_time_s`)."""
 
-SPREAD_TARGET = 0.04
+SPREAD_TARGET = 0.05
 """Rounds alone and repeats of the crowd stop once the median is known to this: the half-width of its 90%
 confidence interval (:func:`median_ci`) over the median."""
 
-MAX_REPS = 6
+MAX_REPS = 5
 """The most rounds alone (:attr:`Profiling.max_reps`)."""
 
 MIN_CROWD_REPEATS = 3
