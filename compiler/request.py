@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Sequence
 
 from pipec.compiler.config import DEFAULTS, TrainingConfig
-from pipec.compiler.ir.plan import DEFAULT_LINKS, Link, Mesh
+from pipec.compiler.ir.plan import DEFAULT_LINKS, Link, Mesh, TensorSpec
 from pipec.errors import PipecError
 from pipec.schedules.order import Action
 from pipec.schedules.policy import Policy
@@ -87,26 +87,6 @@ class KeyOrigin:
 
 
 DEFAULT_ORIGIN = KeyOrigin(kind="default")
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """A tensor described by name: ``tokens: int64[16, 128]``. The language's ``input`` and ``targets``
-    (one dp replica's batch: dim 0 is split into microbatches) and the front end's microbatch inputs are
-    this one type, from the schedule file to the trace."""
-
-    name: str
-    """The model's forward argument (an input), or the targets' name."""
-    dtype: str
-    """A torch dtype's name (``"int64"``)."""
-    shape: tuple[int, ...]
-
-    def text(self) -> str:
-        """The schedule-file syntax that writes it."""
-        return f"{self.name}: {self.dtype}[{', '.join(map(str, self.shape))}]"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
 
 
 def check_batch(inputs: Sequence[TensorSpec], num_microbatches: int) -> None:

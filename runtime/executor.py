@@ -55,7 +55,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import torch
 
 from pipec.compiler.ir.program import DP_GROUPS, SHARD_OPS, Instruction, Op, message_edge
-from pipec.compiler.ir.plan import UNIT_COST, Plan, Signature
+from pipec.compiler.ir.plan import UNIT_COST, Plan, TensorSpec
 from pipec.compiler.ir.timeline import Event
 from pipec.errors import EXIT_RUN, PipecError
 from pipec.runtime.clock import CudaClock, HostClock
@@ -160,7 +160,7 @@ class Message(NamedTuple):
     send: bool
     peer: int
     """The global rank at the other end."""
-    sigs: tuple[Signature, ...]
+    sigs: tuple[TensorSpec, ...]
     """What travels: the edge's tensors (grads: its floating-point ones)."""
     key: tuple
     """Sends: the (stage, microbatch) whose outputs or input grads go out; receives: the buffer's key."""
@@ -244,11 +244,11 @@ class Executor:
         """The stages' FSDP2 driver (runtime/sharding.py ``ParamShards``) when the plan shards parameters."""
         self.instructions = plan.program.ranks[pp_rank]
         self.M = plan.num_microbatches
-        self.edge_tensors: dict[tuple[int, int], tuple[Signature, ...]] = {}
+        self.edge_tensors: dict[tuple[int, int], tuple[TensorSpec, ...]] = {}
         self.producers: dict[int, list[int]] = {}
         self.consumers: dict[int, list[int]] = {}
         for e in plan.edges:
-            self.edge_tensors[(e.src_stage, e.dst_stage)] = e.tensors or (Signature("x", (1,), "float32"),)
+            self.edge_tensors[(e.src_stage, e.dst_stage)] = e.tensors or (TensorSpec("x", "float32", (1,)),)
             self.producers.setdefault(e.dst_stage, []).append(e.src_stage)
             self.consumers.setdefault(e.src_stage, []).append(e.dst_stage)
         here = plan.placement
@@ -352,7 +352,7 @@ class Executor:
             out.append(Message(ins, send, peer, sigs, key, buffers, tuple(P2P(send, t, peer) for t in buffers)))
         return tuple(out)
 
-    def message_buffers(self, send: bool, sigs: Sequence[Signature]) -> tuple[torch.Tensor, ...]:
+    def message_buffers(self, send: bool, sigs: Sequence[TensorSpec]) -> tuple[torch.Tensor, ...]:
         """What a post moves that the executor owns, allocated here, once per plan (see :class:`Message`)."""
         if self.emulate is not None:
             return tuple(torch.zeros(1, device=self.device) for _ in sigs)
@@ -426,7 +426,7 @@ class Executor:
             w.wait()
         self.state.waits.append((t, self.clock.mark()))
 
-    def grad_sigs(self, edge: tuple[int, int]) -> tuple[Signature, ...]:
+    def grad_sigs(self, edge: tuple[int, int]) -> tuple[TensorSpec, ...]:
         return tuple(s for s in self.edge_tensors[edge] if torch_dtype(s.dtype).is_floating_point)
 
     # ------------------------------------------------------------------ the step
@@ -513,7 +513,7 @@ class Executor:
                     f"{sig.dtype}{list(sig.shape)}; recompile the plan for this model and input shape")
         return [t.detach().contiguous() for t in tensors]
 
-    def take_input_grads(self, s: int, m: int, sigs: Sequence[Signature]) -> list[torch.Tensor]:
+    def take_input_grads(self, s: int, m: int, sigs: Sequence[TensorSpec]) -> list[torch.Tensor]:
         """The grads w.r.t. stage s's inputs of one producer edge; freed once every producer has its part."""
         st = self.state
         grads = st.input_grads[(s, m)]

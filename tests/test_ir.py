@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from pipec.compiler.ir.program import Instruction, IRError, Op, Program, parse_instruction, parse_program
-from pipec.compiler.ir.plan import Cost, Edge, Link, Mesh, Plan, PlanError, Signature, Stage, Tie
+from pipec.compiler.ir.plan import Cost, Edge, Link, Mesh, Plan, PlanError, TensorSpec, Stage, Tie
 from pipec.compiler.ir.plan_json import ELSEWHERE, load_plan, plan_to_json, read_plan, write_plan
 from pipec.compiler.limits import LIMITS
 from pipec.compiler.ir.timeline import Event, Timeline
@@ -67,7 +67,7 @@ def test_text_errors_say_where(text, where):
 
 
 def _plan() -> Plan:
-    sig = Signature("h", (2, 8), "float32")
+    sig = TensorSpec("h", "float32", (2, 8))
     return Plan(
         mesh=Mesh(pp=2, dp=1),
         num_stages=2,
@@ -75,10 +75,10 @@ def _plan() -> Plan:
         placement=(0, 1),
         program=parse_program("0: F0.0 SA0.0>1@1 RG0.0<1@1 B0.0 AR0:tie.w OPT\n1: RA1.0<0@0 F1.0 B1.0 SG1.0>0@0 AR1:tie.w OPT"),
         stages=(
-            Stage(stage=0, rank=0, nodes=("a",), params=("w",), inputs=(Signature("x", (2, 8), "float32"),),
+            Stage(stage=0, rank=0, nodes=("a",), params=("w",), inputs=(TensorSpec("x", "float32", (2, 8)),),
                   outputs=(sig,), cost=Cost(fwd=0.5, bwd=1.0, bwd_i=0.5, bwd_w=0.5), activation_bytes=64,
                   param_bytes=256, num_params=64),
-            Stage(stage=1, rank=1, params=("head.w",), inputs=(sig,), outputs=(Signature("y", (2, 8), "float32"),)),
+            Stage(stage=1, rank=1, params=("head.w",), inputs=(sig,), outputs=(TensorSpec("y", "float32", (2, 8)),)),
         ),
         edges=(Edge(src_stage=0, dst_stage=1, tensors=(sig,)),),
         ties=(Tie(name="w", stages=(0, 1), params=("w", "head.w"), num_bytes=256),),

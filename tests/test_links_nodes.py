@@ -9,7 +9,7 @@ import pytest
 from pipec.cli import main
 from pipec.compiler.driver import compile_spec
 from pipec.compiler.ir.program import Program
-from pipec.compiler.ir.plan import Edge, Link, Mesh, Plan, Signature, Stage, Tie
+from pipec.compiler.ir.plan import Edge, Link, Mesh, Plan, TensorSpec, Stage, Tie
 from pipec.compiler.ir.plan_json import load_plan, plan_to_json, read_plan
 from pipec.compiler.sim.simulate import link_sides, plan_costs
 from pipec.tune.search import tune
@@ -29,7 +29,7 @@ PARAM_BYTES = 10**6    # per stage
 def _plan(pp: int, dp: int, nodes: int | None, links=("intra", "inter"), ties=()) -> Plan:
     """A plan in seconds (a model's, no program needed to price it): a chain of pp stages."""
     stages = tuple(Stage(stage=s, rank=s, param_bytes=PARAM_BYTES, num_params=PARAM_BYTES // 4) for s in range(pp))
-    edges = tuple(Edge(src_stage=s, dst_stage=s + 1, tensors=(Signature("x", (1000,), "float32"),))
+    edges = tuple(Edge(src_stage=s, dst_stage=s + 1, tensors=(TensorSpec("x", "float32", (1000,)),))
                   for s in range(pp - 1))
     sides = {"intra": INTRA, "inter": INTER}
     return Plan(mesh=Mesh(pp=pp, dp=dp, devices_per_node=nodes), num_stages=pp, num_microbatches=1,

@@ -45,7 +45,7 @@ from pipec.compiler.frontend.costs import StageCost, with_recompute
 from pipec.compiler.frontend.partition import StagePart, _foldable
 from pipec.compiler.frontend.tensors import dtype_name
 from pipec.compiler.frontend.trace import Traced, is_pipe_split
-from pipec.compiler.ir.plan import UNIT_COST, Cost, Edge, Signature, Tie
+from pipec.compiler.ir.plan import UNIT_COST, Cost, Edge, TensorSpec, Tie
 from pipec.errors import PipecError
 
 __all__ = ["NodeTable", "CostSplit", "node_table", "cost_split", "cut_costs", "FAST_COSTS"]
@@ -70,9 +70,9 @@ class NodeTable:
     """Ids read, in ``map_arg`` order over args then kwargs, repeats kept (compute nodes and the output)."""
     users: tuple[tuple[int, ...], ...]
     """Ids reading each model input (compute nodes and the output)."""
-    sig: tuple[Signature | None, ...]
+    sig: tuple[TensorSpec | None, ...]
     """A tensor's signature (named after the node); None for a value that is no tensor."""
-    input_sig: Mapping[int, Signature]
+    input_sig: Mapping[int, TensorSpec]
     """A model input's signature as a stage input (its own name: fx may rename the placeholder)."""
     foldable: tuple[bool, ...]
     """A constant the full cut folds into readers across a cut."""
@@ -111,11 +111,11 @@ class CostSplit:
         return len(self.parts)
 
 
-def _tensor_sig(node: Node) -> Signature | None:
+def _tensor_sig(node: Node) -> TensorSpec | None:
     tm = node.meta.get("tensor_meta")
     if not isinstance(tm, TensorMetadata):
         return None
-    return Signature(node.name, tuple(int(d) for d in tm.shape), dtype_name(tm.dtype))
+    return TensorSpec(node.name, dtype_name(tm.dtype), tuple(int(d) for d in tm.shape))
 
 
 def _resolve(root: nn.Module, target: str) -> Any:
@@ -196,7 +196,7 @@ def _node_table(traced: Traced) -> NodeTable | None:
             held[i] = _held(mod, str(n.target), canon_by_id)
             if any(True for _ in mod.parameters()):
                 uses_param.add(i)
-    input_sig = {i: Signature(str(n.target), s.shape, s.dtype) for i, (n, s) in enumerate(zip(nodes, sig))
+    input_sig = {i: TensorSpec(str(n.target), s.dtype, s.shape) for i, (n, s) in enumerate(zip(nodes, sig))
                  if n.op == "placeholder" and s is not None}
     return NodeTable(
         names=tuple(n.name for n in nodes), name_set=frozenset(n.name for n in nodes), kind=tuple(kinds.get(n.op, _COMPUTE) for n in nodes), reads=tuple(reads),
@@ -223,7 +223,7 @@ class _Cut:
 
     table: NodeTable
     stage: list[int | None]
-    sig: list[Signature | None]
+    sig: list[TensorSpec | None]
     storage: list[tuple[Any, int] | None]
     inputs: list[dict[int, None]]
     outputs: list[dict[int, None]]
@@ -234,7 +234,7 @@ class _Cut:
         """A passthrough node in ``stage`` reading ``src`` (its metadata a copy of the source's)."""
         self.stage.append(stage)
         s = self.sig[src]
-        self.sig.append(Signature(name, s.shape, s.dtype) if s is not None else None)
+        self.sig.append(TensorSpec(name, s.dtype, s.shape) if s is not None else None)
         self.storage.append(self.storage[src])
         self.hop_names.append(name)
         return len(self.stage) - 1
@@ -326,7 +326,7 @@ def _describe(cut: _Cut, body: Sequence[Sequence[int]]) -> CostSplit:
     """Stage parts, edges and ties from the walk's first reads (split_graph's reading of split_module)."""
     table, stage = cut.table, cut.stage
     parts, storage = [], []
-    edge_tensors: dict[tuple[int, int], list[Signature]] = {}
+    edge_tensors: dict[tuple[int, int], list[TensorSpec]] = {}
     holders: dict[str, dict[int, str]] = {}
     for s, reads in enumerate(cut.inputs):
         inputs, sources, local = [], [], {}

@@ -35,7 +35,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.shape_prop import TensorMetadata
 from torch.fx.passes.split_module import split_module
 
-from pipec.compiler.ir.plan import Edge, Signature, Tie
+from pipec.compiler.ir.plan import Edge, TensorSpec, Tie
 from pipec.compiler.frontend.tensors import FrontendError, dtype_name
 from pipec.compiler.frontend.trace import Traced, compute_nodes, is_pipe_split, module_path, pipe_split
 
@@ -378,10 +378,10 @@ class StagePart:
     stage: int
     nodes: tuple[str, ...]
     """Compute nodes of the traced graph in this stage (plan ``nodes``)."""
-    inputs: tuple[Signature, ...]
+    inputs: tuple[TensorSpec, ...]
     sources: tuple[int, ...]
     """Producing stage of each input (-1: a model input, stage 0 only)."""
-    outputs: tuple[Signature, ...]
+    outputs: tuple[TensorSpec, ...]
     params: tuple[str, ...]
     """Canonical names of the parameters this stage holds (a tied weight in each holder)."""
     local_params: Mapping[str, str]
@@ -430,10 +430,10 @@ class Split:
         return graph
 
 
-def _sig(node: Node) -> Signature:
+def _sig(node: Node) -> TensorSpec:
     tm = _tensor_meta(node)
     assert tm is not None, node
-    return Signature(node.name, tuple(int(d) for d in tm.shape), dtype_name(tm.dtype))
+    return TensorSpec(node.name, dtype_name(tm.dtype), tuple(int(d) for d in tm.shape))
 
 
 def _fold_and_route(gm: GraphModule, stage_of: dict[str, int], num_stages: int) -> None:
@@ -515,7 +515,7 @@ def split_graph(traced: Traced, stage_of: Mapping[str, int], num_stages: int) ->
     canon_by_id = {id(p): c for c, p in traced.param_of.items()}
     order = {c: i for i, c in enumerate(traced.param_of)}
     parts = []
-    edge_tensors: dict[tuple[int, int], list[Signature]] = {}
+    edge_tensors: dict[tuple[int, int], list[TensorSpec]] = {}
     holders: dict[str, dict[int, str]] = {}
     node_lists: dict[int, list[str]] = {s: [] for s in range(num_stages)}
     for n in compute_nodes(traced.gm):
@@ -544,7 +544,7 @@ def split_graph(traced: Traced, stage_of: Mapping[str, int], num_stages: int) ->
                                         key="partition")
                 sig = _sig(o)
                 # a model input keeps its own name (fx renames a placeholder that shadows a builtin: input -> input_1)
-                inputs.append(Signature(str(o.target), sig.shape, sig.dtype) if o.op == "placeholder" else sig)
+                inputs.append(TensorSpec(str(o.target), sig.dtype, sig.shape) if o.op == "placeholder" else sig)
             elif node.op in ("call_module", "get_attr"):
                 _hold(traced, qualname_map.get(f"submod_{s}.{node.target}", str(node.target)), canon_by_id, local)
         out_node = next(n for n in sub.graph.nodes if n.op == "output")

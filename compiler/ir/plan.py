@@ -24,7 +24,7 @@ from pipec.schedules.timing import UNIT, Cost
 
 __all__ = [
     "PlanError",
-    "Signature",
+    "TensorSpec",
     "Cost",
     "Stage",
     "Edge",
@@ -48,12 +48,17 @@ class PlanError(SchemaError):
 
 
 @dataclass(frozen=True, slots=True)
-class Signature:
-    """A tensor crossing a stage boundary: name, shape and dtype (``"float32"``)."""
+class TensorSpec:
+    """A tensor by name, dtype and shape: ``tokens: int64[16, 128]``. One type from the schedule file to the
+    run: the language's ``input`` and ``targets`` (one dp replica's batch: dim 0 is split into microbatches),
+    the front end's microbatch inputs, and what crosses a stage boundary (a stage's inputs and outputs, an
+    edge's tensors)."""
 
     name: str
-    shape: tuple[int, ...]
+    """The model's forward argument (an input), the targets' name, or the traced node's (a boundary tensor)."""
     dtype: str
+    """A torch dtype's name (``"int64"``)."""
+    shape: tuple[int, ...]
 
     @property
     def num_bytes(self) -> int:
@@ -61,6 +66,13 @@ class Signature:
         for d in self.shape:
             n *= d
         return n * _DTYPE_BYTES.get(self.dtype, 4)
+
+    def text(self) -> str:
+        """The schedule-file syntax that writes it."""
+        return f"{self.name}: {self.dtype}[{', '.join(map(str, self.shape))}]"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
 
 
 _DTYPE_BYTES = {
@@ -80,8 +92,8 @@ class Stage:
     nodes: tuple[str, ...] = ()
     params: tuple[str, ...] = ()
     """Canonical parameter names (as in the unpartitioned model's state dict)."""
-    inputs: tuple[Signature, ...] = ()
-    outputs: tuple[Signature, ...] = ()
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
     cost: Cost = UNIT_COST
     """Per microbatch (:class:`pipec.schedules.timing.Cost`, pipec's one cost type)."""
     activation_bytes: int | None = None
@@ -100,7 +112,7 @@ class Edge:
 
     src_stage: int
     dst_stage: int
-    tensors: tuple[Signature, ...] = ()
+    tensors: tuple[TensorSpec, ...] = ()
 
     @property
     def num_bytes(self) -> int:

@@ -31,7 +31,7 @@ from pipec.compiler.ir.plan import (
     Overhead,
     Plan,
     PlanError,
-    Signature,
+    TensorSpec,
     Stage,
     Tie,
     check_limits,
@@ -104,7 +104,7 @@ def _link_json(link: Link) -> dict[str, Any]:
     return out
 
 
-def _sig_json(s: Signature) -> dict[str, Any]:
+def _sig_json(s: TensorSpec) -> dict[str, Any]:
     return {"name": s.name, "shape": list(s.shape), "dtype": s.dtype}
 
 
@@ -203,10 +203,10 @@ def write_plan(plan: Plan, path: str) -> None:
 # ----------------------------------------------------------------------------- reading
 
 
-def _sigs(rd: Reader, key: str) -> tuple[Signature, ...]:
+def _sigs(rd: Reader, key: str) -> tuple[TensorSpec, ...]:
     out = []
     for s in rd.items(key, required=False):
-        out.append(Signature(s.str("name"), s.ints("shape", lo=0), s.str("dtype")))
+        out.append(TensorSpec(s.str("name"), s.str("dtype"), s.ints("shape", lo=0)))
     return tuple(out)
 
 
