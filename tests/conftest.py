@@ -63,9 +63,11 @@ def pytest_collection_modifyitems(config, items) -> None:
     keep = [item for item in items if chosen(item)]
     if len(keep) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if not chosen(item)])
-    # the tests that wait for the launches' queue run last, so that it runs while the others do
+    # the tests that time the host run first, before the launches' queue starts; those that wait for the queue
+    # run last, so that it runs while the others do
+    timed = [item for item in keep if item.get_closest_marker("timed") is not None]
     waits = [item for item in keep if set(getattr(item, "fixturenames", ())) & set(LAUNCHES.needs)]
-    items[:] = [item for item in keep if item not in waits] + waits
+    items[:] = timed + [item for item in keep if item not in waits and item not in timed] + waits
     LAUNCHES.needed = {name for item in items for name in getattr(item, "fixturenames", ())}
 
 
@@ -113,7 +115,12 @@ def launches(tmp_path_factory) -> Iterator[Launches]:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item) -> None:
-    LAUNCHES.poll()  # between tests, before this one's fixtures: collect what ended, start what is next
+    # between tests, before this one's fixtures: collect what ended, start what is next; a test that times the
+    # host runs beside none of the queue's processes
+    if item.get_closest_marker("timed") is not None:
+        LAUNCHES.hold()
+    else:
+        LAUNCHES.poll()
 
 
 # ----------------------------------------------------------------------------- compiled once

@@ -13,6 +13,7 @@ A test module declares what it needs at import, each as a session fixture of its
 Only what the selected tests use is queued (``-k``, ``--slow``). The queue runs one process at a time, in
 round order, from the first test on: conftest.py advances it between tests and runs the tests that use it
 last, so the launches run while the in-process tests do; a test that needs one not yet done waits for it.
+A test marked ``timed`` (it asserts on what it times) runs first, beside none of them.
 Runs that read the checkpoints of other runs come in a later round (so from another process), naming
 those in ``after``; their ``make`` reads :meth:`Launches.folder` of them. ``make`` is called on the main
 thread, between tests, just before its process starts (tracing a model is not thread-safe).
@@ -153,6 +154,16 @@ class Launches:
             self._stop(self.running, "did not finish in time")
         if self.running is None:
             self._start_next()
+
+    def hold(self) -> None:
+        """Wait for the running process to end, and start none (until the next :meth:`poll`)."""
+        if self.running is not None:
+            try:
+                self.running.proc.wait(timeout=max(0.0, self.running.deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._stop(self.running, "did not finish in time")
+                return
+            self._collect(self.running)
 
     def get(self, name: str):
         """What ``name`` left, waiting for it (and for what runs before it) if need be."""

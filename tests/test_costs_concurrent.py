@@ -70,6 +70,7 @@ def _least(runner, n=3):
     return prof._least_sample([runner() for _ in range(n)])
 
 
+@pytest.mark.timed  # asserts on what it times: runs before the launches' queue starts (tests/launches.py)
 def test_the_split_backward_is_timed_as_the_runs_zero_bubble_stages_run_it():
     # fc's weight grad waits in the stash for the weight half; the input half still finds its grads, so a
     # stage fed by tokens splits too

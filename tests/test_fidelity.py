@@ -136,6 +136,7 @@ def test_the_report_predicts_the_resimulation_and_keeps_the_plan_beside_it():
     assert "planned" not in plain and plain["predicted"]["step_time"] == plan.prediction.step_time
 
 
+@pytest.mark.timed  # asserts on what it times: runs before the launches' queue starts (tests/launches.py)
 def test_host_overhead_times_the_real_executor_on_every_kind():
     """runtime/linkprobe.py's overhead: the executor's handlers timed over zero-compute steps (in-process)."""
     from pipec.runtime.executor import Executor
