@@ -41,6 +41,14 @@ PER_RUN_S = 60
 """A launch's time limit: a minute per run, and two to start."""
 
 
+NICE = 10
+"""How much lower the queue's processes run than the tests' own (nice)."""
+
+
+def _lower_priority() -> None:
+    os.nice(NICE)
+
+
 def run_job(plan: str | os.PathLike, *flags: str, reference: bool = False) -> dict[str, Any]:
     """A worker job: ``plan`` run with ``flags`` (``reference``: also the unpartitioned model's losses)."""
     return {"plan": str(plan), "flags": list(flags), "reference": reference}
@@ -252,10 +260,12 @@ class Launches:
             timeout = 120 + PER_RUN_S * len(jobs)
         else:
             timeout = unit.needs[0].timeout
-        # output to files: a pipe nobody reads while the process runs would fill and stop it
+        # output to files: a pipe nobody reads while the process runs would fill and stop it. At a lower
+        # priority: the in-process tests are the run's critical path, the queue takes what CPU they leave
         with open(unit.folder / "stdout", "w") as out, open(unit.folder / "stderr", "w") as err:
             unit.proc = subprocess.Popen(unit.argv, stdout=out, stderr=err, text=True, start_new_session=True,
-                                         cwd=unit.cwd, env={**os.environ, **unit.env}, stdin=subprocess.DEVNULL)
+                                         cwd=unit.cwd, env={**os.environ, **unit.env}, stdin=subprocess.DEVNULL,
+                                         preexec_fn=_lower_priority)
         unit.deadline = time.monotonic() + timeout
         return True
 
