@@ -123,18 +123,34 @@ def test_a_probe_job_past_its_time_is_stopped_with_its_ranks(tmp_path, monkeypat
     """A links probe job past its time leaves the default links and says why, and leaves no rank behind."""
     from pipec.compiler.frontend import links
 
-    monkeypatch.setattr(links, "PROBE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(links, "PROBE_TIMEOUT_S", 0.01)  # a forked probe takes about a second, a fresh one several
     plan = compile_plan(num_ranks=2, num_microbatches=2, schedule="1f1b").plan
-    assert links._probe(plan, "gloo") == "the probe job took more than 0.5 s"
-    rank = tmp_path / "rank.py"  # a rank that says it started, then hangs
-    rank.write_text("import os, sys, time\nopen(os.path.join(sys.argv[1], str(os.getpid())), 'w').close()\n"
-                    "time.sleep(600)\n")
+    assert links._probe(plan, "gloo") == "the probe job took more than 0.01 s"
+    (tmp_path / "hanging_rank.py").write_text(  # a rank that says it started, then hangs
+        "import os, sys, time\nopen(os.path.join(sys.argv[1], str(os.getpid())), 'w').close()\ntime.sleep(600)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setattr(links, "PROBE_TIMEOUT_S", 8.0)
-    got = links._run_ranks([str(rank), str(tmp_path)], str(tmp_path / "out.json"), str(tmp_path))
-    assert got == "the probe job took more than 8 s"
-    pids = [int(f.name) for f in tmp_path.iterdir() if f.name.isdigit()]
-    assert len(pids) == 2
-    left = [pid for pid in pids if _running(pid)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    assert left == []
+    for fork in (True, False):  # forked from here (gloo), or a fresh interpreter (NCCL)
+        folder = tmp_path / f"fork{fork}"
+        folder.mkdir()
+        got = links._run_ranks("hanging_rank", [str(folder)], str(folder / "out.json"), str(folder), fork=fork)
+        assert got == "the probe job took more than 8 s", fork
+        pids = [int(f.name) for f in folder.iterdir() if f.name.isdigit()]
+        assert len(pids) == 2, fork
+        left = [pid for pid in pids if _running(pid)]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        assert left == [], fork
+
+
+def test_a_probe_rank_that_fails_is_reported_by_its_last_line(tmp_path, monkeypatch):
+    from pipec.compiler.frontend import links
+
+    (tmp_path / "failing_rank.py").write_text("import os, sys\nif os.environ['RANK'] == '1':\n"
+                                             "    sys.exit('rank 1: cannot reach rank 0')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    for fork in (True, False):
+        got = links._run_ranks("failing_rank", [], str(tmp_path / "out.json"), str(tmp_path), fork=fork)
+        assert got == "the probe job failed: rank 1: cannot reach rank 0", fork

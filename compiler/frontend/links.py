@@ -1,11 +1,12 @@
 """Measured links for ``costs profile``: a short job of two local ranks, on the backend the run will use.
 
-``pipec compile`` starts ``pipec.runtime.linkprobe`` as two processes on
-this machine (gloo on CPU, NCCL when two or more GPUs are here), started
-here as torchrun would start them (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT`` in their environment; no launcher process, which cost a
-third import of torch): the compiler imports nothing of the runtime, the
-probe times the real executor. It measures point-to-point at the plan's edge
+``pipec compile`` runs ``pipec.runtime.linkprobe`` as two processes on this
+machine (gloo on CPU, NCCL when two or more GPUs are here), started here with
+torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``): on gloo each forked from the compiling process, which has
+torch imported, and running the module by name as ``python -m`` does; on NCCL
+(CUDA must not be forked) a fresh interpreter each. The compiler's modules
+import nothing of the runtime; the probe times the real executor. It measures point-to-point at the plan's edge
 sizes, the all-reduce at the sizes of the stages' parameters and tied weights
 and the all-gather (for a sharded plan's shard groups), and the executor's host time per
 instruction kind; the plan then carries them as its ``links`` (each marked
@@ -32,6 +33,7 @@ small plan compiled to time the executor on) is the allowed direction.
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import socket
 import subprocess
@@ -79,15 +81,17 @@ def _backend() -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= PROBE_RANKS else "gloo"
 
 
+PROBE_MODULE = "pipec.runtime.linkprobe"
+
+
 def _probe(plan: Plan, backend: str) -> dict | str:
     """The probe job's file (parsed), or why there is none (a port taken between choosing and binding it: once
     more on another)."""
     with tempfile.TemporaryDirectory(prefix="pipec-links-") as tmp:
         out = os.path.join(tmp, "links.json")
-        args = ["-m", "pipec.runtime.linkprobe", "--backend", backend, "--sizes", ",".join(map(str, _sizes(plan))),
-                "-o", out, "--sharded"]
+        argv = ["--backend", backend, "--sizes", ",".join(map(str, _sizes(plan))), "-o", out, "--sharded"]
         for attempt in range(2):
-            why = _run_ranks(args, out, tmp)
+            why = _run_ranks(PROBE_MODULE, argv, out, tmp, fork=backend == "gloo" and _can_fork())
             if why is None:
                 with open(out, encoding="utf-8") as f:
                     return json.load(f)
@@ -102,20 +106,81 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_ranks(args: list[str], out: str, tmp: str) -> str | None:
-    """Run ``python ARGS`` as the probe's :data:`PROBE_RANKS` ranks on this machine (their errors logged in
-    ``tmp``); None when rank 0 wrote ``out``, else why not."""
+def _can_fork() -> bool:
+    return "fork" in mp.get_all_start_methods()
+
+
+class _Forked:
+    """A rank forked from this process, with the part of ``subprocess.Popen`` :func:`_run_ranks` uses."""
+
+    def __init__(self, proc) -> None:
+        self.proc = proc
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.exitcode
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired("probe rank", timeout or 0.0)
+        return self.proc.exitcode
+
+    def terminate(self) -> None:
+        self.proc.terminate()
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
+def _forked_rank(module: str, argv: list[str], env: dict[str, str], log: str) -> None:
+    """A probe rank in a process forked from the compiler's: its output to ``log`` (errors) and nowhere (the
+    rest), one intra-op thread, torchrun's environment, then ``module`` run as ``python -m`` runs it. The
+    compiler's own objects are frozen out of the collector (a collection walking them would stall the executor's
+    timed steps)."""
+    import gc
+    import runpy
+    import warnings
+
+    import torch
+
+    gc.freeze()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 2)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _run_ranks(module: str, argv: list[str], out: str, tmp: str, *, fork: bool = False) -> str | None:
+    """Run ``python -m MODULE ARGV`` as the probe's :data:`PROBE_RANKS` ranks on this machine (their errors logged
+    in ``tmp``); None when rank 0 wrote ``out``, else why not. ``fork``: each rank forked from this process, which
+    has torch imported (1.2 s for the whole probe on machine A, where two fresh interpreters took 4.0 s, most of it
+    importing torch); else a fresh interpreter each (NCCL: CUDA must not be forked; or where there is no fork)."""
     port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "WORLD_SIZE": str(PROBE_RANKS), "LOCAL_WORLD_SIZE": str(PROBE_RANKS),
-           "GROUP_RANK": "0"}
+    env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": str(PROBE_RANKS), "LOCAL_WORLD_SIZE": str(PROBE_RANKS), "GROUP_RANK": "0"}
     logs = [os.path.join(tmp, f"rank{r}.err") for r in range(PROBE_RANKS)]
-    ranks: list[subprocess.Popen] = []
+    ranks: list = []
     try:
         for r in range(PROBE_RANKS):
+            rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
+            if fork:
+                proc = mp.get_context("fork").Process(target=_forked_rank, args=(module, argv, rank_env, logs[r]),
+                                                      daemon=True)
+                proc.start()
+                ranks.append(_Forked(proc))
+                continue
             with open(logs[r], "w", encoding="utf-8") as err:
-                ranks.append(subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL, stderr=err,
-                                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}))
+                ranks.append(subprocess.Popen([sys.executable, "-m", module, *argv], stdout=subprocess.DEVNULL,
+                                              stderr=err, env={**os.environ, **rank_env}))
         deadline = time.monotonic() + PROBE_TIMEOUT_S
         for job in ranks:
             try:
@@ -132,12 +197,15 @@ def _run_ranks(args: list[str], out: str, tmp: str) -> str | None:
     if ranks[0].returncode == 0 and os.path.exists(out):
         return None
     failed = next((r for r, job in enumerate(ranks) if job.returncode not in (0, None, -15)), 0)
-    with open(logs[failed], encoding="utf-8", errors="replace") as f:
-        lines = [line.strip() for line in f.read().splitlines() if line.strip()]
+    try:
+        with open(logs[failed], encoding="utf-8", errors="replace") as f:
+            lines = [line.strip() for line in f.read().splitlines() if line.strip()]
+    except OSError:
+        lines = []
     return "the probe job failed: " + (lines[-1] if lines else "no output")
 
 
-def _stop(ranks: list[subprocess.Popen]) -> None:
+def _stop(ranks: list) -> None:
     """End the probe's ranks: SIGTERM to each still running, SIGKILL to any not ended after :data:`STOP_S`."""
     for job in ranks:
         if job.poll() is None:
