@@ -40,7 +40,6 @@ PYTHON = sys.executable
 PER_RUN_S = 60
 """A launch's time limit: a minute per run, and two to start."""
 
-
 NICE = 10
 """How much lower the queue's processes run than the tests' own (nice)."""
 
