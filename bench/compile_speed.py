@@ -1,6 +1,21 @@
-"""Compile speed: the whole `pipec compile` command beside torch's own schedule generation and lowering.
+"""Compile speed: the whole `pipec compile` command beside torch's own import, generation and lowering.
 
-For interleaved_1f1b at P=32, v=2, M=256 (~100K instructions) and at P=64,
+Part ``model`` (issue #21's goals): the example GPT (examples/gpt_1f1b.pipe, 4 ranks, costs profile), each
+compile a fresh process, as a ratio to ``python -c 'import torch, torch.fx'`` timed in the same round (so
+the machine's speed and load cancel, as far as they do); per round, in this order:
+
+- torch: the import, 3 times (the median);
+- cold: ``pipec compile`` with an empty profile cache (its own ``XDG_CACHE_HOME``): the stages timed
+  alone and in a crowd of 4, the links probed (goal: at most 6x torch's import);
+- warm: the same command again on that cache: nothing timed (goal: at most 2x);
+- another schedule: ``--schedule gpipe`` on that cache (every timing still applies: nothing timed);
+- another pp: ``--ranks 2 --partition "split before blocks.4"`` (new stages timed alone; the crowd of
+  its shape and ranks here is new too: 2 ranks, not 4).
+
+Each line gives the medians over ``--rounds`` and the load average. The cold compile's profile record
+says how many rounds and repeats it took.
+
+Part ``schedule``: for interleaved_1f1b at P=32, v=2, M=256 (~100K instructions) and at P=64,
 v=2, M=1024 (~780K), alternating runs of:
 
 - pipec: the whole command in a fresh process (start-up, generation, lowering,
@@ -13,12 +28,13 @@ v=2, M=1024 (~780K), alternating runs of:
 Goals: pipec no slower than torch at P=32; pipec's P=64 time within 10x of its
 P=32 time (linear in instructions: the instruction ratio is ~8x).
 
-    .venv/bin/python bench/compile_speed.py [--repeats N] [--skip-64]
+    .venv/bin/python bench/compile_speed.py [--part model|schedule|both] [--rounds N] [--repeats N] [--skip-64]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -57,12 +73,74 @@ def pipec_time(P: int, v: int, M: int, out: str) -> tuple[float, str]:
     return time.perf_counter() - t, done.stdout.strip()
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPT = os.path.join(REPO, "examples", "gpt_1f1b.pipe")
+MODEL_CASES = (("cold", ()), ("warm", ()), ("another schedule", ("--schedule", "gpipe")),
+               ("another pp", ("--ranks", "2", "--partition", "split before blocks.4")))
+MODEL_GOALS = {"cold": 6.0, "warm": 2.0}
+
+
+def _timed(cmd: list[str], env: dict | None = None) -> float:
+    t = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr}")
+    return time.perf_counter() - t
+
+
+def model_part(rounds: int) -> None:
+    pipec = os.path.join(os.path.dirname(sys.executable), "pipec")
+    got: dict[str, list[float]] = {"torch": [], **{name: [] for name, _ in MODEL_CASES}}
+    ratios: dict[str, list[float]] = {name: [] for name, _ in MODEL_CASES}
+    loads, records = [], []
+    for r in range(rounds):
+        with tempfile.TemporaryDirectory(prefix="pipec-bench-cache-") as xdg:
+            env = {**os.environ, "XDG_CACHE_HOME": xdg}
+            loads.append(os.getloadavg()[0])
+            torch_s = statistics.median(_timed([sys.executable, "-c", "import torch, torch.fx"]) for _ in range(3))
+            got["torch"].append(torch_s)
+            for name, flags in MODEL_CASES:
+                out = os.path.join(xdg, f"{name.replace(' ', '_')}.json")
+                t = _timed([pipec, "compile", GPT, *flags, "-o", out], env)
+                got[name].append(t)
+                ratios[name].append(t / torch_s)
+                if name == "cold":
+                    with open(out, encoding="utf-8") as f:
+                        records.append(json.load(f)["model"]["profile"])
+            loads.append(os.getloadavg()[0])
+        print(f"  round {r + 1}/{rounds}: torch {torch_s:.2f} s; "
+              + "; ".join(f"{name} {got[name][-1]:.1f} s ({ratios[name][-1]:.1f}x)" for name, _ in MODEL_CASES)
+              + f"; load {loads[-2]:.2f} -> {loads[-1]:.2f}", flush=True)
+    print(f"example GPT (examples/gpt_1f1b.pipe, costs profile), {rounds} round(s), medians; load average "
+          f"{min(loads):.2f}-{max(loads):.2f} on {os.cpu_count()} cores")
+    print(f"  torch import (python -c 'import torch, torch.fx'): {statistics.median(got['torch']):.2f} s")
+    for name, _ in MODEL_CASES:
+        ratio = statistics.median(ratios[name])
+        goal = MODEL_GOALS.get(name)
+        verdict = f" (goal: at most {goal:g}x -> {'met' if ratio <= goal else 'NOT met'})" if goal else ""
+        print(f"  {name:<17} {statistics.median(got[name]):6.1f} s  = {ratio:5.1f}x torch's import{verdict}")
+    for rec in records:
+        print(f"  cold profile: rounds alone {[st['rounds'] for st in rec['stages']]}, crowd repeats "
+              f"{rec.get('crowd_repeats')}, slowdown fwd {rec['slowdown']['fwd']:.2f} "
+              f"bwd {rec['slowdown']['bwd']:.2f}, "
+              f"host load {rec.get('host_load')}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("model", "schedule", "both"), default="both")
+    ap.add_argument("--rounds", type=int, default=3, help="model part: rounds (torch import, then each compile)")
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per config at P=32 (P=64: 1)")
     ap.add_argument("--skip-64", action="store_true", help="only the P=32 config")
     args = ap.parse_args()
-    configs = [(32, 2, 256, args.repeats)] + ([] if args.skip_64 else [(64, 2, 1024, 1)])
+    if args.part in ("model", "both"):
+        model_part(args.rounds)
+    if args.part in ("schedule", "both"):
+        schedule_part(args.repeats, args.skip_64)
+
+
+def schedule_part(repeats: int, skip_64: bool) -> None:
+    configs = [(32, 2, 256, repeats)] + ([] if skip_64 else [(64, 2, 1024, 1)])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for P, v, M, reps in configs:
