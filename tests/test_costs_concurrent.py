@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import random
 
 import pytest
 import torch
@@ -231,11 +232,11 @@ def test_the_crowd_repeats_until_its_median_slowdown_is_known(monkeypatch):
     steady = prof.crowd(p, {0: lambda: (2.0, 0.0, 4.0, 0.0, 4.0), 1: lambda: (2.0, 0.0, 4.0, 0.0, 4.0)}, alone, 2, 1.0)
     assert len(steady.repeats) == prof.MIN_CROWD_REPEATS and steady.repeats[0] == (2.0, 2.0, 2.0, 2.0)
     assert steady.spread == 0 and not mp.active_children()
-    count = [0]
+    draws = random.Random(0)
 
-    def scattering():  # every process's own count (forked): its samples take 1, 2, 3, 4, 5, 6 x alone, ...
-        count[0] += 1
-        return (1.0 + count[0] % 6, 0.0, 2.0 * (1 + count[0] % 6), 0.0, 1.0)
+    def scattering():  # each sample 1-10 x its time alone (a repeat's median of four: about 25% apart)
+        f = draws.uniform(1.0, 10.0)
+        return (f, 0.0, 2.0 * f, 0.0, 1.0)
 
     noisy = prof.crowd(p, {0: scattering, 1: scattering}, alone, 2, 1.0)
     assert len(noisy.repeats) == 5 and noisy.spread > 0.1  # never known: up to the cap
