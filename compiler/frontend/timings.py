@@ -179,8 +179,9 @@ def profile_stages(split: Split, profile: Profiling, *, autocast: str | None, ta
     for s in range(num):
         if (e := cache.lookup("stage", keys[s], _check_stage)) is not None:
             entries[s] = e
-    crowd_key = {"model": split.traced.fingerprint, "inputs": [[x.name, list(x.shape), x.dtype] for x in split.traced.inputs],
-                 "dtype": dtype, "ranks": profile.num_ranks, **host}
+    crowd_key = {"model": split.traced.fingerprint,
+                 "inputs": [[x.name, list(x.shape), x.dtype] for x in split.traced.inputs], "dtype": dtype,
+                 "ranks": profile.num_ranks, **host}
     shared = cache.lookup("crowd", crowd_key, _check_crowd) if many else None
     host_entry = cache.lookup("host", host, _check_host)
     baseline = float(host_entry.value["reference_s"]) if host_entry else None
@@ -226,8 +227,9 @@ def _record(profile: Profiling, stages: Sequence[cache.Entry], crowd: cache.Entr
     """plan.json's ``model["profile"]``: how the stages were timed, each timing's provenance (``stages[s]`` and
     ``crowd``: ``at``, when it was measured, and ``reused``, whether an earlier compile measured it), the slowdown
     measured, ``host_spread`` (the reference kernel's standard deviation over its median, in the rounds that timed
-    them: the median of the timings'), ``host_load`` (the processes wanting a core besides the compile when the timings that set the
-    costs' level were taken: the crowd's, else the median of the stages') and notes of the profile cache."""
+    them: the median of the timings'), ``host_load`` (the processes wanting a core besides the compile when the
+    timings that set the costs' level were taken: the crowd's, else the median of the stages') and notes of the
+    profile cache."""
     out: dict[str, Any] = {"concurrent_ranks": profile.num_ranks, "threads_per_rank": profile.threads,
                            "reps": profile.reps, "max_reps": profile.max_reps, "spread_target": profile.spread_target,
                            "cpu_count": os.cpu_count(), "cores": usable_cores()}
