@@ -39,6 +39,13 @@ def _add_reprofile(p: argparse.ArgumentParser) -> None:
                    "again, ignoring the profile cache's timings (`pipec cache` shows it)")
 
 
+def _add_compile_flags(p: argparse.ArgumentParser, add_flags) -> None:
+    """What ``compile`` and ``check`` share: ``--verbose``, every key's flag (the key table's), ``--reprofile``."""
+    p.add_argument("--verbose", action="store_true", help="also say which keys a note's defaults came from")
+    add_flags(p)
+    _add_reprofile(p)
+
+
 def _reprofile(args: argparse.Namespace) -> None:
     """``--reprofile``: this process measures again what the profile cache holds (and replaces it)."""
     if getattr(args, "reprofile", False):
@@ -435,17 +442,13 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compile", help="compile a schedule file and/or flags into a verified plan.json")
     c.add_argument("file", nargs="?", help="a schedule file (.pipe); optional: flags alone make a spec")
     c.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
-    c.add_argument("--verbose", action="store_true", help="also say which keys a note's defaults came from")
-    add_flags(c)
-    _add_reprofile(c)
+    _add_compile_flags(c, add_flags)
     c.set_defaults(func=cmd_compile)
 
     k = sub.add_parser("check", help="prove a plan.json, or check (and compile and prove) a schedule file")
     k.add_argument("file")
     k.add_argument("--no-model", action="store_true", help="a .pipe naming a model: check the file only, trace nothing")
-    k.add_argument("--verbose", action="store_true", help="also say which keys a note's defaults came from")
-    add_flags(k)
-    _add_reprofile(k)
+    _add_compile_flags(k, add_flags)
     k.set_defaults(func=cmd_check)
 
     f = sub.add_parser("fmt", help="print a schedule file in canonical form")

@@ -43,6 +43,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 
 from pipec.compiler.frontend.costs import StageCost, with_recompute
 from pipec.compiler.frontend.partition import StagePart, _foldable
+from pipec.compiler.frontend.stages import resolve
 from pipec.compiler.frontend.tensors import dtype_name
 from pipec.compiler.frontend.trace import Traced, is_pipe_split
 from pipec.compiler.ir.plan import UNIT_COST, Cost, Edge, TensorSpec, Tie
@@ -118,13 +119,6 @@ def _tensor_sig(node: Node) -> TensorSpec | None:
     return TensorSpec(node.name, dtype_name(tm.dtype), tuple(int(d) for d in tm.shape))
 
 
-def _resolve(root: nn.Module, target: str) -> Any:
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _held(obj: Any, target: str, canon_by_id: Mapping[int, str]) -> tuple[tuple[str, str], ...]:
     """:func:`~.partition._hold`'s pairs for attribute ``target``, in its order."""
     if isinstance(obj, nn.Module):
@@ -185,7 +179,7 @@ def _node_table(traced: Traced) -> NodeTable | None:
         sig.append(_tensor_sig(n))
         users.append(tuple(ids[u] for u in n.users) if n.op == "placeholder" else ())
         if n.op == "get_attr":
-            obj = _resolve(gm, str(n.target))
+            obj = resolve(gm, str(n.target))
             held[i] = _held(obj, str(n.target), canon_by_id)
             if isinstance(obj, nn.Module):
                 module_attr.add(i)

@@ -80,7 +80,8 @@ def _clone_tree(mod: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
     return new
 
 
-def _resolve(root: nn.Module, target: str) -> Any:
+def resolve(root: nn.Module, target: str) -> Any:
+    """The submodule, parameter or buffer at a dotted ``target`` of ``root``."""
     obj: Any = root
     for part in target.split("."):
         obj = getattr(obj, part)
@@ -119,7 +120,7 @@ def materialize(split: Split, s: int, values: Mapping[str, torch.Tensor], buffer
         if node.op not in ("call_module", "get_attr") or node.target in attrs:
             continue
         target = str(node.target)
-        obj = _resolve(split.traced.gm, target)
+        obj = resolve(split.traced.gm, target)
         if isinstance(obj, nn.Module):
             root = _clone_tree(obj, memo)
             for mod_name, mod in root.named_modules(prefix=target, remove_duplicate=False):

@@ -31,11 +31,11 @@ import statistics
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-from torch import nn
 
 from pipec.compiler import cache, progress
 from pipec.compiler.frontend.load import instantiate
 from pipec.compiler.frontend.partition import Split
+from pipec.compiler.frontend.stages import resolve
 from pipec.compiler.frontend.profile import (PROFILE_METHOD, Profiling, _cost, _least_sample, _median_slowdown,
                                              _rel_spread, _Sample, _stage_runner, _threads, _total, crowd,
                                              usable_cores)
@@ -84,13 +84,6 @@ def _source(obj: Any) -> str:
     return digest
 
 
-def _resolve(root: nn.Module, target: str) -> Any:
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def stage_digest(split: Split, s: int) -> str:
     """The fingerprint of stage ``s`` as it is timed: its graph's code, the modules it calls (their repr and, for a
     model's own, their source), the tensors it reads by attribute, the functions it calls that are not torch's,
@@ -105,7 +98,7 @@ def stage_digest(split: Split, s: int) -> str:
             mod = gm.get_submodule(target)
             mods[target] = [repr(mod), sorted({_source(type(m)) for m in mod.modules()} - {""})]
         elif n.op == "get_attr":
-            obj = _resolve(gm, target)
+            obj = resolve(gm, target)
             attrs[target] = [list(obj.shape), str(obj.dtype)] if isinstance(obj, torch.Tensor) else type(obj).__name__
         elif n.op == "call_function" and (src := _source(n.target)):
             funcs[n.name] = src
