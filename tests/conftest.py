@@ -139,3 +139,21 @@ def compiled(overrides: dict[str, Any]):
 
         _PLANS[key] = compile_spec(load_spec(None, overrides)).plan
     return _PLANS[key]
+
+
+def assert_located(text: str, where: str, message: str) -> None:
+    """Compiling schedule-file ``text`` (as ``a.pipe``) is refused at ``where`` (``a.pipe:LINE:COL``) with
+    ``message``."""
+    from pipec.compiler.driver import compile_spec
+    from pipec.dsl import DSLError, parse_spec
+
+    with pytest.raises(DSLError) as err:
+        compile_spec(parse_spec(text, filename="a.pipe"))
+    assert str(err.value).startswith(f"{where}: error: {message}")
+
+
+def spec_file(tmp_path_factory, text: str, name: str = "model.pipe") -> str:
+    """``text`` written as a schedule file in a folder of its own; its path."""
+    path = tmp_path_factory.mktemp("spec") / name
+    path.write_text(text)
+    return str(path)

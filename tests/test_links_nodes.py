@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import assert_located
+
 from pipec.cli import main
 from pipec.compiler.driver import compile_spec
 from pipec.compiler.ir.program import Program
@@ -71,9 +73,7 @@ def test_keys_reach_the_request_mesh_and_plan():
     ("pp 2\nlinks intra(speed=1GB/s)\n", "a.pipe:2:13", "unknown intra link setting 'speed'"),
 ])
 def test_errors_are_located(text, where, message):
-    with pytest.raises(DSLError) as err:
-        compile_spec(parse_spec(text, filename="a.pipe"))
-    assert str(err.value).startswith(f"{where}: error: {message}")
+    assert_located(text, where, message)
 
 
 def test_the_node_size_error_says_how_to_fix_it():

@@ -8,6 +8,8 @@ from dataclasses import replace
 
 import pytest
 
+from conftest import assert_located
+
 from pipec.compiler.driver import compile_plan, compile_request, compile_spec
 from pipec.compiler.sim.engine import MODELS, execute
 from pipec.compiler.ir.program import SHARD_OPS, Instruction, Op, Program, parse_program
@@ -55,9 +57,7 @@ def test_keys_reach_the_mesh_and_plan_json():
     ("pp 2\ndp 2\nshard_size 2\n", "a.pipe:3:12", "shard_size 2 is set but shard is none"),
 ])
 def test_key_errors_are_located(text, where, message):
-    with pytest.raises(DSLError) as err:
-        compile_spec(parse_spec(text, filename="a.pipe"))
-    assert str(err.value).startswith(f"{where}: error: {message}")
+    assert_located(text, where, message)
 
 
 def test_bad_shard_mode_is_refused_by_the_language():

@@ -11,6 +11,8 @@ from dataclasses import replace
 
 import pytest
 
+from conftest import spec_file
+
 from pipec.cli import main
 from pipec.compiler.driver import compile_request, model_request, schedule_order
 from pipec.compiler.frontend import build_stage_graph
@@ -33,9 +35,7 @@ costs flops  peak_flops 1TFLOP/s
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tune") / "small.pipe"
-    path.write_text(SMALL)
-    return str(path)
+    return spec_file(tmp_path_factory, SMALL)
 
 
 def _request(path, **kw) -> TuneRequest:

@@ -8,6 +8,8 @@ from dataclasses import replace
 
 import pytest
 
+from conftest import spec_file
+
 from pipec.compiler import driver
 from pipec.compiler.sim import simulate
 from pipec.compiler.driver import compile_request
@@ -28,9 +30,7 @@ costs flops  peak_flops 1TFLOP/s
 
 @pytest.fixture(scope="module")
 def treq(tmp_path_factory) -> TuneRequest:
-    path = tmp_path_factory.mktemp("caches") / "m.pipe"
-    path.write_text(PIPE)
-    return TuneRequest(base=load_spec(str(path), {}).request, num_devices=4)
+    return TuneRequest(base=load_spec(spec_file(tmp_path_factory, PIPE), {}).request, num_devices=4)
 
 
 def _candidate(**kw) -> Candidate:
