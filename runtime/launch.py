@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterator, Mapping, Sequence, TextIO
 
-from pipec.errors import PipecError
+from pipec.errors import PipecError, RunFailed
 from pipec.runtime.failures import RankFailed, RankReport, deliver, linger_when_stopped
 
 __all__ = ["main", "run_parser", "add_run_flags", "RunOptions", "LaunchError", "Env",
@@ -343,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 # ----------------------------------------------------------------------------- the launcher's side
 
 
-class TimeLimitExceeded(Exception):
+class TimeLimitExceeded(RunFailed):
     """The ranks :func:`start_ranks` started ran past its ``time_limit`` (they were stopped)."""
 
 
