@@ -13,11 +13,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any, Callable, Hashable, Iterable, Iterator
 
@@ -94,8 +96,39 @@ def on_threads(rank: Callable, keys: Iterable[Hashable]) -> dict:
         return dict(zip(keys, pool.map(lambda k: rank(*k), keys)))
 
 
+def run_cli_here(*args: str, cwd: str | os.PathLike, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``pipec ARGS`` in this process (the folder and ``env`` changed for the call only): its exit code and
+    what it wrote, as :func:`run_cli` returns them, without a fresh interpreter's torch import. A traceback
+    is an exception here, so the test fails on it as on a process's."""
+    from pipec.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    here, saved = os.getcwd(), dict(os.environ)
+    os.chdir(cwd)
+    os.environ.update(env or {})
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(["pipec", *args], code, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture
 def cli(tmp_path):
+    """``pipec ARGS`` run in this process from the test's folder (:func:`run_cli_here`)."""
+    def _run(*args: str, env: dict | None = None):
+        return run_cli_here(*args, cwd=tmp_path, env=env)
+
+    return _run
+
+
+@pytest.fixture
+def cli_process(tmp_path):
+    """``python -m pipec ARGS`` in a fresh process from the test's folder: for what only a process shows (its
+    exit at the interpreter's end, warnings filters, torchrun)."""
     def _run(*args: str, timeout: float = 120, env: dict | None = None):
         return run_cli(*args, cwd=tmp_path, timeout=timeout, env=env)
 

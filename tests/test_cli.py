@@ -28,7 +28,7 @@ def test_compile_check_show(cli, tmp_path):
     assert out.stdout.splitlines()[0].startswith("0: F0.0")
 
 
-def test_user_mistakes_exit_2_without_traceback(cli, tmp_path):
+def test_user_mistakes_exit_2_without_traceback(cli_process, tmp_path):
     cases = [
         (("compile", "--schedule", "zbv", "--ranks", "4", "--virtual", "3", "--microbatches", "8"), "zbv needs exactly 2"),
         (("compile", "--schedule", "1f1c", "--ranks", "4", "--microbatches", "8"), "did you mean '1f1b'"),
@@ -40,7 +40,7 @@ def test_user_mistakes_exit_2_without_traceback(cli, tmp_path):
     ]
     (tmp_path / "plan.json").write_text("{}")
     for args, message in cases:
-        out = cli(*args)
+        out = cli_process(*args)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         assert "Traceback" not in out.stderr, out.stderr
         # once, in compiler style: a located error as it renders, anything else after pipec's prefix
@@ -51,8 +51,8 @@ def test_user_mistakes_exit_2_without_traceback(cli, tmp_path):
             assert message in out.stderr, (args, out.stderr)
 
 
-def test_warnings_do_not_fail(cli):
-    out = cli("compile", "--schedule", "1f1b", "--ranks", "4", "--microbatches", "2", "-o", "p.json")
+def test_warnings_do_not_fail(cli_process):
+    out = cli_process("compile", "--schedule", "1f1b", "--ranks", "4", "--microbatches", "2", "-o", "p.json")
     assert out.returncode == 0
     assert ": warning: " in out.stderr  # located at the flag that set it
 
@@ -75,8 +75,8 @@ def test_torch_csv_round_trip_through_the_cli(cli, tmp_path):
 
 @pytest.mark.slow  # the whole demo: profiles, then three schedules under torchrun (~50 s on 2 cores)
 @pytest.mark.timeout(600)
-def test_demo_shows_three_schedules(cli):
-    out = cli("demo", timeout=300)
+def test_demo_shows_three_schedules(cli_process):
+    out = cli_process("demo", timeout=300)
     assert out.returncode == 0, out.stderr
     for name in ("1f1b", "interleaved_1f1b", "zb_h1"):
         assert name in out.stdout

@@ -247,11 +247,11 @@ def test_injected_failure_ends_the_job_naming_the_rank(injected_failure):
     assert "Traceback" not in err.split("pipec: error:")[-1]
 
 
-def test_schedule_only_plan_needs_emulate(cli):
-    assert cli("compile", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "2", "-o", "p.json").returncode == 0
-    out = cli("run", "p.json", "--nproc", "2")
+def test_schedule_only_plan_needs_emulate(cli_process):
+    assert cli_process("compile", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "2", "-o", "p.json").returncode == 0
+    out = cli_process("run", "p.json", "--nproc", "2")
     assert out.returncode == 2 and "runs only with --emulate" in out.stderr
-    out = cli("run", "p.json", "--nproc", "3", "--emulate")
+    out = cli_process("run", "p.json", "--nproc", "3", "--emulate")
     assert out.returncode == 2 and "use --nproc 2" in out.stderr
 
 

@@ -195,8 +195,8 @@ def test_a_forward_that_fails_on_the_inputs_names_the_users_file_and_line(tmp_pa
     assert "While executing" not in text and "tlparse" not in text and "make forward traceable" not in text
 
 
-def test_an_input_longer_than_the_models_positions_is_said_so_without_torchs_log_lines(cli):
-    out = cli("compile", "--model", GPT, "--model-arg", "layers=2, dim=16, heads=2, vocab=64, seq=16", "--input",
+def test_an_input_longer_than_the_models_positions_is_said_so_without_torchs_log_lines(cli_process):
+    out = cli_process("compile", "--model", GPT, "--model-arg", "layers=2, dim=16, heads=2, vocab=64, seq=16", "--input",
               "tokens: int64[4, 32]", "--costs", "unit", "--dtype", "bfloat16", "-o", "p.json")
     assert out.returncode == 2
     assert "error: input tokens has 32 positions (dim 1), more than the model's 16: its position embedding wpe is " \
