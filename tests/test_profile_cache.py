@@ -177,6 +177,7 @@ def test_concurrent_writers_never_leave_a_partial_entry(root):
     assert seen and not list((root / "stage").glob(".tmp-*"))
 
 
+@pytest.mark.slow  # two cold profiles at once, then a third (~14 s on 2 cores)
 def test_two_compiles_at_once_then_one_that_reuses_every_timing(tmp_path, root):
     pipe = tmp_path / "mlp.pipe"
     pipe.write_text('model "pipec.examples.mlp:build" (layers=4, dim=16)\ninput x: float32[8, 16]\nloss mse\n'

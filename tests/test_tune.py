@@ -229,6 +229,7 @@ def _ranks_left(folder) -> list[int]:
     return out
 
 
+@pytest.mark.slow  # three real runs under the runtime's launcher (~14 s on 2 cores)
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the ranks from /proc")
 def test_measure_starts_the_ranks_here_and_notes_a_failed_or_overlong_run(small, tmp_path):
     """--measure starts each run's ranks from this process (the runtime's launcher, no pipec subprocess): the
