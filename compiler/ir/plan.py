@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 
 from pipec.compiler.ir.program import Program
 from pipec.compiler.ir.schema import SchemaError
+from pipec.compiler.ir.tensor_parallel import StageTP
 from pipec.compiler.ir.timeline import Timeline
 from pipec.compiler.limits import LIMITS
 from pipec.errors import PipecError
@@ -104,6 +105,8 @@ class Stage:
     param_shapes: tuple[tuple[int, ...], ...] = ()
     """The shape of each of ``params``, in order (empty: unknown); sharding pads each parameter's
     dim 0 to a multiple of the shard size, as FSDP2 does."""
+    tp: StageTP | None = None
+    """What tensor parallelism does to this stage (None: tp 1, or a schedule-only plan)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -200,6 +203,11 @@ class Mesh:
     devices_per_node: int | None = None
     """Devices G per node (key ``devices_per_node``): nodes hold G consecutive global ranks, so
     global rank g sits on node g // G. None: not said (the ``pp`` and ``dp`` links price every hop)."""
+    tp: int = 1
+    """Tensor-parallel ranks per (pp, dp) coordinate (key ``tp``): the innermost mesh dimension, so a tp group
+    is ``tp`` consecutive global ranks."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism inside each tp group (key ``sequence_parallel``)."""
 
     @property
     def num_shards(self) -> int:
@@ -245,15 +253,25 @@ class Mesh:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp
+        return self.pp * self.dp * self.tp
 
     def coords(self, global_rank: int) -> tuple[int, int]:
-        """(pp rank, dp rank) of a global rank; global rank = pp x dp_size + dp."""
-        return divmod(global_rank, self.dp)
+        """(pp rank, dp rank) of a global rank; global rank = (pp x dp_size + dp) x tp_size + tp."""
+        return divmod(global_rank // self.tp, self.dp)
 
-    def global_rank(self, pp: int, dp: int = 0) -> int:
-        """The global rank of (pp rank, dp rank): pp x dp_size + dp, so replicas are neighbours."""
-        return pp * self.dp + dp
+    def tp_rank(self, global_rank: int) -> int:
+        """The tp rank of a global rank (0 with tp 1)."""
+        return global_rank % self.tp
+
+    def global_rank(self, pp: int, dp: int = 0, tp: int = 0) -> int:
+        """The global rank of (pp rank, dp rank, tp rank): (pp x dp_size + dp) x tp_size + tp, so a tp group is
+        consecutive ranks and replicas are neighbours (with tp 1: pp x dp_size + dp)."""
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def tp_group(self, global_rank: int) -> tuple[int, ...]:
+        """The global ranks of ``global_rank``'s tp group, in tp order."""
+        first = global_rank - global_rank % self.tp
+        return tuple(range(first, first + self.tp))
 
     def replicas(self, pp: int) -> range:
         """The global ranks of pp rank ``pp``'s dp replicas (its dp group)."""

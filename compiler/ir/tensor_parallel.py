@@ -1,0 +1,107 @@
+"""What tensor parallelism does to one stage, as plan.json records it (pure: no torch).
+
+The sharding pass (:mod:`pipec.compiler.frontend.tensor_parallel`) decides, per stage, which modules
+shard which dimension across the stage's ``tp`` ranks (Megatron's column / row pairs); the result is a
+:class:`StageTP`, stored in plan.json under ``stages[s].tp`` and read by
+
+- the runtime, which slices each :class:`ShardedParam` for its tp rank and runs the stage's graph
+  rewritten to local sizes with the :class:`Collective`\\ s inserted;
+- the cost model and the simulator, which divide the stage's sharded FLOPs by tp and price each
+  collective on the ``tp`` link;
+- the memory pass, which divides the sharded parameters (and their grads and optimizer state) by tp;
+- ``pipec show``, which prints what was chosen.
+
+A parameter not named in :attr:`StageTP.params` is replicated on every tp rank of the stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+__all__ = ["STYLES", "COLLECTIVE_KINDS", "PHASES", "ShardedParam", "Collective", "StageTP"]
+
+STYLES = ("colwise", "rowwise", "vocab", "replicated")
+"""How a module is split: ``colwise`` (its output features), ``rowwise`` (its input features; the output is
+all-reduced), ``vocab`` (an embedding's rows; the masked lookups are all-reduced), ``replicated``."""
+
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+PHASES = ("forward", "backward")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardedParam:
+    """One parameter split across the tp ranks of its stage.
+
+    The full tensor's dimension ``dim`` is ``segments`` equal blocks (3 for a fused q|k|v weight, 1 otherwise);
+    each block is cut into tp equal contiguous parts, and tp rank t holds part t of every block, concatenated
+    in block order."""
+
+    name: str
+    """Canonical parameter name."""
+    dim: int
+    segments: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dim": self.dim, "segments": self.segments}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "ShardedParam":
+        return cls(name=str(d["name"]), dim=int(d["dim"]), segments=int(d.get("segments", 1)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Collective:
+    """One collective over the stage's tp group, per microbatch."""
+
+    kind: str
+    """One of :data:`COLLECTIVE_KINDS`."""
+    phase: str
+    """``forward`` or ``backward`` (the input-gradient part of the backward)."""
+    num_bytes: int
+    """The full (unsharded) tensor's bytes: an all-reduce's payload."""
+    node: str
+    """The traced node it belongs to (for messages and ``pipec show``)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "phase": self.phase, "bytes": self.num_bytes, "node": self.node}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Collective":
+        return cls(kind=str(d["kind"]), phase=str(d["phase"]), num_bytes=int(d["bytes"]), node=str(d["node"]))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageTP:
+    """What tensor parallelism does to one stage (see the module doc)."""
+
+    tp: int
+    modules: tuple[tuple[str, str], ...] = ()
+    """(module path, style) for every module the pass decided on, in graph order; style in :data:`STYLES`."""
+    params: tuple[ShardedParam, ...] = ()
+    collectives: tuple[Collective, ...] = ()
+    sharded_flops: float = 0.0
+    """The share (0..1) of the stage's forward FLOPs that runs on shards (divided by tp)."""
+
+    def sharded(self, name: str) -> ShardedParam | None:
+        """The sharding of canonical parameter ``name``, or None where it is replicated."""
+        return next((p for p in self.params if p.name == name), None)
+
+    def compute_share(self) -> float:
+        """The share of the stage's compute each tp rank does: the sharded part / tp plus the rest."""
+        return self.sharded_flops / self.tp + (1.0 - self.sharded_flops)
+
+    def collective_bytes(self, phase: str) -> int:
+        return sum(c.num_bytes for c in self.collectives if c.phase == phase)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tp": self.tp, "modules": [{"module": m, "style": s} for m, s in self.modules],
+                "params": [p.to_json() for p in self.params],
+                "collectives": [c.to_json() for c in self.collectives], "sharded_flops": self.sharded_flops}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "StageTP":
+        return cls(tp=int(d["tp"]), modules=tuple((str(m["module"]), str(m["style"])) for m in d.get("modules", ())),
+                   params=tuple(ShardedParam.from_json(p) for p in d.get("params", ())),
+                   collectives=tuple(Collective.from_json(c) for c in d.get("collectives", ())),
+                   sharded_flops=float(d.get("sharded_flops", 0.0)))
