@@ -10,11 +10,15 @@ Per rank and stage, the state the runtime holds (:func:`breakdown`):
   0 without (:func:`bytes_per_param`). Float32 AdamW is so 4 + 4 + 8 = 16
   bytes per parameter: the source note's mixed-precision Adam count (2 + 2 +
   12) comes to the same 16. A tied weight counts on every stage holding a copy.
-- divided as the mesh's ``shard`` divides them among a shard group of ``n``
+- divided by tensor parallelism first: a parameter the stage's
+  :class:`~pipec.compiler.ir.tensor_parallel.StageTP` shards (a :class:`ShardedParam`, matched by name against
+  ``Stage.params`` / ``param_shapes``) is held as its tp rank's part, its dim ``dim`` / tp
+  (:func:`local_shapes`), its gradient and optimizer state with it; a replicated one whole, on every tp rank;
+- then divided as the mesh's ``shard`` divides them among a shard group of ``n``
   ranks: ``optimizer`` the optimizer state, ``grads`` and ``full`` all three.
   A shard is padded as FSDP2 pads it (dim 0 of each parameter rounded up to a
   multiple of ``n``, as DTensor's ``Shard(0)`` chunks it; ZeRO-1 is modelled
-  with the same layout);
+  with the same layout): FSDP2 over a tp stage shards the local (tp) tensors, so the two compose, tp first;
 - **unsharded**: under ``grads`` and ``full``, the parameters gathered by an
   ``UNSHARD`` until its ``RESHARD`` and the stage's unsharded gradients from
   its first backward to its ``REDUCE_SCATTER`` (FSDP2 accumulates them
@@ -33,6 +37,18 @@ Per rank and stage, the state the runtime holds (:func:`breakdown`):
   waited for: in ``OPT``, or first by its stage's ``AR<s>:dp.replicate`` or by
   any tie all-reduce. They count at the same program points as the
   unsharded parameters and gradients.
+
+Saved activations under tp (:func:`tp_activation_bytes`): Megatron's count (Korthikanti et al. 2022, the
+per-layer formula the source note points to) for a transformer block of sequence s, microbatch b, width h and
+a heads, 16-bit: ``s b h (34 + 5 a s / h)`` bytes unsharded, ``s b h (10 + 24 / t + 5 a s / (h t))`` at tp t
+(:func:`megatron_block_activation_bytes`): the attention's and the MLP's inner activations divide by t, the
+``10 s b h`` of the two norms' inputs, the inputs of the qkv and fc linears and the two dropout masks do not
+(with sequence parallelism they do too: ``34 / t``). A stage's activations are split the same way: its
+replicated part is taken as Megatron's 10 s b h per block, 2.5 x the bytes of the block's two forward
+all-reduces (each ``s b h`` elements), so ``2.5 x`` its forward all-reduce bytes (at most all of them), and the
+rest divides by tp. This reproduces Megatron's per-block figure for a stage of blocks whose saved bytes are
+Megatron's; for another layout it assumes each forward all-reduce closes a sharded region whose replicated
+inputs are 2.5 x its payload (a vocab-parallel embedding's all-reduce counts so too: more held, never less).
 
 :func:`state_bytes` is the first item per rank (plan.json's per-rank
 ``state_bytes``); the simulator adds the second and third and each rank's saved
@@ -55,7 +71,9 @@ from pipec.compiler.ir.program import Op
 from pipec.compiler.ir.plan import Mesh, Plan, Stage
 from pipec.errors import PipecError
 
-__all__ = ["BYTES_PER_PARAM", "COMPUTE_BYTES", "MemoryBudgetError", "RankMemory", "bytes_per_param", "padded_params", "stage_state", "breakdown",
+__all__ = ["BYTES_PER_PARAM", "COMPUTE_BYTES", "MemoryBudgetError", "RankMemory", "bytes_per_param", "padded_params",
+           "local_shapes", "local_params", "local_param_bytes", "tp_activation_bytes",
+           "megatron_block_activation_bytes", "REPLICATED_PER_ALL_REDUCE", "tie_bytes", "stage_state", "breakdown",
            "state_bytes", "transient_bytes", "check_memory"]
 
 BYTES_PER_PARAM = 16
@@ -87,7 +105,7 @@ class RankMemory:
     buffers: int = 0
     """Collective buffers in flight (all-reduces' flat buffers, reduce-scatters' inputs) at that point."""
     num_params: int = 0
-    """Parameter copies held (unsharded count)."""
+    """Parameter copies held (unsharded count; of a tp stage, its tp rank's part: :func:`local_params`)."""
 
     @property
     def state(self) -> int:
@@ -109,14 +127,96 @@ def bytes_per_param(spec: Mapping) -> tuple[int, int, int]:
 
 
 def padded_params(stage: Stage, num_shards: int) -> int:
-    """The stage's parameters as sharded over ``num_shards`` ranks hold them all together: each
-    parameter's dim 0 rounded up to a multiple of ``num_shards`` (without shapes: the count rounded up)."""
+    """The stage's parameters one tp rank holds (:func:`local_params`; all of them without tp) as sharded over
+    ``num_shards`` ranks hold them all together: each (local) parameter's dim 0 rounded up to a multiple of
+    ``num_shards`` (without shapes: the count rounded up)."""
     n = num_shards
     if n <= 1:
-        return stage.num_params or 0
+        return local_params(stage)
     if not stage.param_shapes:
-        return -(-(stage.num_params or 0) // n) * n
-    return _padded_shapes(stage.param_shapes, n)
+        return -(-local_params(stage) // n) * n
+    return _padded_shapes(local_shapes(stage), n)
+
+
+def local_shapes(stage: Stage) -> tuple[tuple[int, ...], ...]:
+    """The shape of each of the stage's parameters on one of its tp ranks: a sharded one's dim ``dim`` divided by
+    tp (each of its ``segments`` blocks cut in tp parts: the dim over tp in all), a replicated one whole;
+    ``param_shapes`` itself without tp."""
+    stp = stage.tp
+    if stp is None or stp.tp <= 1 or not stage.param_shapes:
+        return stage.param_shapes
+    return _local_shapes(stage.params, stage.param_shapes, stp)
+
+
+@lru_cache(maxsize=4096)
+def _local_shapes(names, shapes, stp) -> tuple[tuple[int, ...], ...]:
+    sharded = {p.name: p for p in stp.params}
+    out = []
+    for name, shape in zip(names, shapes):
+        p = sharded.get(name)
+        if p is None or not shape:
+            out.append(shape)
+            continue
+        dim = p.dim % len(shape)
+        out.append(tuple(-(-d // stp.tp) if i == dim else d for i, d in enumerate(shape)))
+    return tuple(out)
+
+
+def local_params(stage: Stage) -> int:
+    """Parameters one of the stage's tp ranks holds: the replicated ones and its part of each sharded one
+    (``num_params`` without tp, or where the shapes are unknown: then nothing is taken as sharded)."""
+    if stage.tp is None or stage.tp.tp <= 1 or not stage.param_shapes:
+        return stage.num_params or 0
+    return _count(local_shapes(stage)) + (stage.num_params or 0) - _count(stage.param_shapes)
+
+
+def _count(shapes) -> int:
+    total = 0
+    for shape in shapes:
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
+def local_param_bytes(stage: Stage) -> int:
+    """``param_bytes`` of what one tp rank holds (the dp all-reduce's payload): the sharded parameters' bytes over
+    tp, the replicated ones' whole."""
+    full = stage.param_bytes or 0
+    if stage.tp is None or stage.tp.tp <= 1 or not stage.num_params:
+        return full
+    return round(full * local_params(stage) / stage.num_params)
+
+
+REPLICATED_PER_ALL_REDUCE = 2.5
+"""A tp stage's saved bytes that stay whole on every tp rank, per byte of its forward all-reduces: Megatron's
+``10 s b h`` per block against its two all-reduces of ``2 s b h`` bytes (16-bit)."""
+
+
+def tp_activation_bytes(stage: Stage, *, sequence_parallel: bool = False) -> int | None:
+    """The stage's saved bytes per microbatch on one tp rank (see the module doc): ``activation_bytes`` without
+    tp; with it the replicated part (:data:`REPLICATED_PER_ALL_REDUCE` x the forward all-reduces' bytes, at most
+    all) whole and the rest over tp; with sequence parallelism all of it over tp."""
+    a = stage.activation_bytes
+    stp = stage.tp
+    if a is None or stp is None or stp.tp <= 1:
+        return a
+    if sequence_parallel:
+        return -(-a // stp.tp)
+    payload = sum(c.num_bytes for c in stp.collectives if c.phase == "forward" and c.kind == "all_reduce")
+    replicated = min(a, round(REPLICATED_PER_ALL_REDUCE * payload))
+    return replicated + -(-(a - replicated) // stp.tp)
+
+
+def megatron_block_activation_bytes(*, seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
+                                    sequence_parallel: bool = False) -> float:
+    """Megatron's saved bytes of one transformer block (16-bit, Korthikanti et al. 2022): ``s b h (10 + 24 / t +
+    5 a s / (h t))``, or ``s b h (34 / t + 5 a s / (h t))`` with sequence parallelism; ``tp 1``: ``s b h (34 + 5 a
+    s / h)``."""
+    sbh, t = seq * batch * hidden, tp
+    replicated = 0 if sequence_parallel else 10
+    return sbh * (replicated + (34 - replicated) / t + 5 * heads * seq / (hidden * t))
 
 
 @lru_cache(maxsize=4096)
@@ -141,7 +241,7 @@ def stage_state(st: Stage, plan: Plan) -> tuple[int, int, int]:
 def _stage_state(st: Stage, mesh: Mesh, per: tuple[int, int, int]) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes one rank holds of a stage, as the mesh shards them."""
     n = mesh.num_shards
-    full = st.num_params or 0
+    full = local_params(st)
     shard = padded_params(st, n) // n
     p, g, o = per
     if mesh.shard == "optimizer":
@@ -165,10 +265,10 @@ def transient_bytes(plan: Plan) -> list[tuple[int, int]]:
     full = {s: v * elem for s, v in padded.items()}  # gathered in the compute dtype
     held_by = {  # (opcode, group kind) -> stage -> the flat buffer's bytes
         "RS": {s: v * grad for s, v in padded.items()},
-        "dp": {st.stage: (st.num_params or 0) * grad for st in plan.stages},
+        "dp": {st.stage: local_params(st) * grad for st in plan.stages},
         "dp.replicate": {s: v // n * grad for s, v in padded.items()},
     }
-    ties = {f"tie.{t.name}": -(-(t.num_bytes or 0) // (n if mesh.params_sharded else 1)) for t in plan.ties}
+    ties = {f"tie.{t.name}": -(-tie_bytes(plan, t) // (n if mesh.params_sharded else 1)) for t in plan.ties}
     for r, instrs in enumerate(plan.program.ranks):
         out[r] = _transient(instrs, mesh.params_sharded, full, held_by, ties)
     return out
@@ -241,6 +341,16 @@ def _transient(instrs, params_sharded: bool, full: Mapping[int, int], held_by: M
     return best
 
 
+def tie_bytes(plan: Plan, tie) -> int:
+    """A tied weight's bytes on one tp rank: over tp where the first stage holding it shards it."""
+    full = tie.num_bytes or 0
+    st = plan.stages[tie.stages[0]] if plan.stages and tie.stages else None
+    if st is None or st.tp is None or st.tp.tp <= 1:
+        return full
+    name = tie.params[0] if tie.params else tie.name
+    return -(-full // st.tp.tp) if st.tp.sharded(name) is not None else full
+
+
 def breakdown(plan: Plan) -> list[RankMemory] | None:
     """Per pp rank: params, grads, optimizer state and the unsharded peak; None if the stages' parameter
     counts are unknown (a schedule-only plan)."""
@@ -252,7 +362,7 @@ def breakdown(plan: Plan) -> list[RankMemory] | None:
         row = sums[st.rank]
         for k, v in enumerate(_stage_state(st, plan.mesh, per)):
             row[k] += v
-        row[3] += st.num_params or 0
+        row[3] += local_params(st)
     transient = transient_bytes(plan)
     return [RankMemory(rank=r, params=p, grads=g, optimizer=o, unsharded=transient[r][0], buffers=transient[r][1],
                        num_params=n) for r, (p, g, o, n) in enumerate(sums)]

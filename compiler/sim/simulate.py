@@ -2,8 +2,10 @@
 
 The event loop itself (both comm models, deadlock reports) lives in
 :mod:`pipec.compiler.sim.engine`; this module turns a plan into its costs (each
-hop and collective on its axis's link, or by node: :class:`Pricing`) and an
-execution into the Timeline that views and report.json share.
+hop and collective on its axis's link, or by node: :class:`Pricing`; a tp
+stage's compute share and tp collectives in :func:`plan_costs` alone, by
+:mod:`pipec.compiler.sim.tensor_parallel`) and an execution into the Timeline
+that views and report.json share.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pipec.compiler.sim.contention import sharing_of
 from pipec.compiler.sim.cost import COMPUTE_JITTER, TRANSFER_JITTER, CostModel
 from pipec.compiler.sim.engine import (BUFFERED, IN_ORDER, MODELS, Deadlock, Execution, decode, execute, group_members,
                                        spreads)
+from pipec.compiler.sim.tensor_parallel import RING_FACTOR, active, tp_cost
 
 __all__ = [
     "BUFFERED", "IN_ORDER", "MODELS", "CostModel", "Deadlock", "Execution",
@@ -44,11 +47,12 @@ def plan_costs(plan: Plan) -> CostModel:
     """
     num_stages = plan.num_stages
     unit = plan.unit_costs
-    transfer, allreduce, shard = ({}, {}, {}) if unit else _priced(plan, Pricing(plan))
-    act = tuple(st.activation_bytes or 0 for st in plan.stages) if plan.stages and all(
-        st.activation_bytes is not None for st in plan.stages) else ()
+    price = Pricing(plan)
+    transfer, allreduce, shard = ({}, {}, {}) if unit else _priced(plan, price)
+    act = _activation_bytes(plan)
     return CostModel(
-        stages=tuple(st.cost for st in plan.stages) or (UNIT_COST,) * num_stages,
+        stages=(tuple(st.cost for st in plan.stages) if unit else _stage_costs(plan, price))
+        or (UNIT_COST,) * num_stages,
         transfer=transfer,
         allreduce=allreduce,
         shard=shard,
@@ -60,6 +64,38 @@ def plan_costs(plan: Plan) -> CostModel:
         sharing=None if unit else sharing_of((plan.model or {}).get("profile"), plan.mesh),
         host_spread=None if unit else _host_spread((plan.model or {}).get("profile")),
     )
+
+
+def _stage_costs(plan: Plan, price: Pricing) -> tuple:
+    """Each stage's cost on one of its ranks: its own, or with tp (:func:`~pipec.compiler.sim.tensor_parallel.
+    tp_cost`) its compute at its tp share plus its tp collectives, each a ring over its tp group
+    (:meth:`Pricing.tp_ring`)."""
+    if not any(active(st.tp) for st in plan.stages):
+        return tuple(st.cost for st in plan.stages)
+    from pipec.compiler.passes.memory import local_params
+
+    recomputed = set(plan.spec.get("recompute") or ())
+    out = []
+    for st in plan.stages:
+        if not active(st.tp):
+            out.append(st.cost)
+            continue
+        fwd, bwd = price.tp_seconds(st)
+        out.append(tp_cost(st.cost, st.tp, forward_s=fwd, backward_s=bwd, recomputed=st.stage in recomputed,
+                           state_share=local_params(st) / st.num_params if st.num_params else 1.0))
+    return tuple(out)
+
+
+def _activation_bytes(plan: Plan) -> tuple[int, ...]:
+    """Per stage: bytes saved per microbatch on one of its ranks (over tp: :func:`~pipec.compiler.passes.memory.
+    tp_activation_bytes`); empty when some stage's are unknown."""
+    if not plan.stages or any(st.activation_bytes is None for st in plan.stages):
+        return ()
+    if not any(active(st.tp) for st in plan.stages):
+        return tuple(st.activation_bytes or 0 for st in plan.stages)
+    from pipec.compiler.passes.memory import tp_activation_bytes
+
+    return tuple(tp_activation_bytes(st, sequence_parallel=plan.mesh.sequence_parallel) or 0 for st in plan.stages)
 
 
 def _host_spread(profile: Mapping | None) -> float | None:
@@ -83,15 +119,20 @@ def _priced(plan: Plan, price: Pricing) -> tuple[dict, dict, dict]:
                                                       e.num_bytes) for e in plan.edges}
     allreduce: dict[tuple[str, int], float] = {}
     dp = plan.links.get("dp", pp)
+    tp = any(active(st.tp) for st in plan.stages)
+    if tp:
+        from pipec.compiler.passes.memory import local_param_bytes, tie_bytes
     for st in plan.stages:
         if mesh.dp > 1 and st.param_bytes:
-            allreduce[("dp", st.stage)] = price.ring("dp", dp, [tuple(mesh.replicas(st.rank))], st.param_bytes)
+            num_bytes = local_param_bytes(st) if tp else st.param_bytes
+            allreduce[("dp", st.stage)] = price.ring("dp", dp, _dp_groups(mesh, "dp", st.rank), num_bytes)
     shard = _shard_costs(plan, allreduce, price)
     tl = plan.links.get("tie", pp)
     for tie in plan.ties:
         ranks = tie.ranks(plan.placement)
-        groups = [tuple(mesh.global_rank(p, d) for p in ranks) for d in range(mesh.dp)]
-        cost = price.ring("tie", tl, groups, tie.num_bytes or 0) if len(ranks) > 1 else 0.0
+        groups = [tuple(mesh.global_rank(p, d, t) for p in ranks) for d in range(mesh.dp) for t in range(mesh.tp)]
+        num_bytes = tie_bytes(plan, tie) if tp else tie.num_bytes or 0
+        cost = price.ring("tie", tl, groups, num_bytes) if len(ranks) > 1 else 0.0
         for s in tie.stages:
             allreduce[(f"tie.{tie.name}", s)] = cost
     return transfer, allreduce, shard
@@ -157,6 +198,29 @@ class Pricing:
         self.sides[(axis, groups[0])] = side
         return seconds
 
+    def tp_seconds(self, stage) -> tuple[float, float]:
+        """(forward, backward) seconds of a tp stage's collectives per microbatch, each a :meth:`tp_ring`."""
+        out = {"forward": 0.0, "backward": 0.0}
+        seen: dict[tuple[str, int], float] = {}
+        for c in stage.tp.collectives:
+            key = (c.kind, c.num_bytes)
+            if key not in seen:
+                seen[key] = self.tp_ring(stage.rank, c.num_bytes, RING_FACTOR.get(c.kind, 2.0))
+            out[c.phase] = out.get(c.phase, 0.0) + seen[key]
+        return out["forward"], out["backward"]
+
+    def tp_ring(self, pp: int, num_bytes: float, factor: float = 2.0) -> float:
+        """Seconds of one collective over the tp groups of pp rank ``pp`` (one per replica; the slowest counts):
+        on the ``tp`` link when the plan has one, else as a dp collective is priced (the ``dp`` link, or by node:
+        ``intra`` for a group inside one node, the hierarchical ring across nodes)."""
+        mesh = self.plan.mesh
+        groups = [mesh.tp_group(mesh.global_rank(pp, d)) for d in range(mesh.dp)]
+        link = self.plan.links.get("tp")
+        if link is not None:
+            n = len(groups[0])
+            return link.latency_s + factor * (n - 1) / n * num_bytes / link.bandwidth_Bps
+        return self.ring("tp", self.plan.links.get("dp", self.plan.links["pp"]), groups, num_bytes, factor)
+
     def _ring_by_node(self, axis_link: Link, group: tuple[int, ...], num_bytes: float,
                       factor: float) -> tuple[float, str]:
         per_node = Counter(self.plan.mesh.node_of(g) for g in group)
@@ -171,7 +235,7 @@ class Pricing:
 
 
 def link_sides(plan: Plan) -> dict[str, dict[str, int]]:
-    """Per axis (``pp`` edges between pp ranks; ``dp``, ``tie``, ``dp.shard``, ``dp.replicate`` groups),
+    """Per axis (``pp`` edges between pp ranks; ``dp``, ``tie``, ``dp.shard``, ``dp.replicate``, ``tp`` groups),
     how many of its hops or collectives were priced on ``intra`` and on ``inter``; empty when the plan is
     not priced by node (no ``devices_per_node``, no ``intra`` / ``inter`` link, or unit costs)."""
     if plan.unit_costs:
@@ -180,6 +244,9 @@ def link_sides(plan: Plan) -> dict[str, dict[str, int]]:
     if not price.by_node:
         return {}
     _priced(plan, price)
+    for st in plan.stages:
+        if active(st.tp):
+            price.tp_seconds(st)
     out: dict[str, dict[str, int]] = {}
     for (axis, _), side in price.sides.items():
         out.setdefault(axis, dict.fromkeys(NODE_SIDES, 0))[side] += 1
@@ -360,10 +427,20 @@ def _shard_costs(plan: Plan, allreduce: dict[tuple[str, int], float],
 
 @lru_cache(maxsize=4096)
 def _dp_groups(mesh: Mesh, group: str, pp: int) -> tuple[tuple[int, ...], ...]:
-    """The distinct groups ``group`` (``dp.shard``, ``dp.replicate``) splits pp rank ``pp``'s replicas into,
-    in dp order. Cached on its arguments, all it reads (``pipec tune`` prices thousands of candidates on
-    a few dozen meshes)."""
-    return tuple(dict.fromkeys(mesh.group_ranks(group, g) for g in mesh.replicas(pp)))
+    """The distinct groups ``group`` (``dp``, ``dp.shard``, ``dp.replicate``) splits pp rank ``pp``'s replicas
+    into, in dp order, as global ranks: one set per tp rank t (the replicas of tp rank t; with tp 1 the only
+    one). Shard groups are consecutive dp ranks; a replicate group holds the same position in each. Cached on
+    its arguments, all it reads (``pipec tune`` prices thousands of candidates on a few dozen meshes)."""
+    n = mesh.num_shards if mesh.hybrid else mesh.dp
+    if group == "dp":
+        blocks = [range(mesh.dp)]
+    elif group == "dp.shard":
+        blocks = [range(first, first + n) for first in range(0, mesh.dp, n)]
+    elif group == "dp.replicate":
+        blocks = [range(d, mesh.dp, n) for d in range(n)]
+    else:
+        raise KeyError(f"{group!r} is not a dp group (dp, dp.shard, dp.replicate)")
+    return tuple(tuple(mesh.global_rank(pp, d, t) for d in ds) for t in range(mesh.tp) for ds in blocks)
 
 
 def timeline_of(ex: Execution, costs: CostModel, static_bytes: Sequence[int] | None = None,

@@ -1,0 +1,60 @@
+"""What tensor parallelism does to a stage's costs: its compute at its tp share, plus its tp collectives.
+
+A stage whose :attr:`~pipec.compiler.ir.plan.Stage.tp` is set (a :class:`~pipec.compiler.ir.tensor_parallel.
+StageTP` of tp >= 2) runs, on each of its tp ranks, ``compute_share()`` of its unsharded compute (forward,
+input-backward, weight-backward: the profiled or FLOP-derived times of the whole stage) and, per microbatch,
+its tp collectives: the forward ones inside ``F``, the backward ones inside the input half (``I``, or ``B``
+unsplit). A recomputed stage runs its forward collectives again before its backward, in the half its
+recomputed forward sits in (:func:`~pipec.compiler.frontend.costs.with_recompute`). Its optimizer step walks
+the parameters a tp rank holds (:func:`~pipec.compiler.passes.memory.local_params`), so it scales by their
+share. :func:`tp_cost` is the one place these terms are added; :func:`~pipec.compiler.sim.simulate.plan_costs`
+calls it for every stage of a plan in seconds (unit costs are units: a stage's tp changes none of them).
+
+Each collective is a ring over the stage's tp group (:meth:`~pipec.compiler.sim.simulate.Pricing.tp_ring`):
+``latency + f (n - 1) / n x bytes / bandwidth`` with f = 2 for an all-reduce and 1 for an all-gather or a
+reduce-scatter (sequence parallelism), on the ``tp`` link when the plan has one; otherwise priced as the dp
+collectives are, on the ``dp`` link, or by node with ``devices_per_node`` and ``intra`` / ``inter`` links
+(one node: ``intra``; spanning nodes: the hierarchical ring).
+
+torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+from pipec.compiler.ir.tensor_parallel import Collective, StageTP
+from pipec.schedules.timing import Cost
+
+__all__ = ["RING_FACTOR", "active", "tp_cost", "phase_collectives"]
+
+RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
+"""Bytes each rank moves, in multiples of ``(n - 1) / n x bytes``, per collective kind."""
+
+
+def active(stp: StageTP | None) -> bool:
+    """Whether a stage's tp changes anything (set, with at least 2 ranks)."""
+    return stp is not None and stp.tp > 1
+
+
+def tp_cost(cost: Cost, stp: StageTP, *, forward_s: float, backward_s: float, recomputed: bool = False,
+            state_share: float = 1.0) -> Cost:
+    """A stage's cost on one of its tp ranks: every compute part at ``stp.compute_share()``, the forward
+    collectives' ``forward_s`` added to ``F`` (and, when ``recomputed``, to the half of the backward that holds
+    the recomputed forward), the backward collectives' ``backward_s`` to the input half (``I``; ``W`` when the
+    stage has no input half, a stage fed only by model inputs), the optimizer step at ``state_share`` (the
+    share of the stage's parameters a tp rank holds)."""
+    k = stp.compute_share()
+    fwd, bwd_i, bwd_w = cost.fwd * k + forward_s, cost.bwd_i * k, cost.bwd_w * k
+    extra = backward_s + (forward_s if recomputed else 0.0)
+    if cost.bwd_i > 0:
+        bwd_i += extra
+    else:
+        bwd_w += extra
+    return replace(cost, fwd=fwd, bwd=cost.bwd * k + extra, bwd_i=bwd_i, bwd_w=bwd_w, optim=cost.optim * state_share)
+
+
+def phase_collectives(stp: StageTP, phase: str) -> Sequence[Collective]:
+    """The stage's collectives of ``phase`` (``forward`` or ``backward``), in order."""
+    return tuple(c for c in stp.collectives if c.phase == phase)
