@@ -1,0 +1,47 @@
+"""Predicted throughput metrics beside the step: MFU and the source note's scaling efficiency.
+
+- **MFU** (Chowdhery et al. 2022, App. B): the model's FLOPs per step (forward and backward, recompute left
+  out) over the step time and the devices' peak: ``flops_per_step x dp / (step x N x peak)`` (plan.json's
+  ``model.flops_per_step`` is one replica's).
+- **scaling efficiency** (the source note's *Throughput metrics*): the throughput at N devices over N times one
+  device's, ``T_1 / (N x T_N)`` for the same global batch, where ``T_1`` is predicted from the same costs with
+  the whole model on one rank (:func:`single_device_step`): every microbatch's forward and backward one after
+  another, no communication, no bubble, then one optimizer step; that rank's memory is not asked (the baseline
+  need not fit a device). Below 1 by construction once communication, bubbles or tp's replicated part enter.
+
+What ``pipec run`` should print beside its measured MFU (runtime/accounting.py): the measured scaling
+efficiency, ``T_1 / (N x measured step)`` with ``T_1`` this prediction from the plan's own costs (the run
+cannot time one device), labelled as against a predicted single device.
+
+torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from pipec.schedules.timing import Cost
+
+__all__ = ["mfu", "single_device_step", "scaling_efficiency"]
+
+
+def mfu(flops_per_step: float | None, *, step_time: float, dp: int, num_devices: int,
+        peak_flops: float | None) -> float | None:
+    """Model FLOPs utilisation of a step (``flops_per_step``: one replica's); None where either is unknown."""
+    if not flops_per_step or not peak_flops or step_time <= 0:
+        return None
+    return flops_per_step * dp / (step_time * num_devices * peak_flops)
+
+
+def single_device_step(whole: Sequence[Cost], num_microbatches: int) -> float:
+    """One device's step over the same global batch: ``num_microbatches`` (all replicas' together) forwards and
+    backwards of the whole model (``whole``: its stages' costs at the microbatch shape), then its optimizer."""
+    return num_microbatches * sum(c.fwd + c.bwd for c in whole) + sum(c.optim for c in whole)
+
+
+def scaling_efficiency(step_time: float, num_devices: int, single_step: float | None) -> float | None:
+    """Throughput at ``num_devices`` over ``num_devices`` x one device's (``single_step``:
+    :func:`single_device_step`); None where unknown."""
+    if single_step is None or step_time <= 0 or num_devices < 1:
+        return None
+    return single_step / (num_devices * step_time)
