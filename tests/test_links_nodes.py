@@ -206,7 +206,7 @@ pp 2  dp 1  microbatches 2
 costs flops  peak_flops 1TFLOP/s
 links intra(latency=1us, bandwidth=100GB/s), inter(latency=1ms, bandwidth=10MB/s)
 '''
-KEEP = frozenset({"shard", "shard_size", "schedule", "partition"})
+KEEP = frozenset({"tp", "shard", "shard_size", "schedule", "partition"})  # tp 1: about where dp groups sit
 
 
 def test_tune_keeps_dp_inside_nodes_when_inter_is_slow(tmp_path):

@@ -130,8 +130,8 @@ def test_json_fields(small, tmp_path, capsys):
     assert doc["format"] == "pipec.tune/1" and doc["devices"] == 2 and doc["global_batch"] == 4
     assert set(doc["search"]) == {"candidates", "compiled", "pruned", "over_budget", "unbuildable", "traces", "cuts",
                                   "seconds"}
-    fields = {"pp", "dp", "shard", "shard_size", "schedule", "virtual", "microbatches", "partition", "recompute",
-              "step_time", "tokens_per_s", "mfu", "bubble", "peak_memory_bytes"}
+    fields = {"pp", "dp", "tp", "shard", "shard_size", "schedule", "virtual", "microbatches", "partition",
+              "recompute", "step_time", "tokens_per_s", "mfu", "scaling_efficiency", "bubble", "peak_memory_bytes"}
     assert set(doc["best"]) == fields and all(set(c) >= fields for c in doc["top"] + doc["frontier"])
     assert doc["best"] == doc["top"][0] and doc["plan"] == plan_path and doc["pipe"] and doc["why"]
     assert doc["best"]["step_time"] == pytest.approx(read_plan(plan_path).prediction.step_time)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from pipec.compiler.sim.cost import CostModel
 from pipec.compiler.ir.program import Op
 from pipec.compiler.passes.lower import PerOrder
-from pipec.compiler.passes.memory import breakdown
+from pipec.compiler.passes.memory import breakdown, tp_activation_bytes
 from pipec.compiler.ir.plan import Mesh, Plan
 from pipec.compiler.request import CompileRequest
 from pipec.compiler.sim.simulate import plan_costs
@@ -109,13 +109,16 @@ _PEAKS = PerOrder(1024)
 
 def memory_bound(frame: Frame, stages) -> tuple[int, int]:
     """(peak, state) lower bounds of a plan with these stages (their activations): per rank its state
-    at rest (padded shards, exact) plus its activations at their peak in its order (exact); the
+    at rest (padded shards, exact) plus its activations at their peak in its order (exact; a tp stage's on one
+    tp rank, :func:`~pipec.compiler.passes.memory.tp_activation_bytes`); the
     gathered parameters of ``shard grads`` / ``full`` are left out. (0, 0) when activations are unknown
     (nothing is checked against the budget then)."""
     if any(st.activation_bytes is None for st in stages):
         return 0, 0
     state = [m.state for m in breakdown(frame.plan) or ()] or [0] * frame.plan.mesh.pp
-    act = _peaks(frame.order, tuple(st.activation_bytes for st in stages))
+    sp = frame.plan.mesh.sequence_parallel
+    act = _peaks(frame.order, tuple(st.activation_bytes if st.tp is None else
+                                    tp_activation_bytes(st, sequence_parallel=sp) for st in stages))
     return max(s + a for s, a in zip(state, act)), max(state)
 
 

@@ -26,11 +26,11 @@ def candidate_json(s: Scored) -> dict[str, Any]:
     """One candidate: its keys as the schedule file writes them, and its prediction."""
     c = s.candidate
     out: dict[str, Any] = {
-        "pp": c.pp, "dp": c.dp, "shard": c.shard, "shard_size": c.shard_size, "schedule": c.schedule,
+        "pp": c.pp, "dp": c.dp, "tp": c.tp, "shard": c.shard, "shard_size": c.shard_size, "schedule": c.schedule,
         "virtual": c.num_chunks, "microbatches": c.num_microbatches,
         "partition": {"method": "balanced", "by": c.partition_by} if c.partition_by else None,
         "recompute": sorted(c.recompute), "step_time": s.step_time, "tokens_per_s": s.tokens_per_s, "mfu": s.mfu,
-        "bubble": s.bubble, "peak_memory_bytes": s.peak_memory,
+        "scaling_efficiency": s.scaling_efficiency, "bubble": s.bubble, "peak_memory_bytes": s.peak_memory,
     }
     if s.measured_step is not None:
         out["measured_step_time"] = s.measured_step
@@ -53,6 +53,7 @@ def result_json(r: TuneResult, *, plan_path: str | None = None, pipe: str | None
         "top": [candidate_json(s) for s in r.top],
         "frontier": [candidate_json(s) for s in r.frontier],
         "start": candidate_json(r.start_scored) if r.start_scored else None,
+        "best_tp1": candidate_json(r.best_tp1) if r.best_tp1 else None,
         "why": why(r),
         "pipe": pipe_lines(r.best.candidate, r.best.plan),
         "plan": plan_path,
@@ -65,7 +66,8 @@ def pipe_lines(c: Candidate, plan) -> list[str]:
     the candidate's."""
     shard = "" if c.shard == "none" else f"  shard {c.shard}" + (f"  shard_size {c.shard_size}" if c.shard_size else "")
     rec = "none" if not c.recompute else "stages " + ", ".join(map(str, sorted(c.recompute)))
-    lines = [f"pp {c.pp}  dp {c.dp}{shard}",
+    tp = f"  tp {c.tp}" if c.tp > 1 else ""
+    lines = [f"pp {c.pp}  dp {c.dp}{tp}{shard}",
              f"schedule {c.schedule}  virtual {c.num_chunks}  microbatches {c.num_microbatches}"]
     if c.partition_by:
         lines.append(f"partition balanced(by={c.partition_by})")
@@ -104,6 +106,8 @@ def why(r: TuneResult) -> list[str]:
                    + (f"fits one {human_bytes(budget)} device unsharded" if fits_one else
                       f"does not fit one {human_bytes(budget)} device unsharded: it must be split over pipeline "
                       "stages or sharded across replicas"))
+    if c.tp > 1:
+        out.append(_tp_reason(r))
     for axis, pred, what in (
             ("pipeline stages", lambda x: x.pp == 1, f"pp {c.pp}"),
             ("sharding", lambda x: x.shard == "none", f"shard {c.shard}"),
@@ -126,11 +130,34 @@ def why(r: TuneResult) -> list[str]:
     if c.dp > 1:
         out.append(f"dp {c.dp}: once the model fits, replicas scale the throughput (the cheapest axis)")
     out.extend(_microbatch_reasons(r))
+    if b.scaling_efficiency is not None:
+        out.append(f"scaling efficiency {b.scaling_efficiency:.1%}: its throughput over {r.num_devices} x one "
+                   "device's (the whole model on one rank, predicted from the same costs)"
+                   + (f"; MFU {b.mfu:.1%}" if b.mfu is not None else ""))
     if r.start_scored is not None and r.start_scored.candidate != c:
         s = r.start_scored
         out.append(f"the file's own layout ({s.candidate.layout}, {s.candidate.schedule}, M {s.candidate.num_microbatches}) "
                    f"predicts {_seconds(s.step_time)}: the winner is {s.step_time / b.step_time:.2f}x faster")
     return out
+
+
+def _tp_reason(r: TuneResult) -> str:
+    """Why tensor parallelism: the winner against the best plan without it (:attr:`TuneResult.best_tp1`)."""
+    b, c = r.best, r.best.candidate
+    stp = next((st.tp for st in b.plan.stages if st.tp is not None), None)
+    share = f"each tp rank computes {stp.compute_share():.1%} of its stage" if stp is not None else ""
+    links = b.plan.links
+    where = "the tp link" if "tp" in links else ("NVLink-class intra-node links" if "intra" in links
+                                                  else "the dp link")
+    head = (f"tp {c.tp} inside each node: {share}, its activations' all-reduces (2 per block each way) on {where}, "
+            f"and it divides the sharded parameters' state by {c.tp}")
+    alt = r.best_tp1
+    if alt is None:
+        return head + "; no candidate without tensor parallelism fits"
+    a = alt.candidate
+    return (head + f"; {alt.step_time / b.step_time:.2f}x faster than the best plan without it ({a.layout}, "
+            f"{a.schedule}, M {a.num_microbatches}, recompute {a.recompute_text}: {_seconds(alt.step_time)}, "
+            f"bubble {alt.bubble:.1%}" + (f", MFU {alt.mfu:.1%}" if alt.mfu is not None else "") + ")")
 
 
 def _microbatch_reasons(r: TuneResult) -> list[str]:

@@ -37,7 +37,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 from pipec.compiler.driver import compile_request, with_timeline
 from pipec.compiler.ir.plan import Mesh, Plan
-from pipec.compiler.passes.memory import MemoryBudgetError, bytes_per_param
+from pipec.compiler.passes.memory import COMPUTE_BYTES, MemoryBudgetError, bytes_per_param
+from pipec.compiler.sim.megatron import with_megatron_tp
+from pipec.compiler.sim.metrics import mfu as mfu_of, scaling_efficiency, single_device_step
 from pipec.compiler.passes.verify import VerifyError, verify
 from pipec.compiler.sim.engine import BUFFERED, Deadlock
 from pipec.schedules.order import gc_paused
@@ -60,6 +62,9 @@ class Scored:
     bubble: float
     tokens_per_s: float | None
     mfu: float | None
+    scaling_efficiency: float | None = None
+    """Throughput over the devices' count x one device's, that one predicted from the same costs
+    (:mod:`pipec.compiler.sim.metrics`)."""
     measured_step: float | None = None
     """``--measure``: the median step under ``pipec run``."""
 
@@ -98,6 +103,9 @@ class TuneResult:
     num_traces: int
     num_cuts: int
     seconds: float
+    best_tp1: Scored | None = None
+    """When the winner has tp > 1: the fastest fitting candidate without tensor parallelism, proven (found past
+    the table's pruning, by the same bounds); None when the winner is tp 1 or no tp 1 candidate fits."""
 
 
 # ----------------------------------------------------------------------------- traces and cuts
@@ -130,10 +138,25 @@ class _Graphs:
         """The candidate's StageGraph, or None when the model cannot be cut that way."""
         mb = self.batch // c.dp // c.num_microbatches
         key, data_key = (c.num_stages, mb, c.partition_by), (mb, c.num_microbatches, c.dp)
-        whole = (key, data_key, c.recompute)
+        whole = (key, data_key, c.recompute, c.tp)
         if whole not in self.graphs:
-            self.graphs[whole] = self._graph(c, key, data_key, mb)
+            if c.tp == 1:
+                self.graphs[whole] = self._graph(c, key, data_key, mb)
+            else:
+                self.graphs[whole] = self._sharded(self.graph(replace(c, tp=1)), c.tp, mb)
         return self.graphs[whole]
+
+    def _sharded(self, graph, tp: int, mb: int):
+        """The graph with Megatron's layout on every stage at ``tp`` (:func:`~pipec.compiler.sim.megatron.
+        with_megatron_tp`: no sharded trace exists before a tp plan is chosen)."""
+        if graph is None:
+            return None
+        shape = self.treq.base.model.inputs[0].shape
+        seq = shape[1] if len(shape) > 1 else 1
+        elem = COMPUTE_BYTES.get(self.treq.base.training.dtype, 4)
+        stages = with_megatron_tp(graph.stages, tp=tp, num_tokens=mb * _numel(shape[1:]), seq=seq, elem_bytes=elem,
+                                  flops=graph.flops)
+        return replace(graph, stages=stages)
 
     def _graph(self, c: Candidate, key: tuple, data_key: tuple, mb: int):
         from pipec.compiler.frontend import (FrontendError, cut_stage_graph, trace_request, with_data,
@@ -173,21 +196,25 @@ class _Graphs:
 
 
 def _per_param(c: Candidate, spec) -> float:
-    """State bytes per parameter one rank holds at least (shards unpadded)."""
+    """State bytes per parameter one rank holds at least (shards unpadded; every parameter taken as sharded
+    over tp, which only lowers it)."""
     mesh = Mesh(pp=c.pp, dp=c.dp, shard=c.shard, shard_size=c.shard_size)
     p, g, o = bytes_per_param(spec)
     n = mesh.num_shards
-    return (p + g + o / n) if mesh.shard == "optimizer" else (p + g + o) / (n if mesh.params_sharded else 1)
+    per = (p + g + o / n) if mesh.shard == "optimizer" else (p + g + o) / (n if mesh.params_sharded else 1)
+    return per / c.tp
 
 
-def _score(c: Candidate, plan: Plan, tokens: int, peak_flops: float | None, num_devices: int) -> Scored:
+def _score(c: Candidate, plan: Plan, tokens: int, peak_flops: float | None, num_devices: int,
+           single_step: float | None = None) -> Scored:
+    """``single_step``: one device's predicted step over the same batch (for the scaling efficiency)."""
     pred = plan.prediction
     peaks = [r.peak_memory_bytes for r in pred.per_rank if r.peak_memory_bytes is not None]
-    flops = (plan.model or {}).get("flops_per_step")
-    mfu = flops * c.dp / (pred.step_time * num_devices * peak_flops) if flops and peak_flops else None
+    mfu = mfu_of((plan.model or {}).get("flops_per_step"), step_time=pred.step_time, dp=c.dp,
+                 num_devices=num_devices, peak_flops=peak_flops)
     return Scored(candidate=c, plan=plan, step_time=pred.step_time, peak_memory=max(peaks) if peaks else None,
                   bubble=pred.bubble_fraction, tokens_per_s=tokens / pred.step_time if pred.step_time else None,
-                  mfu=mfu)
+                  mfu=mfu, scaling_efficiency=scaling_efficiency(pred.step_time, num_devices, single_step))
 
 
 def _pareto(scored: Iterable[Scored]) -> tuple[Scored, ...]:
@@ -227,11 +254,13 @@ def _tune(treq: TuneRequest, t0: float) -> TuneResult:
                          and (kept := search.proven(s)) is not None), None)
     if start_scored is None and start is not None and any(_same_base(c, start) for c in space):
         start_scored = search.settle(start)     # pruned: compiled anyway, the winner is compared with it
+    num_pruned = len(search.queue)
+    best_tp1 = search.best_where(lambda x: x.tp == 1) if ranked[0].candidate.tp > 1 else None
     return TuneResult(best=ranked[0], top=tuple(ranked), frontier=frontier, start=start,
                       start_scored=start_scored, global_batch=batch, num_devices=treq.num_devices,
                       device_memory=search.budget, peak_flops=search.peak_flops, num_candidates=len(space),
                       num_compiled=search.num_compiled, num_over_budget=len(search.refused),
-                      num_pruned=len(search.queue), num_unbuildable=search.num_unbuildable,
+                      num_pruned=num_pruned, num_unbuildable=search.num_unbuildable, best_tp1=best_tp1,
                       num_unproven=search.num_unproven, refused=tuple(search.refused),
                       num_traces=len(search.graphs.traces),
                       num_cuts=sum(1 for g in search.graphs.cuts.values() if g is not None),
@@ -271,12 +300,13 @@ class _Search:
         self._times: list[float] = []
         self._proofs: dict[Candidate, bool] = {}
         self._whole: dict[int, Any] = {}
+        self._shares: dict[tuple[int, int], float] = {}
 
     def _whole_model(self, c: Candidate):
         """The model as one stage at the candidate's microbatch shape (its compute and parameters)."""
         mb = self.batch // c.dp // c.num_microbatches
         if mb not in self._whole:
-            one = replace(c, pp=1, dp=c.dp, num_chunks=1, shard="none", shard_size=None, recompute=frozenset())
+            one = replace(c, pp=1, dp=c.dp, tp=1, num_chunks=1, shard="none", shard_size=None, recompute=frozenset())
             self._whole[mb] = self.graphs.graph(one)
         return self._whole[mb]
 
@@ -292,7 +322,37 @@ class _Search:
             self.refused.append((int(average), c))
             return
         step = c.num_microbatches * sum(st.cost.fwd + st.cost.bwd for st in whole.stages) / c.pp
-        heapq.heappush(self.queue, (step, c.sort_key(), _CUT, c, None))
+        heapq.heappush(self.queue, (step * self._tp_share(c), c.sort_key(), _CUT, c, None))
+
+    def _tp_share(self, c: Candidate) -> float:
+        """A lower bound on the share of the whole model's compute one tp rank of the candidate does: under
+        ``costs flops`` the whole model's Megatron share (a cut's stages together never shard more of it: a
+        stage's share is its own sharded FLOPs, at most all of its FLOPs), otherwise 1 / tp."""
+        if c.tp == 1:
+            return 1.0
+        if self.treq.base.model.costs != "flops":
+            return 1.0 / c.tp
+        mb = self.batch // c.dp // c.num_microbatches
+        key = (mb, c.tp)
+        if key not in self._shares:
+            whole = self._sharded(self._whole_model(c), c.tp, mb)
+            st = whole.stages[0] if whole is not None and len(whole.stages) == 1 else None
+            self._shares[key] = st.tp.compute_share() if st is not None and st.tp is not None else 1.0 / c.tp
+        return self._shares[key]
+
+    def _sharded(self, graph, tp: int, mb: int):
+        return self.graphs._sharded(graph, tp, mb)
+
+    def single_step(self, c: Candidate) -> float | None:
+        """One device's predicted step over the global batch at the candidate's microbatch shape
+        (:func:`~pipec.compiler.sim.metrics.single_device_step`: the whole model's costs)."""
+        whole = self._whole_model(c)
+        if whole is None:
+            return None
+        return single_device_step([st.cost for st in whole.stages], c.dp * c.num_microbatches)
+
+    def score(self, c: Candidate, plan: Plan) -> Scored:
+        return _score(c, plan, self.tokens, self.peak_flops, self.treq.num_devices, self.single_step(c))
 
     def _frame(self, c: Candidate):
         """The candidate's graph and frame, or None when the model cannot be cut that way."""
@@ -368,18 +428,41 @@ class _Search:
             if len(self._times) >= K and _beyond(step, self._times[K - 1]):
                 return                          # the table is full: nothing queued can enter it
             heapq.heappop(self.queue)
-            if stage == _CUT:
-                self._bound(c)
+            if stage != _CUT:
+                progress(self.num_compiled + len(self.refused) + self.num_unbuildable)
+            self._process(stage, c, graph)
+
+    def _process(self, stage: int, c: Candidate, graph) -> None:
+        """One entry popped off the queue: a candidate cut and bounded, or compiled and scored."""
+        if stage == _CUT:
+            self._bound(c)
+            return
+        plan = self._compile(c, graph)
+        if plan is None:
+            self._escalate(c)
+        elif plan is not False:
+            s = self.score(c, plan)
+            self.fits.append(s)
+            bisect.insort(self._times, s.step_time)
+
+    def best_where(self, pred: Callable[[Candidate], bool]) -> Scored | None:
+        """The fastest fitting candidate that ``pred`` holds for, proven: the branch and bound carried on past
+        the table over the queued candidates ``pred`` holds for, until none queued can beat the best found."""
+        while True:
+            best = min((s for s in self.fits if pred(s.candidate)), key=Scored.rank_key, default=None)
+            heads = [e for e in self.queue if pred(e[3])]
+            head = min(heads, key=lambda e: e[:3]) if heads else None
+            if head is not None and (best is None or not _beyond(head[0], best.step_time)):
+                self.queue.remove(head)
+                heapq.heapify(self.queue)
+                self._process(head[2], head[3], head[4])
                 continue
-            progress(self.num_compiled + len(self.refused) + self.num_unbuildable)
-            plan = self._compile(c, graph)
-            if plan is None:
-                self._escalate(c)
-                continue
-            if plan is not False:
-                s = _score(c, plan, self.tokens, self.peak_flops, self.treq.num_devices)
-                self.fits.append(s)
-                bisect.insort(self._times, s.step_time)
+            if best is None:
+                return None
+            kept = self.proven(best)
+            if kept is not None:
+                return kept
+            self._drop(best)
 
     def _compile(self, c: Candidate, graph) -> Plan | None | bool:
         """The candidate's plan, predicted but not proven, its timeline without events (:meth:`proven` gives a
@@ -409,7 +492,7 @@ class _Search:
             if plan is False:
                 return None
             if plan is not None:
-                return self.proven(_score(cand, plan, self.tokens, self.peak_flops, self.treq.num_devices))
+                return self.proven(self.score(cand, plan))
             k = None if keep or k >= c.num_stages else k + 1
         return None
 

@@ -1,8 +1,9 @@
 """``pipec tune``'s space: the candidates it searches, and each one's compile request.
 
-The space walks the source note's decision tree (:func:`candidates`): every layout ``pp x dp`` of the
-devices (and, with ``dp >= 2``, every shard mode and shard size), every named schedule with its chunks
-per rank, every microbatch count that divides one replica's share of the fixed global batch, the
+The space walks the source note's decision tree (:func:`candidates`): every tensor-parallel degree ``tp`` that
+divides ``devices_per_node`` (tp inside a node, over its fast links; tp 1 only when the nodes are not said),
+every layout ``pp x dp`` of the devices left (N / tp; and, with ``dp >= 2``, every shard mode and shard size),
+every named schedule with its chunks per rank, every microbatch count that divides one replica's share of the fixed global batch, the
 partition balanced by FLOPs (also by time and memory under ``costs profile``), and recompute of none
 (the search, :mod:`.search`, adds the least that fits). The policy presets equal the named schedules,
 so they are no extra candidates. ``--keep`` pins any of :data:`TUNED_KEYS` to the file's value.
@@ -21,10 +22,10 @@ from pipec.compiler.request import CompileRequest, PartitionRequest
 from pipec.errors import PipecError
 from pipec.schedules import SCHEDULES, ScheduleError, check_rules
 
-__all__ = ["TUNED_KEYS", "INTERLEAVED_CHUNKS", "TuneError", "TuneRequest", "Candidate", "candidates",
+__all__ = ["TUNED_KEYS", "INTERLEAVED_CHUNKS", "TuneError", "TuneRequest", "Candidate", "candidates", "tp_options",
            "candidate_request", "start_candidate", "total_batch", "memory_budget", "divisors"]
 
-TUNED_KEYS = ("pp", "dp", "shard", "shard_size", "schedule", "virtual", "microbatches", "partition", "recompute")
+TUNED_KEYS = ("pp", "dp", "tp", "shard", "shard_size", "schedule", "virtual", "microbatches", "partition", "recompute")
 """The keys the search sets; ``--keep`` pins any of them to the file's value."""
 
 INTERLEAVED_CHUNKS = (2, 4)
@@ -72,6 +73,8 @@ class Candidate:
 
     pp: int
     dp: int
+    tp: int = 1
+    """Tensor-parallel ranks per (pp, dp) coordinate (innermost: a tp group is one node's consecutive ranks)."""
     shard: str = "none"
     shard_size: int | None = None
     schedule: str
@@ -89,7 +92,8 @@ class Candidate:
     def layout(self) -> str:
         shard = "" if self.shard == "none" else f" {self.shard}" + (
             f"/{self.shard_size}" if self.shard_size else "")
-        return f"{self.pp}x{self.dp}{shard}"
+        tp = f"x{self.tp}" if self.tp > 1 else ""
+        return f"{self.pp}x{self.dp}{tp}{shard}"
 
     @property
     def recompute_text(self) -> str:
@@ -103,7 +107,7 @@ class Candidate:
 
     def sort_key(self) -> tuple:
         """A total order of the space (ties in predicted time and memory are broken by it)."""
-        return (self.pp, self.dp, SHARD_MODES.index(self.shard), self.shard_size or 0, list(SCHEDULES).index(
+        return (self.pp, self.dp, self.tp, SHARD_MODES.index(self.shard), self.shard_size or 0, list(SCHEDULES).index(
             self.schedule), self.num_chunks, self.num_microbatches, self.partition_by or "", len(self.recompute),
             tuple(sorted(self.recompute)))
 
@@ -144,8 +148,8 @@ def candidates(treq: TuneRequest) -> list[Candidate]:
     costs = base.model.costs
     bys = (None,) if "partition" in keep else ("flops", "time", "memory") if costs == "profile" else ("flops",)
     out = []
-    for pp in divisors(N):
-        dp = N // pp
+    for tp, pp in ((tp, pp) for tp in tp_options(treq) for pp in divisors(N // tp)):
+        dp = N // tp // pp
         if ("pp" in keep and pp != base.pp) or ("dp" in keep and dp != base.dp) or batch % dp:
             continue
         for shard, size in _shard_options(dp):
@@ -162,10 +166,22 @@ def candidates(treq: TuneRequest) -> list[Candidate]:
                         if ("microbatches" in keep and M != base.num_microbatches) or not _legal(name, pp, M, v):
                             continue
                         recompute = base.training.recompute if "recompute" in keep else ()
-                        out += [Candidate(pp=pp, dp=dp, shard=shard, shard_size=size, schedule=name, num_chunks=v,
-                                          num_microbatches=M, partition_by=by, recompute=frozenset(recompute))
+                        out += [Candidate(pp=pp, dp=dp, tp=tp, shard=shard, shard_size=size, schedule=name,
+                                          num_chunks=v, num_microbatches=M, partition_by=by,
+                                          recompute=frozenset(recompute))
                                 for by in bys]
     return sorted(out, key=Candidate.sort_key)
+
+
+def tp_options(treq: TuneRequest) -> list[int]:
+    """The tensor-parallel degrees searched: the divisors of ``devices_per_node`` that divide the devices (a tp
+    group inside one node), tp 1 alone when the nodes are not said; ``--keep tp``: the file's."""
+    if "tp" in treq.keep:
+        return [treq.base.mesh.tp]
+    nodes = treq.devices_per_node if treq.devices_per_node is not None else treq.base.mesh.devices_per_node
+    if nodes is None:
+        return [1]
+    return [t for t in divisors(nodes) if treq.num_devices % t == 0]
 
 
 def _legal(name: str, pp: int, M: int, v: int) -> bool:
@@ -179,11 +195,12 @@ def _legal(name: str, pp: int, M: int, v: int) -> bool:
 def start_candidate(treq: TuneRequest) -> Candidate | None:
     """The file's own settings as a candidate (its partition as a balance when it is one)."""
     b = treq.base
-    if b.schedule not in SCHEDULES or b.pp * b.dp != treq.num_devices:
+    if b.schedule not in SCHEDULES or b.mesh.world_size != treq.num_devices:
         return None
     part = b.model.partition
     by = None if "partition" in treq.keep else (part.by if part.method == "balanced" else "flops")
-    return Candidate(pp=b.pp, dp=b.dp, shard=b.mesh.shard, shard_size=b.mesh.shard_size, schedule=b.schedule,
+    return Candidate(pp=b.pp, dp=b.dp, tp=b.mesh.tp, shard=b.mesh.shard, shard_size=b.mesh.shard_size,
+                     schedule=b.schedule,
                      num_chunks=b.num_chunks, num_microbatches=b.num_microbatches, partition_by=by,
                      recompute=frozenset(b.training.recompute))
 
@@ -202,7 +219,8 @@ def candidate_request(treq: TuneRequest, c: Candidate, *, global_batch: int | No
     peak = treq.peak_flops if treq.peak_flops is not None else training.peak_flops
     training = replace(training, recompute=tuple(sorted(c.recompute)), peak_flops=peak)
     nodes = treq.devices_per_node if treq.devices_per_node is not None else base.mesh.devices_per_node
-    mesh = Mesh(pp=c.pp, dp=c.dp, shard=c.shard, shard_size=c.shard_size, devices_per_node=nodes)
+    mesh = Mesh(pp=c.pp, dp=c.dp, shard=c.shard, shard_size=c.shard_size, devices_per_node=nodes, tp=c.tp,
+                sequence_parallel=base.mesh.sequence_parallel)
     return replace(base, schedule=c.schedule, policy=None, order=None, mesh=mesh, num_chunks=c.num_chunks,
                    placement=None, num_microbatches=c.num_microbatches, model=model, device_memory=memory_budget(treq),
                    training=training)

@@ -1,0 +1,329 @@
+"""Tensor parallelism's costs, memory and tune (in-process, hand-built plans): tp 1 predicts what it always did;
+a tp stage computes at its compute share plus its collectives, each a ring on the tp link (or intra / inter by
+node, or dp); the dp all-reduce and the state divide the sharded parameters by tp (then by the shard size);
+activations follow Megatron's count; the Megatron layout derived from a GPT stage's shapes; scaling efficiency;
+and tune picks tp > 1 for the source note's 13B GPT on its 64-GPU cluster, its bounds holding."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pipec.compiler.config import DEFAULTS
+from pipec.compiler.driver import compile_request, model_request, schedule_order
+from pipec.compiler.frontend import build_stage_graph
+from pipec.compiler.ir.plan import DEFAULT_LINKS, Edge, Link, Mesh, Plan, Stage, TensorSpec
+from pipec.compiler.ir.program import Program
+from pipec.compiler.ir.tensor_parallel import Collective, ShardedParam, StageTP
+from pipec.compiler.passes.lower import lower
+from pipec.compiler.passes.memory import (breakdown, local_param_bytes, local_params, megatron_block_activation_bytes,
+                                          padded_params, tp_activation_bytes)
+from pipec.compiler.request import CompileRequest, ModelSpec, PartitionRequest
+from pipec.compiler.sim.megatron import megatron_tp, with_megatron_tp
+from pipec.compiler.sim.metrics import scaling_efficiency, single_device_step
+from pipec.compiler.sim.simulate import link_sides, plan_costs, simulate
+from pipec.schedules import SCHEDULES
+from pipec.schedules.timing import Cost
+from pipec.tune.bounds import bounds, candidate_frame
+from pipec.tune.report import why
+from pipec.tune.search import _Graphs, tune
+from pipec.tune.space import TuneRequest, candidate_request, candidates
+
+INTRA = Link(latency_s=2e-6, bandwidth_Bps=600e9)
+INTER = Link(latency_s=1e-5, bandwidth_Bps=25e9)
+DP = Link(latency_s=1e-5, bandwidth_Bps=20e9)
+TP = Link(latency_s=1e-6, bandwidth_Bps=300e9)
+COST = Cost(fwd=1e-3, bwd=2e-3, bwd_i=1e-3, bwd_w=1e-3, optim=4e-4)
+H = 64                              # one block's width
+SHAPES = ((3 * H, H), (3 * H,), (H, H), (H,), (4 * H, H), (4 * H,), (H, 4 * H), (H,), (H,))
+NAMES = ("b.attn.qkv.weight", "b.attn.qkv.bias", "b.attn.proj.weight", "b.attn.proj.bias", "b.mlp.fc.weight",
+         "b.mlp.fc.bias", "b.mlp.proj.weight", "b.mlp.proj.bias", "b.ln.weight")
+SHARDED = {"b.attn.qkv.weight": 0, "b.attn.qkv.bias": 0, "b.attn.proj.weight": 1, "b.mlp.fc.weight": 0,
+           "b.mlp.fc.bias": 0, "b.mlp.proj.weight": 1}
+PAYLOAD = 4096 * 2                  # one all-reduce: 4096 activations (b s h) in bfloat16
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+NUM = sum(_numel(s) for s in SHAPES)
+NUM_SHARDED = sum(_numel(s) for n, s in zip(NAMES, SHAPES) if n in SHARDED)
+
+
+def _stage_tp(tp: int, share: float = 0.9) -> StageTP:
+    return StageTP(tp=tp, params=tuple(ShardedParam(name=n, dim=d, segments=3 if "qkv" in n else 1)
+                                       for n, d in SHARDED.items()),
+                   collectives=(Collective(kind="all_reduce", phase="forward", num_bytes=PAYLOAD, node="a"),
+                                Collective(kind="all_reduce", phase="forward", num_bytes=PAYLOAD, node="b"),
+                                Collective(kind="all_reduce", phase="backward", num_bytes=PAYLOAD, node="c"),
+                                Collective(kind="all_reduce", phase="backward", num_bytes=PAYLOAD, node="d")),
+                   sharded_flops=share)
+
+
+def _plan(pp: int = 2, dp: int = 2, tp: int = 1, *, stage_tp: bool = True, links=None, nodes=None, shard="none",
+          activation_bytes=10**6, spec=None) -> Plan:
+    stages = tuple(Stage(stage=s, rank=s, params=NAMES, param_shapes=SHAPES, num_params=NUM, param_bytes=4 * NUM,
+                         activation_bytes=activation_bytes, cost=COST,
+                         tp=_stage_tp(tp) if stage_tp and tp > 1 else None) for s in range(pp))
+    edges = tuple(Edge(src_stage=s, dst_stage=s + 1, tensors=(TensorSpec("x", "bfloat16", (4096,)),))
+                  for s in range(pp - 1))
+    return Plan(mesh=Mesh(pp=pp, dp=dp, tp=tp, devices_per_node=nodes, shard=shard), num_stages=pp,
+                num_microbatches=4, placement=tuple(range(pp)), program=Program(()), stages=stages, edges=edges,
+                links=links or {"pp": DP, "dp": DP}, model={"target": "m:f"}, spec=spec or {})
+
+
+def _ring(link: Link, n: int, num_bytes: float, factor: float = 2.0) -> float:
+    return link.latency_s + factor * (n - 1) / n * num_bytes / link.bandwidth_Bps
+
+
+def _with_program(plan: Plan) -> Plan:
+    order = SCHEDULES["1f1b"].build(num_ranks=plan.mesh.pp, num_microbatches=plan.num_microbatches, num_chunks=1)
+    return replace(plan, program=lower(order, edges=plan.edges, costs=plan_costs(plan), mesh=plan.mesh, ties=()))
+
+
+# ----------------------------------------------------------------------------- tp 1 is today's
+
+
+def test_tp_1_or_no_stage_tp_prices_as_before():
+    base = _plan(tp=1)
+    costs = plan_costs(base)
+    assert costs.stages == (COST, COST)
+    assert costs.activation_bytes == (10**6, 10**6)
+    assert costs.allreduce[("dp", 0)] == _ring(DP, 2, 4 * NUM)
+    # a StageTP of tp 1 changes nothing either
+    one = replace(base, stages=tuple(replace(st, tp=_stage_tp(1)) for st in base.stages))
+    assert plan_costs(one) == costs
+    assert breakdown(one) == breakdown(base)
+    assert simulate(_with_program(one)) == simulate(_with_program(base))
+
+
+def test_a_tp_mesh_without_stage_tp_replicates_the_stage():
+    """tp 2 but no sharding decided: every tp rank runs the whole stage (no share, no collectives)."""
+    costs = plan_costs(_plan(tp=2, stage_tp=False))
+    assert costs.stages == (COST, COST)
+
+
+# ----------------------------------------------------------------------------- compute and collectives
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_compute_scales_by_the_share_and_collectives_ride_the_tp_link(tp):
+    plan = _plan(tp=tp, links={"pp": DP, "dp": DP, "tp": TP})
+    k = _stage_tp(tp).compute_share()
+    assert k == pytest.approx(0.9 / tp + 0.1)
+    ar = _ring(TP, tp, PAYLOAD)
+    c = plan_costs(plan).stages[0]
+    assert c.fwd == pytest.approx(COST.fwd * k + 2 * ar)
+    assert c.bwd_i == pytest.approx(COST.bwd_i * k + 2 * ar)       # the input-grad half carries the backward's
+    assert c.bwd_w == pytest.approx(COST.bwd_w * k)
+    assert c.bwd == pytest.approx(COST.bwd * k + 2 * ar)
+    assert c.optim == pytest.approx(COST.optim * local_params(plan.stages[0]) / NUM)
+
+
+def test_a_recomputed_stage_runs_its_forward_collectives_again():
+    plan = _plan(tp=2, links={"pp": DP, "dp": DP, "tp": TP}, spec={"recompute": [1]})
+    ar = _ring(TP, 2, PAYLOAD)
+    c0, c1 = plan_costs(plan).stages
+    assert c1.bwd_i == pytest.approx(c0.bwd_i + 2 * ar) and c1.fwd == c0.fwd
+
+
+def test_without_a_tp_link_intra_prices_a_group_inside_a_node_and_dp_otherwise():
+    inside = _plan(tp=2, nodes=4, links={"pp": DP, "dp": DP, "intra": INTRA, "inter": INTER})
+    k = _stage_tp(2).compute_share()
+    assert plan_costs(inside).stages[0].fwd == pytest.approx(COST.fwd * k + 2 * _ring(INTRA, 2, PAYLOAD))
+    assert link_sides(inside)["tp"] == {"intra": 2, "inter": 0}
+    # a tp group across 2 nodes of 1 device: the hierarchical ring's inter part only
+    across = _plan(pp=1, dp=1, tp=2, nodes=1, links={"pp": DP, "dp": DP, "intra": INTRA, "inter": INTER})
+    assert plan_costs(across).stages[0].fwd == pytest.approx(COST.fwd * k + 2 * _ring(INTER, 2, PAYLOAD))
+    assert link_sides(across)["tp"] == {"intra": 0, "inter": 1}
+    # no nodes said: the dp link
+    flat = _plan(tp=2)
+    assert plan_costs(flat).stages[0].fwd == pytest.approx(COST.fwd * k + 2 * _ring(DP, 2, PAYLOAD))
+
+
+def test_the_dp_all_reduce_moves_each_tp_ranks_part():
+    plan = _plan(tp=4)
+    part = 4 * (NUM - NUM_SHARDED + NUM_SHARDED // 4)
+    assert local_param_bytes(plan.stages[0]) == part
+    assert plan_costs(plan).allreduce[("dp", 0)] == pytest.approx(_ring(DP, 2, part))
+    # by node: tp 4 innermost, so dp 2's replicas of one tp rank are 4 ranks apart: 2 nodes of 4 -> inter
+    nodes = _plan(tp=4, nodes=4, links={"pp": DP, "dp": DP, "intra": INTRA, "inter": INTER})
+    assert link_sides(nodes)["dp"] == {"intra": 0, "inter": 2}
+    assert link_sides(nodes)["tp"] == {"intra": 2, "inter": 0}
+
+
+def test_a_tp_plan_simulates_faster_compute_with_its_collectives():
+    fast = _with_program(_plan(tp=4, links={"pp": DP, "dp": DP, "tp": TP}))
+    base = _with_program(_plan(tp=1))
+    assert simulate(fast).step_time < simulate(base).step_time
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def test_state_divides_the_sharded_parameters_by_tp_then_by_the_shard():
+    base, tp2 = breakdown(_plan(tp=1)), breakdown(_plan(tp=2))
+    local = NUM - NUM_SHARDED + NUM_SHARDED // 2
+    assert local_params(_plan(tp=2).stages[0]) == local
+    assert [m.state for m in tp2] == [16 * local] * 2 and [m.state for m in base] == [16 * NUM] * 2
+    assert tp2[0].num_params == local
+    # FSDP2 over the tp shards: local shapes first, then dim 0 padded to the shard size and divided
+    full = _plan(tp=2, shard="full")
+    st = full.stages[0]
+    assert padded_params(st, 2) == local           # every local dim 0 is even: no padding
+    assert breakdown(full)[0].state == 16 * local // 2
+    assert padded_params(replace(st, tp=None), 2) == NUM
+
+
+def test_activations_follow_megatrons_count():
+    """A stage of L blocks whose saved bytes are Megatron's ``L s b h (34 + 5 a s / h)`` holds Megatron's
+    ``L s b h (10 + 24 / t + 5 a s / (h t))`` per tp rank; with sequence parallelism all of it over t."""
+    s, b, h, a, L, t = 2048, 1, 5120, 40, 5, 8
+    full = L * megatron_block_activation_bytes(seq=s, batch=b, hidden=h, heads=a)
+    assert full == pytest.approx(L * s * b * h * (34 + 5 * a * s / h))
+    payload = s * b * h * 2                          # one all-reduce of b s h bf16 values, 2 forward per block
+    stp = StageTP(tp=t, collectives=tuple(Collective(kind="all_reduce", phase="forward", num_bytes=payload,
+                                                     node=str(i)) for i in range(2 * L)), sharded_flops=1.0)
+    st = Stage(stage=0, rank=0, activation_bytes=round(full), tp=stp)
+    want = L * megatron_block_activation_bytes(seq=s, batch=b, hidden=h, heads=a, tp=t)
+    assert want == pytest.approx(L * s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert tp_activation_bytes(st) == pytest.approx(want, rel=1e-6)
+    assert tp_activation_bytes(st, sequence_parallel=True) == pytest.approx(full / t, rel=1e-6)
+    assert tp_activation_bytes(replace(st, tp=None)) == round(full)
+    assert plan_costs(_plan(tp=2)).activation_bytes[0] == tp_activation_bytes(_plan(tp=2).stages[0])
+
+
+# ----------------------------------------------------------------------------- Megatron's layout from shapes
+
+
+SMALL = dict(layers=4, dim=32, heads=2, vocab=64, seq=8)
+
+
+def _request(pp=2, dp=1, tp=1, *, nodes=None, model_args=SMALL, batch=4, costs="flops", links=None,
+             memory=None, microbatches=2) -> CompileRequest:
+    seq = model_args["seq"]
+    model = ModelSpec(target="pipec.examples.gpt:build", kwargs=model_args,
+                      inputs=(TensorSpec("tokens", "int64", (batch, seq)),),
+                      partition=PartitionRequest(method="balanced", by="flops"), costs=costs, trace="auto")
+    return CompileRequest(schedule="1f1b", mesh=Mesh(pp=pp, dp=dp, tp=tp, devices_per_node=nodes),
+                          num_microbatches=microbatches, model=model, links=links or dict(DEFAULT_LINKS),
+                          device_memory=memory, training=replace(DEFAULTS, dtype="bfloat16", peak_flops=1e12))
+
+
+@pytest.fixture(scope="module")
+def small_graph():
+    return build_stage_graph(model_request(_request()))
+
+
+def test_megatron_layout_of_the_example_gpts_stages(small_graph):
+    first, last = with_megatron_tp(small_graph.stages, tp=2, num_tokens=16, seq=8, elem_bytes=2,
+                                   flops=small_graph.flops)
+    styles = dict(first.tp.modules)
+    assert styles["blocks.0.attn.qkv"] == styles["blocks.0.mlp.fc"] == "colwise"
+    assert styles["blocks.0.attn.proj"] == styles["blocks.0.mlp.proj"] == "rowwise"
+    assert styles["wte"] == "vocab" and "wpe" not in styles
+    assert first.tp.sharded("blocks.0.attn.qkv.weight").segments == 3
+    assert first.tp.sharded("blocks.0.attn.proj.bias") is None and first.tp.sharded("blocks.0.ln1.weight") is None
+    fwd = [c for c in first.tp.collectives if c.phase == "forward"]
+    assert len(fwd) == 2 * 2 + 1 and {c.num_bytes for c in fwd} == {16 * 32 * 2}   # 2 per block + the lookup's
+    assert len([c for c in last.tp.collectives if c.phase == "backward"]) == 2 * 2 + 1   # + the head's input grad
+    assert first.tp.sharded_flops == pytest.approx(1.0) and last.tp.compute_share() == pytest.approx(0.5)
+    assert megatron_tp(first, tp=3, num_tokens=16, seq=8, elem_bytes=2) is None   # 3 divides no width here
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def test_scaling_efficiency_is_one_devices_step_over_n_steps():
+    whole = [Cost(fwd=1.0, bwd=2.0, bwd_i=1.0, bwd_w=1.0, optim=0.5)]
+    one = single_device_step(whole, 8)
+    assert one == 8 * 3 + 0.5
+    assert scaling_efficiency(one / 4, 4, one) == pytest.approx(1.0)
+    assert scaling_efficiency(one / 2, 4, one) == pytest.approx(0.5)
+    assert scaling_efficiency(1.0, 4, None) is None
+
+
+# ----------------------------------------------------------------------------- tune
+
+
+def test_tune_searches_tp_over_the_node_and_its_bounds_hold():
+    """Every candidate of a small space on 4 devices in nodes of 2 (tp 1 and 2): the step bound never exceeds
+    the simulated step, the memory bound never the predicted peak."""
+    links = {**DEFAULT_LINKS, "intra": Link(latency_s=1e-6, bandwidth_Bps=100e9),
+             "inter": Link(latency_s=1e-5, bandwidth_Bps=1e9)}
+    treq = TuneRequest(base=_request(nodes=2, links=links), num_devices=4, global_batch=4)
+    space = candidates(treq)
+    assert {c.tp for c in space} == {1, 2}
+    assert {c.tp for c in candidates(replace(treq, base=_request(links=links)))} == {1}   # no nodes: tp 1
+    tp_seen = 0
+    cut = _Graphs(treq, 4)
+    for c in space:
+        if c.shard not in ("none", "full"):
+            continue
+        req = candidate_request(treq, c)
+        graph = cut.graph(c)
+        if graph is None:
+            continue
+        plan = compile_request(req, graph=graph).plan
+        tp_seen += c.tp > 1 and all(st.tp is not None for st in plan.stages)
+        step, mem, state = bounds(c, candidate_frame(req, graph, schedule_order(req)[0]))
+        assert step <= plan.prediction.step_time * (1 + 1e-9), c
+        assert state <= mem <= max(r.peak_memory_bytes for r in plan.prediction.per_rank), c
+    assert tp_seen > 0
+
+
+GPT_13B = dict(layers=40, dim=5120, heads=40, vocab=50304, seq=2048)
+CLUSTER = {**DEFAULT_LINKS, "intra": Link(latency_s=5e-6, bandwidth_Bps=600e9),
+           "inter": Link(latency_s=1e-5, bandwidth_Bps=25e9)}
+
+
+def _thirteen_b(**kw) -> TuneRequest:
+    """The source note's cluster: 64 GPUs of 80 GB in nodes of 8 (NVLink 600 GB/s inside, InfiniBand 25 GB/s
+    across), a 13B GPT priced from FLOPs at 989 TFLOP/s, global batch 128."""
+    base = _request(pp=8, dp=8, nodes=8, model_args=GPT_13B, batch=16, links=CLUSTER, memory=80 * 10**9,
+                    microbatches=16)
+    base = replace(base, schedule="zbv", num_chunks=2, training=replace(base.training, peak_flops=989e12))
+    return TuneRequest(base=base, num_devices=64, **kw)
+
+
+@pytest.fixture(scope="module")
+def thirteen_b():
+    """The search with the schedule, its chunks and the microbatches kept (zbv, 2, 16: a few seconds); the whole
+    space is the slow test below and ``bench/tune.py --part b``."""
+    treq = _thirteen_b(num_top=3, keep=frozenset({"schedule", "virtual", "microbatches", "partition"}))
+    return treq, tune(treq)
+
+
+def _check_pick(r, treq):
+    best = r.best
+    assert best.candidate.tp > 1 and 8 % best.candidate.tp == 0
+    assert best.plan.mesh.tp == best.candidate.tp and best.plan.mesh.world_size == 64
+    assert all(st.tp is not None and st.tp.tp == best.candidate.tp for st in best.plan.stages)
+    assert link_sides(best.plan)["tp"]["inter"] == 0              # every tp group inside a node (NVLink)
+    assert r.best_tp1 is not None and r.best_tp1.candidate.tp == 1
+    assert r.best_tp1.step_time > best.step_time
+    assert 0 < best.mfu < 1 and 0 < best.scaling_efficiency < 1
+    assert all(s.peak_memory <= 80 * 10**9 for s in (*r.top, r.best_tp1))
+    graphs = _Graphs(treq, r.global_batch)
+    for s in (*r.top, r.best_tp1):                               # the bounds hold on what it kept
+        req = candidate_request(treq, s.candidate, global_batch=r.global_batch)
+        graph = graphs.graph(s.candidate)
+        step, mem, _ = bounds(s.candidate, candidate_frame(req, graph, schedule_order(req)[0]))
+        assert step <= s.step_time * (1 + 1e-9) and mem <= s.peak_memory, s.candidate
+
+
+def test_tune_picks_tp_inside_the_node_for_the_notes_13b(thirteen_b):
+    treq, r = thirteen_b
+    _check_pick(r, treq)
+    assert any("faster than the best plan without it" in line for line in why(r))
+
+
+@pytest.mark.slow  # the whole space: ~40 s on 2 cores
+def test_tune_over_the_whole_space_picks_tp_for_the_notes_13b():
+    treq = _thirteen_b(num_top=5)
+    _check_pick(tune(treq), treq)
