@@ -20,6 +20,7 @@ __all__ = [
     "MAX_INSTRUCTIONS",
     "MAX_REPLICAS",
     "MAX_DEVICES_PER_NODE",
+    "MAX_TP",
     "MAX_STEPS",
     "MAX_SEED",
     "MAX_DIM",
@@ -38,6 +39,8 @@ MAX_REPLICAS = 65536
 """Data-parallel replicas D (key ``dp``) and a shard group's size (key ``shard_size``)."""
 MAX_DEVICES_PER_NODE = 1 << 20
 """Devices per node (key ``devices_per_node``)."""
+MAX_TP = 4096
+"""Tensor-parallel ranks per (pp, dp) coordinate (key ``tp``): each one shards a stage's layers."""
 MAX_STEPS = 10**9
 """Optimizer steps (keys ``steps``, ``checkpoint_every``, ``lr_schedule``'s ``warmup``)."""
 MAX_SEED = 2**63 - 1
@@ -47,6 +50,7 @@ MAX_DIM = 2**31
 
 LIMITS: Mapping[str, int] = MappingProxyType({
     "pp": MAX_RANKS,
+    "tp": MAX_TP,
     "num_stages": MAX_STAGES,
     "num_microbatches": MAX_MICROBATCHES,
     "instructions": MAX_INSTRUCTIONS,

@@ -19,7 +19,7 @@ from pipec.compiler.ir.program import Program
 from pipec.compiler.ir.schema import SchemaError
 from pipec.compiler.ir.tensor_parallel import StageTP
 from pipec.compiler.ir.timeline import Timeline
-from pipec.compiler.limits import LIMITS
+from pipec.compiler.limits import LIMITS, MAX_TP
 from pipec.errors import PipecError
 from pipec.schedules.timing import UNIT, Cost
 
@@ -39,6 +39,9 @@ __all__ = [
     "check_shard",
     "check_nodes",
     "check_node_size",
+    "check_tp",
+    "tp_notes",
+    "world_text",
     "check_limits",
     "Plan",
     "chain_edges",
@@ -238,17 +241,18 @@ class Mesh:
 
     def group_ranks(self, group: str, global_rank: int) -> tuple[int, ...]:
         """The global ranks of the dp group ``group`` (``dp``, ``dp.shard``, ``dp.replicate``) that
-        ``global_rank`` belongs to, in dp order. Shard groups are consecutive dp ranks; a replicate
-        group holds the same position in each shard group."""
+        ``global_rank`` belongs to, in dp order: ranks of the same pp rank and the same tp rank. Shard groups
+        are consecutive dp ranks; a replicate group holds the same position in each shard group."""
         pp, d = self.coords(global_rank)
+        t = self.tp_rank(global_rank)
         n = self.num_shards if self.hybrid else self.dp
         if group == "dp":
-            return tuple(self.replicas(pp))
+            return tuple(self.replicas(pp, t))
         if group == "dp.shard":
             first = d - d % n
-            return tuple(self.global_rank(pp, x) for x in range(first, first + n))
+            return tuple(self.global_rank(pp, x, t) for x in range(first, first + n))
         if group == "dp.replicate":
-            return tuple(self.global_rank(pp, x) for x in range(d % n, self.dp, n))
+            return tuple(self.global_rank(pp, x, t) for x in range(d % n, self.dp, n))
         raise KeyError(f"{group!r} is not a dp group (dp, dp.shard, dp.replicate)")
 
     @property
@@ -273,14 +277,26 @@ class Mesh:
         first = global_rank - global_rank % self.tp
         return tuple(range(first, first + self.tp))
 
-    def replicas(self, pp: int) -> range:
-        """The global ranks of pp rank ``pp``'s dp replicas (its dp group)."""
-        return range(pp * self.dp, (pp + 1) * self.dp)
+    def replicas(self, pp: int, tp: int = 0) -> range:
+        """The global ranks of pp rank ``pp``'s dp replicas of tp rank ``tp`` (its dp group), in dp order."""
+        return range(self.global_rank(pp, 0, tp), self.global_rank(pp + 1, 0, tp), self.tp)
+
+    def pp_ranks(self, pp: int) -> range:
+        """Every global rank running pp rank ``pp``'s program (its dp x tp ranks, consecutive), in rank order."""
+        return range(self.global_rank(pp), self.global_rank(pp + 1))
+
+    def pp_group(self, global_rank: int) -> tuple[int, ...]:
+        """The global ranks of ``global_rank``'s pipeline: every pp rank with its dp rank and its tp rank, in pp
+        order (the p2p peers, the tie groups' and the grad clip's members)."""
+        _, d = self.coords(global_rank)
+        t = self.tp_rank(global_rank)
+        return tuple(self.global_rank(p, d, t) for p in range(self.pp))
 
     def where(self, global_rank: int) -> str:
-        """``global rank G (pp P, dp D)``: how messages name a rank."""
+        """``global rank G (pp P, dp D)``, and ``, tp T`` with tp > 1: how messages name a rank."""
         pp, dp = self.coords(global_rank)
-        return f"global rank {global_rank} (pp {pp}, dp {dp})"
+        tp = f", tp {self.tp_rank(global_rank)}" if self.tp > 1 else ""
+        return f"global rank {global_rank} (pp {pp}, dp {dp}{tp})"
 
     def node_of(self, global_rank: int) -> int:
         """The node holding a global rank: nodes are ``devices_per_node`` consecutive global ranks (one
@@ -315,8 +331,45 @@ def check_shard(mesh: Mesh) -> None:
 def check_nodes(mesh: Mesh) -> None:
     """Refuse a ``devices_per_node`` that does not cut the world into whole nodes."""
     if mesh.devices_per_node is not None:
-        check_node_size(mesh.devices_per_node, mesh.world_size,
-                        f"the world size pp x dp = {mesh.pp} x {mesh.dp} = {mesh.world_size}")
+        check_node_size(mesh.devices_per_node, mesh.world_size, f"the world size {world_text(mesh)}")
+
+
+def world_text(mesh: Mesh) -> str:
+    """``pp x dp = 2 x 2 = 4`` (``pp x dp x tp = ...`` with tp > 1): the world size, said in full."""
+    if mesh.tp == 1:
+        return f"pp x dp = {mesh.pp} x {mesh.dp} = {mesh.world_size}"
+    return f"pp x dp x tp = {mesh.pp} x {mesh.dp} x {mesh.tp} = {mesh.world_size}"
+
+
+def check_tp(mesh: Mesh) -> None:
+    """Refuse a ``tp`` beyond :data:`~pipec.compiler.limits.MAX_TP`, or one whose tp groups straddle a node
+    boundary (with ``devices_per_node`` G: tp divides G, or G divides tp and each tp group spans whole nodes;
+    that second case is legal and :func:`tp_notes` warns of its cost)."""
+    tp, g = mesh.tp, mesh.devices_per_node
+    if not 1 <= tp <= MAX_TP:
+        raise PipecError(f"tp must be in 1..{MAX_TP} (pipec's limit), got {tp}", key="tp",
+                         hints=(f"use tp 1..{MAX_TP}",))
+    if g is None or tp == 1:
+        return
+    if tp <= g and g % tp:
+        raise PipecError(f"tp {tp} does not divide devices_per_node {g}: tp groups are {tp} consecutive global "
+                         f"ranks, so some would straddle two nodes", key="tp",
+                         hints=(f"use a tp that divides {g} ({', '.join(map(str, _divisors(g)))})",))
+    if tp > g and tp % g:
+        raise PipecError(f"tp {tp} is larger than devices_per_node {g} and not a multiple of it: a tp group "
+                         "would hold part of a node", key="tp",
+                         hints=(f"use a tp that divides {g} ({', '.join(map(str, _divisors(g)))}) to keep each "
+                                f"tp group inside a node, or a multiple of {g}",))
+
+
+def tp_notes(mesh: Mesh) -> list[str]:
+    """Warnings about a legal but costly tp: a tp group across nodes (``tp`` > ``devices_per_node``)."""
+    tp, g = mesh.tp, mesh.devices_per_node
+    if g is None or tp <= g:
+        return []
+    return [f"tp {tp} is larger than devices_per_node {g}: each tp group spans {tp // g} nodes, so every tp "
+            "collective (an all-reduce per sharded layer pair, forward and backward, every microbatch) crosses "
+            "the inter-node link; keep tp within a node (tp <= devices_per_node) and use pp or dp across nodes"]
 
 
 def check_node_size(devices_per_node: int, num_devices: int, what: str) -> None:
@@ -390,12 +443,13 @@ class Plan:
         return self.tie(name).ranks(self.placement)
 
 
-def check_limits(*, pp: int, num_stages: int, num_microbatches: int, instructions: int | None = None) -> None:
+def check_limits(*, pp: int, num_stages: int, num_microbatches: int, instructions: int | None = None,
+                 tp: int = 1) -> None:
     """Refuse configurations beyond DESIGN's limits, before any work is done."""
-    got = {"pp": pp, "num_stages": num_stages, "num_microbatches": num_microbatches}
+    got = {"pp": pp, "tp": tp, "num_stages": num_stages, "num_microbatches": num_microbatches}
     if instructions is not None:
         got["instructions"] = instructions
-    names = {"pp": "pp ranks", "num_stages": "stages", "num_microbatches": "microbatches",
+    names = {"pp": "pp ranks", "tp": "tp ranks", "num_stages": "stages", "num_microbatches": "microbatches",
              "instructions": "instructions"}
     for key, value in got.items():
         if value > LIMITS[key]:
