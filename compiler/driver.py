@@ -21,7 +21,8 @@ from pipec.compiler.config import DEFAULTS, TrainingConfig
 from pipec.compiler.ir.program import Program
 from pipec.compiler.passes.lower import lower
 from pipec.compiler.passes.memory import breakdown, check_memory
-from pipec.compiler.ir.plan import DEFAULT_LINKS, Link, Mesh, Plan, Stage, check_limits, check_nodes, check_shard
+from pipec.compiler.ir.plan import (DEFAULT_LINKS, Link, Mesh, Plan, Stage, check_limits, check_nodes, check_shard,
+                                    check_tp, tp_notes)
 from pipec.compiler.request import CompileRequest, ModelSpec
 from pipec.compiler.sim.simulate import (BUFFERED, CostModel, Execution, chain_edges, execute, interval_of, plan_costs,
                                          timeline_of)
@@ -58,11 +59,13 @@ def compile_request(req: CompileRequest, *, graph=None, verify: bool = True, eve
 
 
 def _compile(req: CompileRequest, graph=None, verify: bool = True, events: bool = True) -> Compiled:
-    check_limits(pp=req.pp, num_stages=req.num_stages, num_microbatches=req.num_microbatches)  # refuse what is too big
+    check_limits(pp=req.pp, tp=req.tp, num_stages=req.num_stages, num_microbatches=req.num_microbatches)  # too big
     mesh = req.mesh
+    check_tp(mesh)                                               # tp groups inside nodes (or whole nodes)
     check_shard(mesh)                                            # a sharding that can work
     check_nodes(mesh)                                            # whole nodes
     order, diagnostics = schedule_order(req)                     # the schedule's rules, then its order
+    diagnostics += [Diagnostic("warning", note, key="tp") for note in tp_notes(mesh)]  # tp across nodes
     if graph is None and req.model:                              # trace, partition, costs; what fits checked
         graph = model_graph(req, before_timing=lambda g: check_untimed(req, order, g))  # before any timing
     if graph is not None:
@@ -178,6 +181,7 @@ def compile_plan(
     schedule: str | None = None,
     num_chunks: int | None = None,
     dp: int = 1,
+    tp: int = 1,
     shard: str = "none",
     shard_size: int | None = None,
     order: ComputeOrder | None = None,
@@ -192,7 +196,8 @@ def compile_plan(
     else:
         choice = dict(schedule=schedule, num_chunks=get_schedule(schedule).default_chunks if num_chunks is None
                       else num_chunks)
-    return compile_request(CompileRequest(**choice, mesh=Mesh(pp=num_ranks, dp=dp, shard=shard, shard_size=shard_size),
+    return compile_request(CompileRequest(**choice, mesh=Mesh(pp=num_ranks, dp=dp, tp=tp, shard=shard,
+                                                                               shard_size=shard_size),
                                           num_microbatches=num_microbatches, links=dict(links or DEFAULT_LINKS),
                                           training=training, device_memory=device_memory))
 
@@ -269,7 +274,7 @@ def model_request(req: CompileRequest):
     part = m.partition
     partition = {"split": lambda: SplitBefore(tuple(part.split_before)), "balanced": lambda: Balanced(part.by),
                  "markers": lambda: Markers(), "auto": lambda: None}[part.method]()
-    world = req.pp * req.dp
+    world = req.mesh.world_size
     return ModelRequest(
         target=m.target,
         search_path=m.search_path,
@@ -291,6 +296,8 @@ def model_request(req: CompileRequest):
         targets=m.targets,
         data=training.data,
         dp=req.dp,
+        tp=req.tp,
+        tensor_parallel=req.tensor_parallel,
     )
 
 

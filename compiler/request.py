@@ -25,7 +25,7 @@ and prints the complaint at that key, ``file:line:col`` with a caret, once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, Union
 
 from pipec.compiler.config import DEFAULTS, TrainingConfig
 from pipec.compiler.ir.plan import DEFAULT_LINKS, Link, Mesh, TensorSpec
@@ -34,7 +34,14 @@ from pipec.schedules.order import Action
 from pipec.schedules.policy import Policy
 
 __all__ = ["Location", "KeyOrigin", "DEFAULT_ORIGIN", "TensorSpec", "check_batch", "PartitionRequest", "ModelSpec",
-           "CompileRequest"]
+           "CompileRequest", "TP_STYLES", "TensorParallelPlan", "tensor_parallel_json"]
+
+TP_STYLES = ("colwise", "rowwise", "replicated")
+"""The styles an explicit ``tensor_parallel`` plan may give a module: ``colwise`` (its output features split),
+``rowwise`` (its input features split, its output all-reduced), ``replicated`` (not split)."""
+
+TensorParallelPlan = Union[str, tuple[tuple[str, str], ...]]
+"""Key ``tensor_parallel``: ``"auto"``, or (module-path glob, style) pairs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,8 +171,12 @@ class CompileRequest:
     order: tuple[tuple[Action, ...], ...] | None = None
     """For ``schedule == "order"``: each pp rank's actions, in order."""
     mesh: Mesh
-    """pp x dp, the sharding and the nodes (keys ``pp``, ``dp``, ``shard``, ``shard_size``,
+    """pp x dp x tp, the sharding and the nodes (keys ``pp``, ``dp``, ``tp``, ``shard``, ``shard_size``,
     ``devices_per_node``)."""
+    tensor_parallel: TensorParallelPlan = "auto"
+    """How each stage's modules are split across its tp ranks (key ``tensor_parallel``): ``"auto"`` (the
+    sharding pass decides), or (glob pattern over module paths, style) pairs, in the order written, style one
+    of :data:`TP_STYLES`. Only read with ``mesh.tp`` > 1; whether a pattern matches a module is the pass's check."""
     num_chunks: int = 1
     """Stages per pp rank (key ``virtual``)."""
     placement: tuple[int, ...] | None = None
@@ -187,6 +198,10 @@ class CompileRequest:
     @property
     def dp(self) -> int:
         return self.mesh.dp
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.tp
 
     @property
     def num_stages(self) -> int:
@@ -213,8 +228,15 @@ class CompileRequest:
             out["partition"] = m.partition.to_json()
             out["trace"] = m.trace
         out["costs"] = m.costs if m is not None else "unit"
+        if self.mesh.tp > 1:
+            out["tensor_parallel"] = tensor_parallel_json(self.tensor_parallel)
         out["device_memory"] = self.device_memory
         return out | self.training.to_json()
+
+
+def tensor_parallel_json(plan: TensorParallelPlan) -> Any:
+    """plan.json's ``spec.tensor_parallel``: ``"auto"``, or ``[{"module": pattern, "style": style}, ...]``."""
+    return plan if isinstance(plan, str) else [{"module": m, "style": st} for m, st in plan]
 
 
 def _policy_json(policy: Policy, num_ranks: int) -> dict[str, Any]:

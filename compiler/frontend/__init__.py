@@ -98,6 +98,11 @@ class ModelRequest:
     """``synthetic``, a token file, or a ``pkg.module:fn`` data function (key ``data``)."""
     dp: int = 1
     """Replicas: one step reads ``dp`` batches of a token file."""
+    tp: int = 1
+    """Tensor-parallel ranks per stage (key ``tp``; :mod:`pipec.compiler.frontend.tensor_parallel` shards at tp > 1)."""
+    tensor_parallel: str | tuple[tuple[str, str], ...] = "auto"
+    """Key ``tensor_parallel``: ``"auto"``, or (module-path glob, style) pairs in the order written
+    (:attr:`pipec.compiler.request.CompileRequest.tensor_parallel`)."""
 
 
 def microbatch_inputs(req: ModelRequest) -> tuple[TensorSpec, ...]:

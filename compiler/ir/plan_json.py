@@ -37,7 +37,9 @@ from pipec.compiler.ir.plan import (
     check_limits,
     check_nodes,
     check_shard,
+    check_tp,
 )
+from pipec.compiler.ir.tensor_parallel import StageTP
 from pipec.compiler.ir.program import DP_GROUPS, FIELDS, GROUP_OPS, IRError, Instruction, Op, Program
 from pipec.compiler.ir.schema import Reader, SchemaError
 from pipec.compiler.ir.timeline import Timeline
@@ -64,7 +66,7 @@ FORMAT_V1 = "pipec.plan/1"
 
 ELSEWHERE: Mapping[str, str] = {
     "pp": "mesh.pp", "dp": "mesh.dp", "shard": "mesh.shard", "shard_size": "mesh.shard_size",
-    "devices_per_node": "mesh.devices_per_node", "stages": "num_stages", "virtual": "num_stages / mesh.pp",
+    "devices_per_node": "mesh.devices_per_node", "tp": "mesh.tp", "stages": "num_stages", "virtual": "num_stages / mesh.pp",
     "placement": "placement", "microbatches": "num_microbatches", "model": "model.target",
     "model_args": "model.kwargs", "links": "links",
 }
@@ -85,9 +87,11 @@ def _instr_json(ins: Instruction) -> dict[str, Any]:
 
 
 def _mesh_json(mesh: Mesh) -> dict[str, Any]:
-    """plan.json's ``mesh``: ``shard``, ``shard_size`` and ``devices_per_node`` only when set (absent: none,
-    all of dp, not said)."""
+    """plan.json's ``mesh``: ``tp`` above 1, ``shard``, ``shard_size`` and ``devices_per_node`` only when set
+    (absent: tp 1, none, all of dp, not said)."""
     out: dict[str, Any] = {"pp": mesh.pp, "dp": mesh.dp}
+    if mesh.tp != 1:
+        out["tp"] = mesh.tp
     if mesh.shard != "none":
         out["shard"] = mesh.shard
     if mesh.shard_size is not None:
@@ -137,6 +141,8 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
             d["num_params"] = st.num_params
         if st.param_shapes:
             d["param_shapes"] = [list(shape) for shape in st.param_shapes]
+        if st.tp is not None:
+            d["tp"] = st.tp.to_json()
         stages.append(d)
     out["stages"] = stages
     out["edges"] = [
@@ -227,6 +233,18 @@ def _shapes(rd: Reader, num_params: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(sh) for sh in raw)
 
 
+def _stage_tp(rd: Reader) -> StageTP | None:
+    """A stage's ``tp`` (:meth:`StageTP.to_json`): absent in a plan at tp 1 or from before tensor parallelism."""
+    raw = rd.dict("tp", required=False)
+    if raw is None:
+        return None
+    try:
+        return StageTP.from_json(raw)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise rd.error("tp", f"expected a stage's tensor-parallel record (tp, modules, params, collectives; "
+                       f"{type(e).__name__}: {e})", raw) from None
+
+
 def _read_instructions(rd: Reader, num_ranks: int, num_stages: int, num_mb: int) -> Program:
     ranks = []
     seen = 0
@@ -292,15 +310,17 @@ def load_plan(obj: Any, where: str = "plan") -> Plan:
         mesh = Mesh(pp=mesh_rd.int("pp", lo=1), dp=mesh_rd.int("dp", lo=1),
                     shard=mesh_rd.str("shard", required=False) or "none",
                     shard_size=mesh_rd.int("shard_size", lo=1, required=False),
-                    devices_per_node=mesh_rd.int("devices_per_node", lo=1, required=False))
+                    devices_per_node=mesh_rd.int("devices_per_node", lo=1, required=False),
+                    tp=mesh_rd.int("tp", lo=1, required=False) or 1)
         try:
+            check_tp(mesh)
             check_shard(mesh)
             check_nodes(mesh)
         except PipecError as e:
             raise PlanError(f"{where}.mesh.{e.key}: {e}") from None
         num_stages = rd.int("num_stages", lo=1)
         num_mb = rd.int("num_microbatches", lo=1)
-        check_limits(pp=mesh.pp, num_stages=num_stages, num_microbatches=num_mb)
+        check_limits(pp=mesh.pp, tp=mesh.tp, num_stages=num_stages, num_microbatches=num_mb)
         placement = rd.ints("placement", lo=0, hi=mesh.pp - 1)
         if len(placement) != num_stages:
             raise rd.error("placement", f"expected one pp rank per stage ({num_stages})", list(placement))
@@ -324,6 +344,7 @@ def load_plan(obj: Any, where: str = "plan") -> Plan:
                 param_bytes=s.int("param_bytes", lo=0, required=False),
                 num_params=s.int("num_params", lo=0, required=False),
                 param_shapes=_shapes(s, len(params)),
+                tp=_stage_tp(s),
             )
             if stage.stage != i:
                 raise s.error("stage", f"expected {i} (stages are listed in order)", stage.stage)
