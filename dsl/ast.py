@@ -161,9 +161,9 @@ class Subscript:
 
 @dataclass(frozen=True, slots=True)
 class Typed:
-    """``tokens: int64[16, 128]``: a name and a type."""
+    """``tokens: int64[16, 128]``: a name and a type; the name may be quoted (``"blocks.*.qkv": colwise``)."""
 
-    name: Word
+    name: "Word | String"
     type: "Node"
     span: Span = _span()
 

@@ -46,6 +46,7 @@ FALLBACK: Mapping[str, tuple[str, ...]] = {
     "data": ("model",),
     "shard": ("dp",),
     "shard_size": ("shard", "dp"),
+    "tensor_parallel": ("tp", "model"),
 }
 """For a key left at its default, the keys whose statement made it matter, most telling first."""
 
@@ -87,7 +88,8 @@ def request_of(values: Mapping[str, Any], origins: Mapping[str, Any], *, policy,
         schedule=values["schedule"],
         policy=policy,
         order=order.ranks if order is not None else None,
-        mesh=Mesh(**{f.name: values[f.name] for f in fields(Mesh)}),
+        mesh=Mesh(**{f.name: values[f.name] for f in fields(Mesh) if f.name in KEYS}),  # a field without a key: its default
+        tensor_parallel=values["tensor_parallel"],
         num_chunks=values["virtual"],
         placement=placement,
         num_microbatches=values["microbatches"],

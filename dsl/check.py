@@ -424,6 +424,13 @@ def _policy(st: _State) -> None:
         raise origin.source.error(kwargs[field].span if field in kwargs else origin.span, str(err)) from None
 
 
+def _tensor_parallel(st: _State) -> None:
+    """An explicit ``tensor_parallel`` plan is read only with tp > 1."""
+    if st.given("tensor_parallel") and st.values["tp"] == 1 and st.values["tensor_parallel"] != "auto":
+        st.warn("tensor_parallel", "tensor_parallel is used only with tp > 1; at tp 1 every stage runs whole",
+                "set tp 2 or more, or leave tensor_parallel out")
+
+
 def _training(st: _State) -> None:
     sched = st.values["lr_schedule"]
     if sched.min_lr > st.values["lr"]:
@@ -441,7 +448,7 @@ def _training(st: _State) -> None:
 
 
 RULES: tuple[Callable[[_State], None], ...] = (
-    _form, _mesh, _placement, _defaults, _model, _policy, _training,
+    _form, _mesh, _placement, _defaults, _model, _policy, _tensor_parallel, _training,
 )
 """The cross-key rules, in the order they run; each may fill in defaults the next ones read."""
 

@@ -70,7 +70,7 @@ def value_text(node: ast.Node) -> str:
     if isinstance(node, ast.Subscript):
         return f"{node.name.name}[{_join(node.items)}]"
     if isinstance(node, ast.Typed):
-        return f"{node.name.name}: {value_text(node.type)}"
+        return f"{value_text(node.name)}: {value_text(node.type)}"
     if isinstance(node, (ast.BinOp, ast.Neg)):
         return expr_text(node)
     if isinstance(node, ast.Seq):

@@ -18,7 +18,7 @@ from typing import Any
 from pipec.compiler.config import DEFAULTS as TRAINING
 from pipec.compiler.config import INITS, RUN_DTYPES, TOKEN_DTYPES
 from pipec.compiler.limits import (
-    MAX_DEVICES_PER_NODE, MAX_MICROBATCHES, MAX_RANKS, MAX_REPLICAS, MAX_SEED, MAX_STAGES, MAX_STEPS,
+    MAX_DEVICES_PER_NODE, MAX_MICROBATCHES, MAX_RANKS, MAX_REPLICAS, MAX_SEED, MAX_STAGES, MAX_STEPS, MAX_TP,
 )
 from pipec.compiler.ir.plan import SHARD_MODES
 from pipec.dsl import kinds as k
@@ -84,10 +84,31 @@ KEYS: dict[str, Key] = {key.name: key for key in (
         example="pp 4"),
     Key(name="dp", kind=k.Int(1, MAX_REPLICAS), default=1, default_doc="1",
         flag="--dp", group="Schedule and mesh",
-        meaning="Data-parallel replicas D of the whole pipeline. World size is pp x dp; global rank = "
-                "pp_rank x dp + dp_rank.",
+        meaning="Data-parallel replicas D of the whole pipeline. World size is pp x dp x tp; global rank = "
+                "(pp_rank x dp + dp_rank) x tp + tp_rank (with tp 1: pp_rank x dp + dp_rank).",
         constraints=f"1..{MAX_REPLICAS}.",
         example="dp 2"),
+    Key(name="tp", kind=k.Int(1, MAX_TP, "tensor-parallel ranks"), default=1, default_doc="1",
+        flag="--tp", group="Schedule and mesh",
+        meaning="Tensor-parallel ranks T per (pp rank, dp rank): the innermost mesh dimension, so a tp group is "
+                "T consecutive global ranks (one node, with devices_per_node). Each stage's layers are split "
+                "across its tp group (see `tensor_parallel`); every tp rank runs its pp rank's program, and "
+                "messages between pp ranks go between tp peers (same dp and tp rank). A stage the sharding pass "
+                "leaves whole runs replicated on its tp ranks. The dp groups (gradient all-reduce, shard groups) "
+                "are the dp ranks of one pp rank and one tp rank.",
+        constraints=f"1..{MAX_TP} (pipec's limit). With devices_per_node G: tp divides G (tp groups inside a "
+                    "node), or is a multiple of G, which warns (every tp collective then crosses nodes).",
+        example="tp 2"),
+    Key(name="tensor_parallel", kind=sk.TensorParallelKind(), default="auto", default_doc="auto",
+        flag="--tensor-parallel", group="Schedule and mesh",
+        meaning="How each stage's modules are split across its tp ranks: `auto` (the compiler picks Megatron's "
+                "column / row pairs), or an explicit plan of module-path globs, each with a style: `colwise` "
+                "(the output features split), `rowwise` (the input features split; the output all-reduced), "
+                "`replicated` (not split). A module matched by no pattern is replicated.",
+        constraints="Read only with tp > 1 (warns otherwise). Patterns are quoted globs over module paths "
+                    "(dotted names, with * ? and [...]), each given once; that a pattern matches a module of "
+                    "the model is checked when the model is traced.",
+        example='tensor_parallel "blocks.*.attn.qkv": colwise, "blocks.*.attn.proj": rowwise'),
     Key(name="shard", kind=k.Choice(SHARD_MODES), default="none", default_doc="none",
         flag="--shard", group="Schedule and mesh",
         meaning="Sharded data parallelism: how the dp replicas share each stage's state. `none`: every "
@@ -244,7 +265,8 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                 "with each node's 1/m share (all-reduce: 2(m-1)/m x bytes / intra + 2(k-1)/k x bytes / m / "
                 "inter, plus both latencies). inter's bandwidth is per device (its share of the node's "
                 "network).",
-        constraints="Axes pp, dp, intra and inter; an axis or setting left out keeps its default. intra and "
+        constraints="Axes pp, dp, tp (the tp groups' collectives), intra and inter; an axis or setting left out "
+                    "keeps its default (tp: none, the cost model's fallback). intra and "
                     "inter need devices_per_node to matter; one left out falls back to the axis's own link "
                     "(pp for pp edges, dp for dp groups), so with neither given hops are priced as without "
                     "nodes. --links replaces "
@@ -256,11 +278,12 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key(name="devices_per_node", kind=k.Maybe(k.Int(1, MAX_DEVICES_PER_NODE, "devices per node")), default=None,
         default_doc="none (not said: the pp and dp links price every hop)",
         flag="--devices-per-node", group="Costs and hardware",
-        meaning="Devices G per node: nodes hold G consecutive global ranks (global rank = pp_rank x dp + "
-                "dp_rank, so a node holds whole dp groups when dp divides G). With `links intra(...)` and/or "
+        meaning="Devices G per node: nodes hold G consecutive global ranks (global rank = (pp_rank x dp + "
+                "dp_rank) x tp + tp_rank, so a node holds whole tp groups when tp divides G, and whole dp groups "
+                "when dp x tp divides G). With `links intra(...)` and/or "
                 "`inter(...)` each pp edge and each dp, tie and shard collective is priced by the nodes its "
                 "ranks sit on (see `links`); `pipec show` says which link each axis used.",
-        constraints="At least 1; divides the world size pp x dp, or is at least it (one node).",
+        constraints="At least 1; divides the world size pp x dp x tp, or is at least it (one node).",
         example="devices_per_node 8"),
     # ------------------------------------------------------------------ training
     Key(name="steps", kind=k.Int(1, MAX_STEPS), default=TRAINING.steps, default_doc=str(TRAINING.steps), flag="--steps",

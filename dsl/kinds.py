@@ -335,7 +335,7 @@ def settings_of(node: ast.Node, ctx: Ctx, what: str) -> list[ast.Kwarg]:
         first = args[0]
         if isinstance(first, ast.Typed):
             raise ctx.error(first, f"write {what} settings as name=value, not name: value",
-                            f"for example {first.name.name}={value_text(first.type)}")
+                            f"for example {value_text(first.name)}={value_text(first.type)}")
         raise ctx.error(first, f"{what} settings are written name=value")
     seen: dict[str, ast.Kwarg] = {}
     for kw in kwargs:

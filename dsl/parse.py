@@ -222,7 +222,9 @@ class _ToAST(Transformer_NonRecursive):
 
     def typed(self, meta, children):
         name, value = children
-        return self._made(ast.Typed(ast.Word(str(name), _tspan(name)), value, _mspan(meta)), value)
+        label = (ast.String(_unescape(str(name)[1:-1]), _tspan(name)) if name.type == "STRING"
+                 else ast.Word(str(name), _tspan(name)))
+        return self._made(ast.Typed(label, value, _mspan(meta)), value)
 
     def seq(self, meta, children):
         return self._made(ast.Seq(tuple(children), _mspan(meta)), *children)

@@ -76,6 +76,7 @@ default. The `examples/` folder has a file for every schedule.
   | settings | `adamw(betas=(0.9, 0.95), weight_decay=0.1)`, `(layers=8, dim=256)` |
   | tuple | `(0.9, 0.95)` |
   | typed input | `tokens: int64[16, 128]` |
+  | pattern and style | `"blocks.*.attn.qkv": colwise` |
   | phrases | `split before blocks.2, blocks.4`, `stages 0, 1` |
   | order block | `rank 0: F0.0..3 B0.0..3` (see below) |
 

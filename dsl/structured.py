@@ -8,6 +8,7 @@ See :mod:`pipec.dsl.kinds` for the kind protocol (``convert``, ``show``,
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -15,6 +16,7 @@ from typing import Any, Mapping
 from pipec.compiler.config import LR_SCHEDULES, OPTIMIZER_SETTINGS, TOKEN_DTYPES, TokenData
 from pipec.compiler.ir.plan import Link
 from pipec.compiler.limits import MAX_DIM, MAX_STAGES, MAX_STEPS
+from pipec.compiler.request import TP_STYLES
 from pipec.dsl import ast
 from pipec.dsl.errors import did_you_mean
 from pipec.dsl.expr import ExprError, compile_int
@@ -46,7 +48,8 @@ from pipec.dsl.values import (
 __all__ = [
     "Kwargs", "Tensors", "PartitionKind", "PlacementKind", "RecomputeKind", "OptimizerKind",
     "LRScheduleKind", "LinksKind", "PolicyKind", "OrderKind", "OrderDraft", "DataKind", "DTYPES", "OPTIMIZERS",
-    "POLICY_NAMES", "POLICY_SETTINGS", "PARTITION_MEASURES", "DEFAULT_LINK", "LINK_AXES",
+    "POLICY_NAMES", "POLICY_SETTINGS", "PARTITION_MEASURES", "DEFAULT_LINK", "LINK_AXES", "TensorParallelKind",
+    "TP_STYLES",
 ]
 
 
@@ -90,6 +93,9 @@ class Tensors(Kind):
             if not isinstance(item, ast.Typed):
                 raise ctx.error(item, f"{ctx.key} needs NAME: DTYPE[DIMS], got {ast.describe(item)}",
                                 f"for example {ctx.key} {self.example}")
+            if isinstance(item.name, ast.String):
+                raise ctx.error(item.name, f"a tensor of {ctx.key} is named bare, not quoted",
+                                f"write it without quotes: {item.name.value}: ...")
             t = item.type
             if not isinstance(t, ast.Subscript):
                 raise ctx.error(t, f"a tensor of {ctx.key} is typed DTYPE[DIMS], such as int64[16, 128]")
@@ -300,17 +306,18 @@ class LRScheduleKind(Kind):
 DEFAULT_LINK = Link(latency_s=1e-5, bandwidth_Bps=25e9)
 
 
-LINK_AXES = ("pp", "dp", "intra", "inter")
+LINK_AXES = ("pp", "dp", "tp", "intra", "inter")
 """Axes of the ``links`` key: the mesh's two, then the two sides of a node boundary."""
 
 
 @dataclass(frozen=True, slots=True)
 class LinksKind(Kind):
-    doc = "pp(latency=TIME, bandwidth=RATE), dp(...), intra(...), inter(...)"
+    doc = "pp(latency=TIME, bandwidth=RATE), dp(...), tp(...), intra(...), inter(...)"
 
     def convert(self, node: ast.Node, ctx: Ctx) -> Links:
         items = node.items if isinstance(node, ast.Seq) else (node,)
-        axes: dict[str, Link | None] = {"pp": DEFAULT_LINK, "dp": DEFAULT_LINK, "intra": None, "inter": None}
+        axes: dict[str, Link | None] = {"pp": DEFAULT_LINK, "dp": DEFAULT_LINK, "tp": None, "intra": None,
+                                        "inter": None}
         seen: set[str] = set()
         for item in items:
             if not (isinstance(item, ast.Call) and isinstance(item.func, ast.Word)):
@@ -337,6 +344,60 @@ class LinksKind(Kind):
 
     def show(self, value: Any) -> str:
         return value.text()
+
+
+_GLOB_SEGMENT = re.compile(r"(?:[A-Za-z0-9_*?]|\[!?[A-Za-z0-9_-]+\])+")
+"""One dotted segment of a module-path glob: names, ``*`` and ``?``, and ``[...]`` classes."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallelKind(Kind):
+    """``auto``, or ``"glob": style, ...``: which modules split how across a stage's tp ranks."""
+
+    doc = 'auto, or "module.glob": colwise|rowwise|replicated, ...'
+
+    def convert(self, node: ast.Node, ctx: Ctx) -> str | tuple[tuple[str, str], ...]:
+        if isinstance(node, ast.Word) and node.name == "auto":
+            return "auto"
+        items = node.items if isinstance(node, ast.Seq) else (node,)
+        out: list[tuple[str, str]] = []
+        seen: dict[str, ast.Node] = {}
+        for item in items:
+            if not isinstance(item, ast.Typed):
+                raise ctx.error(item, f"tensor_parallel needs auto, or \"MODULE_GLOB\": STYLE pairs, got {got(item)}",
+                                'for example tensor_parallel "blocks.*.attn.qkv": colwise, "blocks.*.attn.proj": rowwise')
+            pattern = item.name.value if isinstance(item.name, ast.String) else item.name.name
+            _check_glob(pattern, item.name, ctx)
+            style = item.type
+            if not isinstance(style, ast.Word) or style.name not in TP_STYLES:
+                text = style.name if isinstance(style, ast.Word) else None
+                raise ctx.error(style, f"unknown tensor_parallel style {got(style)} for \"{pattern}\"",
+                                (did_you_mean(text, TP_STYLES) if text else "") or "styles: " + ", ".join(TP_STYLES))
+            if pattern in seen:
+                first = seen[pattern].span
+                raise ctx.error(item.name, f"module pattern \"{pattern}\" is given twice",
+                                f"it is first given at line {first.line}, column {first.col}; keep one")
+            seen[pattern] = item.name
+            out.append((pattern, style.name))
+        return tuple(out)
+
+    def show(self, value: Any) -> str:
+        if isinstance(value, str):
+            return value
+        return ", ".join(f'"{pattern}": {style}' for pattern, style in value)
+
+
+def _check_glob(pattern: str, node: ast.Node, ctx: Ctx) -> None:
+    """A module-path glob is dotted segments of names, ``*``, ``?`` and ``[...]`` classes (``blocks.*.attn``)."""
+    if not pattern:
+        raise ctx.error(node, "a tensor_parallel module pattern is empty", 'name modules by path, such as "blocks.*.mlp.fc"')
+    for segment in pattern.split("."):
+        if not segment:
+            raise ctx.error(node, f"module pattern \"{pattern}\" has an empty segment (a leading, trailing or double dot)",
+                            "module paths are names joined by single dots, such as blocks.0.attn")
+        if not _GLOB_SEGMENT.fullmatch(segment):
+            raise ctx.error(node, f"module pattern \"{pattern}\": segment '{segment}' is not a name or a glob",
+                            "a segment holds letters, digits, _, the wildcards * and ?, and [...] classes")
 
 
 POLICY_NAMES = {"rank": "rank", "ranks": "ranks", "P": "ranks", "chunks": "chunks", "V": "chunks",

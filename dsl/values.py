@@ -85,7 +85,8 @@ def _rate_text(bps: float) -> str:
 @dataclass(frozen=True, slots=True)
 class Links:
     """Link costs per mesh axis (``pp``: activations and grads between stages;
-    ``dp``: the gradient all-reduce), each the compiler's :class:`~pipec.compiler.ir.plan.Link`; and,
+    ``dp``: the gradient all-reduce; ``tp``, when given: the collectives inside a tp group), each the
+    compiler's :class:`~pipec.compiler.ir.plan.Link`; and,
     optionally, per side of a node boundary (``intra``: within a node, ``inter``: across nodes), which
     with ``devices_per_node`` price each hop and collective by where its ranks sit."""
 
@@ -93,6 +94,8 @@ class Links:
     dp: Link
     intra: Link | None = None
     inter: Link | None = None
+    tp: Link | None = None
+    """The tp groups' collectives (absent: the cost model's fallback for them)."""
 
     def text(self) -> str:
         return ", ".join(
@@ -101,8 +104,9 @@ class Links:
         )
 
     def as_dict(self) -> dict[str, Link]:
-        """Every axis given, in order: pp, dp, then intra and inter when set."""
-        sides = {axis: link for axis, link in (("intra", self.intra), ("inter", self.inter)) if link is not None}
+        """Every axis given, in order: pp, dp, then tp, intra and inter when set."""
+        sides = {axis: link for axis, link in (("tp", self.tp), ("intra", self.intra), ("inter", self.inter))
+                 if link is not None}
         return {"pp": self.pp, "dp": self.dp, **sides}
 
 

@@ -101,8 +101,8 @@ def test_every_key_is_writable() -> None:
     assert spec.source("model_args") == "sink.pipe:1:46"  # its arguments, written with the model
     as_json = spec.to_json()
     # each key has one home in plan.json: spec, or the plan field ELSEWHERE names (a named schedule has no
-    # policy and no order; targets not given are derived from the model)
-    assert set(as_json) == set(KEYS) - set(ELSEWHERE) - {"policy", "order", "targets"}
+    # policy and no order; targets not given are derived from the model; tensor_parallel applies only at tp > 1)
+    assert set(as_json) == set(KEYS) - set(ELSEWHERE) - {"policy", "order", "targets", "tensor_parallel"}
     assert json.loads(json.dumps(as_json)) == as_json
     assert as_json["optimizer"] == {"name": "sgd", "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.0,
                                     "nesterov": True}
