@@ -33,6 +33,17 @@
    shards would mismatch. No deadlock (proof 3) covers the shard
    instructions under both comm models.
 
+6. **Tensor parallelism** (tp > 1). Every member of a tp group is mapped to
+   the same pp rank's program and the same dp rank (so all of them run one
+   program and meet in the same collectives), the tp groups cut the world
+   into disjoint groups of tp ranks, and the groups a rank's instructions
+   name keep its tp rank: its pp peers (sends, receives, tie groups, the grad
+   clip) and its dp groups (all-reduce, shard groups) are the ranks of the
+   same tp rank. A stage's tensor-parallel record is for the mesh's tp.
+   The mesh arithmetic is affine in each coordinate, so it is checked on every
+   coordinate of an axis of up to 16, and on its ends and their neighbours
+   beyond.
+
 Errors name the rank and the instruction: ``rank 2, instruction 17 (F1.3):
 needs RA1.3<0@0 posted earlier on rank 2``.
 
@@ -59,7 +70,7 @@ from pipec.compiler.sim.engine import BUFFERED, MODELS, Deadlock, Execution, dec
 from pipec.compiler.sim.simulate import plan_costs
 from pipec.errors import PipecError
 
-__all__ = ["VerifyError", "Proof", "verify", "verify_program"]
+__all__ = ["VerifyError", "Proof", "verify", "verify_program", "prove_tp"]
 
 
 class VerifyError(PipecError):
@@ -631,10 +642,48 @@ def verify_program(
     return Proof(_prove_no_deadlock(ix, edges, costs, ties))
 
 
+def _axis(n: int) -> list[int]:
+    """The coordinates of an axis of size ``n`` the tp proof checks: all up to 16, else the ends and neighbours."""
+    return list(range(n)) if n <= 16 else sorted({0, 1, 2, n // 2, n - 3, n - 2, n - 1})
+
+
+def prove_tp(plan: Plan) -> None:
+    """Proof 6 (see the module docstring): tp groups and the groups around them are consistent."""
+    mesh = plan.mesh
+    for st in plan.stages:
+        if st.tp is not None and st.tp.tp != mesh.tp:
+            raise VerifyError(f"stage {st.stage}'s tensor-parallel record is for tp {st.tp.tp}, but mesh.tp is "
+                              f"{mesh.tp}; recompile the plan for tp {mesh.tp}")
+    if mesh.tp == 1:
+        return
+    dp_groups = ["dp"] + (["dp.shard", "dp.replicate"] if mesh.hybrid else [])
+    for p in _axis(mesh.pp):
+        for d in _axis(mesh.dp):
+            for t in _axis(mesh.tp):
+                g = mesh.global_rank(p, d, t)
+                if mesh.coords(g) != (p, d) or mesh.tp_rank(g) != t:
+                    raise VerifyError(f"{mesh.where(g)} does not map back to (pp {p}, dp {d}, tp {t})")
+                group = mesh.tp_group(g)
+                if len(set(group)) != mesh.tp or g not in group:
+                    raise VerifyError(f"the tp group of {mesh.where(g)} is {list(group)}: expected {mesh.tp} ranks "
+                                      "holding it")
+                for m in group:
+                    if mesh.coords(m) != (p, d) or mesh.tp_group(m) != group:
+                        raise VerifyError(f"tp group {list(group)} of {mesh.where(g)} holds {mesh.where(m)}: every "
+                                          f"member must run pp rank {p}'s program as dp rank {d}, in one group")
+                for name, members in (("pp", mesh.pp_group(g)),
+                                      *((n, mesh.group_ranks(n, g)) for n in dp_groups)):
+                    for m in members:
+                        if mesh.tp_rank(m) != t:
+                            raise VerifyError(f"the {name} group of {mesh.where(g)} holds {mesh.where(m)}, of "
+                                              f"another tp rank; its members must all be tp rank {t}")
+
+
 def verify(plan: Plan) -> Proof:
-    """Prove a plan (all four proofs, both comm models); raise :class:`VerifyError` if any fails."""
+    """Prove a plan (all the proofs, both comm models); raise :class:`VerifyError` if any fails."""
     if plan.program.num_ranks != plan.mesh.pp:
         raise VerifyError(f"the program has {plan.program.num_ranks} ranks but mesh.pp is {plan.mesh.pp}")
+    prove_tp(plan)
     return verify_program(
         plan.program,
         placement=plan.placement,
