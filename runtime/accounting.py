@@ -63,7 +63,8 @@ def stragglers(timeline: Timeline, mesh: Mesh) -> list[dict[str, Any]]:
         peers = by_pp[pp]
         ref = statistics.median(peers) if len(peers) > 1 else overall
         if ref > 0 and r.compute > STRAGGLER_FACTOR * ref:
-            out.append({"rank": r.rank, "pp": pp, "dp": dp, "compute": r.compute,
+            out.append({"rank": r.rank, "pp": pp, "dp": dp,
+                        **({"tp": mesh.tp_rank(r.rank)} if mesh.tp > 1 else {}), "compute": r.compute,
                         "median_compute": ref, "ratio": r.compute / ref})
     return out
 
@@ -140,7 +141,7 @@ def build_report(
             entry["in_interval"] = band.holds(entry["step_time"])
     report: dict[str, Any] = {
         "plan": plan_path,
-        "mesh": {"pp": plan.mesh.pp, "dp": plan.mesh.dp,
+        "mesh": {"pp": plan.mesh.pp, "dp": plan.mesh.dp, **({"tp": plan.mesh.tp} if plan.mesh.tp > 1 else {}),
                  **({"shard": plan.mesh.shard, "shard_size": plan.mesh.num_shards} if plan.mesh.sharded else {})},
         "steps": steps,
         "median_step": first_step + med + 1,

@@ -15,12 +15,13 @@ partition). State keys (DCP joins nested keys with dots):
 Sharded state (``shard``, runtime/sharding.py) is saved as DTensor shards:
 each rank writes only its own (nothing is gathered to one rank), and DCP
 reshards on load, so a checkpoint loads under another dp, shard mode or
-shard_size too. Every tensor is loaded in place, into the parameters and
+shard_size too. A stage run replicated on its tp ranks is written by tp rank 0
+alone (the others hold the same tensors) and loaded by every tp rank. Every tensor is loaded in place, into the parameters and
 optimizer state themselves (hyperparameters come from the plan, not from the
 checkpoint's ``param_groups``);
 - ``step``: steps done (the data position: data is a function of the step);
 - ``rng.rank<r>``: each global rank's torch RNG state, restored only under the
-  same layout (another layout draws its random numbers in another order
+  same layout (pp, dp and tp) (another layout draws its random numbers in another order
   anyway). A fresh start seeds each rank's RNG from (seed, global rank), a
   resharded resume from (seed, global rank, step), so runs are reproducible.
 
@@ -322,14 +323,30 @@ class Checkpointer:
         return first, more
 
     def _layout_matches(self, manifest: Manifest) -> bool:
-        return ({k: manifest.mesh.get(k) for k in ("pp", "dp")} == {"pp": self.plan.mesh.pp, "dp": self.plan.mesh.dp}
+        mesh = self.plan.mesh
+        return ((manifest.mesh.get("pp"), manifest.mesh.get("dp"), manifest.mesh.get("tp", 1)) == (mesh.pp, mesh.dp, mesh.tp)
                 and list(manifest.placement) == list(self.plan.placement) and manifest.num_stages == self.plan.num_stages)
 
-    def _state(self, *, rng: bool) -> tuple[dict[str, Any], list[tuple[torch.Tensor, str]]]:
+    @property
+    def writes_model(self) -> bool:
+        """This rank writes its stages' model and optimizer state: every rank but a tp rank above 0 whose stages
+        all run replicated on their tp ranks (its tp rank 0 holds the same tensors and writes them)."""
+        mesh = self.plan.mesh
+        if mesh.tp_rank(self.rank) == 0:
+            return True
+        return any(self.plan.stages and self.plan.stages[s].tp is not None for s in self.modules)
+
+    def _state(self, *, rng: bool, saving: bool = False) -> tuple[dict[str, Any], list[tuple[torch.Tensor, str]]]:
         """The canonical state dict of this rank (its tensors are the live parameters and optimizer state,
-        DTensor shards where sharded), and the model tensors it leaves out: further tied copies by canonical name."""
+        DTensor shards where sharded), and the model tensors it leaves out: further tied copies by canonical name.
+        ``saving``: what this rank writes (a replicated tp rank above 0 writes its RNG state only)."""
         model: dict[str, Any] = {}
         copies: list[tuple[torch.Tensor, str]] = []
+        if saving and not self.writes_model:
+            state: dict[str, Any] = {"model": {}, "optim": {}, "step": 0}
+            if rng:
+                state["rng"] = self._rng_state()
+            return state, copies
         for s, m in sorted(self.modules.items()):
             for fqn, value in m.state_dict().items():  # FSDP2 stages give their shards
                 canon = self._canon(f"stage{s}.{fqn}")
@@ -343,10 +360,14 @@ class Checkpointer:
         optim = optimizer_state(self.optimizer, first, self.shard_mesh)
         state: dict[str, Any] = {"model": model, "optim": optim, "step": 0}
         if rng:
-            state["rng"] = {f"rank{self.rank}": torch.get_rng_state()}
-            if torch.cuda.is_available():
-                state["rng"][f"cuda{self.rank}"] = torch.cuda.get_rng_state()
+            state["rng"] = self._rng_state()
         return state, copies
+
+    def _rng_state(self) -> dict[str, torch.Tensor]:
+        out = {f"rank{self.rank}": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            out[f"cuda{self.rank}"] = torch.cuda.get_rng_state()
+        return out
 
     # ------------------------------------------------------------------ save
 
@@ -372,7 +393,7 @@ class Checkpointer:
         t = time.perf_counter()
         self.wait()  # one save in flight at a time
         tmp = self.save_dir / f"step_{steps_done:08d}.tmp-a{self.attempt}"
-        state, _ = self._state(rng=True)
+        state, _ = self._state(rng=True, saving=True)
         state["step"] = steps_done
         if self.asynchronous:
             upload = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
@@ -471,8 +492,10 @@ class Checkpointer:
         return self._load(*chosen)
 
     def _seed_rng(self, step: int) -> None:
-        """A fresh start (or a resharded resume) draws random numbers from (seed, global rank, step)."""
-        digest = hashlib.sha256(f"pipec-rng:{self.config.seed}:{self.rank}:{step}".encode()).digest()
+        """A fresh start (or a resharded resume) draws random numbers from (seed, global rank, step); the tp ranks
+        of one (pp, dp) draw tp rank 0's (a stage run replicated on them must compute the same thing)."""
+        rank = self.rank - self.plan.mesh.tp_rank(self.rank)
+        digest = hashlib.sha256(f"pipec-rng:{self.config.seed}:{rank}:{step}".encode()).digest()
         torch.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
     def _choose(self, src: Path, explicit: bool, rejected: set[Path]) -> tuple[Path, Manifest] | None:
@@ -562,7 +585,8 @@ class Checkpointer:
             resharded = not rng or _mesh(self.plan.mesh) != manifest.mesh
             shard = f" shard {manifest.mesh['shard']}" if "shard" in manifest.mesh else ""
             note = "" if not resharded else (
-                f" (written under pp {manifest.mesh['pp']} x dp {manifest.mesh['dp']}{shard}, {manifest.num_stages} "
+                f" (written under pp {manifest.mesh['pp']} x dp {manifest.mesh['dp']}"
+                f"{f' x tp ' + str(manifest.mesh['tp']) if manifest.mesh.get('tp', 1) > 1 else ''}{shard}, {manifest.num_stages} "
                 f"stage{'s' if manifest.num_stages != 1 else ''}: resharded{'' if rng else '; RNG streams start afresh'})")
             _say(f"pipec: resumed from {path} at step {step}{note}")
             lr_sched = self.config.lr_schedule.name
@@ -625,8 +649,10 @@ def for_run(plan, config: TrainingConfig, options, env, modules, optimizer, tota
 
 
 def _mesh(mesh) -> dict[str, Any]:
-    """A manifest's ``mesh``: pp and dp, and how the state is sharded when it is."""
+    """A manifest's ``mesh``: pp and dp (and tp above 1), and how the state is sharded when it is."""
     out: dict[str, Any] = {"pp": mesh.pp, "dp": mesh.dp}
+    if mesh.tp > 1:
+        out["tp"] = mesh.tp
     if mesh.sharded:
         out |= {"shard": mesh.shard, "shard_size": mesh.num_shards}
     return out

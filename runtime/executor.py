@@ -210,7 +210,8 @@ class Sleep(NamedTuple):
 
 
 class Executor:
-    """Runs one pp rank's program for one dp replica."""
+    """Runs one pp rank's program for one dp replica, as one of its tp ranks (``tp_rank``; 0 at tp 1): every
+    message goes to the peer pp rank's rank of the same dp and tp rank."""
 
     def __init__(
         self,
@@ -218,6 +219,7 @@ class Executor:
         *,
         pp_rank: int,
         dp_rank: int,
+        tp_rank: int = 0,
         transport: Transport,
         modules: Mapping[int, torch.nn.Module] | None = None,
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
@@ -232,7 +234,8 @@ class Executor:
         self.mesh = plan.mesh
         self.pp_rank = pp_rank
         self.dp_rank = dp_rank
-        self.global_rank = plan.mesh.global_rank(pp_rank, dp_rank)
+        self.tp_rank = tp_rank
+        self.global_rank = plan.mesh.global_rank(pp_rank, dp_rank, tp_rank)
         self.transport = transport
         self.modules = dict(modules or {})
         self.loss_fn = loss_fn
@@ -339,7 +342,7 @@ class Executor:
         out = []
         for ins in instrs:
             s, m = ins.stage, ins.microbatch
-            peer = self.mesh.global_rank(ins.peer, self.dp_rank)
+            peer = self.mesh.global_rank(ins.peer, self.dp_rank, self.tp_rank)
             if ins.op is Op.SEND_ACT:
                 send, sigs, key = True, self.edge_tensors[(s, ins.to_stage)], (s, m)
             elif ins.op is Op.SEND_GRAD:
@@ -367,7 +370,7 @@ class Executor:
             params = () if self.emulate is not None else tuple(self.modules[ins.stage].parameters())
             return Reduction(ins, group, params, tie=False)
         name = ins.group[4:]
-        group = tuple(self.mesh.global_rank(p, self.dp_rank) for p in self.plan.tie_ranks(name))
+        group = tuple(self.mesh.global_rank(p, self.dp_rank, self.tp_rank) for p in self.plan.tie_ranks(name))
         return Reduction(ins, group, () if self.emulate is not None else tuple(self.tied_params(name)), tie=True)
 
     def shard_job(self, instrs: Sequence[Instruction]) -> ShardJob:

@@ -203,10 +203,13 @@ def init_process_group(env: Env, timeout: float):
 def plan_transport(plan, env: Env, timeout: float, backend: str, device):
     """The DeviceMesh of this plan and every group a rank of it uses, each with an explicit timeout.
 
-    The mesh's dims are ``pp`` and ``dp``, or under HSDP (``shard_size`` < dp)
-    ``pp``, ``dp_replicate`` and ``dp_shard`` (shard groups are consecutive dp
-    ranks); dims of size 1 are left out. The transport's ``shard_mesh`` is the
-    1-D mesh of this rank's shard group (FSDP2 and ZeRO-1 work over it).
+    The mesh's dims are ``pp``, ``dp`` and ``tp`` (innermost: global rank = (pp x dp + dp rank) x tp + tp
+    rank), or under HSDP (``shard_size`` < dp) ``pp``, ``dp_replicate``, ``dp_shard`` and ``tp`` (shard
+    groups are consecutive dp ranks); dims of size 1 are left out. Each dim's group holds the ranks that
+    differ only in it: the pp group (the p2p peers and the grad clip) and the dp groups keep the tp rank.
+    The transport's ``shard_mesh`` is the 1-D mesh of this rank's shard group (FSDP2 and ZeRO-1 work over
+    it), its ``tp_mesh`` / ``tp_group`` this rank's tp group (None at tp 1), for the stages the tensor-parallel
+    pass shards.
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -217,15 +220,18 @@ def plan_transport(plan, env: Env, timeout: float, backend: str, device):
     opts = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
     opts._timeout = td  # subgroups do not inherit the world group's timeout
     mesh = plan.mesh
-    P, D = mesh.pp, mesh.dp
+    P, D, T = mesh.pp, mesh.dp, mesh.tp
     pp_rank, dp_rank = mesh.coords(env.rank)
+    tp_rank = mesh.tp_rank(env.rank)
     hybrid = mesh.hybrid
     S = mesh.num_shards if hybrid else D
     # dims of size 1 are left out, but for HSDP's shard dim (shard_size 1: FSDP2 over a mesh of one rank)
     dims = [(name, size) for name, size in (("pp", P), *((("dp_replicate", D // S), ("dp_shard", S)) if hybrid
-                                                         else (("dp", D),))) if size > 1 or name == "dp_shard"]
+                                                         else (("dp", D),)), ("tp", T))
+            if size > 1 or name == "dp_shard"]
     # each dim's group, by the dp-group name the plan's instructions use
-    ranks_of = {"pp": tuple(mesh.global_rank(p, dp_rank) for p in range(P)), "dp": tuple(mesh.replicas(pp_rank))}
+    ranks_of = {"pp": mesh.pp_group(env.rank), "dp": tuple(mesh.replicas(pp_rank, tp_rank)),
+                "tp": mesh.tp_group(env.rank)}
     if hybrid:
         ranks_of |= {f"dp_{g}": tuple(mesh.group_ranks(f"dp.{g}", env.rank)) for g in ("shard", "replicate")}
     groups: dict[tuple[int, ...], Any] = {}
@@ -233,7 +239,7 @@ def plan_transport(plan, env: Env, timeout: float, backend: str, device):
     if len(dims) == 1:
         # one axis spans the world: a 1-D mesh reuses the world group (every idle gloo group costs a
         # polling thread), whose timeout init_process_group set
-        device_mesh = init_device_mesh(device.type, (P * D,), mesh_dim_names=(dims[0][0],))
+        device_mesh = init_device_mesh(device.type, (mesh.world_size,), mesh_dim_names=(dims[0][0],))
     elif dims:
         names = tuple(name for name, _ in dims)
         device_mesh = init_device_mesh(device.type, tuple(size for _, size in dims), mesh_dim_names=names,
@@ -241,24 +247,26 @@ def plan_transport(plan, env: Env, timeout: float, backend: str, device):
     for name, size in dims:
         if size > 1:
             groups[ranks_of[name]] = device_mesh[name].get_group()
-    if hybrid and P > 1:  # the whole dp group too (ZeRO-1 all-reduces gradients over it): one per pp rank
-        mine, _ = dist.new_subgroups_by_enumeration([list(mesh.replicas(p)) for p in range(P)], timeout=td,
-                                                    backend=backend)
+    if hybrid and (P > 1 or T > 1):  # the whole dp group too (ZeRO-1 all-reduces gradients over it): one per (pp, tp)
+        mine, _ = dist.new_subgroups_by_enumeration([list(mesh.replicas(p, t)) for p in range(P) for t in range(T)],
+                                                    timeout=td, backend=backend)
         groups[ranks_of["dp"]] = mine
     elif hybrid:
         groups[ranks_of["dp"]] = dist.group.WORLD
     shard_mesh = device_mesh["dp_shard" if hybrid else "dp"] if mesh.sharded else None
-    # tie groups: one per dp replica; every rank creates every group, in the same order
+    tp_mesh = device_mesh["tp"] if T > 1 else None
+    # tie groups: one per (dp, tp) replica of the pipeline; every rank creates every group, in the same order
     for tie in plan.ties:
         members = plan.tie_ranks(tie.name)
         if len(members) < 2:
             continue
         for d in range(D):
-            ranks = [mesh.global_rank(p, d) for p in members]
-            g = dist.new_group(ranks, timeout=td, backend=backend)
-            if env.rank in ranks:
-                groups[tuple(ranks)] = g
-    return TorchTransport(groups, shard_mesh=shard_mesh)
+            for t in range(T):
+                ranks = [mesh.global_rank(p, d, t) for p in members]
+                g = dist.new_group(ranks, timeout=td, backend=backend)
+                if env.rank in ranks:
+                    groups[tuple(ranks)] = g
+    return TorchTransport(groups, shard_mesh=shard_mesh, tp_mesh=tp_mesh)
 
 
 def _peak_flops(options: RunOptions, config) -> float | None:
@@ -295,10 +303,12 @@ def run(args: argparse.Namespace, env: Env) -> int:
 
     plan = read_plan(args.plan)
     verify(plan)  # a plan that fails its proofs is never launched
-    P, D = plan.mesh.pp, plan.mesh.dp
-    if env.world_size != P * D:
-        raise LaunchError(f"the plan needs pp x dp = {P} x {D} = {P * D} ranks, but {env.world_size} were started; "
-                          f"use --nproc {P * D} (or recompile for {env.world_size} ranks)")
+    from pipec.compiler.ir.plan import world_text
+
+    world = plan.mesh.world_size
+    if env.world_size != world:
+        raise LaunchError(f"the plan needs {world_text(plan.mesh)} ranks, but {env.world_size} were started; "
+                          f"use --nproc {world} (or recompile for {env.world_size} ranks)")
     if plan.model is None and not args.emulate:
         raise LaunchError(f"{args.plan} is a schedule-only plan (no model): it runs only with --emulate")
     options = RunOptions.from_args(args)

@@ -147,8 +147,11 @@ def _split_from_plan(plan: Plan, traced: Traced) -> Split:
 
 
 def build_stages(plan: Plan, stage_ids: Iterable[int], *, seed: int, init: str = "module",
-                 device: str | torch.device = "cpu") -> dict[int, StageModule]:
-    """The requested stages of ``plan`` as runnable modules (see module doc)."""
+                 device: str | torch.device = "cpu", tp_mesh=None) -> dict[int, StageModule]:
+    """The requested stages of ``plan`` as runnable modules (see module doc). ``tp_mesh``: this rank's tp group's
+    1-D DeviceMesh at tp > 1 (the transport's ``tp_mesh``), for the stages the tensor-parallel pass shards
+    (``plan.stages[s].tp``); until the runtime applies those records every stage is built whole, so its tp
+    ranks run it replicated (each computes the same thing)."""
     ids = sorted(set(stage_ids))
     m = _plan_model(plan)
     init = m.resolve(init)

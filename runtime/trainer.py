@@ -59,6 +59,9 @@ class Trainer:
         self.peak_memory = peak_memory
         self.D = plan.mesh.dp
         self.pp_rank, self.dp_rank = plan.mesh.coords(env.rank)
+        self.tp_rank = plan.mesh.tp_rank(env.rank)
+        self.tp_mesh = transport.tp_mesh
+        """This rank's tp group as a 1-D DeviceMesh (None at tp 1): what the sharded stages run on."""
         self.steps = options.num_steps(config)
         self.own = [s for s, r in enumerate(plan.placement) if r == self.pp_rank]
         self.modules = None
@@ -81,7 +84,8 @@ class Trainer:
         if not options.emulate:
             from pipec.runtime.stages import build_stages
 
-            self.modules = build_stages(plan, self.own, seed=config.seed, init=config.init, device=device)
+            self.modules = build_stages(plan, self.own, seed=config.seed, init=config.init, device=device,
+                                        tp_mesh=self.tp_mesh)
             # sharded data parallelism (runtime/sharding.py): FSDP2 on the stages, or ZeRO-1's optimizer shards
             self.sharding, self.optimizer = shard_stages(self.layout, self.modules,
                                                          lambda params: make_optimizer(params, config), transport,
@@ -92,7 +96,8 @@ class Trainer:
         if options.emulate:
             emulate = options.unit_time if plan.unit_costs else 1.0  # seconds per unit, or costs in seconds
         self.executor = Executor(
-            plan, pp_rank=self.pp_rank, dp_rank=self.dp_rank, transport=transport, modules=self.modules,
+            plan, pp_rank=self.pp_rank, dp_rank=self.dp_rank, tp_rank=self.tp_rank, transport=transport,
+            modules=self.modules,
             loss_fn=None if options.emulate else self.loss_fn, emulate=emulate, device=device,
             autocast_dtype=None if self.mixed_precision else autocast_dtype(config.dtype),
             optimizer_step=self.optimizer_step, fail_hook=self.fail_hook if options.fail_at else None,
@@ -154,7 +159,8 @@ class Trainer:
         # each collective's wait is the executor's (timed as waiting: a rank waits here for its slowest peer)
         if self.sharding is not None:
             self.executor.wait_in_optimizer_step([self.transport.all_reduce(sq, self.layout.ranks)])
-        group = tuple(self.plan.mesh.global_rank(p, self.dp_rank) for p in range(self.plan.mesh.pp))
+        mesh = self.plan.mesh  # the group: this rank's pipeline, every pp rank of its dp rank and its tp rank
+        group = tuple(mesh.global_rank(p, self.dp_rank, self.tp_rank) for p in range(mesh.pp))
         self.executor.wait_in_optimizer_step([self.transport.all_reduce(sq, group)])
         # the scale stays on the device (no host sync inside the step); 1 when the norm is within the bound
         norm = sq.sqrt()
@@ -221,7 +227,8 @@ class Trainer:
             from rich.console import Console
 
             console = Console(stderr=True)
-            console.print(f"[bold]pipec run[/] {self.options.plan}: {self.plan.mesh.pp} pp x {self.plan.mesh.dp} dp, "
+            tp = f" x {self.plan.mesh.tp} tp" if self.plan.mesh.tp > 1 else ""
+            console.print(f"[bold]pipec run[/] {self.options.plan}: {self.plan.mesh.pp} pp x {self.plan.mesh.dp} dp{tp}, "
                           f"{self.plan.num_microbatches} microbatches, {self.steps} steps"
                           + (" (emulated)" if self.options.emulate else ""))
         exit_code = 0
@@ -313,7 +320,8 @@ class Trainer:
         rank before the first step (runtime/linkprobe.py), for the re-simulation report.json predicts with."""
         from pipec.runtime.linkprobe import measure_emulation
 
-        probe = Executor(self.plan, pp_rank=self.pp_rank, dp_rank=self.dp_rank, transport=self.transport,
+        probe = Executor(self.plan, pp_rank=self.pp_rank, dp_rank=self.dp_rank, tp_rank=self.tp_rank,
+                         transport=self.transport,
                          emulate=self.executor.emulate, device=self.device)  # sleeping as the run sleeps
         costs = [st.cost for st in self.plan.stages]
         shortest = min((v for c in costs for v in (c.fwd, c.bwd, c.bwd_i, c.bwd_w) if v > 0), default=1.0)
@@ -416,7 +424,7 @@ class Trainer:
             from pipec.views.perfetto import write_perfetto
 
             write_perfetto(Timeline.from_json(report["measured"]), self.options.trace, kind="measured",
-                           dp=self.plan.mesh.dp)
+                           dp=self.plan.mesh.dp, tp=self.plan.mesh.tp)
         self.summary(report)
 
     def _check_json(self):
@@ -433,13 +441,13 @@ class Trainer:
         mesh = self.plan.mesh
         shard = f"shard {mesh.shard}, {mesh.num_shards} shards" if mesh.sharded else "not sharded"
         t = Table(title=f"state held per rank after the last step ({shard})")
-        for name in ("rank", "pp, dp", "params", "grads", "optimizer", "measured", "predicted", "diff"):
-            t.add_column(name, justify="left" if name in ("rank", "pp, dp") else "right")
+        coords = _coords_title(mesh)
+        for name in ("rank", coords, "params", "grads", "optimizer", "measured", "predicted", "diff"):
+            t.add_column(name, justify="left" if name in ("rank", coords) else "right")
         for r in held:
-            pp, dp = mesh.coords(r["rank"])
             pred = r.get("predicted")
             diff = f"{(r['measured'] - pred) / pred:+.1%}" if pred else "-"
-            t.add_row(str(r["rank"]), f"{pp}, {dp}", _mib(r["params"]), _mib(r["grads"]), _mib(r["optimizer"]),
+            t.add_row(str(r["rank"]), _coords_text(mesh, r["rank"]), _mib(r["params"]), _mib(r["grads"]), _mib(r["optimizer"]),
                       _mib(r["measured"]), _mib(pred) if pred is not None else "-", diff)
         return t
 
@@ -450,7 +458,7 @@ class Trainer:
         meas, pred = report["measured"], report.get("predicted")
         t = Table(title=f"measured beside predicted (median step {report['median_step']})")
         t.add_column("rank")
-        t.add_column("pp, dp")
+        t.add_column(_coords_title(self.plan.mesh))
         t.add_column("compute", justify="right")
         t.add_column("comm wait", justify="right")
         t.add_column("idle", justify="right")
@@ -458,10 +466,9 @@ class Trainer:
         t.add_column("bubble predicted", justify="right")
         pred_by_pp = {r["rank"]: r for r in (pred or {}).get("per_rank", [])}
         for r in meas["per_rank"]:
-            pp, dp = self.plan.mesh.coords(r["rank"])
-            p = pred_by_pp.get(pp)
-            t.add_row(str(r["rank"]), f"{pp}, {dp}", f"{r['compute']:.3f} s", f"{r['comm_wait']:.3f} s",
-                      f"{r['idle']:.3f} s", f"{r['bubble_fraction']:.1%}", f"{p['bubble_fraction']:.1%}" if p else "-")
+            p = pred_by_pp.get(self.plan.mesh.coords(r["rank"])[0])
+            t.add_row(str(r["rank"]), _coords_text(self.plan.mesh, r["rank"]), f"{r['compute']:.3f} s",
+                      f"{r['comm_wait']:.3f} s", f"{r['idle']:.3f} s", f"{r['bubble_fraction']:.1%}", f"{p['bubble_fraction']:.1%}" if p else "-")
         t.add_section()
         pb = report["bubble_fraction"].get("predicted")
         t.add_row("all", "", "", "", "", f"{report['bubble_fraction']['measured']:.1%}", f"{pb:.1%}" if pb is not None else "-")
@@ -511,6 +518,16 @@ def interval_line(report) -> str | None:
     return (f"median step {med:.3f} s: {where} the predicted {got['coverage']:.0%} interval {lo:.3f}-{hi:.3f} s "
             f"(predicted {report['predicted']['step_time']:.3f} s); {got['steps_inside']} of {got['steps_counted']} "
             f"steps{' after the first' if got['after_first'] else ''} inside")
+
+
+def _coords_title(mesh) -> str:
+    """A table's column of a rank's coordinates: ``pp, dp``, and ``pp, dp, tp`` with tp > 1."""
+    return "pp, dp" if mesh.tp == 1 else "pp, dp, tp"
+
+
+def _coords_text(mesh, rank: int) -> str:
+    pp, dp = mesh.coords(rank)
+    return f"{pp}, {dp}" if mesh.tp == 1 else f"{pp}, {dp}, {mesh.tp_rank(rank)}"
 
 
 def _mib(n: int) -> str:

@@ -83,7 +83,7 @@ class CommStream:
 class TorchTransport:
     """torch.distributed: ``groups`` maps a tuple of global ranks to its process group."""
 
-    def __init__(self, groups: dict[tuple[int, ...], object], *, shard_mesh=None,
+    def __init__(self, groups: dict[tuple[int, ...], object], *, shard_mesh=None, tp_mesh=None,
                  device: torch.device | None = None) -> None:
         import torch.distributed as dist
 
@@ -96,11 +96,19 @@ class TorchTransport:
         self.groups = groups
         self.shard_mesh = shard_mesh
         """The 1-D DeviceMesh of this rank's shard group when the plan shards (FSDP2 and ZeRO-1 work over it)."""
+        self.tp_mesh = tp_mesh
+        """The 1-D DeviceMesh of this rank's tp group at tp > 1 (None at tp 1): what the stages the
+        tensor-parallel pass shards run their collectives on (DTensor ``parallelize_module`` takes it)."""
         self.world = dist.group.WORLD
         # gloo has no coalescing: batch_isend_irecv would post the ops one by one anyway, after per-op checks
         # that cost more than the post itself; so post straight to the world group (its ranks are global ranks)
         self.direct = dist.get_backend() == "gloo"
         self.buffered = self.direct
+
+    @property
+    def tp_group(self):
+        """The process group of this rank's tp group (None at tp 1)."""
+        return None if self.tp_mesh is None else self.tp_mesh.get_group()
 
     def post(self, ops: Sequence[P2P]) -> list[Work]:
         if self.direct:
@@ -217,6 +225,7 @@ class _FakeCollective:
 
 class FakeTransport:
     shard_mesh = None  # no DeviceMesh in-process: sharded plans run here only under emulate
+    tp_mesh = tp_group = None  # likewise: a tp group's collectives go through all_reduce over its ranks
     buffered = True
 
     def __init__(self, world: FakeWorld, rank: int) -> None:

@@ -222,7 +222,8 @@ def test_grad_clipping_waits_for_its_norm_through_the_executor_and_scales_on_the
             self.t.mul_(2)
 
     trainer = SimpleNamespace(
-        plan=plan, own=[0], modules={0: module}, sharding=None, dp_rank=0, device=torch.device("cpu"),
+        plan=plan, own=[0], modules={0: module}, sharding=None, dp_rank=0, tp_rank=0,
+        device=torch.device("cpu"),
         transport=SimpleNamespace(all_reduce=lambda t, group: Peer(t)),
         executor=SimpleNamespace(wait_in_optimizer_step=lambda works: [waited.append(w) or w.wait() for w in works]))
     host_reads = []
