@@ -13,8 +13,9 @@
     ``--pool DIR ...`` runs nothing: it reads the grids of earlier ``--part a --out DIR`` runs (the same
     runtime) and compares each run's predictions with every run's measured steps pooled, a measurement
     with a third of one run's noise, beside how one run's measurement ranks against the others'.
-(b) The note's 13B GPT on 64 devices of 80 GB (meta tracing, costs flops at 989 TFLOP/s): the whole
-    search's time (goal <= 60 s) and why it picks what it picks.
+(b) The note's 13B GPT on 64 devices of 80 GB (meta tracing, costs flops at 989 TFLOP/s) on the note's cluster
+    (8 GPUs per node, NVLink 600 GB/s inside, InfiniBand 25 GB/s across): the whole search over tp x pp x dp
+    (goal <= 60 s), why it picks what it picks against the best tp 1 plan, MFU and scaling efficiency.
 
     python bench/tune.py [--part a|b|both] [--steps 10] [--rounds 3] [--out DIR] | --pool DIR ... | --against DIR ...
 """
@@ -54,6 +55,8 @@ pp 8  dp 8  microbatches 16
 dtype bfloat16
 costs flops  peak_flops 989TFLOP/s
 device_memory 80GB
+devices_per_node 8
+links intra(latency=5us, bandwidth=600GB/s), inter(latency=10us, bandwidth=25GB/s)
 """
 
 GRID_LAYOUTS = ((4, 1), (2, 2), (1, 4))
@@ -278,15 +281,17 @@ def part_b(folder: str) -> None:
     t0 = time.perf_counter()
     r = tune(treq)
     total = time.perf_counter() - t0
-    print(f"(b) 13B GPT on 64 x 80 GB, costs flops at 989 TFLOP/s, global batch {r.global_batch}: search "
+    print(f"(b) 13B GPT on 64 x 80 GB in nodes of 8 (NVLink 600 GB/s, IB 25 GB/s), costs flops at 989 TFLOP/s, "
+          f"load {os.getloadavg()[0]:.2f}, global batch {r.global_batch}: search "
           f"{total:.1f} s (goal <= 60 s): {r.num_candidates} candidates, {r.num_compiled} compiled, {r.num_pruned} "
           f"pruned, {r.num_over_budget} over budget, {r.num_unbuildable} unbuildable, {r.num_traces} traces, "
           f"{r.num_cuts} cuts")
-    for s in r.top[:5]:
+    rows = [("", s) for s in r.top[:5]] + ([("best tp 1: ", r.best_tp1)] if r.best_tp1 else [])
+    for label, s in rows:
         c = s.candidate
-        print(f"  {c.layout:<14} {c.schedule:<17} v {c.num_chunks} M {c.num_microbatches:<3} recompute "
-              f"{c.recompute_text:<12} step {s.step_time:.3f} s  MFU {s.mfu:.1%}  bubble {s.bubble:.1%}  "
-              f"peak {s.peak_memory / 2**30:.1f} GiB")
+        print(f"  {label}{c.layout:<14} {c.schedule:<17} v {c.num_chunks} M {c.num_microbatches:<3} recompute "
+              f"{c.recompute_text:<12} step {s.step_time:.3f} s  MFU {s.mfu:.1%}  scaling "
+              f"{s.scaling_efficiency:.1%}  bubble {s.bubble:.1%}  peak {s.peak_memory / 2**30:.1f} GiB")
     print("  why:")
     for line in why(r):
         print("   -", line)

@@ -131,9 +131,11 @@ def why(r: TuneResult) -> list[str]:
         out.append(f"dp {c.dp}: once the model fits, replicas scale the throughput (the cheapest axis)")
     out.extend(_microbatch_reasons(r))
     if b.scaling_efficiency is not None:
+        same = b.mfu is not None and abs(b.mfu - b.scaling_efficiency) < 1e-6
         out.append(f"scaling efficiency {b.scaling_efficiency:.1%}: its throughput over {r.num_devices} x one "
                    "device's (the whole model on one rank, predicted from the same costs)"
-                   + (f"; MFU {b.mfu:.1%}" if b.mfu is not None else ""))
+                   + ("; MFU the same (costs from FLOPs: one device runs at peak)" if same else
+                      f"; MFU {b.mfu:.1%}" if b.mfu is not None else ""))
     if r.start_scored is not None and r.start_scored.candidate != c:
         s = r.start_scored
         out.append(f"the file's own layout ({s.candidate.layout}, {s.candidate.schedule}, M {s.candidate.num_microbatches}) "

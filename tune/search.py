@@ -300,7 +300,6 @@ class _Search:
         self._times: list[float] = []
         self._proofs: dict[Candidate, bool] = {}
         self._whole: dict[int, Any] = {}
-        self._shares: dict[tuple[int, int], float] = {}
 
     def _whole_model(self, c: Candidate):
         """The model as one stage at the candidate's microbatch shape (its compute and parameters)."""
@@ -324,24 +323,12 @@ class _Search:
         step = c.num_microbatches * sum(st.cost.fwd + st.cost.bwd for st in whole.stages) / c.pp
         heapq.heappush(self.queue, (step * self._tp_share(c), c.sort_key(), _CUT, c, None))
 
-    def _tp_share(self, c: Candidate) -> float:
-        """A lower bound on the share of the whole model's compute one tp rank of the candidate does: under
-        ``costs flops`` the whole model's Megatron share (a cut's stages together never shard more of it: a
-        stage's share is its own sharded FLOPs, at most all of its FLOPs), otherwise 1 / tp."""
-        if c.tp == 1:
-            return 1.0
-        if self.treq.base.model.costs != "flops":
-            return 1.0 / c.tp
-        mb = self.batch // c.dp // c.num_microbatches
-        key = (mb, c.tp)
-        if key not in self._shares:
-            whole = self._sharded(self._whole_model(c), c.tp, mb)
-            st = whole.stages[0] if whole is not None and len(whole.stages) == 1 else None
-            self._shares[key] = st.tp.compute_share() if st is not None and st.tp is not None else 1.0 / c.tp
-        return self._shares[key]
-
-    def _sharded(self, graph, tp: int, mb: int):
-        return self.graphs._sharded(graph, tp, mb)
+    @staticmethod
+    def _tp_share(c: Candidate) -> float:
+        """A lower bound on the share of a stage's compute one tp rank of the candidate does: 1 / tp (its replicated
+        part and its collectives only add; for the example GPT every traced FLOP is a sharded matmul's, so the
+        bound is also the share)."""
+        return 1.0 / c.tp
 
     def single_step(self, c: Candidate) -> float | None:
         """One device's predicted step over the global batch at the candidate's microbatch shape
