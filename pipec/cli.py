@@ -86,13 +86,18 @@ def cmd_compile(args: argparse.Namespace) -> int:
     plan, pred = compiled.plan, compiled.plan.prediction
     what = f"model {plan.model['target']}, " if plan.model else ""
     print(f"wrote {args.output}: {what}{plan.num_stages} stages, {plan.program.num_instructions} instructions on "
-          f"{plan.mesh.pp} pp x {plan.mesh.dp} dp ranks; verified; predicted step "
+          f"{_mesh_words(plan.mesh)} ranks; verified; predicted step "
           f"{format_time(pred.step_time, pred.time_unit)}" + ("" if pred.interval is None else
           f" ({pred.interval.coverage:.0%} interval {format_time(pred.interval.step_time[0], pred.time_unit)}-"
           f"{format_time(pred.interval.step_time[1], pred.time_unit)})") + f", bubble {pred.bubble_fraction:.1%}")
     if (line := _links_line(plan)) is not None:
         print(line)
     return 0
+
+
+def _mesh_words(mesh) -> str:
+    """``2 pp x 1 dp``, and ``x 2 tp`` with tp > 1."""
+    return f"{mesh.pp} pp x {mesh.dp} dp" + (f" x {mesh.tp} tp" if mesh.tp > 1 else "")
 
 
 def _links_line(plan) -> str | None:
@@ -116,8 +121,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
         plan = read_plan(args.file)
         verify(plan)
+        tp = f" x {plan.mesh.tp} tp" if plan.mesh.tp > 1 else ""
         print(f"{args.file}: verified ({plan.program.num_instructions} instructions, {plan.mesh.pp} pp ranks x "
-              f"{plan.mesh.dp} dp): matching, dependencies, collectives, no deadlock (buffered and in-order)")
+              f"{plan.mesh.dp} dp{tp}): matching, dependencies, collectives, no deadlock (buffered and in-order)")
         return 0
     from pipec.compiler.driver import compile_spec
 
@@ -132,7 +138,7 @@ def cmd_check(args: argparse.Namespace) -> int:
               "--no-model)")
         return 0
     print(f"{args.file}: checked, compiled and verified ({plan.program.num_instructions} instructions, "
-          f"{plan.mesh.pp} pp x {plan.mesh.dp} dp; predicted bubble {plan.prediction.bubble_fraction:.1%})")
+          f"{_mesh_words(plan.mesh)}; predicted bubble {plan.prediction.bubble_fraction:.1%})")
     return 0
 
 
@@ -156,7 +162,7 @@ def cmd_fmt(args: argparse.Namespace) -> int:
 
 
 def _load_measured(path: str):
-    """The measured Timeline of a report.json, its dp size, and its re-simulated prediction: a report whose
+    """The measured Timeline of a report.json, its dp and tp sizes, and its re-simulated prediction: a report whose
     ``predicted`` was re-simulated under what the run measured (``--emulate``) keeps the plan's own as
     ``planned``; None when it has no ``planned`` (its ``predicted`` is the plan's)."""
     import json
@@ -176,8 +182,9 @@ def _load_measured(path: str):
     try:
         resim = Timeline.from_json(report["predicted"], f"{path}: predicted") \
             if "planned" in report and "predicted" in report else None
-        return (Timeline.from_json(report["measured"], f"{path}: measured"), int(report.get("mesh", {}).get("dp", 1)),
-                resim)
+        mesh = report.get("mesh", {})
+        return (Timeline.from_json(report["measured"], f"{path}: measured"), int(mesh.get("dp", 1)),
+                int(mesh.get("tp", 1)), resim)
     except SchemaError as e:
         raise UsageError(str(e)) from None
 
@@ -193,7 +200,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         from pipec.compiler.driver import prove_and_predict
 
         plan = prove_and_predict(plan)
-    measured, dp, resim = _load_measured(args.measured) if args.measured else (None, None, None)
+    measured, dp, tp, resim = _load_measured(args.measured) if args.measured else (None, None, plan.mesh.tp, None)
     from pipec.views.picture import render_image
     from pipec.views.summary import show
 
@@ -202,7 +209,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     if resim is not None:  # beside the measured: what the run predicts under its measured links and overhead
         predicted = resim
         title += " (predicted: re-simulated under the run's measured links and overhead)"
-    show(predicted, measured=measured, dp=dp, title=title)
+    show(predicted, measured=measured, dp=dp, title=title, tp=tp)
     if (line := _links_line(plan)) is not None:
         print(line)
     from pipec.views.stage_table import stage_table
@@ -222,12 +229,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 
         print(render_graph(plan, args.graph))
     for path in filter(None, (args.svg, args.png)):
-        render_image(predicted, path, measured=measured, dp=dp, title=title)
+        render_image(predicted, path, measured=measured, dp=dp, title=title, tp=tp)
         print(f"wrote {path}")
     if args.trace:
         from pipec.views.perfetto import write_perfetto
 
-        write_perfetto(predicted, args.trace, measured=measured, dp=dp)
+        write_perfetto(predicted, args.trace, measured=measured, dp=dp, tp=tp)
         print(f"wrote {args.trace} (open it at https://ui.perfetto.dev)")
     return 0
 
@@ -301,11 +308,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     plan = read_plan(args.plan)
     verify(plan)  # a plan that fails its proofs is never launched
-    world = plan.mesh.pp * plan.mesh.dp
+    from pipec.compiler.ir.plan import world_text
+
+    world = plan.mesh.world_size
     multi_node = args.nnodes not in (None, "1") or args.rdzv_endpoint is not None
     if not multi_node and args.nproc != world:
-        raise LaunchError(f"the plan needs pp x dp = {plan.mesh.pp} x {plan.mesh.dp} = {world} ranks; "
-                          f"use --nproc {world}")
+        raise LaunchError(f"the plan needs {world_text(plan.mesh)} ranks; use --nproc {world}")
     if plan.model is None and not args.emulate:
         raise LaunchError(f"{args.plan} is a schedule-only plan (no model): it runs only with --emulate")
     rendezvous = {flag: getattr(args, flag) for flag in RENDEZVOUS_FLAGS} if multi_node else None
@@ -491,7 +499,7 @@ def _parser() -> argparse.ArgumentParser:
     from pipec.runtime.launch import RENDEZVOUS_FLAGS, add_run_flags
 
     add_run_flags(r)
-    r.add_argument("--nproc", type=int, required=True, help="ranks on this node (pp x dp on one node)")
+    r.add_argument("--nproc", type=int, required=True, help="ranks on this node (pp x dp x tp on one node)")
     r.add_argument("--max-restarts", type=int, default=0, help="torchrun's elastic restarts")
     r.add_argument("--verbose", action="store_true", help="also show torchrun's own log lines")
     for flag in RENDEZVOUS_FLAGS:

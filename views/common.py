@@ -94,20 +94,23 @@ class Lane:
     rank 2)``; ``label`` is the terminal's short form (``1 pred``, ``1 meas g2``)."""
 
 
-def infer_dp(timeline: Timeline, measured: Timeline, dp: int | None = None) -> int:
-    """The measured run's dp size: ``dp`` checked, or measured ranks / predicted ranks."""
+def infer_dp(timeline: Timeline, measured: Timeline, dp: int | None = None, tp: int = 1) -> int:
+    """The measured run's dp size: ``dp`` checked, or measured ranks / (predicted ranks x ``tp``)."""
     num_pp, num_meas = timeline.num_ranks, measured.num_ranks
+    mesh = "pp x dp" if tp == 1 else f"pp x dp x tp (tp {tp})"
     if dp is None:
-        if num_pp == 0 or num_meas % num_pp:
+        if num_pp == 0 or num_meas % (num_pp * tp):
             raise RenderError(
                 f"the measured timeline lists {num_meas} global ranks and the predicted one "
-                f"{num_pp} pp ranks: the measured count must be pp x dp; pass dp= explicitly"
+                f"{num_pp} pp ranks: the measured count must be {mesh}; pass dp= explicitly"
             )
-        dp = num_meas // num_pp
-    if dp < 1 or num_meas != num_pp * dp:
+        dp = num_meas // (num_pp * tp)
+    if dp < 1 or num_meas != num_pp * dp * tp:
+        want = f"{num_pp} x {dp}" + ("" if tp == 1 else f" x {tp}")
         raise RenderError(
-            f"the measured timeline lists {num_meas} global ranks, expected pp x dp = "
-            f"{num_pp} x {dp} = {num_pp * dp}; pass the run's dp (report.json's mesh.dp)"
+            f"the measured timeline lists {num_meas} global ranks, expected {mesh} = "
+            f"{want} = {num_pp * dp * tp}; pass the run's dp (report.json's mesh.dp"
+            + (")" if tp == 1 else " and mesh.tp)")
         )
     return dp
 
@@ -185,18 +188,23 @@ def split_waits(timeline: Timeline) -> list[Event]:
     return [ev for evs in split.values() for ev in evs]
 
 
-def lanes(timeline: Timeline, *, measured: Timeline | None = None, dp: int | None = None) -> tuple[list[Lane], float]:
+def lanes(timeline: Timeline, *, measured: Timeline | None = None, dp: int | None = None,
+          tp: int = 1) -> tuple[list[Lane], float]:
     """The rows every view draws, in order, and the length of the shared time axis.
 
     Without ``measured``: one lane per rank. With it: per pp rank, its
     predicted lane, then one lane per dp replica (global rank ``p x dp + d``).
+    With ``tp`` > 1 a row stands for the replica's tp ranks (they run one program
+    in step): its measured lane is tp rank 0's (global rank ``(p x dp + d) x tp``),
+    and the predicted lane's title says so.
     """
     pred = _collective_waits(_by_rank(timeline))
     span = span_of(timeline)
+    per_row = "" if tp == 1 else f" (tp {tp} ranks per row)"
     if measured is None:
-        return [Lane(f"rank {r}", "predicted", r, tuple(evs), 1.0, _chunks(evs), f"pp rank {r}")
+        return [Lane(f"rank {r}", "predicted", r, tuple(evs), 1.0, _chunks(evs), f"pp rank {r}{per_row}")
                 for r, evs in pred.items()], span
-    dp = infer_dp(timeline, measured, dp)
+    dp = infer_dp(timeline, measured, dp, tp)
     meas = _by_rank(measured)
     if measured.time_unit == timeline.time_unit:
         span = max(span, span_of(measured))
@@ -204,13 +212,14 @@ def lanes(timeline: Timeline, *, measured: Timeline | None = None, dp: int | Non
     else:
         meas_scale = span / span_of(measured)
     out = []
-    mesh = Mesh(pp=len(pred), dp=dp)
+    mesh = Mesh(pp=len(pred), dp=dp, tp=tp)
     for i, (p, evs) in enumerate(pred.items()):
-        out.append(Lane(f"{p} pred", "predicted", p, tuple(evs), 1.0, _chunks(evs), f"pp {p} predicted"))
+        out.append(Lane(f"{p} pred", "predicted", p, tuple(evs), 1.0, _chunks(evs), f"pp {p} predicted{per_row}"))
         for d, g in enumerate(mesh.replicas(i)):
             mevs = meas.get(g, [])
-            label = f"{p} meas" if dp == 1 else f"{p} meas g{g}"
-            title = f"pp {p} measured" if dp == 1 else f"pp {p} dp {d} measured (global rank {g})"
+            label = f"{p} meas" if dp == 1 and tp == 1 else f"{p} meas g{g}"
+            title = (f"pp {p} measured" if dp == 1 and tp == 1 else
+                     f"pp {p} dp {d} measured (global rank {g}{'' if tp == 1 else f', tp rank 0 of {tp}'})")
             out.append(Lane(label, "measured", g, tuple(mevs), meas_scale, _chunks(mevs), title))
     return out, span
 

@@ -16,7 +16,8 @@ from typing import Any, Callable, Mapping, Sequence
 __all__ = ["KEY_ORDER", "key_values", "key_lines"]
 
 KEY_ORDER: tuple[tuple[str, ...], ...] = (
-    ("schedule", "pp", "dp", "shard", "shard_size", "devices_per_node"),
+    ("schedule", "pp", "dp", "tp", "shard", "shard_size", "devices_per_node"),
+    ("tensor_parallel",),
     ("virtual", "stages", "microbatches", "placement"),
     ("policy",), ("order",),
     ("model",), ("model_args",), ("input",), ("targets",),
@@ -109,6 +110,13 @@ def _order(order: Mapping[str, Any] | None) -> str:
     return "; ".join(f"rank {r}: {actions}" for r, actions in enumerate(order.get("ranks", ())))
 
 
+def _tensor_parallel(value: Any) -> str:
+    """``auto``, or ``"blocks.*.qkv": colwise, ...`` (plan.json: a list of ``{"module", "style"}``)."""
+    if isinstance(value, str):
+        return value
+    return ", ".join(f'{json.dumps(e["module"])}: {e["style"]}' for e in value)
+
+
 def _policy(policy: Mapping[str, Any] | None) -> str:
     return "none" if not policy else _call("", policy)
 
@@ -117,6 +125,8 @@ _VALUES: dict[str, Callable[[Any, Mapping[str, Any]], str]] = {
     "schedule": lambda p, s: str(s.get("schedule")),
     "pp": lambda p, s: str(p.mesh.pp),
     "dp": lambda p, s: str(p.mesh.dp),
+    "tp": lambda p, s: str(p.mesh.tp),
+    "tensor_parallel": lambda p, s: _tensor_parallel(s.get("tensor_parallel", "auto")),
     "shard": lambda p, s: str(p.mesh.shard),
     "shard_size": lambda p, s: str(p.mesh.shard_size) if p.mesh.shard_size else "dp",
     "devices_per_node": lambda p, s: _number(p.mesh.devices_per_node),

@@ -41,18 +41,17 @@ def _meta(pid: int, tid: int | None, name: str, value: Any) -> dict[str, Any]:
 
 
 def _process(
-    timeline: Timeline, kind: str, dp: int | None, out: list[dict[str, Any]]
+    timeline: Timeline, kind: str, dp: int | None, out: list[dict[str, Any]], tp: int = 1
 ) -> None:
     pid = _PID[kind]
     us = US_PER[timeline.time_unit]
     out.append(_meta(pid, None, "process_name", kind))
     out.append(_meta(pid, None, "process_sort_index", pid))
     ranks = sorted({r.rank for r in timeline.per_rank} | {e.rank for e in timeline.events})
-    mesh = Mesh(pp=max(1, len(ranks) // (dp or 1)), dp=dp or 1)
+    mesh = Mesh(pp=max(1, len(ranks) // ((dp or 1) * tp)), dp=dp or 1, tp=tp)
     for rank in ranks:
         if kind == "measured" and dp is not None:
-            pp, d = mesh.coords(rank)
-            name = f"rank {rank} (pp {pp}, dp {d})"
+            name = f"rank {rank} ({mesh.where(rank).partition('(')[2]}"
         else:
             name = f"rank {rank}"
         out.append(_meta(pid, rank, "thread_name", name))
@@ -83,6 +82,7 @@ def trace_events(
     measured: Timeline | None = None,
     dp: int | None = None,
     kind: str = "predicted",
+    tp: int = 1,
 ) -> dict[str, Any]:
     """The trace as a JSON-ready dict ``{"traceEvents": [...], "otherData": {...}}``.
 
@@ -96,12 +96,12 @@ def trace_events(
     if measured is not None:
         if kind != "predicted":
             raise RenderError("with measured=, the first timeline is the prediction: leave kind='predicted'")
-        dp = infer_dp(timeline, measured, dp)
+        dp = infer_dp(timeline, measured, dp, tp)
     events: list[dict[str, Any]] = []
-    _process(timeline, kind, dp, events)
+    _process(timeline, kind, dp, events, tp)
     units = {kind: timeline.time_unit}
     if measured is not None:
-        _process(measured, "measured", dp, events)
+        _process(measured, "measured", dp, events, tp)
         units["measured"] = measured.time_unit
     other: dict[str, Any] = {"generator": "pipec", "time_unit": units}
     if "unit" in units.values():
@@ -116,8 +116,9 @@ def write_perfetto(
     measured: Timeline | None = None,
     dp: int | None = None,
     kind: str = "predicted",
+    tp: int = 1,
 ) -> None:
     """Write the trace of :func:`trace_events` to ``path`` (open it in ui.perfetto.dev)."""
-    obj = trace_events(timeline, measured=measured, dp=dp, kind=kind)
+    obj = trace_events(timeline, measured=measured, dp=dp, kind=kind, tp=tp)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, separators=(",", ":"))

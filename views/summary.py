@@ -73,12 +73,13 @@ def format_bytes(n: int) -> str:
 
 
 def render_summary(
-    timeline: Timeline, *, measured: Timeline | None = None, dp: int | None = None, title: str = ""
+    timeline: Timeline, *, measured: Timeline | None = None, dp: int | None = None, title: str = "", tp: int = 1
 ) -> Table:
     """Per rank: compute, comm wait, idle, bubble, peak activations and memory; totals.
 
     With ``measured``, each pp rank's predicted row is followed by its
-    replicas' measured rows, and the totals of both close the table.
+    replicas' measured rows, and the totals of both close the table; with ``tp`` > 1 a row stands for its tp
+    ranks (tp rank 0's measured; the caption says so), the measured totals over every rank.
     """
     timelines = [timeline] if measured is None else [timeline, measured]
     has_act = any(r.peak_activations is not None for tl in timelines for r in tl.per_rank)
@@ -86,6 +87,8 @@ def render_summary(
     step = ", ".join(
         step_caption(tl, name) for name, tl in zip(("predicted " if measured else "", "measured "), timelines)
     )
+    if tp > 1:
+        step += f"; tp {tp} ranks per row"
     table = Table(title=title or None, caption=step, caption_justify="left", header_style="bold")
     table.add_column("rank", justify="left", no_wrap=True)
     for name in ("compute", "comm wait", "idle", "bubble"):
@@ -94,7 +97,7 @@ def render_summary(
         table.add_column("peak act.", justify="right", no_wrap=True)
     if has_mem:
         table.add_column("peak mem", justify="right", no_wrap=True)
-    all_lanes, _ = lanes(timeline, measured=measured, dp=dp)
+    all_lanes, _ = lanes(timeline, measured=measured, dp=dp, tp=tp)
     for lane in all_lanes:
         tl = timeline if lane.source == "predicted" else measured
         assert tl is not None
@@ -136,13 +139,13 @@ blank: not measured"""
 """What each figure of :func:`memory_table` is, under it."""
 
 
-def memory_table(predicted: Timeline, measured: Timeline, *, dp: int | None = None) -> Table | None:
+def memory_table(predicted: Timeline, measured: Timeline, *, dp: int | None = None, tp: int = 1) -> Table | None:
     """Per pp rank, the bytes the prediction counts, then the same bytes its replicas measured; None when the
     measured timeline has none of them (a run from before they were measured, ``--emulate``)."""
     if not any(getattr(r, field) is not None for r in measured.per_rank for _, field in _MEMORY):
         return None
-    dp = infer_dp(predicted, measured, dp)
-    mesh = Mesh(pp=len(predicted.per_rank), dp=dp)
+    dp = infer_dp(predicted, measured, dp, tp)
+    mesh = Mesh(pp=len(predicted.per_rank), dp=dp, tp=tp)
     table = Table(title="memory: what the prediction counts, and the same measured", header_style="bold",
                   caption=MEMORY_NOTE, caption_justify="left")
     table.add_column("rank", justify="left", no_wrap=True)
@@ -153,7 +156,8 @@ def memory_table(predicted: Timeline, measured: Timeline, *, dp: int | None = No
         table.add_row(f"{p.rank} pred", *_memory_cells(p), style="bold")
         for g in mesh.replicas(i):
             if g in meas:
-                table.add_row(f"{p.rank} meas" if dp == 1 else f"{p.rank} meas g{g}", *_memory_cells(meas[g], p))
+                table.add_row(f"{p.rank} meas" if dp == 1 and tp == 1 else f"{p.rank} meas g{g}",
+                              *_memory_cells(meas[g], p))
     return table
 
 
@@ -179,12 +183,13 @@ def show(
     console: Console | None = None,
     width: int | None = None,
     title: str = "",
+    tp: int = 1,
 ) -> None:
-    """Print the timeline view and the summary table (``pipec show``)."""
+    """Print the timeline view and the summary table (``pipec show``); ``tp``: the run's (report.json's mesh.tp)."""
     console = console or Console()
-    view = render_terminal(timeline, measured=measured, dp=dp, width=width, title=title)
-    parts = [view, Text(), render_summary(timeline, measured=measured, dp=dp)]
-    memory = None if measured is None else memory_table(timeline, measured, dp=dp)
+    view = render_terminal(timeline, measured=measured, dp=dp, width=width, title=title, tp=tp)
+    parts = [view, Text(), render_summary(timeline, measured=measured, dp=dp, tp=tp)]
+    memory = None if measured is None else memory_table(timeline, measured, dp=dp, tp=tp)
     if memory is not None:
         parts += [Text(), memory]
     console.print(Group(*parts))

@@ -119,20 +119,23 @@ class TimelineView:
     dp: int | None = None
     width: int | None = None
     title: str = ""
+    tp: int = 1
+    """The run's tp: a row stands for its tp ranks (tp rank 0's measured)."""
 
     def lines(self, width: int) -> list[Text]:
         """The view as lines of at most ``width`` cells."""
-        all_lanes, span = lanes(self.timeline, measured=self.measured, dp=self.dp)
+        all_lanes, span = lanes(self.timeline, measured=self.measured, dp=self.dp, tp=self.tp)
         pad = max((len(lane.label) for lane in all_lanes), default=0) + 1
         bar = max(8, width - pad)
         out: list[Text] = []
         if self.title:
             out.append(Text(self.title, style="bold"))
         tl, ms = self.timeline, self.measured
+        per_row = "" if self.tp == 1 else f" (tp {self.tp} ranks per row)"
         if ms is None:
-            out.append(Text(headline(tl), style="dim"))
+            out.append(Text(headline(tl) + per_row, style="dim"))
         else:
-            out.append(Text(f"predicted: {headline(tl)}", style="dim"))
+            out.append(Text(f"predicted: {headline(tl)}{per_row}", style="dim"))
             out.append(
                 Text(
                     f"measured:  {headline(ms)}"
@@ -170,12 +173,13 @@ def render_terminal(
     dp: int | None = None,
     width: int | None = None,
     title: str = "",
+    tp: int = 1,
 ) -> TimelineView:
     """The per-rank timeline as a rich renderable (``Console().print(view)``).
 
     ``width``: total columns (default: the console's). ``dp``: the measured
-    run's dp size (default: measured ranks / predicted ranks).
+    run's dp size (default: measured ranks / (predicted ranks x tp)). ``tp``: the run's tp.
     """
     if measured is not None:
-        infer_dp(timeline, measured, dp)  # fail here, not while printing
-    return TimelineView(timeline=timeline, measured=measured, dp=dp, width=width, title=title)
+        infer_dp(timeline, measured, dp, tp)  # fail here, not while printing
+    return TimelineView(timeline=timeline, measured=measured, dp=dp, width=width, title=title, tp=tp)
