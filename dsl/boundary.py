@@ -88,7 +88,8 @@ def request_of(values: Mapping[str, Any], origins: Mapping[str, Any], *, policy,
         schedule=values["schedule"],
         policy=policy,
         order=order.ranks if order is not None else None,
-        mesh=Mesh(**{f.name: values[f.name] for f in fields(Mesh) if f.name in KEYS}),  # a field without a key: its default
+        # a Mesh field without a key (sequence_parallel, for now) keeps its default
+        mesh=Mesh(**{f.name: values[f.name] for f in fields(Mesh) if f.name in KEYS}),
         tensor_parallel=values["tensor_parallel"],
         num_chunks=values["virtual"],
         placement=placement,

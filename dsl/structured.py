@@ -365,7 +365,8 @@ class TensorParallelKind(Kind):
         for item in items:
             if not isinstance(item, ast.Typed):
                 raise ctx.error(item, f"tensor_parallel needs auto, or \"MODULE_GLOB\": STYLE pairs, got {got(item)}",
-                                'for example tensor_parallel "blocks.*.attn.qkv": colwise, "blocks.*.attn.proj": rowwise')
+                                'for example tensor_parallel "blocks.*.attn.qkv": colwise, '
+                                '"blocks.*.attn.proj": rowwise')
             pattern = item.name.value if isinstance(item.name, ast.String) else item.name.name
             _check_glob(pattern, item.name, ctx)
             style = item.type
@@ -390,10 +391,12 @@ class TensorParallelKind(Kind):
 def _check_glob(pattern: str, node: ast.Node, ctx: Ctx) -> None:
     """A module-path glob is dotted segments of names, ``*``, ``?`` and ``[...]`` classes (``blocks.*.attn``)."""
     if not pattern:
-        raise ctx.error(node, "a tensor_parallel module pattern is empty", 'name modules by path, such as "blocks.*.mlp.fc"')
+        raise ctx.error(node, "a tensor_parallel module pattern is empty",
+                        'name modules by path, such as "blocks.*.mlp.fc"')
     for segment in pattern.split("."):
         if not segment:
-            raise ctx.error(node, f"module pattern \"{pattern}\" has an empty segment (a leading, trailing or double dot)",
+            raise ctx.error(node, f"module pattern \"{pattern}\" has an empty segment (a leading, trailing or "
+                            "double dot)",
                             "module paths are names joined by single dots, such as blocks.0.attn")
         if not _GLOB_SEGMENT.fullmatch(segment):
             raise ctx.error(node, f"module pattern \"{pattern}\": segment '{segment}' is not a name or a glob",

@@ -324,8 +324,9 @@ class Checkpointer:
 
     def _layout_matches(self, manifest: Manifest) -> bool:
         mesh = self.plan.mesh
-        return ((manifest.mesh.get("pp"), manifest.mesh.get("dp"), manifest.mesh.get("tp", 1)) == (mesh.pp, mesh.dp, mesh.tp)
-                and list(manifest.placement) == list(self.plan.placement) and manifest.num_stages == self.plan.num_stages)
+        written = (manifest.mesh.get("pp"), manifest.mesh.get("dp"), manifest.mesh.get("tp", 1))
+        return (written == (mesh.pp, mesh.dp, mesh.tp) and list(manifest.placement) == list(self.plan.placement)
+                and manifest.num_stages == self.plan.num_stages)
 
     @property
     def writes_model(self) -> bool:
@@ -584,9 +585,9 @@ class Checkpointer:
         if self.rank == 0:
             resharded = not rng or _mesh(self.plan.mesh) != manifest.mesh
             shard = f" shard {manifest.mesh['shard']}" if "shard" in manifest.mesh else ""
+            tp = f" x tp {manifest.mesh['tp']}" if manifest.mesh.get("tp", 1) > 1 else ""
             note = "" if not resharded else (
-                f" (written under pp {manifest.mesh['pp']} x dp {manifest.mesh['dp']}"
-                f"{f' x tp ' + str(manifest.mesh['tp']) if manifest.mesh.get('tp', 1) > 1 else ''}{shard}, {manifest.num_stages} "
+                f" (written under pp {manifest.mesh['pp']} x dp {manifest.mesh['dp']}{tp}{shard}, {manifest.num_stages} "
                 f"stage{'s' if manifest.num_stages != 1 else ''}: resharded{'' if rng else '; RNG streams start afresh'})")
             _say(f"pipec: resumed from {path} at step {step}{note}")
             lr_sched = self.config.lr_schedule.name

@@ -447,7 +447,8 @@ class Trainer:
         for r in held:
             pred = r.get("predicted")
             diff = f"{(r['measured'] - pred) / pred:+.1%}" if pred else "-"
-            t.add_row(str(r["rank"]), _coords_text(mesh, r["rank"]), _mib(r["params"]), _mib(r["grads"]), _mib(r["optimizer"]),
+            t.add_row(str(r["rank"]), _coords_text(mesh, r["rank"]), _mib(r["params"]), _mib(r["grads"]),
+                      _mib(r["optimizer"]),
                       _mib(r["measured"]), _mib(pred) if pred is not None else "-", diff)
         return t
 
@@ -468,7 +469,8 @@ class Trainer:
         for r in meas["per_rank"]:
             p = pred_by_pp.get(self.plan.mesh.coords(r["rank"])[0])
             t.add_row(str(r["rank"]), _coords_text(self.plan.mesh, r["rank"]), f"{r['compute']:.3f} s",
-                      f"{r['comm_wait']:.3f} s", f"{r['idle']:.3f} s", f"{r['bubble_fraction']:.1%}", f"{p['bubble_fraction']:.1%}" if p else "-")
+                      f"{r['comm_wait']:.3f} s", f"{r['idle']:.3f} s", f"{r['bubble_fraction']:.1%}",
+                      f"{p['bubble_fraction']:.1%}" if p else "-")
         t.add_section()
         pb = report["bubble_fraction"].get("predicted")
         t.add_row("all", "", "", "", "", f"{report['bubble_fraction']['measured']:.1%}", f"{pb:.1%}" if pb is not None else "-")

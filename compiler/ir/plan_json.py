@@ -66,7 +66,8 @@ FORMAT_V1 = "pipec.plan/1"
 
 ELSEWHERE: Mapping[str, str] = {
     "pp": "mesh.pp", "dp": "mesh.dp", "shard": "mesh.shard", "shard_size": "mesh.shard_size",
-    "devices_per_node": "mesh.devices_per_node", "tp": "mesh.tp", "stages": "num_stages", "virtual": "num_stages / mesh.pp",
+    "devices_per_node": "mesh.devices_per_node", "tp": "mesh.tp", "stages": "num_stages",
+    "virtual": "num_stages / mesh.pp",
     "placement": "placement", "microbatches": "num_microbatches", "model": "model.target",
     "model_args": "model.kwargs", "links": "links",
 }
