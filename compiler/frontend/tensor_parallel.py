@@ -1,0 +1,980 @@
+"""Tensor parallelism for one pipeline stage: which modules shard which dimension, and its graph rewritten.
+
+:func:`plan_stage` is a dataflow analysis over a stage's traced graph (fx or torch.export): every tensor
+value is *replicated* (R) or *sharded* (:class:`Shard`: dimension ``dim`` is ``segments`` equal blocks, each
+cut into tp contiguous parts). A Linear-like op (``nn.Linear``, ``F.linear``/``aten.linear``, HF ``Conv1D``
+or its ``aten.addmm``/``mm`` with the weight ``[in, out]``) on an R input starts a *colwise* candidate
+(its output sharded on the last dim); the shard is followed through ops proven to act shard by shard (the
+rules table :data:`_RULES`: elementwise ops whose other operands broadcast on the sharded dim, views and
+reshapes (:func:`_map_view`), transposes, splits of a fused q|k|v into its segments, attention over sharded
+heads, rotary slicing on other dims, GQA's expand + reshape) to a Linear-like op on an input sharded on its
+in-features, which is *rowwise*: its output is a partial sum, all-reduced (Megatron's g) before its bias.
+In ``auto`` a candidate whose shard reaches anything else (the stage's output, an op not proven) is
+replicated, and the analysis runs again until it holds; sizes that do not divide by tp (heads, kv heads)
+are refused, located. With ``patterns`` (glob over module paths -> style) every failure is refused.
+
+:func:`shard_stage` rewrites a stage for one tp rank from its :class:`~pipec.compiler.ir.tensor_parallel.StageTP`
+(the analysis is deterministic, so a plan's record is enough): the sizes in views, expands and splits of a
+sharded value become local ints, sizes read off sharded tensors are folded to their full values, f/g are
+:class:`~.tp_comm.TPComm` call_modules, rowwise biases follow the all-reduce, sharded parameters are sliced
+(:func:`shard_param`; :func:`unshard` inverts it). Then it proves the rewrite: shapes are propagated again
+on fake tensors and every node must have its full shape with the sharded dim divided by tp.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import operator
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+
+from pipec.compiler.frontend.stages import StageModule
+from pipec.compiler.frontend.tensors import FrontendError
+from pipec.compiler.frontend.tp_comm import TPComm, TPGroup, set_group
+from pipec.compiler.frontend.trace import (_STACK_FRAME, Traced, _frame_text, _node_frame, _user_frame, module_path,
+                                           quiet_torch)
+from pipec.compiler.ir.tensor_parallel import Collective, ShardedParam, StageTP
+
+__all__ = ["Shard", "plan_stage", "plan_stages", "shard_stage", "shard_param", "unshard"]
+
+KEY = "tensor_parallel"
+_aten = torch.ops.aten
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """A sharded value: ``dim`` is ``segments`` equal blocks, each cut into tp parts (rank t holds part t of
+    each); ``sources`` are the colwise candidates (node names) it comes from."""
+
+    dim: int
+    segments: int = 1
+    sources: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class _Lin:
+    """A Linear-like (or embedding) node: its input, weight and bias attributes, the weight's out-features dim."""
+
+    node: Node
+    x: Node
+    weight: str
+    bias: str | None
+    out_dim: int
+    path: str
+    kind: str
+    """``linear`` (call_module or functional), ``conv1d`` (call_module), ``addmm``, ``mm``, ``embedding``."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    node: Node
+    sources: frozenset[str]
+    reason: str
+    size: bool = False
+    """A size that does not divide by tp (refused in auto too), not an op that cannot act shard by shard."""
+    hint: str = ""
+    count: int = 0
+    """For a size failure: the size tp does not divide."""
+
+
+# ----------------------------------------------------------------------------- reading the graph
+
+
+def _op(node: Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op == "call_function":
+        t = node.target
+        if isinstance(t, torch._ops.OpOverload):
+            return t.overloadpacket.__name__
+        return getattr(t, "__name__", str(t))
+    return node.op
+
+
+def _shape(a: Any) -> tuple[int, ...] | None:
+    tm = a.meta.get("tensor_meta") if isinstance(a, Node) else None
+    return tuple(int(d) for d in tm.shape) if isinstance(tm, TensorMetadata) else None
+
+
+def _nbytes(node: Node) -> int:
+    tm = node.meta.get("tensor_meta")
+    n = 1
+    for d in tm.shape:
+        n *= int(d)
+    return n * torch.empty((), dtype=tm.dtype).element_size()
+
+
+def _arg(node: Node, i: int, name: str, default: Any = None) -> Any:
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def _value(a: Any) -> Any:
+    return a.meta.get("pipec_value", a) if isinstance(a, Node) else a
+
+
+def _prod(xs: Sequence[int]) -> int:
+    p = 1
+    for x in xs:
+        p *= x
+    return p
+
+
+def _norm(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def _linear_like(node: Node, root: nn.Module) -> _Lin | None:
+    def attr(a: Any) -> str | None:
+        return str(a.target) if isinstance(a, Node) and a.op == "get_attr" else None
+
+    if node.op == "call_module":
+        t = str(node.target)
+        mod = root.get_submodule(t)
+        if isinstance(mod, nn.Linear):
+            return _Lin(node, node.args[0], f"{t}.weight", f"{t}.bias" if mod.bias is not None else None, 0, t, "linear")
+        if type(mod).__name__ == "Conv1D" and getattr(mod, "weight", None) is not None and mod.weight.dim() == 2:
+            return _Lin(node, node.args[0], f"{t}.weight", f"{t}.bias" if getattr(mod, "bias", None) is not None else None,
+                        1, t, "conv1d")
+        if isinstance(mod, nn.Embedding):
+            return _Lin(node, node.args[0], f"{t}.weight", None, 0, t, "embedding")
+        return None
+    if node.op != "call_function":
+        return None
+    op, aten = _op(node), isinstance(node.target, torch._ops.OpOverload)
+    def path(w: str) -> str:  # the module the op ran in (a tied weight's own path may name another module)
+        return module_path(node) or w.rpartition(".")[0]
+
+    if op == "linear" and (w := attr(_arg(node, 1, "weight"))):
+        return _Lin(node, node.args[0], w, attr(_arg(node, 2, "bias")), 0, path(w), "linear")
+    if op == "addmm" and aten and (w := attr(node.args[2])) and (b := attr(node.args[0])) and not node.kwargs:
+        return _Lin(node, node.args[1], w, b, 1, path(w), "addmm")
+    if op == "mm" and aten and (w := attr(node.args[1])):
+        return _Lin(node, node.args[0], w, None, 1, path(w), "mm")
+    if op == "embedding":
+        w, ids = (node.args[0], node.args[1]) if aten else (node.args[1], node.args[0])
+        if attr(w):
+            return _Lin(node, ids, str(w.target), None, 0, path(str(w.target)), "embedding")
+    return None
+
+
+def _map_view(shape: Sequence[int], dim: int, segments: int, out: Sequence[int]) -> tuple[int, int, int] | None:
+    """Where a reshape from ``shape`` to ``out`` takes a value sharded on ``dim`` (``segments`` blocks):
+    ``(out dim, its segments, the size each segment has there)``, or None where the shard's elements do not
+    land on one dimension. The flat index is ``outer * inner + r`` with the tp parts cut in ``r``; the output
+    dim ``j`` must split the same way: ``prod(out[:j]) * segments' == outer`` and ``m * prod(out[j+1:]) ==
+    inner`` with ``out[j] == segments' * m``; the shard is then valid when tp divides ``m``."""
+    if shape[dim] % segments:
+        return None
+    outer, inner = _prod(shape[:dim]) * segments, shape[dim] // segments * _prod(shape[dim + 1:])
+    for j in range(len(out)):
+        p, q = _prod(out[:j]), _prod(out[j + 1:])
+        if not p or not q or outer % p or inner % q:
+            continue
+        s, m = outer // p, inner // q
+        if out[j] == s * m and m > 1:
+            return j, s, m
+    return None
+
+
+# ----------------------------------------------------------------------------- the rules
+
+
+_UNARY = {"to", "type", "type_as", "float", "half", "bfloat16", "contiguous", "clone", "detach", "alias", "dropout",
+          "_to_copy", "lift_fresh_copy", "native_dropout", "feature_dropout"}
+_ELEMENTWISE = {"add", "sub", "mul", "div", "truediv", "pow", "neg", "gelu", "silu", "relu", "tanh", "sigmoid", "exp",
+                "log", "rsqrt", "sqrt", "erf", "abs", "clamp", "masked_fill", "where", "eq", "ne", "lt", "le", "gt", "ge",
+                "iadd", "imul", "rsub", "reciprocal", "square", "softplus", "leaky_relu", "elu", "mish", "hardtanh",
+                "__and__", "__or__", "logical_not", "bitwise_not", "cos", "sin", "floordiv", "mod"}
+_VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze"}
+_SIZED_VIEWS = {"view", "reshape", "_unsafe_view", "unflatten"}
+_SPLITS = {"split", "split_with_sizes", "chunk", "unbind", "tensor_split"}
+_SHAPE_OF = {"getattr", "size", "dim", "sym_size", "numel", "_assert_tensor_metadata", "sym_numel"}
+_DIM_OPS = {"softmax", "log_softmax", "_softmax", "_log_softmax", "cumsum", "cumprod"}
+_REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std", "logsumexp", "norm"}
+_NORM_MODULES = (nn.LayerNorm, nn.GroupNorm)
+_ELEMENTWISE_MODULES = (nn.Dropout, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity)
+
+
+class _Analysis:
+    """One pass of the dataflow analysis with a fixed set of colwise candidates (see the module doc)."""
+
+    def __init__(self, gm: GraphModule, tp: int, lins: Mapping[Node, _Lin], colwise: set[str],
+                 segments: Mapping[str, int]) -> None:
+        self.gm, self.tp, self.lins, self.colwise, self.segments = gm, tp, lins, colwise, segments
+        self.state: dict[Node, Any] = {}
+        self.failures: list[_Failure] = []
+        self.rowwise: dict[str, int] = {}
+        """Rowwise node -> the segments of its in-features."""
+        self.active: set[str] = set()
+        """Colwise candidates whose output is sharded."""
+
+    def run(self) -> "_Analysis":
+        for n in self.gm.graph.nodes:
+            self.state[n] = self._rule(n)
+        return self
+
+    def of(self, a: Any) -> Any:
+        return self.state.get(a) if isinstance(a, Node) else None
+
+    def fail(self, n: Node, shards: Sequence[Shard], reason: str, *, size: bool = False, hint: str = "",
+             count: int = 0) -> None:
+        self.failures.append(_Failure(n, frozenset().union(*(s.sources for s in shards)), reason, size, hint, count))
+        return None
+
+    def _rule(self, n: Node) -> Any:
+        if n.op in ("placeholder", "get_attr"):
+            return None
+        ins = [(a, self.state[a]) for a in n.all_input_nodes if isinstance(self.state.get(a), Shard)]
+        if n.op == "output":
+            if ins:
+                self.fail(n, [s for _, s in ins], f"{ins[0][0].name!r} leaves the stage sharded (a stage's outputs "
+                                                  "are replicated)")
+            return None
+        if n in self.lins:
+            return self._linear(n, self.lins[n])
+        op = _op(n)
+        if op == "getitem":
+            base = self.of(n.args[0])
+            if isinstance(base, tuple):
+                return base[n.args[1]]
+        if not ins:
+            return tuple(None for _ in n.meta["tensor_meta"]) if op in _SPLITS and isinstance(
+                n.meta.get("tensor_meta"), (tuple, list)) else None
+        shards = [s for _, s in ins]
+        if n.op == "call_module":
+            return self._module(n, ins)
+        if op in _SHAPE_OF:
+            return None  # the shape's full value is folded in by the rewrite
+        rule = _RULES.get(op)
+        if rule is None:
+            return self.fail(n, shards, f"{op} is not known to act shard by shard on {ins[0][0].name!r}, which is sharded")
+        return rule(self, n, ins)
+
+    def _linear(self, n: Node, lin: _Lin) -> Any:
+        s, out, xs = self.of(lin.x), _shape(n), _shape(lin.x)
+        if s is None:
+            if n.name not in self.colwise or lin.kind == "embedding":
+                return None
+            segs = self.segments.get(n.name, 1)
+            if out[-1] % (self.tp * segs):
+                what = f"{segs} segments of {out[-1] // segs}" if segs > 1 else f"{out[-1]}"
+                self.fail(n, [Shard(0, 1, frozenset({n.name}))], f"{lin.path} has {what} output features, not "
+                          f"divisible by tp {self.tp}", size=True)
+            self.active.add(n.name)
+            return Shard(len(out) - 1, segs, frozenset({n.name}))
+        if lin.kind != "embedding" and s.dim == len(xs) - 1:
+            self.rowwise[n.name] = s.segments
+            return None
+        return Shard(len(out) - len(xs) + s.dim, s.segments, s.sources)
+
+    def _module(self, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
+        mod = self.gm.get_submodule(str(n.target))
+        shards = [s for _, s in ins]
+        if isinstance(mod, _ELEMENTWISE_MODULES):
+            return _elementwise(self, n, ins)
+        shape = getattr(mod, "normalized_shape", None)
+        if shape is not None and not isinstance(mod, nn.GroupNorm) and ins[0][0] is n.args[0]:
+            return _normalize(self, n, ins, len(tuple(shape) if not isinstance(shape, int) else (shape,)))
+        return self.fail(n, shards, f"module {n.target} ({type(mod).__name__}) is not known to act shard by shard")
+
+
+def _elementwise(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
+    out = _shape(n)
+    shards = [s for _, s in ins]
+    if out is None:
+        return an.fail(n, shards, f"{_op(n)} makes no tensor of a sharded one")
+    dims = {len(out) - len(_shape(a)) + s.dim for a, s in ins}
+    segs = {s.segments for s in shards}
+    if len(dims) != 1 or len(segs) != 1:
+        return an.fail(n, shards, "its operands are sharded on different dimensions")
+    d = dims.pop()
+    for a in n.all_input_nodes:
+        sh = _shape(a)
+        if sh is None or an.of(a) is not None:
+            continue
+        k = d - (len(out) - len(sh))
+        if 0 <= k < len(sh) and sh[k] != 1:
+            return an.fail(n, shards, f"operand {a.name!r} is replicated with the full size {sh[k]} on the sharded "
+                                      "dimension (it does not broadcast there)")
+    return Shard(d, segs.pop(), frozenset().union(*(s.sources for s in shards)))
+
+
+def _unary(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
+    s = an.of(n.args[0])
+    if not isinstance(s, Shard) or len(ins) > 1:
+        return _elementwise(an, n, ins)
+    return s
+
+
+def _view(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
+    x, s = ins[0]
+    if x is not n.args[0]:
+        return an.fail(n, [s], "a sharded tensor gives the shape of a view")
+    shape, out = _shape(x), _shape(n)
+    mapped = _map_view(shape, s.dim, s.segments, out)
+    if mapped is None:
+        return an.fail(n, [s], f"the view {list(shape)} -> {list(out)} mixes the sharded dimension {s.dim} with others")
+    j, segs, m = mapped
+    if m % an.tp:
+        an.fail(n, [s], f"the view {list(shape)} -> {list(out)} cuts the sharded features into {out[j]} parts "
+                        f"(attention heads, where it splits heads), and {m} is not divisible by tp {an.tp}",
+                size=True, hint=f"use a tp that divides {m}", count=m)
+    return Shard(j, segs, s.sources)
+
+
+def _transpose(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
+    s, nd = ins[0][1], len(_shape(n.args[0]))
+    if _op(n) in ("t", "numpy_T"):
+        perm = [1, 0] if nd == 2 else [0]
+    elif _op(n) == "permute":
+        dims = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else n.args[1:]
+        perm = [_norm(int(d), nd) for d in dims]
+    else:
+        a, b = _norm(int(n.args[1]), nd), _norm(int(n.args[2]), nd)
+        perm = list(range(nd))
+        perm[a], perm[b] = b, a
+    return Shard(perm.index(s.dim), s.segments, s.sources)
+
+
+def _expand(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
+    s, shape, out = ins[0][1], _shape(n.args[0]), _shape(n)
+    d = s.dim + len(out) - len(shape)
+    if shape[s.dim] != out[d]:
+        return an.fail(n, [s], "it expands the sharded dimension")
+    return Shard(d, s.segments, s.sources)
+
+
+def _split(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
+    s, shape = ins[0][1], _shape(n.args[0])
+    pieces = [tuple(int(d) for d in tm.shape) for tm in n.meta["tensor_meta"]]
+    dim = _norm(int(_arg(n, 1 if _op(n) == "unbind" else 2, "dim", 0)), len(shape))
+    if _op(n) == "unbind":
+        return an.fail(n, [s], "it unbinds a sharded tensor") if dim == s.dim else tuple(
+            Shard(s.dim - (dim < s.dim), s.segments, s.sources) for _ in pieces)
+    if dim != s.dim:
+        return tuple(Shard(s.dim, s.segments, s.sources) for _ in pieces)
+    sizes = [p[dim] for p in pieces]
+    if len(set(sizes)) != 1 or s.segments % len(pieces):
+        an.fail(n, [s], f"it splits the sharded dimension into {sizes}, not into its {s.segments} equal segments")
+        return tuple(None for _ in pieces)
+    return tuple(Shard(dim, s.segments // len(pieces), s.sources) for _ in pieces)
+
+
+def _full_slice(start: Any, stop: Any, step: Any, size: int) -> bool:
+    start, stop, step = _value(start), _value(stop), _value(step)
+    return start in (None, 0) and step in (None, 1) and (stop is None or (isinstance(stop, int) and stop >= size))
+
+
+def _index(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
+    x, s = n.args[0], an.of(n.args[0])
+    if not isinstance(s, Shard):
+        return an.fail(n, [sh for _, sh in ins], "a sharded tensor indexes another")
+    idx = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+    shape = _shape(x)
+    if any(isinstance(e, Node) and _shape(e) is not None for e in idx):
+        return an.fail(n, [s], "it indexes a sharded tensor with a tensor")
+    used = sum(1 for e in idx if e is not None and e is not Ellipsis)
+    i = o = 0
+    for e in idx:
+        if e is Ellipsis:
+            k = len(shape) - used
+            if i <= s.dim < i + k:
+                return Shard(o + s.dim - i, s.segments, s.sources)
+            i, o = i + k, o + k
+        elif e is None:
+            o += 1
+        elif isinstance(e, slice):
+            if i == s.dim:
+                if not _full_slice(e.start, e.stop, e.step, shape[i]):
+                    return an.fail(n, [s], "it slices the sharded dimension")
+                return Shard(o, s.segments, s.sources)
+            i, o = i + 1, o + 1
+        else:
+            if i == s.dim:
+                return an.fail(n, [s], "it indexes into the sharded dimension")
+            i += 1
+    return Shard(o + s.dim - i, s.segments, s.sources)
+
+
+def _slice(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
+    s, shape = ins[0][1], _shape(n.args[0])
+    if _op(n) == "select":
+        dim = _norm(int(n.args[1]), len(shape))
+        if dim == s.dim:
+            return an.fail(n, [s], "it selects from the sharded dimension")
+        return Shard(s.dim - (dim < s.dim), s.segments, s.sources)
+    dim = _norm(int(_arg(n, 1, "dim", 0)), len(shape))
+    if dim == s.dim and not _full_slice(_arg(n, 2, "start"), _arg(n, 3, "end"), _arg(n, 4, "step", 1), shape[dim]):
+        return an.fail(n, [s], "it slices the sharded dimension")
+    return s
+
+
+def _cat(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
+    parts = list(n.args[0])
+    states = [an.of(p) for p in parts]
+    shards = [s for _, s in ins]
+    if any(not isinstance(st, Shard) for st in states) or len({(st.dim, st.segments) for st in states}) != 1:
+        return an.fail(n, shards, "it concatenates sharded with replicated (or differently sharded) tensors")
+    dim = _norm(int(_arg(n, 1, "dim", 0)), len(_shape(n)))
+    if dim == states[0].dim:
+        return an.fail(n, shards, "it concatenates along the sharded dimension")
+    return Shard(states[0].dim, states[0].segments, frozenset().union(*(s.sources for s in shards)))
+
+
+def _attention(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
+    q, k, v = n.args[:3]
+    states = [an.of(t) for t in (q, k, v)]
+    shards = [s for _, s in ins]
+    nd = len(_shape(q))
+    if any(not isinstance(st, Shard) for st in states) or len({st.dim for st in states}) != 1 or states[0].dim >= nd - 2:
+        return an.fail(n, shards, "attention needs q, k and v all sharded on their heads dimension")
+    d = states[0].dim
+    mask = _arg(n, 3, "attn_mask")
+    if isinstance(mask, Node) and (ms := _shape(mask)) is not None:
+        m_state, k_dim = an.of(mask), d - (nd - len(ms))
+        if m_state is None and 0 <= k_dim < len(ms) and ms[k_dim] != 1:
+            return an.fail(n, shards, "its mask is replicated with one entry per head (it does not broadcast on heads)")
+        if isinstance(m_state, Shard) and m_state.dim != k_dim:
+            return an.fail(n, shards, "its mask is sharded on another dimension than the heads")
+    return Shard(d, 1, frozenset().union(*(s.sources for s in shards)))
+
+
+def _matmul(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
+    x, y = n.args[:2]
+    sx, sy, out = an.of(x), an.of(y), _shape(n)
+    shards = [s for _, s in ins]
+    nx, ny, no = len(_shape(x)), len(_shape(y)), len(out)
+    dims = set()
+    for s, nd, contract, free, other in ((sx, nx, nx - 1, nx - 2, sy), (sy, ny, ny - 2, ny - 1, sx)):
+        if not isinstance(s, Shard):
+            continue
+        if nd < 2 or s.dim == contract:
+            return an.fail(n, shards, "it contracts the sharded dimension (that would be a partial sum)")
+        if s.dim == free:
+            if other is not None:
+                return an.fail(n, shards, "both operands are sharded, one on a free dimension")
+            dims.add(no - 2 if s is sx else no - 1)
+        else:
+            dims.add(no - nd + s.dim)
+    if len(dims) != 1:
+        return an.fail(n, shards, "its operands are sharded on different dimensions")
+    d = dims.pop()
+    if d < no - 2:  # a batch dim: the other operand is sharded there too, or broadcasts
+        for t, s in ((x, sx), (y, sy)):
+            sh = _shape(t)
+            k = d - (no - len(sh))
+            if s is None and 0 <= k < len(sh) and sh[k] != 1:
+                return an.fail(n, shards, f"operand {t.name!r} is replicated on the sharded batch dimension")
+    return Shard(d, shards[0].segments, frozenset().union(*(s.sources for s in shards)))
+
+
+def _along(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
+    s, shape = ins[0][1], _shape(n.args[0])
+    if _norm(int(_arg(n, 1, "dim", -1)), len(shape)) == s.dim:
+        return an.fail(n, [s], f"{_op(n)} runs along the sharded dimension")
+    return s
+
+
+def _reduce(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
+    s, shape = ins[0][1], _shape(n.args[0])
+    dims = _arg(n, 1, "dim")
+    if dims is None or isinstance(dims, Node):
+        return an.fail(n, [s], f"{_op(n)} reduces over every dimension, the sharded one too")
+    dims = {_norm(int(d), len(shape)) for d in (dims if isinstance(dims, (list, tuple)) else (dims,))}
+    if s.dim in dims:
+        return an.fail(n, [s], f"{_op(n)} reduces over the sharded dimension")
+    keep = _arg(n, 2, "keepdim", False)
+    return Shard(s.dim if keep else s.dim - sum(d < s.dim for d in dims), s.segments, s.sources)
+
+
+def _normalize(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]], num_dims: int | None = None) -> Any:
+    s, shape = ins[0][1], _shape(n.args[0])
+    if an.of(n.args[0]) is not s or len(ins) > 1:
+        return an.fail(n, [x for _, x in ins], "its weight or bias is sharded")
+    if num_dims is None:
+        num_dims = len(_arg(n, 1, "normalized_shape"))
+    if s.dim >= len(shape) - num_dims:
+        return an.fail(n, [s], "it normalises over the sharded dimension")
+    return s
+
+
+_RULES: dict[str, Callable[[_Analysis, Node, list], Any]] = {
+    **{op: _unary for op in _UNARY}, **{op: _elementwise for op in _ELEMENTWISE}, **{op: _view for op in _VIEWS},
+    **{op: _split for op in _SPLITS}, **{op: _along for op in _DIM_OPS}, **{op: _reduce for op in _REDUCTIONS},
+    "transpose": _transpose, "permute": _transpose, "t": _transpose, "expand": _expand, "getitem": _index,
+    "slice": _slice, "select": _slice, "cat": _cat, "scaled_dot_product_attention": _attention,
+    "matmul": _matmul, "bmm": _matmul, "mm": _matmul, "layer_norm": _normalize, "rms_norm": _normalize,
+}
+"""Op name -> its rule for sharded inputs: the output's state, or a failure (an op not named is not proven)."""
+
+
+# ----------------------------------------------------------------------------- deciding
+
+
+def _segments(node: Node) -> int:
+    """How many equal blocks a colwise candidate's output is (3 for a fused q|k|v split into q, k, v)."""
+    cur = node
+    while len(cur.users) == 1 and _op(next(iter(cur.users))) in _VIEWS | _UNARY:
+        nxt = next(iter(cur.users))
+        if _shape(nxt) is None or _shape(nxt)[-1] != _shape(node)[-1]:
+            break
+        cur = nxt
+    for u in cur.users:
+        if _op(u) in ("split", "split_with_sizes", "chunk") and isinstance(u.meta.get("tensor_meta"), (tuple, list)):
+            nd = len(_shape(cur))
+            if _norm(int(_arg(u, 2, "dim", 0)), nd) == nd - 1:
+                sizes = {int(tm.shape[-1]) for tm in u.meta["tensor_meta"]}
+                if len(sizes) == 1:
+                    return len(u.meta["tensor_meta"])
+    return 1
+
+
+def _canonical_of(gm: GraphModule, canonical: Mapping[str, str] | None) -> Mapping[str, str]:
+    return canonical if canonical is not None else getattr(gm, "canonical", {})
+
+
+def _param_uses(an: _Analysis, canonical: Mapping[str, str]) -> dict[str, dict[ShardedParam | None, list[Node]]]:
+    """Canonical parameter -> how each use shards it (None: replicated) -> the nodes using it so."""
+    uses: dict[str, dict[ShardedParam | None, list[Node]]] = {}
+
+    def use(target: str, sp: ShardedParam | None, n: Node) -> None:
+        name = canonical.get(target, target)
+        uses.setdefault(name, {}).setdefault(None if sp is None else ShardedParam(name=name, dim=sp.dim,
+                                                                                  segments=sp.segments), []).append(n)
+
+    for n, lin in an.lins.items():
+        segs = an.segments.get(n.name, 1)
+        if n.name in an.active:
+            use(lin.weight, ShardedParam(name="", dim=lin.out_dim, segments=segs), n)
+            if lin.bias:
+                use(lin.bias, ShardedParam(name="", dim=0, segments=segs), n)
+        elif n.name in an.rowwise:
+            use(lin.weight, ShardedParam(name="", dim=1 - lin.out_dim, segments=an.rowwise[n.name]), n)
+            if lin.bias:
+                use(lin.bias, None, n)
+        else:
+            use(lin.weight, None, n)
+            if lin.bias:
+                use(lin.bias, None, n)
+    for n in an.gm.graph.nodes:
+        if n.op == "get_attr" and any(u not in an.lins for u in n.users):
+            use(str(n.target), None, n)
+        elif n.op == "call_module" and n not in an.lins:
+            for pname, _ in an.gm.get_submodule(str(n.target)).named_parameters(prefix=str(n.target)):
+                use(pname, None, n)
+    return uses
+
+
+def _check_params(an: _Analysis, canonical: Mapping[str, str]) -> None:
+    for name, by in _param_uses(an, canonical).items():
+        if len(by) > 1:
+            nodes = [n for sp, ns in by.items() if sp is not None for n in ns]
+            an.fail(nodes[0], [Shard(0, 1, frozenset(m.name for m in nodes if m.name in an.active)),
+                               *(an.of(an.lins[m].x) for m in nodes if isinstance(an.of(an.lins[m].x), Shard))],
+                    f"parameter {name} is used sharded here and replicated (or sharded otherwise) elsewhere (a tied weight)")
+
+
+def _analyse(gm: GraphModule, tp: int, styles: Mapping[str, str] | None, canonical: Mapping[str, str]) -> tuple[_Analysis, Mapping[Node, _Lin]]:
+    """The analysis run to its fixpoint: ``styles`` None is auto (candidates that fail are replicated)."""
+    lins = {n: lin for n in gm.graph.nodes if (lin := _linear_like(n, gm)) is not None}
+    segments = {n.name: _segments(n) for n, lin in lins.items() if lin.kind != "embedding"}
+    if styles is not None:
+        colwise = {n.name for n, lin in lins.items() if styles.get(lin.path) == "colwise"}
+        an = _Analysis(gm, tp, lins, colwise, segments).run()
+        _check_params(an, canonical)
+        return an, lins
+    off: set[str] = set()
+    cands = {n.name for n, lin in lins.items() if lin.kind != "embedding"}
+    while True:
+        an = _Analysis(gm, tp, lins, cands - off, segments).run()
+        _check_params(an, canonical)
+        bad = frozenset().union(*(f.sources for f in an.failures if not f.size)) - off
+        if not bad:
+            assert all(f.size for f in an.failures), an.failures
+            return an, lins
+        off |= bad
+
+
+# ----------------------------------------------------------------------------- refusals, located
+
+
+def _at(node: Node, traced: Traced | None) -> str:
+    stack = node.meta.get("stack_trace")
+    frame = None
+    if stack:
+        frame = _user_frame([traceback.FrameSummary(m["file"], int(m["line"]), m["name"], line=m["code"].strip())
+                             for m in _STACK_FRAME.finditer(stack)])
+    elif traced is not None:
+        frame = _node_frame(traced, node.name)
+    return f"node {node.name!r}" + _frame_text(frame)
+
+
+def _refusal(tp: int, where: str, node: Node, reason: str, traced: Traced | None, hints: Sequence[str]) -> FrontendError:
+    return FrontendError(f"tensor parallelism (tp {tp}){where} cannot shard {_at(node, traced)}: {reason}", key=KEY,
+                         hints=tuple(h for h in hints if h))
+
+
+def _size_refusal(an: _Analysis, f: _Failure, where: str, traced: Traced | None) -> FrontendError:
+    """A size that does not divide; grouped-query attention with fewer kv heads than tp said as that."""
+    src = next((n for n in an.lins if n.name in f.sources), None)
+    if src is not None and f.count:
+        x, m = an.lins[src].x, f.count
+        siblings = [n for n, lin in an.lins.items() if lin.x is x and n is not src]
+        if m < an.tp and any(_shape(n)[-1] > _shape(src)[-1] for n in siblings):
+            return _refusal(an.tp, where, f.node, f"grouped-query attention has {m} kv heads, fewer than tp {an.tp}: each "
+                            "rank needs whole kv heads", traced,
+                            (f"use a tp that divides {m} (the kv heads), or replicate the attention with tensor_parallel "
+                             "patterns",))
+    return _refusal(an.tp, where, f.node, f.reason, traced, (f.hint,))
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def _module_paths(gm: GraphModule) -> dict[str, str]:
+    """Every module path the stage runs -> its class name."""
+    out: dict[str, str] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            out[str(n.target)] = type(gm.get_submodule(str(n.target))).__name__
+        for path, cls in (n.meta.get("nn_module_stack") or {}).values():
+            out.setdefault(str(path), getattr(cls, "__name__", str(cls).rpartition(".")[2].strip("'>")))
+        if n.op == "get_attr":
+            out.setdefault(str(n.target).rpartition(".")[0], "?")
+    return out
+
+
+def _styles_of(gm: GraphModule, lins: Mapping[Node, _Lin], patterns: Mapping[str, str], where: str) -> tuple[dict[str, str], set[str]]:
+    styles: dict[str, str] = {}
+    matched: set[str] = set()
+    paths = _module_paths(gm)
+    for pattern, style in patterns.items():
+        if style not in ("colwise", "rowwise", "replicated"):
+            raise FrontendError(f"tensor_parallel pattern {pattern!r}: style must be colwise, rowwise or replicated, got "
+                                f"{style!r}", key=KEY, hints=("vocab-sharded embeddings are not supported yet",))
+        hit = [lin for lin in lins.values() if fnmatch.fnmatchcase(lin.path, pattern)]
+        for lin in hit:
+            styles.setdefault(lin.path, style)
+            if lin.kind == "embedding" and style != "replicated":
+                raise FrontendError(f"tensor_parallel pattern {pattern!r}{where} makes embedding {lin.path} {style}; "
+                                    "embeddings stay replicated", key=KEY, hints=("leave embeddings out of the patterns",))
+        if hit:
+            matched.add(pattern)
+            continue
+        other = sorted(p for p in paths if fnmatch.fnmatchcase(p, pattern))
+        if other:
+            raise FrontendError(f"tensor_parallel pattern {pattern!r}{where} matches {other[0]} ({paths[other[0]]}), "
+                                "which is not a Linear, Embedding or Conv1D", key=KEY,
+                                hints=("name the Linear layers inside it (e.g. 'blocks.*.mlp.fc'), or use tensor_parallel auto",))
+    return styles, matched
+
+
+def _record(an: _Analysis, lins: Mapping[Node, _Lin], canonical: Mapping[str, str]) -> StageTP:
+    modules: dict[str, str] = {}
+    params: dict[str, ShardedParam] = {}
+    collectives: list[Collective] = []
+    copied: set[Node] = set()
+    for n, lin in lins.items():
+        style = "colwise" if n.name in an.active else "rowwise" if n.name in an.rowwise else "replicated"
+        modules.setdefault(lin.path, style)
+        if n.name in an.active and lin.x not in copied:
+            copied.add(lin.x)
+            collectives.append(Collective(kind="all_reduce", phase="backward", num_bytes=_nbytes(lin.x), node=lin.x.name))
+        if n.name in an.rowwise:
+            collectives.append(Collective(kind="all_reduce", phase="forward", num_bytes=_nbytes(n), node=n.name))
+    for name, by in _param_uses(an, canonical).items():
+        sp = next(iter(by))
+        if sp is not None:
+            params[name] = sp
+    total = sharded = 0.0
+    for n in an.gm.graph.nodes:
+        flops = float(n.meta.get("pipec_flops") or 0.0)
+        total += flops
+        touched = isinstance(an.state.get(n), Shard) or any(isinstance(an.state.get(a), Shard) for a in n.all_input_nodes)
+        if touched or n.name in an.active:
+            sharded += flops
+    return StageTP(tp=an.tp, modules=tuple(modules.items()), params=tuple(params.values()),
+                   collectives=tuple(collectives), sharded_flops=sharded / total if total else 0.0)
+
+
+def plan_stage(stage: GraphModule, tp: int, *, patterns: Mapping[str, str] | None = None,
+               canonical: Mapping[str, str] | None = None, traced: Traced | None = None, where: str = "",
+               require_match: bool = True) -> StageTP:
+    """Which modules of ``stage`` (a stage module, its graph annotated with shapes) shard what across ``tp`` ranks.
+
+    ``patterns`` None is ``auto``; else glob over module paths -> ``colwise``/``rowwise``/``replicated`` (the
+    first match wins) and anything that cannot be sharded so is refused. ``canonical``: local parameter name
+    -> canonical (a :class:`StageModule`'s own by default); ``traced`` locates fx nodes in the user's code;
+    ``where`` (e.g. ``" in stage 2"``) goes into messages. Raises a located :class:`FrontendError`."""
+    if tp < 1:
+        raise FrontendError(f"tp must be at least 1, got {tp}", key="tp")
+    canonical = _canonical_of(stage, canonical)
+    if tp == 1:
+        return StageTP(tp=1)
+    styles = None
+    if patterns is not None:
+        lins = {n: lin for n in stage.graph.nodes if (lin := _linear_like(n, stage)) is not None}
+        styles, matched = _styles_of(stage, lins, patterns, where)
+        if require_match and (missing := [p for p in patterns if p not in matched]):
+            raise FrontendError(f"tensor_parallel pattern {missing[0]!r} matches no module{where}", key=KEY,
+                                hints=("patterns are globs over module paths such as 'blocks.*.attn.qkv'",))
+    an, lins = _analyse(stage, tp, styles, canonical)
+    if styles is not None:
+        _explicit_failures(an, lins, styles, where, traced)
+    for f in an.failures:
+        raise _size_refusal(an, f, where, traced)
+    return _record(an, lins, canonical)
+
+
+def _explicit_failures(an: _Analysis, lins: Mapping[Node, _Lin], styles: Mapping[str, str], where: str,
+                       traced: Traced | None) -> None:
+    hint = "leave the module out of the patterns (replicated), or use tensor_parallel auto"
+    for f in an.failures:
+        if f.size:
+            raise _size_refusal(an, f, where, traced)
+        raise _refusal(an.tp, where, f.node, f.reason, traced, (hint,))
+    for n, lin in lins.items():
+        want = styles.get(lin.path, "replicated")
+        got = "colwise" if n.name in an.active else "rowwise" if n.name in an.rowwise else "replicated"
+        if want != got:
+            why = {"rowwise": "its input is sharded on its in-features (by a colwise module before it)",
+                   "colwise": "its input is already sharded", "replicated": "its input is not sharded on its in-features"}
+            raise _refusal(an.tp, where, n, f"{lin.path} is {want} in the patterns, but {why[got]}", traced,
+                           (f"make {lin.path} {got}" if got != "colwise" else hint,))
+
+
+def plan_stages(stages: Sequence[GraphModule], tp: int, *, patterns: Mapping[str, str] | None = None,
+                traced: Traced | None = None) -> list[StageTP]:
+    """:func:`plan_stage` for every stage; a pattern matching no module of any stage is refused."""
+    plans = [plan_stage(st, tp, patterns=patterns, traced=traced, where=f" in stage {s}", require_match=False)
+             for s, st in enumerate(stages)]
+    if patterns is not None and tp > 1:
+        paths = {m for p in plans for m, _ in p.modules}
+        for pattern in patterns:
+            if not any(fnmatch.fnmatchcase(m, pattern) for m in paths):
+                raise FrontendError(f"tensor_parallel pattern {pattern!r} matches no module of any stage", key=KEY,
+                                    hints=("patterns are globs over module paths such as 'blocks.*.attn.qkv'",))
+    return plans
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def shard_param(full: torch.Tensor, sp: ShardedParam, tp: int, rank: int) -> torch.Tensor:
+    """Tp rank ``rank``'s part of ``full``: part ``rank`` of each of the ``sp.segments`` blocks of ``sp.dim``."""
+    n = full.shape[sp.dim]
+    if n % (sp.segments * tp):
+        raise FrontendError(f"parameter {sp.name} has {n} entries on dim {sp.dim}, not {sp.segments} segments divisible "
+                            f"by tp {tp}", key=KEY)
+    return torch.cat([b.chunk(tp, dim=sp.dim)[rank] for b in full.chunk(sp.segments, dim=sp.dim)], dim=sp.dim).contiguous()
+
+
+def unshard(shards: Sequence[torch.Tensor], sp: ShardedParam) -> torch.Tensor:
+    """The full tensor from every tp rank's part, in rank order (inverse of :func:`shard_param`)."""
+    pieces = [s.chunk(sp.segments, dim=sp.dim) for s in shards]
+    return torch.cat([pieces[r][j] for j in range(sp.segments) for r in range(len(shards))], dim=sp.dim)
+
+
+# ----------------------------------------------------------------------------- the rewrite
+
+
+def _local(shape: Sequence[int], s: Any, tp: int) -> tuple[int, ...]:
+    return tuple(d // tp if isinstance(s, Shard) and i == s.dim else d for i, d in enumerate(shape))
+
+
+def _rewrite(an: _Analysis, lins: Mapping[Node, _Lin], graph: Graph, env: dict[Node, Node]) -> dict[Node, Node]:
+    """Rewrite the copy ``graph`` (``env``: original node -> copy) to local sizes; original node -> its result."""
+    tp, result = an.tp, dict(env)
+    copies: dict[Node, Node] = {}
+    for n in list(an.gm.graph.nodes):
+        new, op = env[n], _op(n)
+        x0 = n.args[0] if n.args else None
+        s0 = an.of(x0)
+        if op in _SHAPE_OF and isinstance(s0, Shard) and isinstance(n.meta.get("pipec_value"), (int, tuple)):
+            value = n.meta["pipec_value"]  # a size read off a sharded tensor keeps its full value
+            for u in list(new.users):
+                u.args = torch.fx.node.map_arg(u.args, lambda a: value if a is new else a)
+                u.kwargs = torch.fx.node.map_arg(u.kwargs, lambda a: value if a is new else a)
+        elif op in _SIZED_VIEWS and isinstance(s0, Shard):
+            local = list(_local(_shape(n), an.of(n), tp))
+            if op == "unflatten":
+                new.target, new.op = "reshape", "call_method"
+            new.args = (new.args[0], *local) if new.op == "call_method" else (new.args[0], local)
+            new.kwargs = {}
+        elif op == "expand" and isinstance(s0, Shard):
+            local = list(_local(_shape(n), an.of(n), tp))
+            new.args = (new.args[0], *local) if new.op == "call_method" else (new.args[0], local)
+        elif op in ("split", "split_with_sizes") and isinstance(s0, Shard) and isinstance(an.of(n)[0], Shard):
+            dim = _norm(int(_arg(n, 2, "dim", 0)), len(_shape(x0)))
+            if dim == s0.dim:
+                sizes = _value(new.args[1])
+                sizes = [int(v) // tp for v in sizes] if isinstance(sizes, (list, tuple)) else int(sizes) // tp
+                new.args = (new.args[0], sizes, *new.args[2:])
+        lin = lins.get(n)
+        if lin is None or lin.kind == "embedding":
+            continue
+        if n.name in an.active:
+            x = env[lin.x]
+            if lin.x not in copies:
+                with graph.inserting_after(x):
+                    copies[lin.x] = graph.call_module("tp_copy", (x,))
+                copies[lin.x].meta = dict(lin.x.meta)
+            new.replace_input_with(x, copies[lin.x])
+            if lin.kind == "conv1d":
+                result[n] = _functional(graph, new, lin, copies[lin.x], reduce=False)
+        elif n.name in an.rowwise:
+            result[n] = _functional(graph, new, lin, env[lin.x], reduce=True)
+    return result
+
+
+def _functional(graph: Graph, new: Node, lin: _Lin, x: Node, *, reduce: bool) -> Node:
+    """``new`` (a Linear-like node) as matmul [-> g] [-> + bias]; the node that now gives its value."""
+    with graph.inserting_before(new):
+        if lin.kind in ("linear", "conv1d") and new.op == "call_module":
+            w = graph.get_attr(lin.weight)
+            y = graph.call_function(F.linear if lin.kind == "linear" else torch.matmul, (x, w))
+            bias = graph.get_attr(lin.bias) if lin.bias else None
+            add: Any = operator.add
+        elif lin.kind == "linear":
+            y = graph.call_function(_aten.linear.default, (x, new.args[1]))
+            bias, add = _arg(new, 2, "bias"), _aten.add.Tensor
+        else:  # addmm(bias, x, w) or mm(x, w)
+            y = graph.call_function(_aten.mm.default, (x, new.args[2] if lin.kind == "addmm" else new.args[1]))
+            bias, add = (new.args[0] if lin.kind == "addmm" else None), _aten.add.Tensor
+        if reduce:
+            y = graph.call_module("tp_reduce", (y,))
+        if bias is not None:
+            y = graph.call_function(add, (y, bias))
+    y.meta = dict(new.meta)
+    new.replace_all_uses_with(y)
+    graph.erase_node(new)
+    return y
+
+
+def _clone_tree(mod: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
+    if id(mod) in memo:
+        return memo[id(mod)]
+    new = copy.copy(mod)
+    memo[id(mod)] = new
+    new._parameters = dict(mod._parameters)
+    new._buffers = dict(mod._buffers)
+    new._modules = {k: None if v is None else _clone_tree(v, memo) for k, v in mod._modules.items()}
+    return new
+
+
+def _resolve(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def shard_stage(stage: GraphModule, plan: StageTP, rank: int, *, group: TPGroup | None = None,
+                canonical: Mapping[str, str] | None = None, traced: Traced | None = None, where: str = "",
+                check: bool = True) -> GraphModule:
+    """Tp rank ``rank``'s copy of ``stage`` (unmodified) as ``plan`` shards it: local sizes, f/g inserted (with
+    ``group``; None runs one rank's shapes alone), sharded parameters sliced. A :class:`StageModule` gives a
+    StageModule. ``check`` proves the rewrite on fake tensors (see the module doc)."""
+    canonical = _canonical_of(stage, canonical)
+    if plan.tp == 1:
+        return stage
+    an, lins = _analyse(stage, plan.tp, dict(plan.modules), canonical)
+    if an.failures or _record(an, lins, canonical).params != plan.params:
+        raise FrontendError(f"the plan's tensor-parallel sharding{where} does not hold for this stage's graph; "
+                            "re-compile the plan", key=KEY)
+    graph = Graph()
+    graph._codegen = copy.deepcopy(stage.graph._codegen)
+    env: dict[Node, Node] = {}
+    graph.output(graph.graph_copy(stage.graph, env))
+    out_old = next(n for n in stage.graph.nodes if n.op == "output")
+    env[out_old] = next(n for n in graph.nodes if n.op == "output")
+    result = _rewrite(an, lins, graph, env)
+    sharded = {sp.name: sp for sp in plan.params}
+    fresh: dict[str, nn.Parameter] = {}
+
+    def local(p: nn.Parameter, name: str) -> nn.Parameter:
+        canon = canonical.get(name, name)
+        if canon not in fresh:  # a replicated one shares the data, not the gradient
+            data = shard_param(p.detach(), sharded[canon], plan.tp, rank).clone() if canon in sharded else p.detach()
+            fresh[canon] = nn.Parameter(data, requires_grad=p.requires_grad)
+        return fresh[canon]
+
+    memo: dict[int, nn.Module] = {}
+    attrs: dict[str, Any] = {"tp_copy": TPComm("copy"), "tp_reduce": TPComm("reduce")}
+    for n in graph.nodes:
+        if n.op not in ("call_module", "get_attr") or n.target in attrs:
+            continue
+        obj = _resolve(stage, str(n.target))
+        if isinstance(obj, nn.Module):
+            obj = _clone_tree(obj, memo)
+            for mod_name, mod in obj.named_modules(prefix=str(n.target), remove_duplicate=False):
+                for key, p in list(mod._parameters.items()):
+                    if p is not None:
+                        mod._parameters[key] = local(p, f"{mod_name}.{key}")
+        elif isinstance(obj, nn.Parameter):
+            obj = local(obj, str(n.target))
+        attrs[str(n.target)] = obj
+    if isinstance(stage, StageModule):
+        gm: GraphModule = StageModule(attrs, graph, stage=stage.stage, input_names=stage.input_names,
+                                      output_names=stage.output_names, canonical=stage.canonical,
+                                      param_order=stage.param_order)
+    else:
+        gm = GraphModule(attrs, graph, type(stage).__name__)
+    gm.graph.eliminate_dead_code()  # the sizes folded in
+    gm.graph.lint()
+    gm.recompile()
+    if check:
+        _prove(an, gm, result, where, traced)
+    set_group(gm, group)
+    return gm
+
+
+class _Prop(ShapeProp):
+    current: Node | None = None
+
+    def run_node(self, n: Node) -> Any:
+        self.current = n
+        return super().run_node(n)
+
+
+def _prove(an: _Analysis, gm: GraphModule, result: Mapping[Node, Node], where: str, traced: Traced | None) -> None:
+    """Every original node's value in the rewritten graph has its full shape with the sharded dim / tp."""
+    inputs = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            tm = n.meta["tensor_meta"]
+            inputs.append(torch.zeros(tuple(tm.shape), dtype=tm.dtype))
+    origin = {v: k for k, v in result.items()}
+    prop = _Prop(gm, fake_mode=FakeTensorMode(allow_non_fake_inputs=True))
+    prop.extra_traceback = False
+    try:
+        with quiet_torch():
+            prop.propagate(*inputs)
+    except Exception as e:  # noqa: BLE001 - a local shape the rewrite got wrong, said where
+        node = origin.get(prop.current, prop.current)
+        raise _refusal(an.tp, where, node, f"the sharded graph fails here: {type(e).__name__}: "
+                       f"{str(e).splitlines()[0] if str(e) else ''}", traced, ()) from None
+    live = set(gm.graph.nodes)
+    for old, new in result.items():
+        full, got = old.meta.get("tensor_meta"), new.meta.get("tensor_meta")
+        if new not in live or full is None or got is None:
+            continue
+        st = an.state.get(old)
+        pairs = zip(full, got, st if isinstance(st, tuple) else [None] * len(full)) if isinstance(full, (list, tuple)) \
+            else [(full, got, st)]
+        for f, g, s in pairs:
+            if not isinstance(f, TensorMetadata) or not isinstance(g, TensorMetadata):
+                continue
+            want = _local(tuple(int(d) for d in f.shape), s, an.tp)
+            if tuple(int(d) for d in g.shape) != want:
+                raise _refusal(an.tp, where, old, f"the sharded graph gives shape {list(g.shape)} here, not the local "
+                               f"{list(want)} (full {list(f.shape)})", traced, ("report this model to pipec",))

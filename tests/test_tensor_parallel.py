@@ -1,0 +1,247 @@
+"""The tensor-parallel sharding pass: which modules it shards, the sharded stages run by tp threads against the
+unsharded ones (outputs and every gradient), and its located refusals."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipec.compiler.frontend import ModelRequest, SplitBefore, TensorSpec, build_stage_graph, trace_request
+from pipec.compiler.frontend.tensor_parallel import plan_stage, plan_stages, shard_param, shard_stage, unshard
+from pipec.compiler.frontend.tensors import FrontendError
+from pipec.compiler.frontend.tp_comm import ThreadGroupTP
+from pipec.compiler.ir.tensor_parallel import ShardedParam
+from pipec.runtime.stages import build_stages, run_stages
+from test_frontend import plan_of
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+GPT = "pipec.examples.gpt:build"
+GPT_ARGS = dict(layers=2, dim=32, heads=4, vocab=64, seq=16)
+
+
+def _request(target, kwargs=None, name="tokens", stages=2, partition=None) -> ModelRequest:
+    return ModelRequest(target=target, kwargs=kwargs or {}, inputs=(TensorSpec(name, "int64", (2, 16)),),
+                        num_microbatches=1, num_stages=stages, costs="unit", partition=partition)
+
+
+def _stages(req: ModelRequest):
+    plan = plan_of(build_stage_graph(req))
+    return build_stages(plan, range(plan.num_stages), seed=3)
+
+
+def _loss(logits: torch.Tensor) -> torch.Tensor:
+    targets = torch.arange(logits.shape[0] * logits.shape[1]).remainder(logits.shape[-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    tol = 1e-6 + 1e-4 * want.abs().max().item()
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    assert (got - want).abs().max().item() <= tol, (what, (got - want).abs().max().item(), tol)
+
+
+def assert_tp_matches(stages, plans, tp: int, name: str) -> None:
+    """The stages sharded for ``tp`` ranks, run as threads, give the unsharded stages' outputs and gradients."""
+    gen = torch.Generator().manual_seed(0)
+    inputs = {name: torch.randint(0, 64, (2, 16), generator=gen)}
+    group = ThreadGroupTP(tp)
+    ranks = [{s: shard_stage(st, plans[s], r, group=group.rank(r)) for s, st in stages.items()} for r in range(tp)]
+    outs: list = [None] * tp
+    errors: list = []
+
+    def work(r: int) -> None:
+        try:
+            out = run_stages(ranks[r], inputs)
+            _loss(out[0]).backward()
+            outs[r] = out
+        except BaseException as e:  # noqa: BLE001 - reported by the test's thread
+            errors.append(e)
+            group._barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    for st in stages.values():
+        st.zero_grad(set_to_none=True)
+    want = run_stages(stages, inputs)
+    _loss(want[0]).backward()
+    for r in range(tp):
+        for g, w in zip(outs[r], want):
+            _close(g.detach(), w.detach(), f"rank {r} output")
+    for s, st in stages.items():
+        full = st.canonical_params()
+        local = [ranks[r][s].canonical_params() for r in range(tp)]
+        for cname, p in full.items():
+            sp = plans[s].sharded(cname)
+            if sp is not None:
+                assert local[0][cname].shape[sp.dim] == p.shape[sp.dim] // tp, cname
+                _close(unshard([local[r][cname].grad for r in range(tp)], sp), p.grad, f"stage {s} {cname}")
+            else:
+                for r in range(tp):
+                    assert local[r][cname] is not p and local[r][cname].grad is not None, cname
+                    _close(local[r][cname].grad, p.grad, f"stage {s} {cname} rank {r}")
+
+
+def _styles(plan) -> dict[str, str]:
+    return dict(plan.modules)
+
+
+# ----------------------------------------------------------------------------- the models
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return _stages(_request(GPT, GPT_ARGS, partition=SplitBefore(("blocks.1",))))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gpt_auto_finds_megatron_pairs_and_matches(gpt, tp):
+    plans = [plan_stage(gpt[s], tp) for s in range(2)]
+    styles = _styles(plans[0]) | _styles(plans[1])
+    for b in range(2):
+        assert styles[f"blocks.{b}.attn.qkv"] == "colwise" and styles[f"blocks.{b}.attn.proj"] == "rowwise"
+        assert styles[f"blocks.{b}.mlp.fc"] == "colwise" and styles[f"blocks.{b}.mlp.proj"] == "rowwise"
+    # the LM head's weight is tied to wte: both stay replicated
+    assert styles["lm_head"] == "replicated" and styles["wte"] == "replicated"
+    assert plans[0].sharded("blocks.0.attn.qkv.weight") == ShardedParam(name="blocks.0.attn.qkv.weight", dim=0, segments=3)
+    assert plans[0].sharded("blocks.0.attn.proj.weight").dim == 1 and plans[0].sharded("blocks.0.attn.proj.bias") is None
+    assert plans[1].sharded("wte.weight") is None
+    assert [(c.phase, c.node) for c in plans[0].collectives] == [
+        ("backward", "blocks_0_ln1"), ("forward", "blocks_0_attn_proj"), ("backward", "blocks_0_ln2"),
+        ("forward", "blocks_0_mlp_proj")]
+    assert plans[0].collectives[0].num_bytes == 2 * 16 * 32 * 4
+    assert plans[0].sharded_flops == 1.0 and 0.5 < plans[1].sharded_flops < 1.0  # the LM head is not sharded
+    assert_tp_matches(gpt, plans, tp, "tokens")
+
+
+def test_gpt_rewrite_uses_local_sizes(gpt):
+    plan = plan_stage(gpt[0], 2)
+    local = shard_stage(gpt[0], plan, 1)  # no group: one rank's shapes alone
+    code = local.code
+    assert ".split(16, dim = 2)" in code and ".view(2, 16, 2, 8)" in code and ".reshape(2, 16, 16)" in code
+    assert "tp_reduce" in code and "tp_copy" in code
+    assert local.canonical_params()["blocks.0.attn.qkv.weight"].shape == (48, 32)
+    out = local(torch.zeros(2, 16, dtype=torch.int64))
+    assert out[0].shape == (2, 16, 32)
+
+
+def test_gpt_explicit_patterns(gpt):
+    patterns = {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise"}
+    plans = plan_stages([gpt[0], gpt[1]], 2, patterns=patterns)
+    assert _styles(plans[0])["blocks.0.mlp.fc"] == "replicated" and _styles(plans[1])["blocks.1.attn.qkv"] == "colwise"
+    assert_tp_matches(gpt, plans, 2, "tokens")
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    pytest.importorskip("transformers")
+    return _stages(_request("test_hf:wrapped_gpt2", name="input_ids", partition=SplitBefore(("model.transformer.h.1",))))
+
+
+def test_hf_gpt2_conv1d_fused_c_attn(gpt2):
+    plans = [plan_stage(gpt2[s], 2) for s in range(2)]
+    styles = _styles(plans[0]) | _styles(plans[1])
+    for b in range(2):
+        assert styles[f"model.transformer.h.{b}.attn.c_attn"] == "colwise"
+        assert styles[f"model.transformer.h.{b}.attn.c_proj"] == "rowwise"
+        assert styles[f"model.transformer.h.{b}.mlp.c_fc"] == "colwise"
+        assert styles[f"model.transformer.h.{b}.mlp.c_proj"] == "rowwise"
+    assert styles["model.lm_head"] == "replicated" and styles["model.transformer.wte"] == "replicated"
+    # Conv1D's weight is [in, out]: colwise cuts dim 1 (three segments: q|k|v), rowwise dim 0
+    assert plans[0].sharded("model.transformer.h.0.attn.c_attn.weight").dim == 1
+    assert plans[0].sharded("model.transformer.h.0.attn.c_attn.weight").segments == 3
+    assert plans[0].sharded("model.transformer.h.0.mlp.c_proj.weight").dim == 0
+    assert_tp_matches(gpt2, plans, 2, "input_ids")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    pytest.importorskip("transformers")
+    return _stages(_request("test_hf:llama", name="input_ids", partition=SplitBefore(("model.model.layers.1",))))
+
+
+def test_hf_llama_gqa_rotary_rmsnorm(llama):
+    plans = [plan_stage(llama[s], 2) for s in range(2)]  # 4 heads, 2 kv heads: one kv head per rank
+    styles = _styles(plans[0]) | _styles(plans[1])
+    for b in range(2):
+        at = f"model.model.layers.{b}"
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            assert styles[f"{at}.{m}"] == "colwise", m
+        assert styles[f"{at}.self_attn.o_proj"] == "rowwise" and styles[f"{at}.mlp.down_proj"] == "rowwise"
+    assert styles["model.lm_head"] == "replicated"
+    assert_tp_matches(llama, plans, 2, "input_ids")
+
+
+def test_hf_llama_fewer_kv_heads_than_tp_is_refused(llama):
+    with pytest.raises(FrontendError, match="grouped-query attention has 2 kv heads, fewer than tp 4") as e:
+        plan_stage(llama[0], 4)
+    assert e.value.key == "tensor_parallel" and "modeling_llama.py" in str(e.value)  # the user's source line
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_pattern_matching_nothing_is_refused(gpt):
+    with pytest.raises(FrontendError, match="'blocks.*.attn.qkvz' matches no module of any stage"):
+        plan_stages([gpt[0], gpt[1]], 2, patterns={"blocks.*.attn.qkvz": "colwise"})
+
+
+def test_pattern_naming_a_module_that_cannot_be_sharded_is_refused(gpt):
+    with pytest.raises(FrontendError, match=r"matches blocks.0.ln1 \(LayerNorm\), which is not a Linear") as e:
+        plan_stage(gpt[0], 2, patterns={"blocks.*.ln1": "colwise"})
+    assert e.value.key == "tensor_parallel" and e.value.hints
+
+
+def test_colwise_without_its_rowwise_partner_is_refused_located(gpt):
+    req = _request(GPT, GPT_ARGS, partition=SplitBefore(("blocks.1",)))
+    traced = trace_request(req).traced
+    with pytest.raises(FrontendError, match=r"blocks.0.mlp.proj is replicated in the patterns, but its input is sharded"
+                                            r"|node 'blocks_0_mlp_proj'") as e:
+        plan_stage(gpt[0], 2, patterns={"blocks.*.mlp.fc": "colwise"}, traced=traced)
+    assert "examples/gpt.py" in str(e.value) or "gpt.py:" in str(e.value)
+
+
+def test_heads_not_divisible_by_tp_is_refused_located():
+    req = _request(GPT, dict(layers=1, dim=24, heads=3, vocab=64, seq=16), stages=1)
+    stages = _stages(req)
+    with pytest.raises(FrontendError, match="not divisible by tp 2") as e:
+        plan_stage(stages[0], 2, traced=trace_request(req).traced)
+    assert "gpt.py:" in str(e.value) and "q.view" in str(e.value) and "use a tp that divides 3" in e.value.hints[0]
+
+
+# ----------------------------------------------------------------------------- parameters and collectives
+
+
+@pytest.mark.parametrize("segments,dim", [(1, 0), (3, 0), (3, 1), (2, 1)])
+def test_shard_param_and_unshard_are_inverse(segments, dim):
+    full = torch.arange(12 * 24, dtype=torch.float32).reshape(12, 24)
+    sp = ShardedParam(name="w", dim=dim, segments=segments)
+    parts = [shard_param(full, sp, 2, r) for r in range(2)]
+    assert parts[0].shape[dim] == full.shape[dim] // 2
+    assert torch.equal(unshard(parts, sp), full)
+    if segments == 3 and dim == 0:  # rank 1 holds the second half of each of q, k, v
+        assert torch.equal(parts[1][:2], full[2:4]) and torch.equal(parts[1][2:4], full[6:8])
+
+
+def test_thread_group_sums_in_rank_order():
+    group = ThreadGroupTP(3)
+    got: list = [None] * 3
+
+    def work(r):
+        got[r] = group.rank(r).all_reduce(torch.full((2,), float(r + 1)))
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(g, torch.full((2,), 6.0)) for g in got)
