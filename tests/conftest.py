@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import atexit
 import io
 import json
 import os
@@ -29,6 +30,26 @@ from launches import LAUNCHES, Launches, call_job, run_job  # noqa: F401 - the t
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+
+
+# ----------------------------------------------------------------------------- exit
+
+
+_STATUS: dict[str, int] = {}
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    _STATUS["exit"] = int(exitstatus)
+
+
+@atexit.register  # registered at import, before torch is imported: runs after torch's own atexit handlers
+def _exit_without_teardown() -> None:
+    """Leave with pytest's exit status once the Python-level exit handlers ran: the interpreter's C-level teardown
+    of torch and transformers (freeing what the tests built, no Python frame) takes 5 s or more and checks nothing."""
+    if "exit" in _STATUS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_STATUS["exit"])
 
 
 @pytest.fixture(scope="session", autouse=True)
