@@ -92,6 +92,12 @@ class Trainer:
                                                          dtype=config.dtype)
             self.loss_fn = make_loss(config.loss, (plan.model or {}).get("search_path") or ())
             self.data = make_data(config, plan)
+            sharded = [s for s in self.own if plan.stages and plan.stages[s].tp is not None and plan.stages[s].tp.params]
+            if sharded and self.tp_rank == 0 and self.dp_rank == 0:
+                print(f"pipec: warning: the plan shards stage{'s' if len(sharded) > 1 else ''} "
+                      f"{', '.join(map(str, sharded))} across tp {plan.mesh.tp}, but this runtime runs every stage "
+                      "whole on each tp rank (replicated: the same numbers, without tensor parallelism's memory and "
+                      "time savings)", file=sys.stderr, flush=True)
         emulate = None
         if options.emulate:
             emulate = options.unit_time if plan.unit_costs else 1.0  # seconds per unit, or costs in seconds

@@ -337,6 +337,17 @@ def test_views_draw_one_row_per_replica_and_say_tp_ranks_per_row():
     assert "tp 2 ranks per row" in str(render_summary(pred, measured=measured, tp=2).caption)
 
 
+def test_stragglers_name_their_tp_rank():
+    from pipec.compiler.ir.timeline import RankTime
+    from pipec.runtime.accounting import stragglers
+
+    mesh = Mesh(pp=1, dp=2, tp=2)
+    per_rank = tuple(RankTime(rank=r, compute=5.0 if r == 3 else 1.0, comm_wait=0.0, idle=0.0, bubble_fraction=0.0)
+                     for r in range(4))
+    (slow,) = stragglers(Timeline(step_time=5.0, bubble_fraction=0.0, per_rank=per_rank), mesh)
+    assert (slow["rank"], slow["pp"], slow["dp"], slow["tp"]) == (3, 0, 1, 1)
+
+
 # ----------------------------------------------------------------------------- under torchrun
 
 
@@ -344,7 +355,12 @@ def _tp_runs(folder: Path) -> dict[str, dict]:
     """pp 2 x tp 2 (4 ranks) of the small GPT: 1f1b (writing a checkpoint every step) and zb_h1, with --check."""
     from test_checkpoint import with_checkpoints
 
-    jobs = {}
+    emulated = folder / "emulated.json"  # a schedule-only plan: the emulation's probe on every tp rank
+    write_plan(compile_plan(num_ranks=2, num_microbatches=4, schedule="1f1b", tp=2).plan, str(emulated))
+    jobs = {"emulated": run_job(emulated, "--steps", "2", "--emulate", "--unit-time", "0.002")}
+    recorded = folder / "recorded.json"  # a stage the plan says is sharded: run whole, and said so
+    write_plan(_with_stage_tp(tiny_gpt("1f1b"))[0], str(recorded))
+    jobs["recorded"] = run_job(recorded, "--steps", "1", "--check")
     for schedule in ("1f1b", "zb_h1"):
         path = folder / f"{schedule}.json"
         write_plan(tiny_gpt(schedule), str(path))
@@ -384,7 +400,14 @@ tp_8_ranks = LAUNCHES.runs("tp_8_ranks", world=8, make=_tp_8_ranks)
 
 @pytest.mark.timeout(600)
 def test_pp2_tp2_runs_check_against_the_unpartitioned_model(tp_runs):
-    for name, rec in tp_runs.items():
+    emulated = tp_runs["emulated"]
+    assert emulated["rc"] == 0, emulated["stderr"][-4000:]
+    assert emulated["report"]["mesh"] == {"pp": 2, "dp": 1, "tp": 2} and "emulation" in emulated["report"]
+    recorded = tp_runs["recorded"]
+    assert recorded["rc"] == 0 and recorded["check"]["passed"], recorded["stderr"][-4000:]
+    assert recorded["stderr"].count("pipec: warning: the plan shards stage 0 across tp 2, but this runtime runs every "
+                                    "stage whole on each tp rank") == 1
+    for name, rec in ((n, r) for n, r in tp_runs.items() if n not in ("emulated", "recorded")):
         assert rec["rc"] == 0, rec["stderr"][-4000:]
         check = rec["check"]
         assert check["passed"] and check["max_grad_diff"] < 1e-4 and check["loss_diff"] < 1e-5, (name, check)
