@@ -165,12 +165,7 @@ class Launches:
     def hold(self) -> None:
         """Wait for the running process to end, and start none (until the next :meth:`poll`)."""
         if self.running is not None:
-            try:
-                self.running.proc.wait(timeout=max(0.0, self.running.deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self._stop(self.running, "did not finish in time")
-                return
-            self._collect(self.running)
+            self._wait_running()
 
     def get(self, name: str):
         """What ``name`` left, waiting for it (and for what runs before it) if need be."""
@@ -185,16 +180,20 @@ class Launches:
                 if self.running is None and name not in self.done:  # the queue ran dry without it: a bug here
                     self.done[name] = f"{name} was never run (tests/launches.py lost it)"
                 continue
-            try:
-                self.running.proc.wait(timeout=max(0.0, self.running.deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self._stop(self.running, "did not finish in time")
-                continue
-            self._collect(self.running)
+            self._wait_running()
         result = self.done[name]
         if isinstance(result, str):
             pytest.fail(result)
         return result
+
+    def _wait_running(self) -> None:
+        """Wait for the running process to end (collected) or pass its deadline (stopped)."""
+        try:
+            self.running.proc.wait(timeout=max(0.0, self.running.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self._stop(self.running, "did not finish in time")
+            return
+        self._collect(self.running)
 
     def _wanted_by(self, name: str) -> set[str]:
         out, todo = set(), list(self.needs[name].after)

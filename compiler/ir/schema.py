@@ -75,19 +75,15 @@ class Reader:
         return v
 
     def list(self, key: str, *, required: bool = True) -> Any:
-        v = self._get(key, required)
-        if v is None:
-            return None
-        if not isinstance(v, list):
-            raise self.error(key, "expected a list", v)
-        return v
+        return self._of(key, list, "a list", required)
 
     def dict(self, key: str, *, required: bool = True) -> Any:
+        return self._of(key, dict, "an object", required)
+
+    def _of(self, key: str, kind: type, what: str, required: bool) -> Any:
         v = self._get(key, required)
-        if v is None:
-            return None
-        if not isinstance(v, dict):
-            raise self.error(key, "expected an object", v)
+        if v is not None and not isinstance(v, kind):
+            raise self.error(key, f"expected {what}", v)
         return v
 
     def ints(self, key: str, *, lo: int | None = None, hi: int | None = None, required: bool = True) -> Any:
