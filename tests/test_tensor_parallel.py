@@ -34,7 +34,7 @@ def _stages(req: ModelRequest):
     return build_stages(plan, range(plan.num_stages), seed=3)
 
 
-def _loss(logits: torch.Tensor) -> torch.Tensor:
+def _xent(logits: torch.Tensor) -> torch.Tensor:
     targets = torch.arange(logits.shape[0] * logits.shape[1]).remainder(logits.shape[-1])
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
 
@@ -45,10 +45,11 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert (got - want).abs().max().item() <= tol, (what, (got - want).abs().max().item(), tol)
 
 
-def assert_tp_matches(stages, plans, tp: int, name: str) -> None:
+def assert_tp_matches(stages, plans, tp: int, name: str, *, x: torch.Tensor | None = None, loss=None) -> None:
     """The stages sharded for ``tp`` ranks, run as threads, give the unsharded stages' outputs and gradients."""
     gen = torch.Generator().manual_seed(0)
-    inputs = {name: torch.randint(0, 64, (2, 16), generator=gen)}
+    inputs = {name: torch.randint(0, 64, (2, 16), generator=gen) if x is None else x}
+    _loss = loss or _xent
     group = ThreadGroupTP(tp)
     ranks = [{s: shard_stage(st, plans[s], r, group=group.rank(r)) for s, st in stages.items()} for r in range(tp)]
     outs: list = [None] * tp
@@ -185,6 +186,23 @@ def test_hf_llama_fewer_kv_heads_than_tp_is_refused(llama):
     with pytest.raises(FrontendError, match="grouped-query attention has 2 kv heads, fewer than tp 4") as e:
         plan_stage(llama[0], 4)
     assert e.value.key == "tensor_parallel" and "modeling_llama.py" in str(e.value)  # the user's source line
+
+
+def test_torch_transformer_encoder_layer_fused_in_proj():
+    req = ModelRequest(target="test_frontend_real:encoder", kwargs=dict(layers=2), num_microbatches=1, num_stages=2,
+                       inputs=(TensorSpec("x", "float32", (2, 6, 32)),), costs="unit",
+                       partition=SplitBefore(("enc.layers.1",)))
+    stages = _stages(req)
+    plans = [plan_stage(stages[s], 2) for s in range(2)]
+    styles = _styles(plans[0]) | _styles(plans[1])
+    for b in range(2):  # nn.MultiheadAttention's in_proj_weight is q|k|v, viewed as [..., 3, dim] and selected from
+        assert styles[f"enc.layers.{b}.self_attn.in_proj"] == "colwise"
+        assert styles[f"enc.layers.{b}.self_attn.out_proj"] == "rowwise"
+        assert styles[f"enc.layers.{b}.linear1"] == "colwise" and styles[f"enc.layers.{b}.linear2"] == "rowwise"
+    assert plans[0].sharded("enc.layers.0.self_attn.in_proj_weight").segments == 3
+    assert styles["inp"] == "replicated" and styles["out"] == "replicated"
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1))
+    assert_tp_matches(stages, plans, 2, "x", x=x, loss=lambda y: F.mse_loss(y, torch.ones_like(y)))
 
 
 # ----------------------------------------------------------------------------- refusals

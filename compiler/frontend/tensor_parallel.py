@@ -150,8 +150,13 @@ def _linear_like(node: Node, root: nn.Module) -> _Lin | None:
     if node.op != "call_function":
         return None
     op, aten = _op(node), isinstance(node.target, torch._ops.OpOverload)
-    def path(w: str) -> str:  # the module the op ran in (a tied weight's own path may name another module)
-        return module_path(node) or w.rpartition(".")[0]
+    def path(w: str) -> str:
+        """The weight's module (``in_proj`` for an ``in_proj_weight``), or the module the op ran in where the
+        weight belongs elsewhere (a tied weight: GPT-2's token embedding reads ``lm_head.weight``)."""
+        owner, _, name = w.rpartition(".")
+        own = owner if name == "weight" else f"{owner}.{name.removesuffix('_weight')}" if owner else name
+        ran = module_path(node)
+        return own if not ran or owner == ran or owner.startswith(ran + ".") else ran
 
     if op == "linear" and (w := attr(_arg(node, 1, "weight"))):
         return _Lin(node, node.args[0], w, attr(_arg(node, 2, "bias")), 0, path(w), "linear")
@@ -236,8 +241,8 @@ class _Analysis:
         ins = [(a, self.state[a]) for a in n.all_input_nodes if isinstance(self.state.get(a), Shard)]
         if n.op == "output":
             if ins:
-                self.fail(n, [s for _, s in ins], f"{ins[0][0].name!r} leaves the stage sharded (a stage's outputs "
-                                                  "are replicated)")
+                self.fail(ins[0][0], [s for _, s in ins], f"{ins[0][0].name!r} leaves the stage sharded (a stage's "
+                                                          "outputs are replicated)")
             return None
         if n in self.lins:
             return self._linear(n, self.lins[n])
@@ -520,22 +525,29 @@ _RULES: dict[str, Callable[[_Analysis, Node, list], Any]] = {
 # ----------------------------------------------------------------------------- deciding
 
 
-def _segments(node: Node) -> int:
-    """How many equal blocks a colwise candidate's output is (3 for a fused q|k|v split into q, k, v)."""
-    cur = node
+def _segment_choices(node: Node, tp: int) -> list[int]:
+    """How many equal blocks a colwise candidate's output may be, the likeliest first: 3 for a fused q|k|v
+    split into q, k, v (or viewed as ``[..., 3, features]`` and selected from, as nn.MultiheadAttention does), else 1."""
+    cur, features = node, _shape(node)[-1]
     while len(cur.users) == 1 and _op(next(iter(cur.users))) in _VIEWS | _UNARY:
         nxt = next(iter(cur.users))
-        if _shape(nxt) is None or _shape(nxt)[-1] != _shape(node)[-1]:
+        if _shape(nxt) is None or _shape(nxt)[-1] != features:
             break
         cur = nxt
+    choices = []
+    nd = len(_shape(cur))
     for u in cur.users:
         if _op(u) in ("split", "split_with_sizes", "chunk") and isinstance(u.meta.get("tensor_meta"), (tuple, list)):
-            nd = len(_shape(cur))
             if _norm(int(_arg(u, 2, "dim", 0)), nd) == nd - 1:
                 sizes = {int(tm.shape[-1]) for tm in u.meta["tensor_meta"]}
                 if len(sizes) == 1:
-                    return len(u.meta["tensor_meta"])
-    return 1
+                    choices.append(len(u.meta["tensor_meta"]))
+        elif _op(u) in _SIZED_VIEWS and _shape(u) is not None:
+            mapped = _map_view(_shape(cur), nd - 1, 1, _shape(u))
+            if mapped is not None and 1 < (k := _shape(u)[mapped[0]]) < features:
+                choices.append(k)
+    choices = [k for k in dict.fromkeys([*choices[:1], 1, *choices[1:]]) if features % (k * tp) == 0 or k == 1]
+    return choices
 
 
 def _canonical_of(gm: GraphModule, canonical: Mapping[str, str] | None) -> Mapping[str, str]:
@@ -583,25 +595,31 @@ def _check_params(an: _Analysis, canonical: Mapping[str, str]) -> None:
                     f"parameter {name} is used sharded here and replicated (or sharded otherwise) elsewhere (a tied weight)")
 
 
-def _analyse(gm: GraphModule, tp: int, styles: Mapping[str, str] | None, canonical: Mapping[str, str]) -> tuple[_Analysis, Mapping[Node, _Lin]]:
-    """The analysis run to its fixpoint: ``styles`` None is auto (candidates that fail are replicated)."""
+def _analyse(gm: GraphModule, tp: int, styles: Mapping[str, str] | None, canonical: Mapping[str, str],
+             segments: Mapping[str, int] | None = None) -> tuple[_Analysis, Mapping[Node, _Lin]]:
+    """The analysis run to its fixpoint: ``styles`` None is auto (candidates that fail are replicated); a
+    candidate that fails first tries its other segment counts. ``segments`` (canonical weight -> segments, a
+    plan's record) fixes them."""
     lins = {n: lin for n in gm.graph.nodes if (lin := _linear_like(n, gm)) is not None}
-    segments = {n.name: _segments(n) for n, lin in lins.items() if lin.kind != "embedding"}
+    choices = {n.name: ([segments.get(canonical.get(lin.weight, lin.weight), 1)] if segments is not None
+                        else _segment_choices(n, tp)) for n, lin in lins.items() if lin.kind != "embedding"}
+    pick = dict.fromkeys(choices, 0)
     if styles is not None:
-        colwise = {n.name for n, lin in lins.items() if styles.get(lin.path) == "colwise"}
-        an = _Analysis(gm, tp, lins, colwise, segments).run()
-        _check_params(an, canonical)
-        return an, lins
+        cands = {n.name for n, lin in lins.items() if styles.get(lin.path) == "colwise"}
+    else:
+        cands = set(choices)
     off: set[str] = set()
-    cands = {n.name for n, lin in lins.items() if lin.kind != "embedding"}
     while True:
-        an = _Analysis(gm, tp, lins, cands - off, segments).run()
+        an = _Analysis(gm, tp, lins, cands - off, {c: choices[c][pick[c]] for c in choices}).run()
         _check_params(an, canonical)
         bad = frozenset().union(*(f.sources for f in an.failures if not f.size)) - off
-        if not bad:
-            assert all(f.size for f in an.failures), an.failures
+        retry = {b for b in bad if b in pick and pick[b] + 1 < len(choices[b])}
+        for b in retry:
+            pick[b] += 1
+        if not bad or (styles is not None and not retry):
             return an, lins
-        off |= bad
+        if styles is None:
+            off |= bad - retry
 
 
 # ----------------------------------------------------------------------------- refusals, located
@@ -887,7 +905,7 @@ def shard_stage(stage: GraphModule, plan: StageTP, rank: int, *, group: TPGroup 
     canonical = _canonical_of(stage, canonical)
     if plan.tp == 1:
         return stage
-    an, lins = _analyse(stage, plan.tp, dict(plan.modules), canonical)
+    an, lins = _analyse(stage, plan.tp, dict(plan.modules), canonical, {sp.name: sp.segments for sp in plan.params})
     if an.failures or _record(an, lins, canonical).params != plan.params:
         raise FrontendError(f"the plan's tensor-parallel sharding{where} does not hold for this stage's graph; "
                             "re-compile the plan", key=KEY)
