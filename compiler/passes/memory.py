@@ -135,31 +135,21 @@ def padded_params(stage: Stage, num_shards: int) -> int:
         return local_params(stage)
     if not stage.param_shapes:
         return -(-local_params(stage) // n) * n
-    return _padded_shapes(local_shapes(stage), n)
+    if stage.tp is None or stage.tp.tp <= 1:
+        return _padded_shapes(stage.param_shapes, n)
+    local = _local(stage)
+    if n not in local.padded:
+        local.padded[n] = _padded_shapes(local.shapes, n)
+    return local.padded[n]
 
 
 def local_shapes(stage: Stage) -> tuple[tuple[int, ...], ...]:
     """The shape of each of the stage's parameters on one of its tp ranks: a sharded one's dim ``dim`` divided by
     tp (each of its ``segments`` blocks cut in tp parts: the dim over tp in all), a replicated one whole;
     ``param_shapes`` itself without tp."""
-    stp = stage.tp
-    if stp is None or stp.tp <= 1 or not stage.param_shapes:
+    if stage.tp is None or stage.tp.tp <= 1 or not stage.param_shapes:
         return stage.param_shapes
-    return _local_shapes(stage.params, stage.param_shapes, stp)
-
-
-@lru_cache(maxsize=4096)
-def _local_shapes(names, shapes, stp) -> tuple[tuple[int, ...], ...]:
-    sharded = {p.name: p for p in stp.params}
-    out = []
-    for name, shape in zip(names, shapes):
-        p = sharded.get(name)
-        if p is None or not shape:
-            out.append(shape)
-            continue
-        dim = p.dim % len(shape)
-        out.append(tuple(-(-d // stp.tp) if i == dim else d for i, d in enumerate(shape)))
-    return tuple(out)
+    return _local(stage).shapes
 
 
 def local_params(stage: Stage) -> int:
@@ -167,7 +157,43 @@ def local_params(stage: Stage) -> int:
     (``num_params`` without tp, or where the shapes are unknown: then nothing is taken as sharded)."""
     if stage.tp is None or stage.tp.tp <= 1 or not stage.param_shapes:
         return stage.num_params or 0
-    return _count(local_shapes(stage)) + (stage.num_params or 0) - _count(stage.param_shapes)
+    return _local(stage).count
+
+
+@dataclass(slots=True)
+class _Local:
+    """A tp stage's local shapes, their count, and their padded counts per shard size (:func:`_local`)."""
+
+    stage: Stage
+    shapes: tuple[tuple[int, ...], ...]
+    count: int
+    padded: dict[int, int]
+
+
+_LOCALS: dict[int, _Local] = {}
+"""id(stage) -> :class:`_Local`, holding the stage (so its id is not reused while cached): hashing a stage's
+names, shapes and StageTP on every call cost ``pipec tune`` more than the rest of its memory model."""
+
+
+def _local(stage: Stage) -> _Local:
+    got = _LOCALS.get(id(stage))
+    if got is not None and got.stage is stage:
+        return got
+    stp = stage.tp
+    sharded = {p.name: p for p in stp.params}
+    shapes = []
+    for name, shape in zip(stage.params, stage.param_shapes):
+        p = sharded.get(name)
+        if p is None or not shape:
+            shapes.append(shape)
+            continue
+        dim = p.dim % len(shape)
+        shapes.append(tuple(-(-d // stp.tp) if i == dim else d for i, d in enumerate(shape)))
+    count = _count(shapes) + (stage.num_params or 0) - _count(stage.param_shapes)
+    if len(_LOCALS) >= 16384:
+        _LOCALS.clear()
+    got = _LOCALS[id(stage)] = _Local(stage=stage, shapes=tuple(shapes), count=count, padded={})
+    return got
 
 
 def _count(shapes) -> int:

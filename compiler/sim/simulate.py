@@ -130,7 +130,7 @@ def _priced(plan: Plan, price: Pricing) -> tuple[dict, dict, dict]:
     tl = plan.links.get("tie", pp)
     for tie in plan.ties:
         ranks = tie.ranks(plan.placement)
-        groups = [tuple(mesh.global_rank(p, d, t) for p in ranks) for d in range(mesh.dp) for t in range(mesh.tp)]
+        groups = [tuple(mesh.global_rank(p, d, t) for p in ranks) for d in range(mesh.dp) for t in _tp_ranks(mesh)]
         num_bytes = tie_bytes(plan, tie) if tp else tie.num_bytes or 0
         cost = price.ring("tie", tl, groups, num_bytes) if len(ranks) > 1 else 0.0
         for s in tie.stages:
@@ -214,7 +214,7 @@ class Pricing:
         on the ``tp`` link when the plan has one, else as a dp collective is priced (the ``dp`` link, or by node:
         ``intra`` for a group inside one node, the hierarchical ring across nodes)."""
         mesh = self.plan.mesh
-        groups = [mesh.tp_group(mesh.global_rank(pp, d)) for d in range(mesh.dp)]
+        groups = [mesh.tp_group(mesh.global_rank(pp, d)) for d in (range(1) if _aligned(mesh) else range(mesh.dp))]
         link = self.plan.links.get("tp")
         if link is not None:
             n = len(groups[0])
@@ -429,8 +429,8 @@ def _shard_costs(plan: Plan, allreduce: dict[tuple[str, int], float],
 def _dp_groups(mesh: Mesh, group: str, pp: int) -> tuple[tuple[int, ...], ...]:
     """The distinct groups ``group`` (``dp``, ``dp.shard``, ``dp.replicate``) splits pp rank ``pp``'s replicas
     into, in dp order, as global ranks: one set per tp rank t (the replicas of tp rank t; with tp 1 the only
-    one). Shard groups are consecutive dp ranks; a replicate group holds the same position in each. Cached on
-    its arguments, all it reads (``pipec tune`` prices thousands of candidates on a few dozen meshes)."""
+    one; only tp rank 0's where :func:`_aligned`, the rest costing the same). Shard groups are consecutive dp
+    ranks; a replicate group holds the same position in each. Cached on its arguments, all it reads (``pipec tune`` prices thousands of candidates on a few dozen meshes)."""
     n = mesh.num_shards if mesh.hybrid else mesh.dp
     if group == "dp":
         blocks = [range(mesh.dp)]
@@ -440,7 +440,18 @@ def _dp_groups(mesh: Mesh, group: str, pp: int) -> tuple[tuple[int, ...], ...]:
         blocks = [range(d, mesh.dp, n) for d in range(n)]
     else:
         raise KeyError(f"{group!r} is not a dp group (dp, dp.shard, dp.replicate)")
-    return tuple(tuple(mesh.global_rank(pp, d, t) for d in ds) for t in range(mesh.tp) for ds in blocks)
+    return tuple(tuple(mesh.global_rank(pp, d, t) for d in ds) for t in _tp_ranks(mesh) for ds in blocks)
+
+
+def _aligned(mesh: Mesh) -> bool:
+    """Whether tp divides the node size (or nodes are not said): then every tp group sits in one node, and the
+    groups of tp rank t (dp, shard, tie groups) sit on the nodes tp rank 0's do, so one of them prices them all."""
+    return mesh.devices_per_node is None or mesh.devices_per_node % mesh.tp == 0
+
+
+def _tp_ranks(mesh: Mesh) -> range:
+    """The tp ranks whose groups are priced: tp rank 0 alone when :func:`_aligned` (the rest cost the same)."""
+    return range(1) if _aligned(mesh) else range(mesh.tp)
 
 
 def timeline_of(ex: Execution, costs: CostModel, static_bytes: Sequence[int] | None = None,
