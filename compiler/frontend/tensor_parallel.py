@@ -714,14 +714,24 @@ def _record(an: _Analysis, lins: Mapping[Node, _Lin], canonical: Mapping[str, st
         if sp is not None:
             params[name] = sp
     total = sharded = 0.0
+    counted = any("pipec_flops" in n.meta for n in an.gm.graph.nodes)
     for n in an.gm.graph.nodes:
         flops = float(n.meta.get("pipec_flops") or 0.0)
+        if not counted and n in lins and lins[n].kind != "embedding":  # not annotated: 2 M N K of the matmuls
+            flops = 2.0 * _prod(_shape(n)) * _shape(lins[n].x)[-1]
         total += flops
         touched = isinstance(an.state.get(n), Shard) or any(isinstance(an.state.get(a), Shard) for a in n.all_input_nodes)
         if touched or n.name in an.active:
             sharded += flops
     return StageTP(tp=an.tp, modules=tuple(modules.items()), params=tuple(params.values()),
                    collectives=tuple(collectives), sharded_flops=sharded / total if total else 0.0)
+
+
+def _check_annotated(stage: GraphModule) -> None:
+    for n in stage.graph.nodes:
+        if n.op in ("placeholder", "get_attr", "call_module") and "tensor_meta" not in n.meta:
+            raise FrontendError(f"node {n.name!r} of the stage's graph has no shape; annotate the traced graph "
+                                "(annotate.propagate) before it is split, so that the sharding pass can read shapes")
 
 
 def plan_stage(stage: GraphModule, tp: int, *, patterns: Mapping[str, str] | None = None,
@@ -738,6 +748,7 @@ def plan_stage(stage: GraphModule, tp: int, *, patterns: Mapping[str, str] | Non
     canonical = _canonical_of(stage, canonical)
     if tp == 1:
         return StageTP(tp=1)
+    _check_annotated(stage)
     styles = None
     if patterns is not None:
         lins = {n: lin for n in stage.graph.nodes if (lin := _linear_like(n, stage)) is not None}
@@ -966,11 +977,12 @@ class _Prop(ShapeProp):
 
 def _prove(an: _Analysis, gm: GraphModule, result: Mapping[Node, Node], where: str, traced: Traced | None) -> None:
     """Every original node's value in the rewritten graph has its full shape with the sharded dim / tp."""
+    device = next((t.device for t in (*gm.parameters(), *gm.buffers())), torch.device("cpu"))
     inputs = []
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             tm = n.meta["tensor_meta"]
-            inputs.append(torch.zeros(tuple(tm.shape), dtype=tm.dtype))
+            inputs.append(torch.zeros(tuple(tm.shape), dtype=tm.dtype, device=device))
     origin = {v: k for k, v in result.items()}
     prop = _Prop(gm, fake_mode=FakeTensorMode(allow_non_fake_inputs=True))
     prop.extra_traceback = False

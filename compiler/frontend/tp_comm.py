@@ -5,6 +5,10 @@
 - ``g`` (:class:`ReduceFromTP`): all-reduce forward (a rowwise output is a partial sum), identity backward.
 
 Both call a *group*: any object with ``all_reduce(tensor) -> tensor`` (the sum over the tp ranks, a new tensor).
+For sequence parallelism a group also has ``all_gather(tensor, dim)`` (every rank's tensor concatenated along
+``dim``, in rank order) and ``reduce_scatter(tensor, dim)`` (the sum's ``rank``-th part along ``dim``), which
+:class:`GatherFromSP` (all-gather forward, reduce-scatter backward: before a colwise group) and
+:class:`ScatterToSP` (reduce-scatter forward, all-gather backward: after a rowwise module) call.
 :class:`ProcessGroupTP` wraps a ``torch.distributed`` process group; :class:`ThreadGroupTP` runs the tp ranks as
 threads of one process (tests, one-process checks). :class:`TPComm` is the ``call_module`` the sharding pass
 inserts: with no group set it is the identity, so a stage's local shapes run (and profile) in one process.
@@ -18,13 +22,18 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-__all__ = ["TPGroup", "ProcessGroupTP", "ThreadGroupTP", "CopyToTP", "ReduceFromTP", "TPComm", "set_group"]
+__all__ = ["TPGroup", "ProcessGroupTP", "ThreadGroupTP", "CopyToTP", "ReduceFromTP", "GatherFromSP", "ScatterToSP",
+           "TPComm", "set_group"]
 
 
 class TPGroup(Protocol):
     """What f and g call: the sum of ``tensor`` over the tp ranks, as a new tensor."""
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor: ...
 
 
 class ProcessGroupTP:
@@ -40,12 +49,28 @@ class ProcessGroupTP:
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
         return out
 
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        # an all-reduce and this rank's part: gloo has no reduce-scatter
+        rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        return self.all_reduce(tensor).chunk(size, dim=dim)[rank].contiguous()
+
 
 class ThreadGroupTP:
     """``size`` tp ranks as threads of one process: :meth:`rank` gives rank ``r``'s :class:`TPGroup`.
 
     Every rank must call the same collectives in the same order (as processes would); each gets the same sum,
-    added in rank order, so the ranks' results are bitwise equal."""
+    added in rank order, so the ranks' results are bitwise equal. CPU tensors only where a backward runs a
+    collective: autograd runs a CUDA backward on one device thread shared by every rank, which would wait on
+    the barrier for ranks queued behind it."""
 
     def __init__(self, size: int, *, timeout: float = 60.0) -> None:
         self.size = size
@@ -56,14 +81,21 @@ class ThreadGroupTP:
         assert 0 <= r < self.size, (r, self.size)
         return _ThreadRank(self, r)
 
-    def _all_reduce(self, r: int, tensor: torch.Tensor) -> torch.Tensor:
+    def _exchange(self, r: int, tensor: torch.Tensor, combine: Any) -> torch.Tensor:
         self._slots[r] = tensor.detach()
         self._barrier.wait()
-        total = self._slots[0].clone()
-        for t in self._slots[1:]:
-            total = total + t
+        out = combine(self._slots)
         self._barrier.wait()  # nobody overwrites a slot before every rank has read them all
-        return total
+        return out
+
+    def _all_reduce(self, r: int, tensor: torch.Tensor) -> torch.Tensor:
+        def total(slots: list) -> torch.Tensor:
+            out = slots[0].clone()
+            for t in slots[1:]:
+                out = out + t
+            return out
+
+        return self._exchange(r, tensor, total)
 
 
 class _ThreadRank:
@@ -72,6 +104,12 @@ class _ThreadRank:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.owner._all_reduce(self.r, tensor)
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        return self.owner._exchange(self.r, tensor, lambda slots: torch.cat(slots, dim=dim))
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        return self.all_reduce(tensor).chunk(self.owner.size, dim=dim)[self.r].contiguous()
 
 
 class CopyToTP(torch.autograd.Function):
@@ -99,27 +137,58 @@ class ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class GatherFromSP(torch.autograd.Function):
+    """Sequence parallelism's entry to a tp region: all-gather along ``dim`` forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TPGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return group.all_gather(x, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return ctx.group.reduce_scatter(grad, ctx.dim), None, None
+
+
+class ScatterToSP(torch.autograd.Function):
+    """Sequence parallelism's exit from a tp region: reduce-scatter along ``dim`` forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TPGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return group.reduce_scatter(x, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return ctx.group.all_gather(grad, ctx.dim), None, None
+
+
 class TPComm(nn.Module):
-    """One kind of collective in a sharded stage's graph: ``"copy"`` (f) or ``"reduce"`` (g).
+    """One kind of collective in a sharded stage's graph: ``"copy"`` (f), ``"reduce"`` (g), or sequence
+    parallelism's ``"gather"`` / ``"scatter"`` along ``dim``.
 
     ``group`` is set when the stage is built for its rank (:func:`set_group`); while it is None the module is
     the identity (the local shapes of one rank, run in one process)."""
 
-    KINDS = ("copy", "reduce")
+    KINDS = ("copy", "reduce", "gather", "scatter")
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, dim: int = 1) -> None:
         super().__init__()
         assert kind in self.KINDS, kind
-        self.kind = kind
+        self.kind, self.dim = kind, dim
         self.group: TPGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group is None:
             return x
-        return (CopyToTP if self.kind == "copy" else ReduceFromTP).apply(x, self.group)
+        if self.kind == "copy":
+            return CopyToTP.apply(x, self.group)
+        if self.kind == "reduce":
+            return ReduceFromTP.apply(x, self.group)
+        return (GatherFromSP if self.kind == "gather" else ScatterToSP).apply(x, self.group, self.dim)
 
     def extra_repr(self) -> str:
-        return self.kind
+        return self.kind if self.kind in ("copy", "reduce") else f"{self.kind}, dim={self.dim}"
 
 
 def set_group(module: nn.Module, group: TPGroup | None) -> None:
