@@ -21,7 +21,7 @@ from pipec.compiler.passes.memory import (breakdown, local_param_bytes, local_pa
                                           padded_params, tp_activation_bytes)
 from pipec.compiler.request import CompileRequest, ModelSpec, PartitionRequest
 from pipec.compiler.sim.megatron import megatron_tp, with_megatron_tp
-from pipec.compiler.sim.metrics import scaling_efficiency, single_device_step
+from pipec.compiler.sim.metrics import plan_single_device_step, scaling_efficiency, single_device_step
 from pipec.compiler.sim.simulate import link_sides, plan_costs, simulate
 from pipec.schedules import SCHEDULES
 from pipec.schedules.timing import Cost
@@ -246,6 +246,9 @@ def test_scaling_efficiency_is_one_devices_step_over_n_steps():
     assert scaling_efficiency(one / 4, 4, one) == pytest.approx(1.0)
     assert scaling_efficiency(one / 2, 4, one) == pytest.approx(0.5)
     assert scaling_efficiency(1.0, 4, None) is None
+    plan = _plan(pp=2, dp=2, spec={"recompute": [1]})
+    plan = replace(plan, stages=(plan.stages[0], replace(plan.stages[1], cost=replace(COST, bwd=COST.bwd + COST.fwd))))
+    assert plan_single_device_step(plan) == pytest.approx(4 * 2 * 2 * (COST.fwd + COST.bwd) + 2 * COST.optim)
 
 
 # ----------------------------------------------------------------------------- tune

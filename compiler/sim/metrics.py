@@ -10,19 +10,20 @@
   need not fit a device). Below 1 by construction once communication, bubbles or tp's replicated part enter.
 
 What ``pipec run`` should print beside its measured MFU (runtime/accounting.py): the measured scaling
-efficiency, ``T_1 / (N x measured step)`` with ``T_1`` this prediction from the plan's own costs (the run
-cannot time one device), labelled as against a predicted single device.
+efficiency, ``T_1 / (N x measured step)`` with ``T_1`` = :func:`plan_single_device_step` (the plan's own stage
+costs: the run cannot time one device), labelled as against a predicted single device.
 
 torch-free.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from pipec.schedules.timing import Cost
 
-__all__ = ["mfu", "single_device_step", "scaling_efficiency"]
+__all__ = ["mfu", "single_device_step", "plan_single_device_step", "scaling_efficiency"]
 
 
 def mfu(flops_per_step: float | None, *, step_time: float, dp: int, num_devices: int,
@@ -37,6 +38,17 @@ def single_device_step(whole: Sequence[Cost], num_microbatches: int) -> float:
     """One device's step over the same global batch: ``num_microbatches`` (all replicas' together) forwards and
     backwards of the whole model (``whole``: its stages' costs at the microbatch shape), then its optimizer."""
     return num_microbatches * sum(c.fwd + c.bwd for c in whole) + sum(c.optim for c in whole)
+
+
+def plan_single_device_step(plan) -> float | None:
+    """:func:`single_device_step` from a plan's own stages (their unsharded costs, a recomputed stage's second
+    forward taken out) over all replicas' microbatches; None for a plan in units."""
+    if plan.unit_costs or not plan.stages:
+        return None
+    recomputed = set(plan.spec.get("recompute") or ())
+    whole = [replace(st.cost, bwd=st.cost.bwd - st.cost.fwd) if st.stage in recomputed else st.cost
+             for st in plan.stages]
+    return single_device_step(whole, plan.num_microbatches * plan.mesh.dp)
 
 
 def scaling_efficiency(step_time: float, num_devices: int, single_step: float | None) -> float | None:
