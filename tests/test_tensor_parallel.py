@@ -135,6 +135,20 @@ def test_gpt_rewrite_uses_local_sizes(gpt):
     assert out[0].shape == (2, 16, 32)
 
 
+def test_plans_from_the_split_graph_on_meta_equal_the_built_stages(gpt):
+    from torch.fx import GraphModule
+
+    from pipec.compiler.frontend.partition import split_graph
+    from pipec.compiler.frontend.trace import compute_nodes, is_pipe_split
+
+    traced = trace_request(_request(GPT, GPT_ARGS)).traced
+    nodes = [n for n in compute_nodes(traced.gm) if not is_pipe_split(n)]
+    first = next(i for i, n in enumerate(nodes) if n.name.startswith("blocks_1"))
+    split = split_graph(traced, {n.name: int(i >= first) for i, n in enumerate(nodes)}, 2)
+    metas = [GraphModule(traced.gm, split.stage_graph(s)) for s in range(2)]
+    assert plan_stages(metas, 2, canonical=traced.canonical, traced=traced) == [plan_stage(gpt[s], 2) for s in range(2)]
+
+
 def test_gpt_explicit_patterns(gpt):
     patterns = {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise"}
     plans = plan_stages([gpt[0], gpt[1]], 2, patterns=patterns)

@@ -205,7 +205,6 @@ _SPLITS = {"split", "split_with_sizes", "chunk", "unbind", "tensor_split"}
 _SHAPE_OF = {"getattr", "size", "dim", "sym_size", "numel", "_assert_tensor_metadata", "sym_numel"}
 _DIM_OPS = {"softmax", "log_softmax", "_softmax", "_log_softmax", "cumsum", "cumprod"}
 _REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std", "logsumexp", "norm"}
-_NORM_MODULES = (nn.LayerNorm, nn.GroupNorm)
 _ELEMENTWISE_MODULES = (nn.Dropout, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity)
 
 
@@ -782,9 +781,12 @@ def _explicit_failures(an: _Analysis, lins: Mapping[Node, _Lin], styles: Mapping
 
 
 def plan_stages(stages: Sequence[GraphModule], tp: int, *, patterns: Mapping[str, str] | None = None,
-                traced: Traced | None = None) -> list[StageTP]:
-    """:func:`plan_stage` for every stage; a pattern matching no module of any stage is refused."""
-    plans = [plan_stage(st, tp, patterns=patterns, traced=traced, where=f" in stage {s}", require_match=False)
+                canonical: Mapping[str, str] | None = None, traced: Traced | None = None) -> list[StageTP]:
+    """:func:`plan_stage` for every stage; a pattern matching no module of any stage is refused. A stage needs
+    no values: ``GraphModule(split.traced.gm, split.stage_graph(s))`` (meta parameters) will do, with
+    ``canonical=split.traced.canonical``."""
+    plans = [plan_stage(st, tp, patterns=patterns, canonical=canonical, traced=traced, where=f" in stage {s}",
+                        require_match=False)
              for s, st in enumerate(stages)]
     if patterns is not None and tp > 1:
         paths = {m for p in plans for m, _ in p.modules}
