@@ -337,3 +337,46 @@ def test_process_group_tp_with_one_rank(tmp_path):
         assert torch.equal(g.all_gather(t, 1), t) and torch.equal(g.reduce_scatter(t, 0), t)
     finally:
         dist.destroy_process_group()
+
+
+def test_view_rule_agrees_with_torch_on_random_reshapes():
+    """Where _map_view says a reshape keeps the shard on dim j (with its segments), reshaping each rank's part to
+    the local shape gives that rank's part of the reshaped full tensor."""
+    from pipec.compiler.frontend.tensor_parallel import _map_view
+
+    gen = torch.Generator().manual_seed(5)
+    factors = [1, 2, 2, 3, 4]
+    checked = 0
+    for _ in range(400):
+        dims = [factors[int(i)] for i in torch.randint(0, len(factors), (int(torch.randint(2, 5, (1,), generator=gen)),),
+                                                          generator=gen)]
+        flat = [f for d in dims for f in ([d] if d < 4 else [2, 2])]
+        perm = torch.randperm(len(flat), generator=gen).tolist()
+        cut = sorted(torch.randperm(len(flat), generator=gen)[: int(torch.randint(0, len(flat), (1,), generator=gen))].tolist())
+        shuffled = [flat[p] for p in perm]
+        out, start = [], 0
+        for c in [*cut, len(shuffled)]:
+            if c > start:
+                out.append(int(torch.tensor(shuffled[start:c]).prod()))
+                start = c
+        shape = dims
+        if int(torch.tensor(shape).prod()) != int(torch.tensor(out).prod()):
+            continue
+        for dim in range(len(shape)):
+            for segs in (1, 2):
+                if shape[dim] % (2 * segs):
+                    continue
+                full = torch.arange(int(torch.tensor(shape).prod())).reshape(shape)
+                sp = ShardedParam(name="x", dim=dim, segments=segs)
+                parts = [shard_param(full, sp, 2, r) for r in range(2)]
+                mapped = _map_view(shape, dim, segs, out)
+                if mapped is None or mapped[2] % 2:
+                    continue
+                j, s2, _ = mapped
+                local = list(out)
+                local[j] //= 2
+                want = [shard_param(full.reshape(out), ShardedParam(name="y", dim=j, segments=s2), 2, r) for r in range(2)]
+                for r in range(2):
+                    assert torch.equal(parts[r].reshape(local), want[r]), (shape, dim, segs, out)
+                checked += 1
+    assert checked > 50
