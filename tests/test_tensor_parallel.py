@@ -243,6 +243,22 @@ def test_colwise_without_its_rowwise_partner_is_refused_located(gpt):
     assert e.value.hints == ("make blocks.0.mlp.proj rowwise",)
 
 
+def test_tied_copies_sharded_differently_across_stages_are_refused(gpt, monkeypatch):
+    import pipec.compiler.frontend.tensor_parallel as tpm
+    from pipec.compiler.ir.tensor_parallel import StageTP
+
+    def sharding_the_head(st, tp, **kw):  # stage 1 as if it sharded the LM head's weight, tied to stage 0's wte
+        plan = plan_stage(st, tp, **kw)
+        if st is not gpt[1]:
+            return plan
+        return StageTP(tp=tp, modules=plan.modules, params=(*plan.params, ShardedParam(name="wte.weight", dim=0)))
+
+    monkeypatch.setattr(tpm, "plan_stage", sharding_the_head)
+    with pytest.raises(FrontendError, match=r"tied parameter wte.weight is sharded differently .*stage 0: "
+                                            r"replicated, stage 1: dim 0"):
+        plan_stages([gpt[0], gpt[1]], 2)
+
+
 def test_tied_lm_head_made_colwise_is_refused(gpt):
     with pytest.raises(FrontendError, match="'lm_head' leaves the stage sharded"):
         plan_stage(gpt[1], 2, patterns={"lm_head": "colwise"})

@@ -788,6 +788,18 @@ def plan_stages(stages: Sequence[GraphModule], tp: int, *, patterns: Mapping[str
     plans = [plan_stage(st, tp, patterns=patterns, canonical=canonical, traced=traced, where=f" in stage {s}",
                         require_match=False)
              for s, st in enumerate(stages)]
+    held: dict[str, dict[int, ShardedParam | None]] = {}
+    for s, (st, plan) in enumerate(zip(stages, plans)):
+        names = _canonical_of(st, canonical)
+        for local, _ in st.named_parameters(remove_duplicate=False):
+            c = names.get(local, local)
+            held.setdefault(c, {})[s] = plan.sharded(c)
+    for c, by in held.items():
+        if len(set(by.values())) > 1:
+            how = ", ".join(f"stage {s}: {'replicated' if sp is None else f'dim {sp.dim}'}" for s, sp in by.items())
+            raise FrontendError(f"tensor parallelism (tp {tp}): tied parameter {c} is sharded differently in the stages "
+                                f"that hold it ({how}); its copies must be sharded alike", key=KEY,
+                                hints=("make the tied modules' styles agree in the patterns, or leave them replicated",))
     if patterns is not None and tp > 1:
         paths = {m for p in plans for m, _ in p.modules}
         for pattern in patterns:
