@@ -147,11 +147,11 @@ def _split_from_plan(plan: Plan, traced: Traced) -> Split:
 
 
 def build_stages(plan: Plan, stage_ids: Iterable[int], *, seed: int, init: str = "module",
-                 device: str | torch.device = "cpu", tp_mesh=None) -> dict[int, StageModule]:
-    """The requested stages of ``plan`` as runnable modules (see module doc). ``tp_mesh``: this rank's tp group's
-    1-D DeviceMesh at tp > 1 (the transport's ``tp_mesh``), for the stages the tensor-parallel pass shards
-    (``plan.stages[s].tp``); until the runtime applies those records every stage is built whole, so its tp
-    ranks run it replicated (each computes the same thing)."""
+                 device: str | torch.device = "cpu", tp_rank: int = 0, tp_group=None) -> dict[int, StageModule]:
+    """The requested stages of ``plan`` as runnable modules (see module doc). A stage the plan shards across tp
+    (``plan.stages[s].tp``) is tp rank ``tp_rank``'s part of it (:func:`~pipec.compiler.frontend.tensor_parallel.
+    shard_stage`: local sizes, its parameters sliced, Megatron's f and g over ``tp_group``, a
+    :class:`~pipec.compiler.frontend.tp_comm.TPGroup`; None: one rank's shapes alone)."""
     ids = sorted(set(stage_ids))
     m = _plan_model(plan)
     init = m.resolve(init)
@@ -162,7 +162,16 @@ def build_stages(plan: Plan, stage_ids: Iterable[int], *, seed: int, init: str =
     split = _split_from_plan(plan, traced)
     needed = {c for s in ids for c in split.parts[s].params}
     values, exact_buffers = initial_values(m.target, m.kwargs, needed, seed=seed, init=init, search_path=m.search_path)
-    return {s: materialize(split, s, values, exact_buffers or buffers, device, traced_on=traced_on) for s in ids}
+    out = {}
+    for s in ids:
+        stage = materialize(split, s, values, exact_buffers or buffers, device, traced_on=traced_on)
+        record = plan.stages[s].tp if plan.stages else None
+        if record is not None and record.tp > 1:
+            from pipec.compiler.frontend.tensor_parallel import shard_stage
+
+            stage = shard_stage(stage, record, tp_rank, group=tp_group, traced=traced, where=f" in stage {s}")
+        out[s] = stage
+    return out
 
 
 def build_reference(plan: Plan, *, seed: int, init: str = "module", device: str | torch.device = "cpu") -> ReferenceModule:

@@ -84,20 +84,17 @@ class Trainer:
         if not options.emulate:
             from pipec.runtime.stages import build_stages
 
+            from pipec.runtime.transport import TransportTP
+
+            tp_group = TransportTP(transport, plan.mesh.tp_group(env.rank), self.tp_rank) if plan.mesh.tp > 1 else None
             self.modules = build_stages(plan, self.own, seed=config.seed, init=config.init, device=device,
-                                        tp_mesh=self.tp_mesh)
+                                        tp_rank=self.tp_rank, tp_group=tp_group)
             # sharded data parallelism (runtime/sharding.py): FSDP2 on the stages, or ZeRO-1's optimizer shards
             self.sharding, self.optimizer = shard_stages(self.layout, self.modules,
                                                          lambda params: make_optimizer(params, config), transport,
                                                          dtype=config.dtype)
             self.loss_fn = make_loss(config.loss, (plan.model or {}).get("search_path") or ())
             self.data = make_data(config, plan)
-            sharded = [s for s in self.own if plan.stages and plan.stages[s].tp is not None and plan.stages[s].tp.params]
-            if sharded and self.tp_rank == 0 and self.dp_rank == 0:
-                print(f"pipec: warning: the plan shards stage{'s' if len(sharded) > 1 else ''} "
-                      f"{', '.join(map(str, sharded))} across tp {plan.mesh.tp}, but this runtime runs every stage "
-                      "whole on each tp rank (replicated: the same numbers, without tensor parallelism's memory and "
-                      "time savings)", file=sys.stderr, flush=True)
         emulate = None
         if options.emulate:
             emulate = options.unit_time if plan.unit_costs else 1.0  # seconds per unit, or costs in seconds
@@ -150,21 +147,26 @@ class Trainer:
 
     def clip_grads(self, max_norm: float) -> None:
         """Global norm over one replica's pp ranks (after the dp all-reduce), each tied weight counted once;
-        with sharded gradients, over the shard group's shards too."""
+        with sharded gradients, over the shard group's shards too; with tp, over the tp ranks' parts (a weight
+        replicated on them counted once)."""
         skip = {(s, pname) for tie in self.plan.ties for s, pname in list(zip(tie.stages, tie.params))[1:]}
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         grads = []
         for s in self.own:
+            canonical = self.modules[s].canonical
             for name, p in self.modules[s].named_parameters():
                 if p.grad is None:
                     continue
                 g = local(p.grad)  # a sharded gradient's shard
                 grads.append(g)
-                if (s, name) not in skip:  # a tied weight counts once: its first copy
+                # a tied weight counts once (its first copy), a tp-replicated one on tp rank 0
+                if (s, name) not in skip and (self.tp_rank == 0 or self._tp_split(s, canonical[name]) is not None):
                     sq += g.detach().double().pow(2).sum()
         # each collective's wait is the executor's (timed as waiting: a rank waits here for its slowest peer)
         if self.sharding is not None:
             self.executor.wait_in_optimizer_step([self.transport.all_reduce(sq, self.layout.ranks)])
+        if self.plan.mesh.tp > 1:
+            self.executor.wait_in_optimizer_step([self.transport.all_reduce(sq, self.plan.mesh.tp_group(self.env.rank))])
         mesh = self.plan.mesh  # the group: this rank's pipeline, every pp rank of its dp rank and its tp rank
         group = tuple(mesh.global_rank(p, self.dp_rank, self.tp_rank) for p in range(mesh.pp))
         self.executor.wait_in_optimizer_step([self.transport.all_reduce(sq, group)])
@@ -199,6 +201,8 @@ class Trainer:
             for name, p in self.modules[s].canonical_params().items():
                 g_ref = ref_grads.get(name)
                 g = full(p.grad) if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype)  # shards gathered
+                if (split := self._tp_split(s, name)) is not None:  # and the tp ranks' parts
+                    g = self._gather_tp(g, split)
                 if g_ref is None:
                     g_ref = torch.zeros_like(p)
                 diff = (g.detach().cpu().double() - g_ref.double()).abs().max().item() if g.numel() else 0.0
@@ -208,6 +212,20 @@ class Trainer:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         return {"reference_loss": loss.item(), "max_grad_diff": float(worst[0]), "grad_excess": float(worst[1]),
                 "atol": atol, "rtol": rtol, "policy": self.precision_policy()}
+
+    def _tp_split(self, s: int, canonical: str):
+        """How stage ``s`` splits parameter ``canonical`` across its tp ranks (None: replicated, or tp 1)."""
+        record = self.plan.stages[s].tp if self.plan.stages else None
+        return record.sharded(canonical) if record is not None else None
+
+    def _gather_tp(self, part: torch.Tensor, split) -> torch.Tensor:
+        """The whole tensor from each tp rank's ``part`` (every rank gets it: the parts summed into zeros)."""
+        from pipec.compiler.frontend.tensor_parallel import unshard
+
+        parts = torch.zeros((self.plan.mesh.tp, *part.shape), dtype=part.dtype, device=part.device)
+        parts[self.tp_rank] = part.detach()
+        self.transport.all_reduce(parts, self.plan.mesh.tp_group(self.env.rank)).wait()
+        return unshard(list(parts.unbind(0)), split)
 
     def precision_policy(self) -> str:
         """What ran the compute dtype: float32, autocast, or FSDP2's mixed-precision policy (its numerics differ

@@ -21,7 +21,7 @@ from typing import Protocol, Sequence
 import torch
 from pipec.errors import RunFailed
 
-__all__ = ["P2P", "Work", "Transport", "TorchTransport", "CommStream", "FakeWorld", "FakeTransport",
+__all__ = ["P2P", "Work", "Transport", "TorchTransport", "TransportTP", "CommStream", "FakeWorld", "FakeTransport",
            "TransportTimeout"]
 
 
@@ -137,6 +137,30 @@ class TorchTransport:
 
     def barrier(self) -> None:
         self.dist.barrier()
+
+
+class TransportTP:
+    """A stage's tp group as the :class:`~pipec.compiler.frontend.tp_comm.TPGroup` its f and g call, over a
+    :class:`Transport` (torch.distributed's tp process group, or the fake's threads): ``ranks`` are the group's
+    global ranks in tp order, ``tp_rank`` this rank's place in it."""
+
+    def __init__(self, transport: "Transport", ranks: tuple[int, ...], tp_rank: int) -> None:
+        self.transport, self.ranks, self.tp_rank = transport, ranks, tp_rank
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.detach().contiguous().clone()
+        self.transport.all_reduce(out, self.ranks).wait()
+        return out
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated on ``dim`` in tp order (each rank's part summed into zeros)."""
+        parts = [torch.zeros_like(tensor) for _ in self.ranks]
+        parts[self.tp_rank] = tensor.detach()
+        return self.all_reduce(torch.cat(parts, dim=dim))
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's part on ``dim`` of the sum (gloo has no reduce-scatter: an all-reduce, then the part)."""
+        return self.all_reduce(tensor).chunk(len(self.ranks), dim=dim)[self.tp_rank].contiguous()
 
 
 class _Scaled:

@@ -32,6 +32,7 @@ import contextlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
+import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pipec.compiler.config import TokenData
@@ -39,8 +40,11 @@ from pipec.compiler.frontend import costs as costs_pass
 from pipec.compiler.frontend.cutcost import FAST_COSTS, NodeTable, cost_split, cut_costs, node_table
 from pipec.compiler.frontend.data import check_data_source, data_of
 from pipec.compiler.ir.graph import StageGraph, make_graph
-from pipec.compiler.frontend.partition import Balanced, Markers, SplitBefore, analyse_cuts, assign_stages, split_graph
+from pipec.compiler.frontend.partition import (Balanced, Markers, Split, SplitBefore, analyse_cuts, assign_stages,
+                                               split_graph)
+from pipec.compiler.frontend.stages import materialize
 from pipec.compiler.ir.plan import Stage
+from pipec.compiler.ir.tensor_parallel import StageTP
 from pipec.compiler.request import check_batch
 from pipec.compiler.frontend.annotate import at_shapes, propagate
 from pipec.compiler.frontend.load import ModelSource, instantiate, locate_model
@@ -251,29 +255,49 @@ def cut_stage_graph(tm: TracedModel, req: ModelRequest, *, placement: Sequence[i
     # 8. split with torch.fx split_module: stage inputs/outputs, skip edges, tie groups; 9. costs and saved
     # activations per stage (or both read off the trace's nodes: a cost-only cut)
     split, stage_costs = _cost_only(tm, req, stage_of, recompute) if not runnable else (None, None)
+    tps: tuple[StageTP | None, ...] = ()
     if split is None:
         split = split_graph(traced, stage_of, req.num_stages)
+        tps = tensor_parallel_stages(split, req)
         if req.costs == "profile" and before_timing is not None:  # every check before the first timing
             before_timing(_stage_graph(tm, req, split, costs_pass.stage_costs(split, "unit", recompute=recompute),
-                                       ranks, recompute))
+                                       ranks, recompute, tps))
         profile = costs_pass.profiling(local_ranks=req.local_ranks, threads=req.threads_per_rank,
                                        reps=req.profile_reps)
         stage_costs = costs_pass.stage_costs(
             split, req.costs, recompute=recompute, peak_flops=req.peak_flops, profile=profile, autocast=tm.autocast,
             target=src.target, kwargs=req.kwargs, search_path=src.search_path,
         )
-    return _stage_graph(tm, req, split, stage_costs, ranks, recompute)
+    return _stage_graph(tm, req, split, stage_costs, ranks, recompute, tps)
+
+
+def tensor_parallel_stages(split: Split, req: ModelRequest) -> tuple[StageTP | None, ...]:
+    """Each stage's tensor-parallel sharding at ``req.tp`` > 1 (:func:`~.tensor_parallel.plan_stages` on the stage
+    modules, built on meta: no weights); () at tp 1."""
+    if req.tp == 1:
+        return ()
+    from pipec.compiler.frontend.tensor_parallel import plan_stages
+
+    traced = split.traced
+    values = {c: torch.empty_like(p, device="meta") for c, p in traced.param_of.items()}
+    buffers = {n: torch.empty_like(b, device="meta") for n, b in traced.gm.named_buffers(remove_duplicate=False)}
+    modules = [materialize(split, s, values, buffers, "meta", traced_on="meta") for s in range(split.num_stages)]
+    patterns = None if req.tensor_parallel == "auto" else dict(req.tensor_parallel)
+    plans = plan_stages(modules, req.tp, patterns=patterns, traced=traced)
+    return tuple(plans)
 
 
 def _stage_graph(tm: TracedModel, req: ModelRequest, split: Any, stage_costs: Sequence[Any], ranks: Sequence[int],
-                 recompute: frozenset[int]) -> StageGraph:
-    """The StageGraph of a cut: its split (or cost-only split) and each stage's costs."""
+                 recompute: frozenset[int], tps: Sequence[StageTP | None] = ()) -> StageGraph:
+    """The StageGraph of a cut: its split (or cost-only split), each stage's costs and its tensor-parallel
+    sharding (``tps``; none given: none)."""
     traced, src = tm.traced, tm.src
     stages = tuple(
         Stage(
             stage=p.stage, rank=int(ranks[p.stage]), nodes=p.nodes, params=p.params, inputs=p.inputs, outputs=p.outputs,
             cost=c.cost, activation_bytes=c.activation_bytes, param_bytes=p.param_bytes, num_params=p.num_params,
             param_shapes=tuple(tuple(traced.param_of[name].shape) for name in p.params),
+            tp=tps[p.stage] if tps else None,
         )
         for p, c in zip(split.parts, stage_costs)
     )
