@@ -234,6 +234,11 @@ def test_megatron_layout_of_the_example_gpts_stages(small_graph):
     assert len([c for c in last.tp.collectives if c.phase == "backward"]) == 2 * 2 + 1   # + the head's input grad
     assert first.tp.sharded_flops == pytest.approx(1.0) and last.tp.compute_share() == pytest.approx(0.5)
     assert megatron_tp(first, tp=3, num_tokens=16, seq=8, elem_bytes=2) is None   # 3 divides no width here
+    sp = megatron_tp(first, tp=2, num_tokens=16, seq=8, elem_bytes=2, sequence_parallel=True)
+    pairs = [c for c in sp.collectives if c.node.startswith("blocks.")]
+    assert sorted({(c.kind, c.phase) for c in pairs}) == [("all_gather", "backward"), ("all_gather", "forward"),
+                                                          ("reduce_scatter", "backward"), ("reduce_scatter", "forward")]
+    assert len(pairs) == 4 * 4                    # 2 pairs per block, an all-gather and a reduce-scatter each way
 
 
 # ----------------------------------------------------------------------------- metrics

@@ -155,7 +155,7 @@ class _Graphs:
         seq = shape[1] if len(shape) > 1 else 1
         elem = COMPUTE_BYTES.get(self.treq.base.training.dtype, 4)
         stages = with_megatron_tp(graph.stages, tp=tp, num_tokens=mb * _numel(shape[1:]), seq=seq, elem_bytes=elem,
-                                  flops=graph.flops)
+                                  flops=graph.flops, sequence_parallel=self.treq.base.mesh.sequence_parallel)
         return replace(graph, stages=stages)
 
     def _graph(self, c: Candidate, key: tuple, data_key: tuple, mb: int):
@@ -184,12 +184,14 @@ class _Graphs:
 
     def confirm(self, c: Candidate) -> None:
         """Cut the candidate's stages the full way (their modules built, as a run builds them) and check
-        that the cost-only cut it was priced by is the same."""
+        that the cost-only cut it was priced by is the same (the cut at tp 1: a tp candidate's layout is
+        added to that cut's stages, :meth:`_sharded`)."""
         from pipec.compiler.frontend import confirm_cut
 
         mb = self.batch // c.dp // c.num_microbatches
         if self.cost_only:
-            confirm_cut(self.traces[mb], self._request(c), self.cuts[(c.num_stages, mb, c.partition_by)])
+            confirm_cut(self.traces[mb], self._request(replace(c, tp=1)),
+                        self.cuts[(c.num_stages, mb, c.partition_by)])
 
 
 # ----------------------------------------------------------------------------- bounds and the search

@@ -43,10 +43,12 @@ _INTS = frozenset(("int64", "int32", "int16", "int8", "uint8"))
 
 
 def megatron_tp(stage: Stage, *, tp: int, num_tokens: int, seq: int, elem_bytes: int,
-                forward_flops: float | None = None) -> StageTP | None:
+                forward_flops: float | None = None, sequence_parallel: bool = False) -> StageTP | None:
     """The stage's Megatron layout at ``tp`` (see the module doc); ``num_tokens`` per microbatch (``b s``),
     ``seq`` the sequence length, ``elem_bytes`` the activations' bytes per element, ``forward_flops`` the stage's
-    traced forward FLOPs per microbatch (None: the sharded share is taken as all of it)."""
+    traced forward FLOPs per microbatch (None: the sharded share is taken as all of it). ``sequence_parallel``:
+    each pair's all-reduce becomes an all-gather before ``A`` and a reduce-scatter after ``B`` (Korthikanti et
+    al.), in both directions: the same bytes, twice the latencies."""
     if tp <= 1 or not stage.param_shapes:
         return None
     names, shapes = stage.params, stage.param_shapes
@@ -72,8 +74,13 @@ def megatron_tp(stage: Stage, *, tp: int, num_tokens: int, seq: int, elem_bytes:
             params.append(ShardedParam(name=f"{mb}.weight", dim=1))
             modules += [(ma, "colwise"), (mb, "rowwise")]
             payload = T * i1 * elem_bytes
-            collectives += [Collective(kind="all_reduce", phase="forward", num_bytes=payload, node=mb),
-                            Collective(kind="all_reduce", phase="backward", num_bytes=payload, node=ma)]
+            if sequence_parallel:
+                collectives += [Collective(kind=kind, phase=phase, num_bytes=payload, node=m)
+                                for phase in ("forward", "backward")
+                                for kind, m in (("all_gather", ma), ("reduce_scatter", mb))]
+            else:
+                collectives += [Collective(kind="all_reduce", phase="forward", num_bytes=payload, node=mb),
+                                Collective(kind="all_reduce", phase="backward", num_bytes=payload, node=ma)]
             flops += 2.0 * T * (o1 * i1 + o2 * i2) + (4.0 * T * seq * i2 if segments == 3 else 0.0)
             used.update((ma, mb))
             k += 2
@@ -104,12 +111,12 @@ def megatron_tp(stage: Stage, *, tp: int, num_tokens: int, seq: int, elem_bytes:
 
 
 def with_megatron_tp(stages: Sequence[Stage], *, tp: int, num_tokens: int, seq: int, elem_bytes: int,
-                     flops: Sequence[tuple[int, int, int]] = ()) -> tuple[Stage, ...]:
+                     flops: Sequence[tuple[int, int, int]] = (), sequence_parallel: bool = False) -> tuple[Stage, ...]:
     """The stages, each with its :func:`megatron_tp` (``flops``: per stage the traced forward / input-backward /
     weight-backward FLOPs, as :attr:`~pipec.compiler.ir.graph.StageGraph.flops` holds them)."""
     out = []
     for s, st in enumerate(stages):
         fwd = flops[s][0] if s < len(flops) else None
         out.append(replace(st, tp=megatron_tp(st, tp=tp, num_tokens=num_tokens, seq=seq, elem_bytes=elem_bytes,
-                                              forward_flops=fwd)))
+                                              forward_flops=fwd, sequence_parallel=sequence_parallel)))
     return tuple(out)

@@ -44,6 +44,12 @@ def plan_costs(plan: Plan) -> CostModel:
     collective is priced on its axis's link, or by node (:class:`Pricing`).
     ``OPT`` holds its grad-norm collective over the pp ranks only when the plan's
     training config sets ``grad_clip`` (the runtime runs it only to clip).
+
+    Tensor parallelism enters here and nowhere else: a stage whose ``tp`` is set
+    (tp >= 2) costs what one of its tp ranks does (:func:`_stage_costs`: its compute
+    at ``compute_share()`` plus its tp collectives, :mod:`.tensor_parallel`) and saves
+    what one holds (:func:`_activation_bytes`); its dp, shard and tie collectives move
+    one tp rank's part. With tp 1 or no ``Stage.tp`` every figure is as before.
     """
     num_stages = plan.num_stages
     unit = plan.unit_costs
