@@ -285,6 +285,35 @@ def test_tune_searches_tp_over_the_node_and_its_bounds_hold():
     assert tp_seen > 0
 
 
+def test_tune_with_tp_matches_brute_force():
+    """The search's table over tp x pp x dp equals every candidate compiled (with the least recompute of stages
+    0..k-1 that fits) and ranked: the first bound's 1 / tp and the rest prune nothing that belongs."""
+    from pipec.compiler.passes.memory import MemoryBudgetError
+    from pipec.tune.search import _score
+
+    links = {**DEFAULT_LINKS, "intra": Link(latency_s=1e-6, bandwidth_Bps=100e9),
+             "inter": Link(latency_s=1e-5, bandwidth_Bps=1e9)}
+    treq = TuneRequest(base=_request(nodes=2, links=links), num_devices=4, global_batch=4, num_top=4,
+                       keep=frozenset({"partition"}))
+    got = tune(treq)
+    cut, want = _Graphs(treq, 4), []
+    for c in candidates(treq):
+        for k in range(c.num_stages + 1):
+            cand = replace(c, recompute=frozenset(range(k)))
+            graph = cut.graph(cand)
+            if graph is None:
+                break
+            try:
+                plan = compile_request(candidate_request(treq, cand), graph=graph).plan
+            except MemoryBudgetError:
+                continue
+            want.append(_score(cand, plan, 1, None, 4))
+            break
+    want.sort(key=lambda s: s.rank_key())
+    assert [(s.candidate, s.step_time) for s in got.top] == [(s.candidate, s.step_time) for s in want[:4]]
+    assert any(s.candidate.tp == 2 for s in want)
+
+
 GPT_13B = dict(layers=40, dim=5120, heads=40, vocab=50304, seq=2048)
 CLUSTER = {**DEFAULT_LINKS, "intra": Link(latency_s=5e-6, bandwidth_Bps=600e9),
            "inter": Link(latency_s=1e-5, bandwidth_Bps=25e9)}
