@@ -15,8 +15,9 @@ partition). State keys (DCP joins nested keys with dots):
 Sharded state (``shard``, runtime/sharding.py) is saved as DTensor shards:
 each rank writes only its own (nothing is gathered to one rank), and DCP
 reshards on load, so a checkpoint loads under another dp, shard mode or
-shard_size too. A stage run replicated on its tp ranks is written by tp rank 0
-alone (the others hold the same tensors) and loaded by every tp rank. Every tensor is loaded in place, into the parameters and
+shard_size too. Under tensor parallelism tp rank 0 writes every tensor whole (a
+tensor-parallel part gathered from its tp ranks) and every tp rank loads its part
+of it, so a checkpoint loads under another tp too. Every tensor is loaded in place, into the parameters and
 optimizer state themselves (hyperparameters come from the plan, not from the
 checkpoint's ``param_groups``);
 - ``step``: steps done (the data position: data is a function of the step);
@@ -253,7 +254,7 @@ class Checkpointer:
                  optimizer: torch.optim.Optimizer, *, rank: int, world_size: int, total_steps: int,
                  save_dir: str | None, every: int, keep: int | None, resume: str | None, attempt: int = 0,
                  run_id: str = "", asynchronous: bool = True, timeout: float = 300.0, log=None,
-                 shard_mesh=None) -> None:
+                 shard_mesh=None, tp_group=None) -> None:
         if every < 0:
             raise CheckpointError(f"checkpoint_every must be at least 0, got {every}")
         if every and not save_dir:
@@ -267,6 +268,12 @@ class Checkpointer:
         self.optimizer = optimizer
         self.shard_mesh = shard_mesh
         """ZeRO-1's shard group (its optimizer state is saved as DTensor shards over it)."""
+        self.tp_group = tp_group
+        """This rank's tp process group (tp > 1): tensor-parallel parts are gathered over it to be saved whole."""
+        mesh = plan.mesh
+        if mesh.tp > 1 and mesh.sharded and (save_dir and every or resume):
+            raise CheckpointError(f"checkpoints of a plan with tp {mesh.tp} and shard {mesh.shard} are not supported: "
+                                  "its tensors are split both ways; use shard none with tp, or tp 1 with shard")
         self.rank, self.world_size = rank, world_size
         self.total_steps = total_steps
         self.save_dir = Path(save_dir) if save_dir and every else None
@@ -330,24 +337,18 @@ class Checkpointer:
 
     @property
     def writes_model(self) -> bool:
-        """This rank writes its stages' model and optimizer state: every rank but a tp rank above 0 whose stages
-        all run replicated on their tp ranks (its tp rank 0 holds the same tensors and writes them)."""
-        mesh = self.plan.mesh
-        if mesh.tp_rank(self.rank) == 0:
-            return True
-        return any(self.plan.stages and self.plan.stages[s].tp is not None for s in self.modules)
+        """This rank writes its stages' model and optimizer state: tp rank 0 of each (pp, dp) coordinate, which
+        saves every tensor whole (a tensor-parallel part gathered from its tp ranks, :meth:`_tp_whole`); the
+        other tp ranks write their RNG state alone."""
+        return self.plan.mesh.tp_rank(self.rank) == 0
 
     def _state(self, *, rng: bool, saving: bool = False) -> tuple[dict[str, Any], list[tuple[torch.Tensor, str]]]:
         """The canonical state dict of this rank (its tensors are the live parameters and optimizer state,
-        DTensor shards where sharded), and the model tensors it leaves out: further tied copies by canonical name.
-        ``saving``: what this rank writes (a replicated tp rank above 0 writes its RNG state only)."""
+        DTensor shards where sharded; a tensor-parallel part is put whole: :meth:`_tp_whole`), and the model
+        tensors it leaves out: further tied copies by canonical name. ``saving``: what this rank writes (a tp rank
+        above 0 writes its RNG state only, after taking part in the gathers)."""
         model: dict[str, Any] = {}
         copies: list[tuple[torch.Tensor, str]] = []
-        if saving and not self.writes_model:
-            state: dict[str, Any] = {"model": {}, "optim": {}, "step": 0}
-            if rng:
-                state["rng"] = self._rng_state()
-            return state, copies
         for s, m in sorted(self.modules.items()):
             for fqn, value in m.state_dict().items():  # FSDP2 stages give their shards
                 canon = self._canon(f"stage{s}.{fqn}")
@@ -360,9 +361,45 @@ class Checkpointer:
         first, _ = self._params()
         optim = optimizer_state(self.optimizer, first, self.shard_mesh)
         state: dict[str, Any] = {"model": model, "optim": optim, "step": 0}
+        self._tp_whole(state, first, gather=saving)
+        if saving and not self.writes_model:
+            state = {"model": {}, "optim": {}, "step": 0}
         if rng:
             state["rng"] = self._rng_state()
         return state, copies
+
+    def _tp_whole(self, state: dict[str, Any], first: Mapping[str, nn.Parameter], *, gather: bool) -> None:
+        """Put each tensor-parallel part in ``state`` (a parameter and its optimizer state) whole, so that a
+        checkpoint loads under any tp: ``gather`` (saving) the tp ranks' parts; else (loading) an empty whole
+        tensor to load into, kept in ``self._tp_parts`` with the live part it is sliced into after the load."""
+        self._tp_parts: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
+        tp = self.plan.mesh.tp
+        if tp == 1:
+            return
+        from pipec.compiler.frontend.tensor_parallel import shard_param, unshard
+
+        splits = {sp.name: sp for s in self.modules if self.plan.stages[s].tp is not None
+                  for sp in self.plan.stages[s].tp.params}
+        for canon, sp in splits.items():
+            p = first.get(canon)
+            if p is None:
+                continue
+            keys = [("model", canon)] + [("optim", k) for k, v in state["optim"].items()
+                                         if k.startswith(f"state.{canon}.") and isinstance(v, torch.Tensor)
+                                         and v.shape == p.shape]
+            for part, key in keys:
+                live = state[part][key]
+                if gather:
+                    pieces = [torch.empty_like(live) for _ in range(tp)]
+                    dist.all_gather(pieces, live.detach().contiguous(), group=self.tp_group)
+                    state[part][key] = unshard(pieces, sp)
+                else:
+                    shape = list(live.shape)
+                    shape[sp.dim] *= tp
+                    whole = torch.empty(shape, dtype=live.dtype, device=live.device)
+                    state[part][key] = whole
+                    self._tp_parts.append((live, whole, sp))
+        self._tp_slice = lambda whole, sp: shard_param(whole, sp, tp, self.plan.mesh.tp_rank(self.rank))
 
     def _rng_state(self) -> dict[str, torch.Tensor]:
         out = {f"rank{self.rank}": torch.get_rng_state()}
@@ -567,6 +604,11 @@ class Checkpointer:
         # hyperparameters are the plan's: only the optimizer's tensors (and its step counts) are loaded
         state["optim"] = {k: v for k, v in state["optim"].items() if k.startswith("state.")}
         dcp.load(state, checkpoint_id=path, process_group=self.group)  # in place, resharded as needed
+        with torch.no_grad():  # a tensor-parallel part is sliced from its whole tensor
+            for live, whole, sp in self._tp_parts:
+                live.copy_(self._tp_slice(whole, sp))
+                if whole is state["model"].get(sp.name):
+                    state["model"][sp.name] = live
         with torch.no_grad():  # every further tied copy takes its canonical value, and its optimizer state
             for value, canon in copies:
                 local(value).copy_(local(state["model"][canon]))
@@ -624,7 +666,8 @@ class Checkpointer:
         return out
 
 
-def for_run(plan, config: TrainingConfig, options, env, modules, optimizer, total_steps: int, *, shard_mesh=None):
+def for_run(plan, config: TrainingConfig, options, env, modules, optimizer, total_steps: int, *, shard_mesh=None,
+            tp_group=None):
     """The trainer's checkpointer (None under ``--emulate``: no state) and this attempt's goodput log.
 
     ``options`` are the run's :class:`~pipec.runtime.launch.RunOptions`. Every rank calls this at
@@ -645,7 +688,7 @@ def for_run(plan, config: TrainingConfig, options, env, modules, optimizer, tota
     ckpt = Checkpointer(plan, config, modules, optimizer, rank=env.rank, world_size=env.world_size,
                         total_steps=total_steps, save_dir=save_dir, every=every, keep=options.keep_checkpoints,
                         resume=options.resume, attempt=env.attempt, run_id=run_id, timeout=options.timeout, log=log,
-                        asynchronous=not options.sync_checkpoints, shard_mesh=shard_mesh)
+                        asynchronous=not options.sync_checkpoints, shard_mesh=shard_mesh, tp_group=tp_group)
     return ckpt, log
 
 

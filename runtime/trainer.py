@@ -112,7 +112,8 @@ class Trainer:
         from pipec.runtime.checkpoint import for_run
 
         self.checkpointer, self.attempt_log = for_run(plan, config, options, env, self.modules, self.optimizer,
-                                                      self.steps, shard_mesh=transport.shard_mesh)
+                                                      self.steps, shard_mesh=transport.shard_mesh,
+                                                      tp_group=getattr(transport, "tp_group", None))
         self.first_step = 0
 
     @property

@@ -383,6 +383,14 @@ def _resumed_at_tp_1(folder: Path) -> dict[str, dict]:
     return {"tp1": run_job(path, "--steps", str(STEPS), "--resume", str(ckpt))}
 
 
+def _resumed_at_tp_4(folder: Path) -> dict[str, dict]:
+    """The tp 2 run's checkpoint of step 2, resumed under pp 1 x tp 4 (4 ranks) to step 3."""
+    path = folder / "tp4.json"
+    write_plan(tiny_gpt("1f1b", pp=1, tp=4), str(path))
+    ckpt = LAUNCHES.folder("tp_runs") / "ckpt" / "step_00000002"
+    return {"tp4": run_job(path, "--steps", str(STEPS), "--resume", str(ckpt))}
+
+
 def _tp_8_ranks(folder: Path) -> dict[str, dict]:
     """pp 2 x dp 2 x tp 2 (8 ranks) under shard full, with --check."""
     path = folder / "full.json"
@@ -399,6 +407,7 @@ def _pipec_run(folder: Path) -> list[str]:
 
 tp_runs = LAUNCHES.runs("tp_runs", world=4, make=_tp_runs)
 tp_resumed = LAUNCHES.runs("tp_resumed", world=2, round=2, after=("tp_runs",), make=_resumed_at_tp_1)
+tp_resumed_4 = LAUNCHES.runs("tp_resumed_4", world=4, round=2, after=("tp_runs",), make=_resumed_at_tp_4)
 tp_pipec_run = LAUNCHES.command("tp_pipec_run", make=_pipec_run, timeout=240)
 tp_8_ranks = LAUNCHES.runs("tp_8_ranks", world=8, make=_tp_8_ranks)
 
@@ -421,20 +430,21 @@ def test_pp2_tp2_runs_check_against_the_unpartitioned_model(tp_runs):
 
 
 @pytest.mark.timeout(600)
-def test_a_tp_2_checkpoint_is_written_by_tp_rank_0_and_resumes_at_tp_1(tp_runs, tp_resumed):
+def test_a_tp_2_checkpoint_is_written_whole_by_tp_rank_0_and_resumes_at_tp_1_and_tp_4(tp_runs, tp_resumed,
+                                                                                       tp_resumed_4):
     ckpt = LAUNCHES.folder("tp_runs") / "ckpt" / "step_00000002"
     manifest = json.loads((ckpt / "pipec.json").read_text())
     assert manifest["mesh"] == {"pp": 2, "dp": 1, "tp": 2}
     sizes = {p.name: p.stat().st_size for p in ckpt.glob("*.distcp")}
-    # ranks 1 and 3 (tp rank 1) hold the same stages as ranks 0 and 2: they write their RNG state alone
+    # ranks 1 and 3 (tp rank 1) send their parts to tp rank 0, which writes each tensor whole: they write RNG alone
     assert sizes["__1_0.distcp"] < 32 * 1024 and sizes["__3_0.distcp"] < 32 * 1024, sizes
     assert sizes["__0_0.distcp"] > 4 * sizes["__1_0.distcp"], sizes
-    rec = tp_resumed["tp1"]
-    assert rec["rc"] == 0, rec["stderr"][-4000:]
-    assert "resharded" in rec["stderr"] and "x tp 2" in rec["stderr"]
     first = {s["step"]: s["loss"] for s in tp_runs["1f1b"]["report"]["steps"]}
-    again = {s["step"]: s["loss"] for s in rec["report"]["steps"]}
-    assert list(again) == [3] and again[3] == pytest.approx(first[3], rel=1e-6)
+    for rec in (tp_resumed["tp1"], tp_resumed_4["tp4"]):
+        assert rec["rc"] == 0, rec["stderr"][-4000:]
+        assert "resharded" in rec["stderr"] and "x tp 2" in rec["stderr"]
+        again = {s["step"]: s["loss"] for s in rec["report"]["steps"]}
+        assert list(again) == [3] and again[3] == pytest.approx(first[3], rel=1e-5)
 
 
 @pytest.mark.timeout(600)
