@@ -212,13 +212,15 @@ def cmd_show(args: argparse.Namespace) -> int:
     show(predicted, measured=measured, dp=dp, title=title, tp=tp)
     if (line := _links_line(plan)) is not None:
         print(line)
-    from pipec.views.stage_table import stage_table
+    from pipec.views.stage_table import stage_table, tp_lines
 
     table = stage_table(plan)
     if table is not None:
         from rich.console import Console
 
         Console().print(table)
+    for line in tp_lines(plan):
+        print(line)
     from pipec.views.keys import key_lines
 
     print("keys, as resolved:")

@@ -472,3 +472,15 @@ def test_pp2_dp2_tp2_shard_full_on_8_ranks(tp_8_ranks):
     assert rec["report"]["mesh"] == {"pp": 2, "dp": 2, "tp": 2, "shard": "full", "shard_size": 2}
     print(f"pp 2 x dp 2 x tp 2 shard full: loss diff {rec['check']['loss_diff']:.2e}, max grad diff "
           f"{rec['check']['max_grad_diff']:.2e}")
+
+
+def test_pipec_show_says_what_tensor_parallelism_chose_per_stage():
+    from pipec.views.stage_table import tp_lines
+
+    plan = tiny_gpt("1f1b")
+    text = " ".join(" ".join(tp_lines(plan)).split())
+    assert text.startswith("stage 0 (tp 2): colwise blocks.*.attn.qkv, blocks.*.mlp.fc; rowwise blocks.*.attn.proj, "
+                           "blocks.*.mlp.proj; replicated wte, wpe; tp all-reduces per microbatch: 2 in forward"), text
+    assert "stage 1 (tp 2):" in text and "replicated lm_head" in text
+    assert all(len(line) <= 80 for line in tp_lines(plan))
+    assert tp_lines(tiny_gpt("1f1b", tp=1)) == []

@@ -10,11 +10,14 @@ rank, its breakdown: params / grads / optimizer / unsharded / activations.
 
 from __future__ import annotations
 
+import re
+import textwrap
+
 from rich.table import Table
 
 from pipec.compiler.ir.plan import Plan
 
-__all__ = ["stage_table"]
+__all__ = ["stage_table", "tp_lines"]
 
 
 def _count(n: int) -> str:
@@ -64,3 +67,30 @@ def stage_table(plan: Plan) -> Table | None:
         t.caption = (t.caption + "; " if t.caption else "") + (
             f"tied weight {tie.name}: a copy on stages {', '.join(map(str, tie.stages))}, kept equal by an all-reduce")
     return t
+
+
+def tp_lines(plan: Plan) -> list[str]:
+    """What tensor parallelism does to each stage (``pipec show``): the modules by style (numbered layers folded
+    into ``*`` with their count), the tp collectives per microbatch and the share of the FLOPs on shards."""
+    out = []
+    for st in plan.stages:
+        tp = st.tp
+        if tp is None or tp.tp == 1:
+            continue
+        by_style: dict[str, dict[str, int]] = {}
+        for module, style in tp.modules:
+            folded = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", module)
+            names = by_style.setdefault(style, {})
+            names[folded] = names.get(folded, 0) + 1
+        parts = [f"{style} " + ", ".join(n if k == 1 else f"{n} (x{k})" for n, k in names.items())
+                 for style in ("colwise", "rowwise", "vocab", "replicated") if (names := by_style.get(style))]
+        comm = []
+        for phase in ("forward", "backward"):
+            n = sum(c.phase == phase for c in tp.collectives)
+            if n:
+                comm.append(f"{n} in {phase} ({tp.collective_bytes(phase) / 1024:.1f} KiB)")
+        line = (f"stage {st.stage} (tp {tp.tp}): {'; '.join(parts) or 'nothing to shard: replicated'}"
+                + (f"; tp all-reduces per microbatch: {', '.join(comm)}" if comm else "")
+                + f"; {tp.sharded_flops:.0%} of its FLOPs on shards")
+        out += textwrap.wrap(line, width=80, subsequent_indent="    ", break_on_hyphens=False)
+    return out
