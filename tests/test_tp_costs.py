@@ -221,8 +221,14 @@ def small_graph():
 
 
 def test_megatron_layout_of_the_example_gpts_stages(small_graph):
-    first, last = with_megatron_tp(small_graph.stages, tp=2, num_tokens=16, seq=8, elem_bytes=2,
-                                   flops=small_graph.flops)
+    plain = with_megatron_tp(small_graph.stages, tp=2, num_tokens=16, seq=8, elem_bytes=2, flops=small_graph.flops)
+    assert all("wte" not in dict(st.tp.modules) for st in plain)           # as the sharding pass: vocab replicated
+    # stage 0 is 2 blocks (a lookup costs no FLOPs), stage 1 the same 2 blocks and the head, which stays whole
+    share = small_graph.flops[0][0] / small_graph.flops[1][0]
+    assert plain[1].tp.sharded_flops == pytest.approx(share) and share < 1
+    first, last = (replace(st, tp=megatron_tp(st, tp=2, num_tokens=16, seq=8, elem_bytes=2, vocab=True,
+                                              forward_flops=f[0])) for st, f in zip(small_graph.stages,
+                                                                                    small_graph.flops))
     styles = dict(first.tp.modules)
     assert styles["blocks.0.attn.qkv"] == styles["blocks.0.mlp.fc"] == "colwise"
     assert styles["blocks.0.attn.proj"] == styles["blocks.0.mlp.proj"] == "rowwise"
@@ -233,7 +239,7 @@ def test_megatron_layout_of_the_example_gpts_stages(small_graph):
     assert len(fwd) == 2 * 2 + 1 and {c.num_bytes for c in fwd} == {16 * 32 * 2}   # 2 per block + the lookup's
     assert len([c for c in last.tp.collectives if c.phase == "backward"]) == 2 * 2 + 1   # + the head's input grad
     assert first.tp.sharded_flops == pytest.approx(1.0) and last.tp.compute_share() == pytest.approx(0.5)
-    assert megatron_tp(first, tp=3, num_tokens=16, seq=8, elem_bytes=2) is None   # 3 divides no width here
+    assert megatron_tp(first, tp=3, num_tokens=16, seq=8, elem_bytes=2, vocab=True) is None   # 3 divides no width
     sp = megatron_tp(first, tp=2, num_tokens=16, seq=8, elem_bytes=2, sequence_parallel=True)
     pairs = [c for c in sp.collectives if c.node.startswith("blocks.")]
     assert sorted({(c.kind, c.phase) for c in pairs}) == [("all_gather", "backward"), ("all_gather", "forward"),

@@ -10,8 +10,8 @@ parameters in order and finds Megatron's pairs (Shoeybi et al. 2019) by shape al
   in 3 segments for a fused qkv), ``B`` rowwise (weight on dim 1, bias replicated). Per microbatch of ``T``
   tokens: one all-reduce of ``B``'s output in the forward and one of ``A``'s input grad in the backward, each
   ``T x i1 x`` the activation dtype's bytes (Megatron's ``b s h``: 2 forward and 2 backward per block);
-- a 2-D weight ``(V, h)`` left over with ``V > h`` and no bias (an embedding or an LM head, tied or not):
-  vocab-parallel,
+- with ``vocab`` (off by default, as the sharding pass leaves them: ``tensor_parallel auto``), a 2-D weight
+  ``(V, h)`` left over with ``V > h`` and no bias (an embedding or an LM head, tied or not): vocab-parallel,
   rows on dim 0: a lookup (the stage reads integer inputs) all-reduces its ``T x h`` output in the forward; a
   head (the stage's output ends in ``V``) computes loss-parallel logits: three float32 all-reduces of ``T``
   values in the forward (max, sum of exponentials, target logit) and the input grad's ``T x h`` in the backward;
@@ -43,7 +43,8 @@ _INTS = frozenset(("int64", "int32", "int16", "int8", "uint8"))
 
 
 def megatron_tp(stage: Stage, *, tp: int, num_tokens: int, seq: int, elem_bytes: int,
-                forward_flops: float | None = None, sequence_parallel: bool = False) -> StageTP | None:
+                forward_flops: float | None = None, sequence_parallel: bool = False,
+                vocab: bool = False) -> StageTP | None:
     """The stage's Megatron layout at ``tp`` (see the module doc); ``num_tokens`` per microbatch (``b s``),
     ``seq`` the sequence length, ``elem_bytes`` the activations' bytes per element, ``forward_flops`` the stage's
     traced forward FLOPs per microbatch (None: the sharded share is taken as all of it). ``sequence_parallel``:
@@ -88,7 +89,7 @@ def megatron_tp(stage: Stage, *, tp: int, num_tokens: int, seq: int, elem_bytes:
         k += 1
     lookup = any(t.dtype in _INTS for t in stage.inputs)
     out_dims = {t.shape[-1] for t in stage.outputs if t.shape}
-    for m, (v, h) in weights:
+    for m, (v, h) in weights if vocab else ():
         if m in used or v <= h or v % tp or "bias" in by_module[m]:
             continue
         head = v in out_dims
@@ -111,12 +112,14 @@ def megatron_tp(stage: Stage, *, tp: int, num_tokens: int, seq: int, elem_bytes:
 
 
 def with_megatron_tp(stages: Sequence[Stage], *, tp: int, num_tokens: int, seq: int, elem_bytes: int,
-                     flops: Sequence[tuple[int, int, int]] = (), sequence_parallel: bool = False) -> tuple[Stage, ...]:
+                     flops: Sequence[tuple[int, int, int]] = (), sequence_parallel: bool = False,
+                     vocab: bool = False) -> tuple[Stage, ...]:
     """The stages, each with its :func:`megatron_tp` (``flops``: per stage the traced forward / input-backward /
     weight-backward FLOPs, as :attr:`~pipec.compiler.ir.graph.StageGraph.flops` holds them)."""
     out = []
     for s, st in enumerate(stages):
         fwd = flops[s][0] if s < len(flops) else None
         out.append(replace(st, tp=megatron_tp(st, tp=tp, num_tokens=num_tokens, seq=seq, elem_bytes=elem_bytes,
-                                              forward_flops=fwd, sequence_parallel=sequence_parallel)))
+                                              forward_flops=fwd, sequence_parallel=sequence_parallel,
+                                              vocab=vocab)))
     return tuple(out)
