@@ -49,10 +49,11 @@ from pipec.tune.space import (Candidate, TuneError, TuneRequest, candidate_reque
 
 __all__ = ["Scored", "TuneResult", "tune"]
 
-VOCAB_PARALLEL = True
-"""Whether tune prices a tp candidate's embedding and LM head vocab-parallel (Megatron-LM's layout) or replicated
-(what ``tensor_parallel auto`` shards today): on the note's 13B cluster the first picks tp 2 (0.439 s), the second
-tp 1 (0.441 s, the best tp 2 then 0.456 s: every tp rank computes the whole head)."""
+VOCAB_PARALLEL = False
+"""Whether tune prices a tp candidate's embedding and LM head vocab-parallel (Megatron-LM's layout) or replicated:
+replicated, as ``tensor_parallel auto`` shards them, so that what tune picks is what a compile of its pick predicts
+and a run does. (On the note's 13B cluster vocab-parallel would pick tp 2 at 0.439 s; replicated, the best tp 2 is
+0.456 s and tp 1 wins at 0.441 s: every tp rank computes the whole head.)"""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
