@@ -27,7 +27,7 @@ import copy
 import fnmatch
 import operator
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -58,6 +58,19 @@ class Shard:
     dim: int
     segments: int = 1
     sources: frozenset[str] = frozenset()
+    seq: bool = False
+    """Sequence parallelism's shard: ``dim`` is the sequence, cut into tp contiguous parts of positions (the
+    region between a rowwise module and the next colwise one); ``sources`` are then the rowwise nodes."""
+
+
+@dataclass(frozen=True, slots=True)
+class _SP:
+    """What the sequence-parallel run of the analysis is given: the sequence length, the stage inputs that
+    arrive as sequence shards (placeholder name -> dim), whether the stage's outputs go to the loss (whole)."""
+
+    length: int
+    inputs: Mapping[str, int]
+    last: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,8 +225,15 @@ class _Analysis:
     """One pass of the dataflow analysis with a fixed set of colwise candidates (see the module doc)."""
 
     def __init__(self, gm: GraphModule, tp: int, lins: Mapping[Node, _Lin], colwise: set[str],
-                 segments: Mapping[str, int]) -> None:
-        self.gm, self.tp, self.lins, self.colwise, self.segments = gm, tp, lins, colwise, segments
+                 segments: Mapping[str, int], sp: _SP | None = None) -> None:
+        self.gm, self.tp, self.lins, self.colwise, self.segments, self.sp = gm, tp, lins, colwise, segments, sp
+        self.gathers: dict[Node, set[str]] = {}
+        """Sequence parallelism: a sequence-sharded node -> how it is all-gathered: ``gather`` (for colwise
+        modules: reduce-scatter backward), ``gather_whole`` (for a replicated consumer: the gradient's part)."""
+        self.splits: dict[tuple[Node, Node], int] = {}
+        """(replicated operand, its sequence-sharded consumer) -> the operand's dim cut to this rank's part."""
+        self.seq_outputs: dict[int, int] = {}
+        """Output position -> its sequence dim, for the outputs sent as parts (not the last stage)."""
         self.state: dict[Node, Any] = {}
         self.failures: list[_Failure] = []
         self.rowwise: dict[str, int] = {}
@@ -235,9 +255,15 @@ class _Analysis:
         return None
 
     def _rule(self, n: Node) -> Any:
+        if n.op == "placeholder" and self.sp is not None and n.name in self.sp.inputs:
+            return Shard(self.sp.inputs[n.name], 1, frozenset(), seq=True)
         if n.op in ("placeholder", "get_attr"):
             return None
         ins = [(a, self.state[a]) for a in n.all_input_nodes if isinstance(self.state.get(a), Shard)]
+        if len({s.seq for _, s in ins}) > 1:
+            return self.fail(n, [s for _, s in ins], "it mixes a sequence shard with a tensor-parallel shard")
+        if n.op == "output" and ins and ins[0][1].seq:
+            return self._seq_outputs(n, ins)
         if n.op == "output":
             if ins:
                 self.fail(ins[0][0], [s for _, s in ins], f"{ins[0][0].name!r} leaves the stage sharded (a stage's "
@@ -263,8 +289,33 @@ class _Analysis:
             return self.fail(n, shards, f"{op} is not known to act shard by shard on {ins[0][0].name!r}, which is sharded")
         return rule(self, n, ins)
 
+    def _seq_outputs(self, n: Node, ins: list[tuple[Node, Shard]]) -> None:
+        """Sequence-sharded stage outputs: all-gathered whole for the loss (the last stage), else sent as parts."""
+        flat = list(n.args[0]) if isinstance(n.args[0], (tuple, list)) else [n.args[0]]
+        for a, s in ins:
+            if s.segments != 1:
+                return self.fail(a, [s], f"{a.name!r} leaves the stage with its sequence dim mixed with another")
+            if self.sp.last:
+                self.gathers.setdefault(a, set()).add("gather_whole")
+            else:
+                for i, b in enumerate(flat):
+                    if b is a:
+                        self.seq_outputs[i] = s.dim
+        return None
+
+    def seq_dim(self, n: Node) -> int | None:
+        """The sequence dim of a rowwise output: the dim of the sequence length (dim 1 where several are)."""
+        dims = [i for i, d in enumerate(_shape(n)[:-1]) if d == self.sp.length]
+        return 1 if 1 in dims else dims[0] if len(dims) == 1 else None
+
     def _linear(self, n: Node, lin: _Lin) -> Any:
         s, out, xs = self.of(lin.x), _shape(n), _shape(lin.x)
+        if isinstance(s, Shard) and s.seq:  # the sequence gathered whole first
+            if s.segments != 1:
+                return self.fail(n, [s], f"its input {lin.x.name!r} has its sequence dim mixed with another")
+            colwise = n.name in self.colwise and lin.kind != "embedding"
+            self.gathers.setdefault(lin.x, set()).add("gather" if colwise else "gather_whole")
+            s = None
         if s is None:
             if n.name not in self.colwise or lin.kind == "embedding":
                 return None
@@ -277,8 +328,14 @@ class _Analysis:
             return Shard(len(out) - 1, segs, frozenset({n.name}))
         if lin.kind != "embedding" and s.dim == len(xs) - 1:
             self.rowwise[n.name] = s.segments
-            return None
-        return Shard(len(out) - len(xs) + s.dim, s.segments, s.sources)
+            if self.sp is None:
+                return None
+            d = self.seq_dim(n)
+            if d is None:
+                return self.fail(n, [Shard(0, 1, frozenset({n.name}), seq=True)],
+                                 f"its output {list(out)} has no dimension of the sequence length {self.sp.length}")
+            return Shard(d, 1, frozenset({n.name}), seq=True)
+        return replace(s, dim=len(out) - len(xs) + s.dim)
 
     def _module(self, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
         mod = self.gm.get_submodule(str(n.target))
@@ -307,9 +364,12 @@ def _elementwise(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
             continue
         k = d - (len(out) - len(sh))
         if 0 <= k < len(sh) and sh[k] != 1:
+            if shards[0].seq and shards[0].segments == 1:  # cut to this rank's positions (all-gather backward)
+                an.splits[(a, n)] = k
+                continue
             return an.fail(n, shards, f"operand {a.name!r} is replicated with the full size {sh[k]} on the sharded "
                                       "dimension (it does not broadcast there)")
-    return Shard(d, segs.pop(), frozenset().union(*(s.sources for s in shards)))
+    return replace(shards[0], dim=d, segments=segs.pop(), sources=frozenset().union(*(s.sources for s in shards)))
 
 
 def _unary(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
@@ -332,7 +392,7 @@ def _view(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
         an.fail(n, [s], f"the view {list(shape)} -> {list(out)} cuts the sharded features into {out[j]} parts "
                         f"(attention heads, where it splits heads), and {m} is not divisible by tp {an.tp}",
                 size=True, hint=f"use a tp that divides {m}", count=m)
-    return Shard(j, segs, s.sources)
+    return replace(s, dim=j, segments=segs)
 
 
 def _transpose(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
@@ -346,7 +406,7 @@ def _transpose(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
         a, b = _norm(int(n.args[1]), nd), _norm(int(n.args[2]), nd)
         perm = list(range(nd))
         perm[a], perm[b] = b, a
-    return Shard(perm.index(s.dim), s.segments, s.sources)
+    return replace(s, dim=perm.index(s.dim))
 
 
 def _expand(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
@@ -354,7 +414,7 @@ def _expand(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
     d = s.dim + len(out) - len(shape)
     if shape[s.dim] != out[d]:
         return an.fail(n, [s], "it expands the sharded dimension")
-    return Shard(d, s.segments, s.sources)
+    return replace(s, dim=d)
 
 
 def _split(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
@@ -363,14 +423,14 @@ def _split(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
     dim = _norm(int(_arg(n, 1 if _op(n) == "unbind" else 2, "dim", 0)), len(shape))
     if _op(n) == "unbind":
         return an.fail(n, [s], "it unbinds a sharded tensor") if dim == s.dim else tuple(
-            Shard(s.dim - (dim < s.dim), s.segments, s.sources) for _ in pieces)
+            replace(s, dim=s.dim - (dim < s.dim)) for _ in pieces)
     if dim != s.dim:
-        return tuple(Shard(s.dim, s.segments, s.sources) for _ in pieces)
+        return tuple(replace(s, dim=s.dim) for _ in pieces)
     sizes = [p[dim] for p in pieces]
     if len(set(sizes)) != 1 or s.segments % len(pieces):
         an.fail(n, [s], f"it splits the sharded dimension into {sizes}, not into its {s.segments} equal segments")
         return tuple(None for _ in pieces)
-    return tuple(Shard(dim, s.segments // len(pieces), s.sources) for _ in pieces)
+    return tuple(replace(s, dim=dim, segments=s.segments // len(pieces)) for _ in pieces)
 
 
 def _full_slice(start: Any, stop: Any, step: Any, size: int) -> bool:
@@ -392,7 +452,7 @@ def _index(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
         if e is Ellipsis:
             k = len(shape) - used
             if i <= s.dim < i + k:
-                return Shard(o + s.dim - i, s.segments, s.sources)
+                return replace(s, dim=o + s.dim - i)
             i, o = i + k, o + k
         elif e is None:
             o += 1
@@ -400,13 +460,13 @@ def _index(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
             if i == s.dim:
                 if not _full_slice(e.start, e.stop, e.step, shape[i]):
                     return an.fail(n, [s], "it slices the sharded dimension")
-                return Shard(o, s.segments, s.sources)
+                return replace(s, dim=o)
             i, o = i + 1, o + 1
         else:
             if i == s.dim:
                 return an.fail(n, [s], "it indexes into the sharded dimension")
             i += 1
-    return Shard(o + s.dim - i, s.segments, s.sources)
+    return replace(s, dim=o + s.dim - i)
 
 
 def _slice(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
@@ -415,7 +475,7 @@ def _slice(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
         dim = _norm(int(n.args[1]), len(shape))
         if dim == s.dim:
             return an.fail(n, [s], "it selects from the sharded dimension")
-        return Shard(s.dim - (dim < s.dim), s.segments, s.sources)
+        return replace(s, dim=s.dim - (dim < s.dim))
     dim = _norm(int(_arg(n, 1, "dim", 0)), len(shape))
     if dim == s.dim and not _full_slice(_arg(n, 2, "start"), _arg(n, 3, "end"), _arg(n, 4, "step", 1), shape[dim]):
         return an.fail(n, [s], "it slices the sharded dimension")
@@ -431,7 +491,7 @@ def _cat(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
     dim = _norm(int(_arg(n, 1, "dim", 0)), len(_shape(n)))
     if dim == states[0].dim:
         return an.fail(n, shards, "it concatenates along the sharded dimension")
-    return Shard(states[0].dim, states[0].segments, frozenset().union(*(s.sources for s in shards)))
+    return replace(states[0], sources=frozenset().union(*(s.sources for s in shards)))
 
 
 def _attention(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
@@ -439,6 +499,8 @@ def _attention(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
     states = [an.of(t) for t in (q, k, v)]
     shards = [s for _, s in ins]
     nd = len(_shape(q))
+    if any(isinstance(st, Shard) and st.seq for st in states):
+        return an.fail(n, shards, "attention mixes the positions of a sequence shard")
     if any(not isinstance(st, Shard) for st in states) or len({st.dim for st in states}) != 1 or states[0].dim >= nd - 2:
         return an.fail(n, shards, "attention needs q, k and v all sharded on their heads dimension")
     d = states[0].dim
@@ -478,7 +540,7 @@ def _matmul(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
             k = d - (no - len(sh))
             if s is None and 0 <= k < len(sh) and sh[k] != 1:
                 return an.fail(n, shards, f"operand {t.name!r} is replicated on the sharded batch dimension")
-    return Shard(d, shards[0].segments, frozenset().union(*(s.sources for s in shards)))
+    return replace(shards[0], dim=d, sources=frozenset().union(*(s.sources for s in shards)))
 
 
 def _along(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
@@ -497,7 +559,7 @@ def _reduce(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
     if s.dim in dims:
         return an.fail(n, [s], f"{_op(n)} reduces over the sharded dimension")
     keep = _arg(n, 2, "keepdim", False)
-    return Shard(s.dim if keep else s.dim - sum(d < s.dim for d in dims), s.segments, s.sources)
+    return replace(s, dim=s.dim if keep else s.dim - sum(d < s.dim for d in dims))
 
 
 def _normalize(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]], num_dims: int | None = None) -> Any:
@@ -621,6 +683,108 @@ def _analyse(gm: GraphModule, tp: int, styles: Mapping[str, str] | None, canonic
             off |= bad - retry
 
 
+# ----------------------------------------------------------------------------- sequence parallelism
+
+
+SP_KEY = "sequence_parallel"
+
+
+def _io_names(gm: GraphModule) -> tuple[dict[str, str], list[str]]:
+    """Placeholder node name -> the stage input's name, and the output names in order (a StageModule's own,
+    else the graph's node names)."""
+    holders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = getattr(gm, "input_names", None) or holders
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    outputs = getattr(gm, "output_names", None) or [getattr(a, "name", str(a)) for a in flat]
+    return dict(zip(holders, inputs)), list(outputs)
+
+
+def _sp_run(gm: GraphModule, an: _Analysis, sp: _SP, where: str, traced: Traced | None) -> _Analysis:
+    """The analysis once more with sequence parallelism, over ``an``'s decided modules; refuses, located, where
+    the sequence shard cannot be followed."""
+    if sp.length % an.tp:
+        raise FrontendError(f"sequence parallelism (tp {an.tp}){where}: the sequence length {sp.length} is not "
+                            f"divisible by tp {an.tp}", key=SP_KEY,
+                            hints=(f"use a sequence length divisible by {an.tp}, or sequence_parallel off",))
+    run = _Analysis(gm, an.tp, an.lins, an.colwise, an.segments, sp).run()
+    for f in run.failures:
+        raise FrontendError(f"sequence parallelism (tp {an.tp}){where} cannot follow the sequence shard at "
+                            f"{_at(f.node, traced)}: {f.reason}", key=SP_KEY, hints=("sequence_parallel off",))
+    assert run.active == an.active and run.rowwise == an.rowwise, "sequence parallelism changed the sharding"
+    return run
+
+
+def _floating(n: Node) -> bool:
+    tm = n.meta.get("tensor_meta")
+    return isinstance(tm, TensorMetadata) and tm.dtype.is_floating_point
+
+
+def _seq_state(st: Any) -> bool:
+    return isinstance(st, Shard) and st.seq
+
+
+def _sharded_state(st: Any) -> bool:
+    return isinstance(st, Shard) or (isinstance(st, tuple) and any(isinstance(x, Shard) for x in st))
+
+
+def _partial_params(an: _Analysis, canonical: Mapping[str, str], sharded: set[str], where: str,
+                    traced: Traced | None) -> tuple[str, ...]:
+    """The replicated parameters whose gradient is a partial sum on each tp rank: a backward walk of how each
+    replicated value's gradient arrives: ``full`` (every rank the whole sum: through the loss, an f, a split's
+    all-gather, a replicated consumer of a full one) or ``partial`` (a consumer computed on this rank's
+    positions: a sequence shard). A parameter whose gradient is both is refused, located. A replicated operand
+    of a tensor-parallel shard (rotary cos / sin) is left as tensor parallelism leaves it."""
+    kinds: dict[Node, str] = {}
+    by_param: dict[str, tuple[str, Node]] = {}
+
+    def add(a: Node, k: str | None) -> None:
+        if k is not None:
+            kinds[a] = k if kinds.get(a, k) == k else "mixed"
+
+    def param(name: str, k: str | None, at: Node) -> None:
+        c = canonical.get(name, name)
+        if k is None or c in sharded:
+            return
+        prev = by_param.get(c)
+        by_param[c] = (k if prev is None or prev[0] == k else "mixed", at if prev is None else prev[1])
+
+    for u in reversed(list(an.gm.graph.nodes)):
+        if u.op == "output":
+            for a in u.all_input_nodes:
+                if not _sharded_state(an.state.get(a)):
+                    add(a, "full")
+            continue
+        st = an.state.get(u)
+        ku = "partial" if _seq_state(st) else None if _sharded_state(st) else kinds.get(u)
+        lin = an.lins.get(u)
+        if u.op == "call_module":
+            for pname, _ in an.gm.get_submodule(str(u.target)).named_parameters(prefix=str(u.target)):
+                param(pname, ku, u)
+        if u.op == "get_attr" and isinstance(_resolve(an.gm, str(u.target)), nn.Parameter):
+            param(str(u.target), kinds.get(u), u)
+        if _op(u) in _SHAPE_OF:
+            continue
+        for a in u.all_input_nodes:
+            if _sharded_state(an.state.get(a)) or not _floating(a):
+                continue  # a shard's gradient is its own; an int, a mask or a size has none
+            if (a, u) in an.splits or (lin is not None and a is lin.x and u.name in an.active):
+                add(a, "full")  # a split's all-gather, an f's all-reduce
+            else:
+                add(a, ku)
+    hint = ("sequence_parallel off",)
+    for n, k in kinds.items():
+        if n.op == "placeholder" and k != "full" and n.meta["tensor_meta"].dtype.is_floating_point:
+            raise FrontendError(f"sequence parallelism (tp {an.tp}){where}: the gradient of stage input {n.name!r} "
+                                "would be a partial sum on each tp rank", key=SP_KEY, hints=hint)
+    for c, (k, at) in by_param.items():
+        if k == "mixed":
+            raise FrontendError(f"sequence parallelism (tp {an.tp}){where}: parameter {c} is used on the sequence "
+                                f"shards and replicated (at {_at(at, traced)}): its gradient would be partly a sum "
+                                "over the tp ranks and partly whole", key=SP_KEY, hints=hint)
+    return tuple(c for c, (k, _) in by_param.items() if k == "partial")
+
+
 # ----------------------------------------------------------------------------- refusals, located
 
 
@@ -695,19 +859,38 @@ def _styles_of(gm: GraphModule, lins: Mapping[Node, _Lin], patterns: Mapping[str
     return styles, matched
 
 
-def _record(an: _Analysis, lins: Mapping[Node, _Lin], canonical: Mapping[str, str]) -> StageTP:
+def _record(an: _Analysis, lins: Mapping[Node, _Lin], canonical: Mapping[str, str], *, where: str = "",
+            traced: Traced | None = None) -> StageTP:
     modules: dict[str, str] = {}
     params: dict[str, ShardedParam] = {}
     collectives: list[Collective] = []
     copied: set[Node] = set()
+    seq_on = an.sp is not None
+
+    def pair(first: str, second: str, num_bytes: int, node: str) -> list[Collective]:
+        return [Collective(kind=first, phase="forward", num_bytes=num_bytes, node=node),
+                Collective(kind=second, phase="backward", num_bytes=num_bytes, node=node)]
+
     for n, lin in lins.items():
         style = "colwise" if n.name in an.active else "rowwise" if n.name in an.rowwise else "replicated"
         modules.setdefault(lin.path, style)
         if n.name in an.active and lin.x not in copied:
             copied.add(lin.x)
-            collectives.append(Collective(kind="all_reduce", phase="backward", num_bytes=_nbytes(lin.x), node=lin.x.name))
+            if "gather" in an.gathers.get(lin.x, ()):
+                collectives += pair("all_gather", "reduce_scatter", _nbytes(lin.x), lin.x.name)
+            else:
+                collectives.append(Collective(kind="all_reduce", phase="backward", num_bytes=_nbytes(lin.x),
+                                              node=lin.x.name))
         if n.name in an.rowwise:
-            collectives.append(Collective(kind="all_reduce", phase="forward", num_bytes=_nbytes(n), node=n.name))
+            if seq_on:
+                collectives += pair("reduce_scatter", "all_gather", _nbytes(n), n.name)
+            else:
+                collectives.append(Collective(kind="all_reduce", phase="forward", num_bytes=_nbytes(n), node=n.name))
+    for x, how in an.gathers.items():
+        if "gather_whole" in how:  # before a replicated consumer: the backward keeps this rank's part
+            collectives.append(Collective(kind="all_gather", phase="forward", num_bytes=_nbytes(x), node=x.name))
+    for a in dict.fromkeys(a for a, _ in an.splits):  # a replicated value cut: all-gathered backward
+        collectives.append(Collective(kind="all_gather", phase="backward", num_bytes=_nbytes(a), node=a.name))
     for name, by in _param_uses(an, canonical).items():
         sp = next(iter(by))
         if sp is not None:
@@ -722,8 +905,16 @@ def _record(an: _Analysis, lins: Mapping[Node, _Lin], canonical: Mapping[str, st
         touched = isinstance(an.state.get(n), Shard) or any(isinstance(an.state.get(a), Shard) for a in n.all_input_nodes)
         if touched or n.name in an.active:
             sharded += flops
+    extra: dict[str, Any] = {}
+    if seq_on:
+        names, outputs = _io_names(an.gm)
+        holders = {n.name: n for n in an.gm.graph.nodes if n.op == "placeholder"}
+        extra = dict(sequence_parallel=True, seq_len=an.sp.length,
+                     seq_inputs=tuple((names[h], d) for h, d in an.sp.inputs.items() if h in holders),
+                     seq_outputs=tuple((outputs[i], d) for i, d in sorted(an.seq_outputs.items())),
+                     partial_params=_partial_params(an, canonical, set(params), where, traced))
     return StageTP(tp=an.tp, modules=tuple(modules.items()), params=tuple(params.values()),
-                   collectives=tuple(collectives), sharded_flops=sharded / total if total else 0.0)
+                   collectives=tuple(collectives), sharded_flops=sharded / total if total else 0.0, **extra)
 
 
 def _check_annotated(stage: GraphModule) -> None:
@@ -735,13 +926,19 @@ def _check_annotated(stage: GraphModule) -> None:
 
 def plan_stage(stage: GraphModule, tp: int, *, patterns: Mapping[str, str] | None = None,
                canonical: Mapping[str, str] | None = None, traced: Traced | None = None, where: str = "",
-               require_match: bool = True) -> StageTP:
+               require_match: bool = True, sequence_parallel: bool = False, seq_len: int | None = None,
+               seq_inputs: Mapping[str, int] | None = None, last: bool = True) -> StageTP:
     """Which modules of ``stage`` (a stage module, its graph annotated with shapes) shard what across ``tp`` ranks.
 
     ``patterns`` None is ``auto``; else glob over module paths -> ``colwise``/``rowwise``/``replicated`` (the
     first match wins) and anything that cannot be sharded so is refused. ``canonical``: local parameter name
     -> canonical (a :class:`StageModule`'s own by default); ``traced`` locates fx nodes in the user's code;
-    ``where`` (e.g. ``" in stage 2"``) goes into messages. Raises a located :class:`FrontendError`."""
+    ``where`` (e.g. ``" in stage 2"``) goes into messages. Raises a located :class:`FrontendError`.
+
+    ``sequence_parallel``: the regions between a rowwise module and the next colwise one are cut on the
+    sequence dim (length ``seq_len``; None: dim 1 of the stage's first input of two dims or more);
+    ``seq_inputs`` (stage input name -> dim) arrive as parts; the outputs are gathered whole where ``last``
+    (they go to the loss), else sent as parts (:attr:`StageTP.seq_outputs`)."""
     if tp < 1:
         raise FrontendError(f"tp must be at least 1, got {tp}", key="tp")
     canonical = _canonical_of(stage, canonical)
@@ -760,7 +957,25 @@ def plan_stage(stage: GraphModule, tp: int, *, patterns: Mapping[str, str] | Non
         _explicit_failures(an, lins, styles, where, traced)
     for f in an.failures:
         raise _size_refusal(an, f, where, traced)
-    return _record(an, lins, canonical)
+    if sequence_parallel:
+        names = _io_names(stage)[0]
+        given = dict(seq_inputs or {})
+        sp = _SP(seq_len or _sequence_length(stage, None), {h: given[v] for h, v in names.items() if v in given}, last)
+        an = _sp_run(stage, an, sp, where, traced)
+    return _record(an, lins, canonical, where=where, traced=traced)
+
+
+def _sequence_length(stage: GraphModule, traced: Traced | None) -> int:
+    """The model input's dim 1 (tokens ``[B, T]``): the traced model's first input of two dims or more, else the
+    stage's first such input."""
+    shapes = [tuple(t.shape) for t in traced.inputs] if traced is not None and traced.inputs else \
+        [_shape(n) or () for n in stage.graph.nodes if n.op == "placeholder"]
+    shape = next((sh for sh in shapes if len(sh) >= 2), None)
+    if shape is None:
+        raise FrontendError("sequence parallelism needs a model input with a sequence dim (dim 1 of tokens [B, T]), "
+                            f"got inputs of shapes {[list(sh) for sh in shapes]}", key=SP_KEY,
+                            hints=("sequence_parallel off",))
+    return int(shape[1])
 
 
 def _explicit_failures(an: _Analysis, lins: Mapping[Node, _Lin], styles: Mapping[str, str], where: str,
@@ -781,19 +996,36 @@ def _explicit_failures(an: _Analysis, lins: Mapping[Node, _Lin], styles: Mapping
 
 
 def plan_stages(stages: Sequence[GraphModule], tp: int, *, patterns: Mapping[str, str] | None = None,
-                canonical: Mapping[str, str] | None = None, traced: Traced | None = None) -> list[StageTP]:
+                canonical: Mapping[str, str] | None = None, traced: Traced | None = None,
+                sequence_parallel: bool = False) -> list[StageTP]:
     """:func:`plan_stage` for every stage; a pattern matching no module of any stage is refused. A stage needs
     no values: ``GraphModule(split.traced.gm, split.stage_graph(s))`` (meta parameters) will do, with
-    ``canonical=split.traced.canonical``."""
-    plans = [plan_stage(st, tp, patterns=patterns, canonical=canonical, traced=traced, where=f" in stage {s}",
-                        require_match=False)
-             for s, st in enumerate(stages)]
+    ``canonical=split.traced.canonical``. ``sequence_parallel``: the sequence length is the model input's dim 1
+    (see :func:`_sequence_length`); a stage output sent as parts arrives as parts at every later stage."""
+    sp = sequence_parallel and tp > 1
+    seq_len = _sequence_length(stages[0], traced) if sp else None
+    parts: dict[str, int] = {}
+    plans = []
+    for s, st in enumerate(stages):
+        names = _io_names(st)[0].values()
+        plans.append(plan_stage(st, tp, patterns=patterns, canonical=canonical, traced=traced, where=f" in stage {s}",
+                                require_match=False, sequence_parallel=sp, seq_len=seq_len,
+                                seq_inputs={n: parts[n] for n in names if n in parts}, last=s == len(stages) - 1))
+        parts.update(plans[-1].seq_outputs)
     held: dict[str, dict[int, ShardedParam | None]] = {}
+    partial: dict[str, dict[int, bool]] = {}
     for s, (st, plan) in enumerate(zip(stages, plans)):
         names = _canonical_of(st, canonical)
         for local, _ in st.named_parameters(remove_duplicate=False):
             c = names.get(local, local)
             held.setdefault(c, {})[s] = plan.sharded(c)
+            partial.setdefault(c, {})[s] = c in plan.partial_params
+    for c, by in partial.items():
+        if len(set(by.values())) > 1:
+            how = ", ".join(f"stage {s}: {'partial' if p else 'whole'}" for s, p in by.items())
+            raise FrontendError(f"sequence parallelism (tp {tp}): tied parameter {c}'s gradient is a partial sum over "
+                                f"the tp ranks in some stages and whole in others ({how})", key=SP_KEY,
+                                hints=("sequence_parallel off",))
     for c, by in held.items():
         if len(set(by.values())) > 1:
             how = ", ".join(f"stage {s}: {'replicated' if sp is None else f'dim {sp.dim}'}" for s, sp in by.items())
@@ -834,10 +1066,27 @@ def _local(shape: Sequence[int], s: Any, tp: int) -> tuple[int, ...]:
     return tuple(d // tp if isinstance(s, Shard) and i == s.dim else d for i, d in enumerate(shape))
 
 
-def _rewrite(an: _Analysis, lins: Mapping[Node, _Lin], graph: Graph, env: dict[Node, Node]) -> dict[Node, Node]:
-    """Rewrite the copy ``graph`` (``env``: original node -> copy) to local sizes; original node -> its result."""
+def _rewrite(an: _Analysis, lins: Mapping[Node, _Lin], graph: Graph, env: dict[Node, Node],
+             comms: dict[str, tuple[str, int]]) -> dict[Node, Node]:
+    """Rewrite the copy ``graph`` (``env``: original node -> copy) to local sizes; original node -> its result.
+    ``comms`` gets the :class:`TPComm` modules the rewrite calls (target -> kind, dim)."""
     tp, result = an.tp, dict(env)
     copies: dict[Node, Node] = {}
+    made: dict[tuple[Node, str, int], Node] = {}
+
+    def comm(kind: str, dim: int = 1) -> str:
+        name = f"tp_{kind}" if kind in ("copy", "reduce") else f"tp_{kind}_{dim}"
+        comms[name] = (kind, dim)
+        return name
+
+    def after(x: Node, kind: str, dim: int = 1) -> Node:
+        """One ``kind`` collective of original node ``x``'s result, shared by its users."""
+        if (x, kind, dim) not in made:
+            with graph.inserting_after(result[x]):
+                made[(x, kind, dim)] = graph.call_module(comm(kind, dim), (result[x],))
+            made[(x, kind, dim)].meta = dict(x.meta)
+        return made[(x, kind, dim)]
+
     for n in list(an.gm.graph.nodes):
         new, op = env[n], _op(n)
         x0 = n.args[0] if n.args else None
@@ -863,24 +1112,37 @@ def _rewrite(an: _Analysis, lins: Mapping[Node, _Lin], graph: Graph, env: dict[N
                 sizes = [int(v) // tp for v in sizes] if isinstance(sizes, (list, tuple)) else int(sizes) // tp
                 new.args = (new.args[0], sizes, *new.args[2:])
         lin = lins.get(n)
-        if lin is None or lin.kind == "embedding":
+        if lin is None:
+            continue
+        sx = an.of(lin.x)
+        seq = isinstance(sx, Shard) and sx.seq
+        if seq and n.name not in an.active:  # a replicated consumer of a sequence shard: gathered whole
+            new.replace_input_with(result[lin.x], after(lin.x, "gather_whole", sx.dim))
+        if lin.kind == "embedding":
             continue
         if n.name in an.active:
-            x = env[lin.x]
-            if lin.x not in copies:
-                with graph.inserting_after(x):
-                    copies[lin.x] = graph.call_module("tp_copy", (x,))
-                copies[lin.x].meta = dict(lin.x.meta)
+            x = result[lin.x]
+            if lin.x not in copies:  # f, or sequence parallelism's all-gather
+                copies[lin.x] = after(lin.x, "gather", sx.dim) if seq else after(lin.x, "copy")
             new.replace_input_with(x, copies[lin.x])
             if lin.kind == "conv1d":
-                result[n] = _functional(graph, new, lin, copies[lin.x], reduce=False)
-        elif n.name in an.rowwise:
-            result[n] = _functional(graph, new, lin, env[lin.x], reduce=True)
+                result[n] = _functional(graph, new, lin, copies[lin.x], reduce=None)
+        elif n.name in an.rowwise:  # g, or sequence parallelism's reduce-scatter
+            out = an.of(n)
+            reduce = comm("scatter", out.dim) if isinstance(out, Shard) and out.seq else comm("reduce")
+            result[n] = _functional(graph, new, lin, result[lin.x], reduce=reduce)
+    for (a, u), d in an.splits.items():  # replicated operands cut to this rank's positions
+        result[u].replace_input_with(result[a], after(a, "split", d))
+    out_new = result[next(n for n in an.gm.graph.nodes if n.op == "output")]
+    for x, how in an.gathers.items():  # the last stage's outputs, whole for the loss
+        if "gather_whole" in how and any(u.op == "output" for u in x.users):
+            out_new.replace_input_with(result[x], after(x, "gather_whole", an.of(x).dim))
     return result
 
 
-def _functional(graph: Graph, new: Node, lin: _Lin, x: Node, *, reduce: bool) -> Node:
-    """``new`` (a Linear-like node) as matmul [-> g] [-> + bias]; the node that now gives its value."""
+def _functional(graph: Graph, new: Node, lin: _Lin, x: Node, *, reduce: str | None) -> Node:
+    """``new`` (a Linear-like node) as matmul [-> g or reduce-scatter, the ``reduce`` TPComm target] [-> + bias];
+    the node that now gives its value."""
     with graph.inserting_before(new):
         if lin.kind in ("linear", "conv1d") and new.op == "call_module":
             w = graph.get_attr(lin.weight)
@@ -894,7 +1156,7 @@ def _functional(graph: Graph, new: Node, lin: _Lin, x: Node, *, reduce: bool) ->
             y = graph.call_function(_aten.mm.default, (x, new.args[2] if lin.kind == "addmm" else new.args[1]))
             bias, add = (new.args[0] if lin.kind == "addmm" else None), _aten.add.Tensor
         if reduce:
-            y = graph.call_module("tp_reduce", (y,))
+            y = graph.call_module(reduce, (y,))
         if bias is not None:
             y = graph.call_function(add, (y, bias))
     y.meta = dict(new.meta)
@@ -931,7 +1193,14 @@ def shard_stage(stage: GraphModule, plan: StageTP, rank: int, *, group: TPGroup 
     if plan.tp == 1:
         return stage
     an, lins = _analyse(stage, plan.tp, dict(plan.modules), canonical, {sp.name: sp.segments for sp in plan.params})
-    if an.failures or _record(an, lins, canonical).params != plan.params:
+    if plan.sequence_parallel and not an.failures:
+        given = dict(plan.seq_inputs)
+        sp = _SP(plan.seq_len, {h: given[v] for h, v in _io_names(stage)[0].items() if v in given},
+                 last=not plan.seq_outputs)
+        an = _sp_run(stage, an, sp, where, traced)
+    rec = None if an.failures else _record(an, lins, canonical, where=where, traced=traced)
+    if rec is None or (rec.params, rec.seq_outputs, rec.partial_params) != (plan.params, plan.seq_outputs,
+                                                                            plan.partial_params):
         raise FrontendError(f"the plan's tensor-parallel sharding{where} does not hold for this stage's graph; "
                             "re-compile the plan", key=KEY)
     graph = Graph()
@@ -940,7 +1209,8 @@ def shard_stage(stage: GraphModule, plan: StageTP, rank: int, *, group: TPGroup 
     graph.output(graph.graph_copy(stage.graph, env))
     out_old = next(n for n in stage.graph.nodes if n.op == "output")
     env[out_old] = next(n for n in graph.nodes if n.op == "output")
-    result = _rewrite(an, lins, graph, env)
+    comms: dict[str, tuple[str, int]] = {}
+    result = _rewrite(an, lins, graph, env, comms)
     sharded = {sp.name: sp for sp in plan.params}
     fresh: dict[str, nn.Parameter] = {}
 
@@ -952,7 +1222,7 @@ def shard_stage(stage: GraphModule, plan: StageTP, rank: int, *, group: TPGroup 
         return fresh[canon]
 
     memo: dict[int, nn.Module] = {}
-    attrs: dict[str, Any] = {"tp_copy": TPComm("copy"), "tp_reduce": TPComm("reduce")}
+    attrs: dict[str, Any] = {name: TPComm(kind, dim, size=plan.tp, rank=rank) for name, (kind, dim) in comms.items()}
     for n in graph.nodes:
         if n.op not in ("call_module", "get_attr") or n.target in attrs:
             continue
@@ -993,11 +1263,12 @@ def _prove(an: _Analysis, gm: GraphModule, result: Mapping[Node, Node], where: s
     """Every original node's value in the rewritten graph has its full shape with the sharded dim / tp."""
     device = next((t.device for t in (*gm.parameters(), *gm.buffers())), torch.device("cpu"))
     inputs = []
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            tm = n.meta["tensor_meta"]
-            inputs.append(torch.zeros(tuple(tm.shape), dtype=tm.dtype, device=device))
     origin = {v: k for k, v in result.items()}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":  # a sequence shard arrives as this rank's part
+            tm = n.meta["tensor_meta"]
+            shape = _local(tuple(int(d) for d in tm.shape), an.state.get(origin.get(n, n)), an.tp)
+            inputs.append(torch.zeros(shape, dtype=tm.dtype, device=device))
     prop = _Prop(gm, fake_mode=FakeTensorMode(allow_non_fake_inputs=True))
     prop.extra_traceback = False
     try:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 __all__ = ["TPGroup", "ProcessGroupTP", "ThreadGroupTP", "CopyToTP", "ReduceFromTP", "GatherFromSP", "ScatterToSP",
-           "TPComm", "set_group"]
+           "SplitToSP", "GatherWholeFromSP", "TPComm", "set_group"]
 
 
 class TPGroup(Protocol):
@@ -163,29 +163,67 @@ class ScatterToSP(torch.autograd.Function):
         return ctx.group.all_gather(grad, ctx.dim), None, None
 
 
+class SplitToSP(torch.autograd.Function):
+    """A replicated value entering the sequence-parallel region: this rank's part along ``dim`` forward (no
+    collective: every rank holds the whole), all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TPGroup, dim: int, size: int, rank: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return x.chunk(size, dim=dim)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        return ctx.group.all_gather(grad.contiguous(), ctx.dim), None, None, None, None
+
+
+class GatherWholeFromSP(torch.autograd.Function):
+    """Sequence parallelism's exit to a consumer replicated on the tp ranks (a replicated Linear, the loss):
+    all-gather along ``dim`` forward; backward, the gradient is whole on every rank: this rank's part of it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TPGroup, dim: int, size: int, rank: int) -> torch.Tensor:
+        ctx.dim, ctx.size, ctx.rank = dim, size, rank
+        return group.all_gather(x, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        return grad.chunk(ctx.size, dim=ctx.dim)[ctx.rank].contiguous(), None, None, None, None
+
+
 class TPComm(nn.Module):
     """One kind of collective in a sharded stage's graph: ``"copy"`` (f), ``"reduce"`` (g), or sequence
-    parallelism's ``"gather"`` / ``"scatter"`` along ``dim``.
+    parallelism's ``"gather"`` / ``"scatter"`` / ``"split"`` / ``"gather_whole"`` along ``dim`` (tp rank
+    ``rank`` of ``size``).
 
-    ``group`` is set when the stage is built for its rank (:func:`set_group`); while it is None the module is
-    the identity (the local shapes of one rank, run in one process)."""
+    ``group`` is set when the stage is built for its rank (:func:`set_group`); while it is None the module runs
+    one rank alone: f and g are identities, a gather repeats this rank's part ``size`` times and a scatter or
+    split keeps part ``rank`` (the local shapes of one rank, run in one process)."""
 
-    KINDS = ("copy", "reduce", "gather", "scatter")
+    KINDS = ("copy", "reduce", "gather", "scatter", "split", "gather_whole")
 
-    def __init__(self, kind: str, dim: int = 1) -> None:
+    def __init__(self, kind: str, dim: int = 1, *, size: int = 1, rank: int = 0) -> None:
         super().__init__()
         assert kind in self.KINDS, kind
-        self.kind, self.dim = kind, dim
+        self.kind, self.dim, self.size, self.rank = kind, dim, size, rank
         self.group: TPGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kind = self.kind
         if self.group is None:
+            if kind in ("gather", "gather_whole") and self.size > 1:
+                return torch.cat([x] * self.size, dim=self.dim)
+            if kind in ("scatter", "split") and self.size > 1:
+                return x.chunk(self.size, dim=self.dim)[self.rank].contiguous()
             return x
-        if self.kind == "copy":
+        if kind == "copy":
             return CopyToTP.apply(x, self.group)
-        if self.kind == "reduce":
+        if kind == "reduce":
             return ReduceFromTP.apply(x, self.group)
-        return (GatherFromSP if self.kind == "gather" else ScatterToSP).apply(x, self.group, self.dim)
+        if kind in ("split", "gather_whole"):
+            fn = SplitToSP if kind == "split" else GatherWholeFromSP
+            return fn.apply(x, self.group, self.dim, self.size, self.rank)
+        return (GatherFromSP if kind == "gather" else ScatterToSP).apply(x, self.group, self.dim)
 
     def extra_repr(self) -> str:
         return self.kind if self.kind in ("copy", "reduce") else f"{self.kind}, dim={self.dim}"

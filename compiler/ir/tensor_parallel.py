@@ -12,6 +12,13 @@ shard which dimension across the stage's ``tp`` ranks (Megatron's column / row p
 - ``pipec show``, which prints what was chosen.
 
 A parameter not named in :attr:`StageTP.params` is replicated on every tp rank of the stage.
+
+With sequence parallelism (:attr:`StageTP.sequence_parallel`) the activations between a rowwise module and the
+next colwise one are cut on the sequence dimension across the tp ranks: the colwise input's all-reduce
+backward becomes an all-gather forward / reduce-scatter backward, the rowwise output's all-reduce a
+reduce-scatter forward / all-gather backward. The parameters used there (:attr:`StageTP.partial_params`: norm
+weights, rowwise biases) get a partial gradient on each tp rank, summed over the tp group before the optimizer
+step; a stage's outputs in :attr:`StageTP.seq_outputs` travel to the next stage as each tp rank's part.
 """
 
 from __future__ import annotations
@@ -82,6 +89,17 @@ class StageTP:
     collectives: tuple[Collective, ...] = ()
     sharded_flops: float = 0.0
     """The share (0..1) of the stage's forward FLOPs that runs on shards (divided by tp)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (see the module doc); the fields below are empty without it."""
+    seq_len: int = 0
+    """The sequence length the pass followed (the model input's dim 1, one microbatch)."""
+    seq_inputs: tuple[tuple[str, int], ...] = ()
+    """(stage input name, its sequence dim) for every input that arrives as this tp rank's part."""
+    seq_outputs: tuple[tuple[str, int], ...] = ()
+    """(stage output name, its sequence dim) for every output sent as this tp rank's part (never the last
+    stage's: the loss sees whole outputs)."""
+    partial_params: tuple[str, ...] = ()
+    """Canonical names of the replicated parameters whose gradients are partial sums on each tp rank."""
 
     def sharded(self, name: str) -> ShardedParam | None:
         """The sharding of canonical parameter ``name``, or None where it is replicated."""
@@ -94,14 +112,29 @@ class StageTP:
     def collective_bytes(self, phase: str) -> int:
         return sum(c.num_bytes for c in self.collectives if c.phase == phase)
 
+    def seq_dim(self, output: str) -> int | None:
+        """The sequence dim of stage output ``output`` where it is sent as each tp rank's part, else None."""
+        return next((d for name, d in self.seq_outputs if name == output), None)
+
     def to_json(self) -> dict[str, Any]:
-        return {"tp": self.tp, "modules": [{"module": m, "style": s} for m, s in self.modules],
-                "params": [p.to_json() for p in self.params],
-                "collectives": [c.to_json() for c in self.collectives], "sharded_flops": self.sharded_flops}
+        out = {"tp": self.tp, "modules": [{"module": m, "style": s} for m, s in self.modules],
+               "params": [p.to_json() for p in self.params],
+               "collectives": [c.to_json() for c in self.collectives], "sharded_flops": self.sharded_flops}
+        if self.sequence_parallel:  # written only when on: older records read as off
+            out["sequence_parallel"] = {
+                "seq_len": self.seq_len, "inputs": [{"name": n, "dim": d} for n, d in self.seq_inputs],
+                "outputs": [{"name": n, "dim": d} for n, d in self.seq_outputs],
+                "partial_params": list(self.partial_params)}
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "StageTP":
+        sp = d.get("sequence_parallel") or {}
         return cls(tp=int(d["tp"]), modules=tuple((str(m["module"]), str(m["style"])) for m in d.get("modules", ())),
                    params=tuple(ShardedParam.from_json(p) for p in d.get("params", ())),
                    collectives=tuple(Collective.from_json(c) for c in d.get("collectives", ())),
-                   sharded_flops=float(d.get("sharded_flops", 0.0)))
+                   sharded_flops=float(d.get("sharded_flops", 0.0)), sequence_parallel=bool(sp),
+                   seq_len=int(sp.get("seq_len", 0)),
+                   seq_inputs=tuple((str(x["name"]), int(x["dim"])) for x in sp.get("inputs", ())),
+                   seq_outputs=tuple((str(x["name"]), int(x["dim"])) for x in sp.get("outputs", ())),
+                   partial_params=tuple(str(n) for n in sp.get("partial_params", ())))

@@ -1,0 +1,244 @@
+"""Megatron's sequence parallelism (key ``sequence_parallel``): the regions between a rowwise module and the next
+colwise one cut on the sequence dim. Pass level on tp threads (outputs and every gradient against the unsharded
+stages, the sequence-parallel weights' partial gradients summed over the tp ranks), its record and refusals."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from pipec.compiler.frontend import SplitBefore
+from pipec.compiler.frontend.tensor_parallel import plan_stage, plan_stages, shard_stage, unshard
+from pipec.compiler.frontend.tensors import FrontendError
+from pipec.compiler.frontend.tp_comm import ThreadGroupTP, TPComm
+from pipec.compiler.ir.tensor_parallel import StageTP
+from pipec.runtime.stages import run_stages
+from test_tensor_parallel import GPT, GPT_ARGS, _close, _request, _stages, _xent
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def run_sp(stages, plans, tp: int, inputs: dict, loss=_xent):
+    """Each tp rank's sharded stages run on a thread: its outputs, and its stages' canonical parameters."""
+    group = ThreadGroupTP(tp)
+    ranks = [{s: shard_stage(st, plans[s], r, group=group.rank(r)) for s, st in stages.items()} for r in range(tp)]
+    outs: list = [None] * tp
+    errors: list = []
+
+    def work(r: int) -> None:
+        try:
+            out = run_stages(ranks[r], inputs)
+            loss(out[0]).backward()
+            outs[r] = out
+        except BaseException as e:  # noqa: BLE001 - reported by the test's thread
+            errors.append(e)
+            group._barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return outs, ranks
+
+
+def assert_sp_matches(stages, plans, tp: int, inputs: dict, loss=_xent) -> None:
+    """Outputs and every gradient equal the unsharded stages' (within 1e-6 + 1e-4 x max): sharded parameters'
+    parts put together, sequence-parallel ones' partial gradients summed over the tp ranks (what the runtime
+    all-reduces before the optimizer step), the other replicated ones equal on every rank."""
+    outs, ranks = run_sp(stages, plans, tp, inputs, loss)
+    for st in stages.values():
+        st.zero_grad(set_to_none=True)
+    want = run_stages(stages, inputs)
+    loss(want[0]).backward()
+    for r in range(tp):
+        for g, w in zip(outs[r], want):
+            _close(g.detach(), w.detach(), f"rank {r} output")
+    checked = 0
+    for s, st in stages.items():
+        local = [ranks[r][s].canonical_params() for r in range(tp)]
+        for name, p in st.canonical_params().items():
+            grads = [local[r][name].grad for r in range(tp)]
+            assert all(g is not None for g in grads), (s, name)
+            if (sp := plans[s].sharded(name)) is not None:
+                _close(unshard(grads, sp), p.grad, f"stage {s} {name}")
+            elif name in plans[s].partial_params:
+                _close(torch.stack(grads).sum(0), p.grad, f"stage {s} {name} (summed)")
+                assert not torch.allclose(grads[0], p.grad), f"stage {s} {name}: not a partial sum"
+            else:
+                for r in range(tp):
+                    _close(grads[r], p.grad, f"stage {s} {name} rank {r}")
+            checked += 1
+    assert checked == sum(len(st.canonical_params()) for st in stages.values())
+
+
+def _tokens(batch: int = 2, seq: int = 16) -> dict:
+    return {"tokens": torch.randint(0, 64, (batch, seq), generator=torch.Generator().manual_seed(0))}
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return _stages(_request(GPT, GPT_ARGS, partition=SplitBefore(("blocks.1",))))
+
+
+# ----------------------------------------------------------------------------- the example GPT
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gpt_sequence_parallel_matches_the_unsharded_stages(gpt, tp):
+    plans = plan_stages([gpt[0], gpt[1]], tp, sequence_parallel=True)
+    assert all(p.sequence_parallel and p.seq_len == 16 for p in plans)
+    # stage 0's last residual travels as each tp rank's part; the last stage's logits are whole
+    (out_name,) = gpt[0].output_names
+    assert plans[0].seq_outputs == ((out_name, 1),) and plans[1].seq_inputs == ((out_name, 1),)
+    assert plans[1].seq_outputs == ()
+    # the norms and the rowwise biases in the sequence-parallel region: partial gradients
+    assert set(plans[0].partial_params) == {"blocks.0.attn.proj.bias", "blocks.0.ln2.weight", "blocks.0.ln2.bias",
+                                            "blocks.0.mlp.proj.bias"}
+    assert {"ln_f.weight", "blocks.1.ln1.weight", "blocks.1.attn.proj.bias"} <= set(plans[1].partial_params)
+    assert "wte.weight" not in plans[1].partial_params  # the tied head runs on the gathered sequence
+    kinds = {(c.kind, c.phase) for p in plans for c in p.collectives}
+    assert ("reduce_scatter", "forward") in kinds and ("all_gather", "forward") in kinds
+    # the colwise modules after the first residual get an all-gather in place of f
+    assert ("all_reduce", "forward") not in kinds
+    assert_sp_matches(gpt, plans, tp, _tokens())
+
+
+def test_sequence_parallel_off_is_todays_record(gpt):
+    off = plan_stages([gpt[0], gpt[1]], 2)
+    assert not any(p.sequence_parallel or p.partial_params or p.seq_outputs for p in off)
+    assert "sequence_parallel" not in off[0].to_json()
+
+
+def test_the_record_round_trips_and_old_records_read_as_off(gpt):
+    plans = plan_stages([gpt[0], gpt[1]], 2, sequence_parallel=True)
+    for p in plans:
+        assert StageTP.from_json(p.to_json()) == p
+    old = {k: v for k, v in plans[0].to_json().items() if k != "sequence_parallel"}
+    assert not StageTP.from_json(old).sequence_parallel
+
+
+def test_the_sharded_stage_holds_the_sequence_part(gpt):
+    """Stage 0's output on each rank is its contiguous part of the positions (run alone: no group)."""
+    plans = plan_stages([gpt[0], gpt[1]], 2, sequence_parallel=True)
+    x = _tokens()
+    full = gpt[0](x["tokens"])[0]
+    group = ThreadGroupTP(2)
+    got: list = [None, None]
+
+    def work(r):
+        mod = shard_stage(gpt[0], plans[0], r, group=group.rank(r))
+        got[r] = mod(x["tokens"])[0].detach()
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in range(2):
+        assert got[r].shape == (2, 8, 32)
+        _close(got[r], full.detach().chunk(2, dim=1)[r], f"rank {r}")
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+class _Mixer(nn.Module):
+    """A GPT whose residual stream takes a running mean over the positions after the first block: an op that
+    mixes positions outside attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from pipec.examples.gpt import build
+
+        self.gpt = build(**GPT_ARGS)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        g = self.gpt
+        x = g.wte(tokens) + g.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+        x = g.blocks[0](x)
+        x = x.cumsum(dim=1) / 16.0
+        x = g.blocks[1](x)
+        return g.lm_head(g.ln_f(x) * g.scale)
+
+
+def mixer() -> nn.Module:
+    return _Mixer()
+
+
+def test_an_op_mixing_positions_is_refused_located():
+    stages = _stages(_request("test_sequence_parallel:mixer", stages=1))
+    with pytest.raises(FrontendError) as e:
+        plan_stages([stages[0]], 2, sequence_parallel=True)
+    said = str(e.value)
+    assert "cannot follow the sequence shard" in said and "cumsum runs along the sharded dimension" in said, said
+    assert "sequence_parallel off" in " ".join(e.value.hints)
+    assert plan_stages([stages[0]], 2)  # without sequence parallelism the pairs shard
+
+
+def test_a_sequence_length_not_divisible_by_tp_is_refused():
+    from pipec.compiler.frontend import ModelRequest, TensorSpec
+
+    req = ModelRequest(target=GPT, kwargs=GPT_ARGS, inputs=(TensorSpec("tokens", "int64", (2, 10)),),
+                       num_microbatches=1, num_stages=1, costs="unit")
+    stages = _stages(req)
+    with pytest.raises(FrontendError, match=r"sequence length 10 is not divisible by tp 4") as e:
+        plan_stages([stages[0]], 4, sequence_parallel=True)
+    assert "sequence_parallel off" in " ".join(e.value.hints)
+
+
+# ----------------------------------------------------------------------------- the collectives
+
+
+def test_split_and_gather_whole_are_each_others_gradients():
+    """split: this rank's part forward, all-gather backward; gather_whole: all-gather forward, the part back."""
+    full = torch.randn(2, 8, 4, generator=torch.Generator().manual_seed(3))
+    group = ThreadGroupTP(2)
+    got: list = [None, None]
+
+    def work(r):
+        split = TPComm("split", dim=1, size=2, rank=r)
+        whole = TPComm("gather_whole", dim=1, size=2, rank=r)
+        split.group = whole.group = group.rank(r)
+        x = full.clone().requires_grad_()
+        part = split(x)
+        y = whole(part * 2.0)  # every rank: the whole 2x, its gradient whole on each rank
+        (y * torch.arange(8.0).view(1, 8, 1)).sum().backward()
+        got[r] = (part.detach(), y.detach(), x.grad)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    want_grad = (2.0 * torch.arange(8.0)).view(1, 8, 1).expand(2, 8, 4)
+    for r in range(2):
+        assert torch.equal(got[r][0], full.chunk(2, dim=1)[r]) and torch.allclose(got[r][1], 2 * full)
+        assert torch.allclose(got[r][2], want_grad)
+    # alone (no group): one rank's shapes
+    assert TPComm("gather", dim=1, size=2)(torch.zeros(2, 4, 3)).shape == (2, 8, 3)
+    assert TPComm("scatter", dim=1, size=2, rank=1)(torch.arange(8.0).view(1, 8)).tolist() == [[4, 5, 6, 7]]
+
+
+# ----------------------------------------------------------------------------- Hugging Face Llama
+
+
+@pytest.fixture(scope="module")
+def llama():
+    pytest.importorskip("transformers")
+    return _stages(_request("test_hf:llama", name="input_ids", partition=SplitBefore(("model.model.layers.1",))))
+
+
+def test_hf_llama_sequence_parallel_matches(llama):
+    plans = plan_stages([llama[0], llama[1]], 2, sequence_parallel=True)
+    assert plans[0].seq_outputs and plans[1].seq_inputs == plans[0].seq_outputs
+    assert any("post_attention_layernorm" in n for n in plans[0].partial_params)
+    assert any(n.endswith("model.model.norm.weight") for n in plans[1].partial_params)
+    ids = {"input_ids": torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))}
+    assert_sp_matches(llama, plans, 2, ids)
