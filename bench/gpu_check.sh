@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (issue 13): every schedule and every shard mode run with --check at 2 ranks on NCCL (one rank
+# The GPU check (issue 13): every schedule, every shard mode and tp 2 run with --check at 2 ranks on NCCL (one rank
 # per GPU: it needs 2 GPUs on the node; NCCL refuses two ranks on one device), then the runtime benchmark.
 #
 #     bash bench/gpu_check.sh                 # from the repository root, with .venv ready (or PYTHON=...)
@@ -49,6 +49,10 @@ done
 check "shard-full-bf16" --schedule 1f1b --ranks 1 --dp 2 --shard full --microbatches 4 --dtype bfloat16
 # a zero-bubble split under sharded grads, as tests/test_shard_run.py runs it on CPU
 check "shard-grads-zb_h1" --schedule zb_h1 --ranks 1 --dp 2 --shard grads --microbatches 4
+# tensor parallelism at tp 2 (pp 1): f and g over NCCL on the comm stream, the split backward of zb_h1 too
+for s in 1f1b zb_h1; do
+  check "tp2-$s" --schedule "$s" --ranks 1 --tp 2 --microbatches 4
+done
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   # the runtime benchmark at 2 ranks (one per GPU): host- and compute-bound, then the demo's plans need 4
