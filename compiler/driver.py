@@ -298,6 +298,7 @@ def model_request(req: CompileRequest):
         dp=req.dp,
         tp=req.tp,
         tensor_parallel=req.tensor_parallel,
+        sequence_parallel=req.mesh.sequence_parallel,
     )
 
 

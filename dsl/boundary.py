@@ -47,6 +47,7 @@ FALLBACK: Mapping[str, tuple[str, ...]] = {
     "shard": ("dp",),
     "shard_size": ("shard", "dp"),
     "tensor_parallel": ("tp", "model"),
+    "sequence_parallel": ("tp", "model"),
 }
 """For a key left at its default, the keys whose statement made it matter, most telling first."""
 
@@ -88,7 +89,7 @@ def request_of(values: Mapping[str, Any], origins: Mapping[str, Any], *, policy,
         schedule=values["schedule"],
         policy=policy,
         order=order.ranks if order is not None else None,
-        # a Mesh field without a key (sequence_parallel, for now) keeps its default
+        # a Mesh field without a key keeps its default
         mesh=Mesh(**{f.name: values[f.name] for f in fields(Mesh) if f.name in KEYS}),
         tensor_parallel=values["tensor_parallel"],
         num_chunks=values["virtual"],

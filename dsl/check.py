@@ -429,6 +429,9 @@ def _tensor_parallel(st: _State) -> None:
     if st.given("tensor_parallel") and st.values["tp"] == 1 and st.values["tensor_parallel"] != "auto":
         st.warn("tensor_parallel", "tensor_parallel is used only with tp > 1; at tp 1 every stage runs whole",
                 "set tp 2 or more, or leave tensor_parallel out")
+    if st.given("sequence_parallel") and st.values["tp"] == 1 and st.values["sequence_parallel"]:
+        st.warn("sequence_parallel", "sequence_parallel is used only with tp > 1; at tp 1 every stage runs whole",
+                "set tp 2 or more, or leave sequence_parallel out")
 
 
 def _training(st: _State) -> None:

@@ -109,6 +109,20 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                     "(dotted names, with * ? and [...]), each given once; that a pattern matches a module of "
                     "the model is checked when the model is traced.",
         example='tensor_parallel "blocks.*.attn.qkv": colwise, "blocks.*.attn.proj": rowwise'),
+    Key(name="sequence_parallel", kind=k.Switch(), default=False, default_doc="off",
+        flag="--sequence-parallel", group="Schedule and mesh",
+        meaning="Megatron's sequence parallelism (Korthikanti et al. 2022) inside each tp group: the "
+                "activations between a rowwise module and the next colwise one (layer norms, dropout, residual "
+                "adds) are cut on the sequence dimension (dim 1 of the model's input) across the tp ranks, so "
+                "they are saved at 1/tp; the colwise input's all-reduce becomes an all-gather forward "
+                "(reduce-scatter backward), the rowwise output's a reduce-scatter forward (all-gather backward). "
+                "The weights used there (norms, rowwise biases) have partial gradients on each tp rank, summed "
+                "over the tp group before the optimizer step. Messages between pp ranks carry each tp rank's "
+                "part of the sequence.",
+        constraints="Read only with tp > 1 (warns otherwise). The sequence length divides by tp; a stage where "
+                    "the sequence shard cannot be followed (an op mixing positions outside attention) is "
+                    "refused, located.",
+        example="sequence_parallel on"),
     Key(name="shard", kind=k.Choice(SHARD_MODES), default="none", default_doc="none",
         flag="--shard", group="Schedule and mesh",
         meaning="Sharded data parallelism: how the dp replicas share each stage's state. `none`: every "

@@ -230,6 +230,24 @@ class Choice(Kind):
 
 
 @dataclass(frozen=True, slots=True)
+class Switch(Kind):
+    """``on`` or ``off``, as a bool."""
+
+    doc = "on or off"
+
+    def convert(self, node: ast.Node, ctx: Ctx) -> bool:
+        if isinstance(node, ast.Word) and node.name in ("on", "off"):
+            return node.name == "on"
+        if isinstance(node, ast.String) and node.value in ("on", "off"):
+            raise ctx.error(node, f"{ctx.key} takes a bare name, not a string",
+                            f"write it without quotes: {ctx.key} {node.value}")
+        raise self._wrong(node, ctx, f"write {ctx.key} on, or {ctx.key} off")
+
+    def show(self, value: Any) -> str:
+        return "on" if value else "off"
+
+
+@dataclass(frozen=True, slots=True)
 class Maybe(Kind):
     """``none``, or a value of ``inner``."""
 

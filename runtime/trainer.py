@@ -136,6 +136,7 @@ class Trainer:
     def optimizer_step(self) -> None:
         if self.optimizer is None:
             return
+        self.sum_partial_grads()
         if self.check_pending:
             self.check_pending = False
             self.check_result = self.compare_with_reference()
@@ -145,6 +146,23 @@ class Trainer:
         if self.state_bytes is None:  # what is held does not change after the first step: measured once, not every OPT
             self.state_bytes = state_bytes((p for s in self.own for p in self.modules[s].parameters()), self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
+
+    def sum_partial_grads(self) -> None:
+        """Sequence parallelism: the weights used on the sequence parts (norms, rowwise biases) have a partial
+        gradient on each tp rank (its positions'); summed over the tp group here, once the dp and tie
+        reductions are in (sums: the order does not matter), before --check, the clip and the step."""
+        grads = []
+        for s in self.own:
+            record = self.plan.stages[s].tp if self.plan.stages else None
+            if record is None or not record.partial_params:
+                continue
+            params = self.modules[s].canonical_params()
+            grads += [local(params[n].grad) for n in record.partial_params if params[n].grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.executor.wait_in_optimizer_step([self.transport.all_reduce(flat, self.plan.mesh.tp_group(self.env.rank))])
+        torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
     def clip_grads(self, max_norm: float) -> None:
         """Global norm over one replica's pp ranks (after the dp all-reduce), each tied weight counted once;

@@ -173,13 +173,18 @@ def mixer() -> nn.Module:
 
 
 def test_an_op_mixing_positions_is_refused_located():
-    stages = _stages(_request("test_sequence_parallel:mixer", stages=1))
+    from dataclasses import replace
+
+    from pipec.compiler.frontend import build_stage_graph
+
+    req = replace(_request("test_sequence_parallel:mixer", stages=1), tp=2, sequence_parallel=True)
     with pytest.raises(FrontendError) as e:
-        plan_stages([stages[0]], 2, sequence_parallel=True)
+        build_stage_graph(req)
     said = str(e.value)
     assert "cannot follow the sequence shard" in said and "cumsum runs along the sharded dimension" in said, said
-    assert "sequence_parallel off" in " ".join(e.value.hints)
-    assert plan_stages([stages[0]], 2)  # without sequence parallelism the pairs shard
+    assert "test_sequence_parallel.py" in said and "x = x.cumsum(dim=1)" in said, said  # the user's line
+    assert "sequence_parallel off" in " ".join(e.value.hints) and e.value.key == "sequence_parallel"
+    assert build_stage_graph(replace(req, sequence_parallel=False))  # without it the pairs shard
 
 
 def test_a_sequence_length_not_divisible_by_tp_is_refused():
@@ -242,3 +247,142 @@ def test_hf_llama_sequence_parallel_matches(llama):
     assert any(n.endswith("model.model.norm.weight") for n in plans[1].partial_params)
     ids = {"input_ids": torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))}
     assert_sp_matches(llama, plans, 2, ids)
+
+
+# ----------------------------------------------------------------------------- the key, plan.json, a run
+
+
+def tiny_gpt_sp(schedule: str, *, pp: int = 2, dp: int = 1, tp: int = 2, sp: bool = True, **extra):
+    """The example GPT, small (2 layers, dim 32, 4 heads, vocab 64, seq 16), unit costs, sequence parallel."""
+    from conftest import compiled
+
+    return compiled({
+        "model": "pipec.examples.gpt:build", "model_args": {"layers": 2, "dim": 32, "heads": 4, "vocab": 64, "seq": 16},
+        "input": "tokens: int64[8, 16]", "schedule": schedule, "pp": pp, "dp": dp, "tp": tp, "microbatches": 4,
+        "costs": "unit", "partition": "balanced(by=params)", "sequence_parallel": sp, **extra,
+    })
+
+
+def test_the_key_reaches_the_plan_and_plan_json_round_trips(tmp_path):
+    from pipec.compiler.ir.plan_json import plan_to_json, read_plan, write_plan
+
+    plan = tiny_gpt_sp("1f1b")
+    assert plan.mesh.sequence_parallel and all(st.tp.sequence_parallel for st in plan.stages)
+    assert plan.stages[0].tp.seq_outputs and plan.stages[1].tp.seq_inputs == plan.stages[0].tp.seq_outputs
+    obj = plan_to_json(plan)
+    assert obj["mesh"]["sequence_parallel"] is True and "sequence_parallel" not in obj["spec"]
+    path = tmp_path / "plan.json"
+    write_plan(plan, str(path))
+    again = read_plan(str(path))
+    assert again.mesh.sequence_parallel and again.stages == plan.stages
+    off = plan_to_json(tiny_gpt_sp("1f1b", sp=False))
+    assert "sequence_parallel" not in off["mesh"] and "sequence_parallel" not in off["stages"][0]["tp"]
+
+
+def test_the_key_parses_and_warns_at_tp_1():
+    from pipec.dsl import DSLError, parse_spec
+
+    base = 'schedule 1f1b\npp 2\nmicrobatches 4\n'
+    spec = parse_spec(base + "tp 2\nsequence_parallel on\n")
+    assert spec.values["sequence_parallel"] is True
+    assert parse_spec(base).values["sequence_parallel"] is False
+    warned = parse_spec(base + "sequence_parallel on\n")
+    assert any("sequence_parallel is used only with tp > 1" in str(w) for w in warned.warnings)
+    with pytest.raises(DSLError, match="sequence_parallel needs on or off"):
+        parse_spec(base + "sequence_parallel 2\n")
+
+
+def test_sequence_parallel_on_the_fake_transport_matches_the_reference():
+    """pp 2 x tp 2 on threads through the executor: the pp message is each tp rank's half of the sequence, and
+    every gradient (parts put together, partial ones summed as the trainer sums them) equals the reference's."""
+    from conftest import on_threads
+
+    from pipec.compiler.config import TrainingConfig
+    from pipec.runtime.executor import Executor
+    from pipec.runtime.stages import build_reference, build_stages
+    from pipec.runtime.training import make_data, make_loss, split_microbatches
+    from pipec.runtime.transport import FakeWorld, TransportTP
+
+    plan = tiny_gpt_sp("1f1b")
+    mesh = plan.mesh
+    world = FakeWorld(mesh.world_size, timeout=60)
+    config = TrainingConfig.from_spec(plan.spec)
+    data, loss_fn = make_data(config, plan), make_loss(config.loss)
+    keys = [mesh.coords(g) + (mesh.tp_rank(g),) for g in range(mesh.world_size)]
+    transports = {k: world.transport(mesh.global_rank(*k)) for k in keys}
+    modules = {k: build_stages(plan, [s for s, r in enumerate(plan.placement) if r == k[0]], seed=0, tp_rank=k[2],
+                               tp_group=TransportTP(transports[k], mesh.tp_group(mesh.global_rank(*k)), k[2]))
+               for k in keys}
+    executors = {}
+
+    def rank(p: int, d: int, t: int):
+        ex = executors[(p, d, t)] = Executor(plan, pp_rank=p, dp_rank=d, tp_rank=t, transport=transports[(p, d, t)],
+                                             modules=modules[(p, d, t)], loss_fn=loss_fn)
+        x, y = data(0, d, mesh.dp)
+        return ex.run_step(split_microbatches(x, plan.num_microbatches, "x", ["tokens"]),
+                           split_microbatches(y, plan.num_microbatches, "y"))
+
+    results = on_threads(rank, keys)
+    (edge,) = executors[(0, 0, 0)].edge_tensors.values()
+    assert [t.shape for t in edge] == [(2, 8, 32)]  # a microbatch [2, 16, 32] cut in two on the sequence
+    ref = build_reference(plan, seed=0)
+    x, y = data(0, 0, 1)
+    loss = loss_fn(ref(x["tokens"])[0], y)
+    loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.canonical_params().items()}
+    losses = [r.loss for r in results.values() if r.loss is not None]
+    assert len(losses) == 2 and all(v == pytest.approx(loss.item(), rel=1e-5) for v in losses)
+    for (p, d, t), mods in modules.items():
+        for s, mod in mods.items():
+            record = plan.stages[s].tp
+            for name, param in mod.canonical_params().items():
+                parts = [modules[(p, d, u)][s].canonical_params()[name].grad for u in range(mesh.tp)]
+                if (split := record.sharded(name)) is not None:
+                    grad = unshard(parts, split)
+                elif name in record.partial_params:
+                    grad = sum(parts)
+                else:
+                    grad = param.grad
+                _close(grad, ref_grads[name], name)
+
+
+def _sp_runs(folder):
+    """pp 2 x tp 2 (4 ranks) of the small GPT with sequence parallelism: 1f1b and zb_h1, with --check."""
+    from conftest import run_job
+
+    from pipec.compiler.ir.plan_json import write_plan
+
+    jobs = {}
+    for schedule in ("1f1b", "zb_h1"):
+        path = folder / f"{schedule}.json"
+        write_plan(tiny_gpt_sp(schedule), str(path))
+        jobs[schedule] = run_job(path, "--steps", "3", "--check", reference=True)
+    off = folder / "off.json"  # the same at sequence_parallel off: the activations it saves, for comparison
+    write_plan(tiny_gpt_sp("1f1b", sp=False), str(off))
+    jobs["off"] = run_job(off, "--steps", "3", "--check", reference=True)
+    return jobs
+
+
+from conftest import LAUNCHES  # noqa: E402 - the launches queue, declared at import
+
+sp_runs = LAUNCHES.runs("sp_runs", world=4, make=_sp_runs)
+
+
+@pytest.mark.timeout(600)
+def test_pp2_tp2_sequence_parallel_runs_check_against_the_unpartitioned_model(sp_runs):
+    for name, rec in sp_runs.items():
+        assert rec["rc"] == 0, (name, rec["stderr"][-4000:])
+        check = rec["check"]
+        assert check["passed"] and check["max_grad_diff"] < 1e-4 and check["loss_diff"] < 1e-5, (name, check)
+        assert rec["losses"] == pytest.approx(rec["reference_losses"], rel=1e-4, abs=1e-5), name
+        assert rec["report"]["mesh"]["tp"] == 2
+        print(f"sequence_parallel {'off' if name == 'off' else 'on'} {name}: loss diff {check['loss_diff']:.2e}, "
+              f"max grad diff {check['max_grad_diff']:.2e}")
+    # the saved activations (measured in the first step): the sequence-parallel region's are held at 1/tp
+    def saved(name):
+        return {r["rank"]: r["peak_activation_bytes"] for r in sp_runs[name]["report"]["measured"]["per_rank"]}
+
+    on, off = saved("1f1b"), saved("off")
+    print("saved activations at their peak, per global rank, sequence_parallel on / off: "
+          + ", ".join(f"rank {r} {on[r]} / {off[r]} B ({on[r] / off[r]:.2f})" for r in sorted(on)))
+    assert all(on[r] < off[r] for r in on), (on, off)

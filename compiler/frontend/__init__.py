@@ -107,6 +107,8 @@ class ModelRequest:
     tensor_parallel: str | tuple[tuple[str, str], ...] = "auto"
     """Key ``tensor_parallel``: ``"auto"``, or (module-path glob, style) pairs in the order written
     (:attr:`pipec.compiler.request.CompileRequest.tensor_parallel`)."""
+    sequence_parallel: bool = False
+    """Key ``sequence_parallel``: Megatron's sequence parallelism in each stage's tp group (read at tp > 1)."""
 
 
 def microbatch_inputs(req: ModelRequest) -> tuple[TensorSpec, ...]:
@@ -283,7 +285,7 @@ def tensor_parallel_stages(split: Split, req: ModelRequest) -> tuple[StageTP | N
     buffers = {n: torch.empty_like(b, device="meta") for n, b in traced.gm.named_buffers(remove_duplicate=False)}
     modules = [materialize(split, s, values, buffers, "meta", traced_on="meta") for s in range(split.num_stages)]
     patterns = None if req.tensor_parallel == "auto" else dict(req.tensor_parallel)
-    plans = plan_stages(modules, req.tp, patterns=patterns, traced=traced)
+    plans = plan_stages(modules, req.tp, patterns=patterns, traced=traced, sequence_parallel=req.sequence_parallel)
     return tuple(plans)
 
 

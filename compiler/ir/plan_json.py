@@ -66,7 +66,8 @@ FORMAT_V1 = "pipec.plan/1"
 
 ELSEWHERE: Mapping[str, str] = {
     "pp": "mesh.pp", "dp": "mesh.dp", "shard": "mesh.shard", "shard_size": "mesh.shard_size",
-    "devices_per_node": "mesh.devices_per_node", "tp": "mesh.tp", "stages": "num_stages",
+    "devices_per_node": "mesh.devices_per_node", "tp": "mesh.tp", "sequence_parallel": "mesh.sequence_parallel",
+    "stages": "num_stages",
     "virtual": "num_stages / mesh.pp",
     "placement": "placement", "microbatches": "num_microbatches", "model": "model.target",
     "model_args": "model.kwargs", "links": "links",
@@ -88,11 +89,13 @@ def _instr_json(ins: Instruction) -> dict[str, Any]:
 
 
 def _mesh_json(mesh: Mesh) -> dict[str, Any]:
-    """plan.json's ``mesh``: ``tp`` above 1, ``shard``, ``shard_size`` and ``devices_per_node`` only when set
-    (absent: tp 1, none, all of dp, not said)."""
+    """plan.json's ``mesh``: ``tp`` above 1, ``sequence_parallel`` on, ``shard``, ``shard_size`` and
+    ``devices_per_node`` only when set (absent: tp 1, off, none, all of dp, not said)."""
     out: dict[str, Any] = {"pp": mesh.pp, "dp": mesh.dp}
     if mesh.tp != 1:
         out["tp"] = mesh.tp
+    if mesh.sequence_parallel:
+        out["sequence_parallel"] = True
     if mesh.shard != "none":
         out["shard"] = mesh.shard
     if mesh.shard_size is not None:
@@ -234,6 +237,14 @@ def _shapes(rd: Reader, num_params: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(sh) for sh in raw)
 
 
+def _sequence_parallel(rd: Reader) -> bool:
+    """``mesh.sequence_parallel``: true, or absent (off; plans from before sequence parallelism)."""
+    v = rd._get("sequence_parallel", False)
+    if v is not None and not isinstance(v, bool):
+        raise rd.error("sequence_parallel", "expected true or false", v)
+    return bool(v)
+
+
 def _stage_tp(rd: Reader) -> StageTP | None:
     """A stage's ``tp`` (:meth:`StageTP.to_json`): absent in a plan at tp 1 or from before tensor parallelism."""
     raw = rd.dict("tp", required=False)
@@ -312,7 +323,8 @@ def load_plan(obj: Any, where: str = "plan") -> Plan:
                     shard=mesh_rd.str("shard", required=False) or "none",
                     shard_size=mesh_rd.int("shard_size", lo=1, required=False),
                     devices_per_node=mesh_rd.int("devices_per_node", lo=1, required=False),
-                    tp=mesh_rd.int("tp", lo=1, required=False) or 1)
+                    tp=mesh_rd.int("tp", lo=1, required=False) or 1,
+                    sequence_parallel=_sequence_parallel(mesh_rd))
         try:
             check_tp(mesh)
             check_shard(mesh)
