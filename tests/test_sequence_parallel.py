@@ -4,6 +4,7 @@ stages, the sequence-parallel weights' partial gradients summed over the tp rank
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 
@@ -144,6 +145,54 @@ def test_the_sharded_stage_holds_the_sequence_part(gpt):
     for r in range(2):
         assert got[r].shape == (2, 8, 32)
         _close(got[r], full.detach().chunk(2, dim=1)[r], f"rank {r}")
+
+
+def _saved_shapes(stages, plans, tp: int, inputs: dict) -> list[tuple[int, ...]]:
+    """The shapes of every tensor tp rank 0's stages save for their backward (not the parameters, nor views of
+    them)."""
+    group = ThreadGroupTP(tp)
+    ranks = [{s: shard_stage(st, plans[s], r, group=group.rank(r)) for s, st in stages.items()} for r in range(tp)]
+    params = {p.untyped_storage().data_ptr() for r in ranks for st in r.values() for p in st.parameters()}
+    shapes: list = []
+
+    def work(r):
+        def pack(t):
+            if r == 0 and t.untyped_storage().data_ptr() not in params and t.is_floating_point():
+                shapes.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = run_stages(ranks[r], inputs)
+        _xent(out[0]).backward()
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return shapes
+
+
+def test_the_sequence_parallel_region_saves_its_part(gpt):
+    """Stage 1 (block 1, ln_f, the head) saves no whole [B, T, C] activation but the head's gathered input
+    (the head is replicated): the norms' inputs and the colwise Linears' inputs are saved as this rank's part
+    of the sequence (the Linears gather it again in the backward)."""
+    whole, part = {(2, 16, 32), (32, 32)}, (2, 8, 32)  # [B, T, C], or flattened [B T, C] by a Linear
+    off = _saved_shapes({1: gpt[1]}, {1: plan_stages([gpt[0], gpt[1]], 2)[1]}, 2, _sp_input(gpt))
+    on = _saved_shapes({1: gpt[1]}, {1: plan_stages([gpt[0], gpt[1]], 2, sequence_parallel=True)[1]}, 2,
+                       _sp_input(gpt, part=True))
+    assert sum(s in whole for s in off) == 6 and off.count(part) == 0, off  # 3 norms' inputs, 3 Linears'
+    assert sum(s in whole for s in on) == 1 and on.count(part) == 5, on  # the head's input alone whole
+    saved = {name: sum(math.prod(s) * 4 for s in shapes) for name, shapes in (("off", off), ("on", on))}
+    print(f"stage 1, tp rank 0, saved bytes per microbatch: sequence_parallel off {saved['off']}, on {saved['on']}")
+
+
+def _sp_input(gpt, part: bool = False) -> dict:
+    """Stage 1's input (stage 0's output on the example tokens): whole, or rank 0's part of the sequence
+    (the same for both ranks: shapes are what is measured)."""
+    x = gpt[0](_tokens()["tokens"])[0].detach()
+    (name,) = gpt[1].input_names
+    return {name: x.chunk(2, dim=1)[0].contiguous() if part else x}
 
 
 # ----------------------------------------------------------------------------- refusals

@@ -724,6 +724,16 @@ def _seq_state(st: Any) -> bool:
     return isinstance(st, Shard) and st.seq
 
 
+def _fused(an: _Analysis, lins: Mapping[Node, _Lin], n: Node) -> bool:
+    """A colwise Linear on a sequence shard, its input's only colwise consumer: it gathers the sequence itself
+    and saves only this rank's part (:class:`~.tp_comm.GatheredLinear`); several (q, k, v apart) share one
+    all-gather instead, each saving the whole."""
+    lin = lins.get(n)
+    if lin is None or lin.kind != "linear" or n.name not in an.active or "gather" not in an.gathers.get(lin.x, ()):
+        return False
+    return sum(1 for m, other in lins.items() if other.x is lin.x and m.name in an.active) == 1
+
+
 def _sharded_state(st: Any) -> bool:
     return isinstance(st, Shard) or (isinstance(st, tuple) and any(isinstance(x, Shard) for x in st))
 
@@ -878,6 +888,9 @@ def _record(an: _Analysis, lins: Mapping[Node, _Lin], canonical: Mapping[str, st
             copied.add(lin.x)
             if "gather" in an.gathers.get(lin.x, ()):
                 collectives += pair("all_gather", "reduce_scatter", _nbytes(lin.x), lin.x.name)
+                if _fused(an, lins, n):  # the sequence gathered again for the weight's gradient
+                    collectives.append(Collective(kind="all_gather", phase="backward", num_bytes=_nbytes(lin.x),
+                                                  node=lin.x.name))
             else:
                 collectives.append(Collective(kind="all_reduce", phase="backward", num_bytes=_nbytes(lin.x),
                                               node=lin.x.name))
@@ -1119,6 +1132,19 @@ def _rewrite(an: _Analysis, lins: Mapping[Node, _Lin], graph: Graph, env: dict[N
         if seq and n.name not in an.active:  # a replicated consumer of a sequence shard: gathered whole
             new.replace_input_with(result[lin.x], after(lin.x, "gather_whole", sx.dim))
         if lin.kind == "embedding":
+            continue
+        if _fused(an, lins, n):
+            with graph.inserting_before(new):
+                if new.op == "call_module":
+                    w = graph.get_attr(lin.weight)
+                    b = graph.get_attr(lin.bias) if lin.bias else None
+                else:
+                    w, b = new.args[1], _arg(new, 2, "bias")
+                y = graph.call_module(comm("gather_linear", sx.dim), (result[lin.x], w, b))
+            y.meta = dict(new.meta)
+            new.replace_all_uses_with(y)
+            graph.erase_node(new)
+            result[n] = y
             continue
         if n.name in an.active:
             x = result[lin.x]

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 __all__ = ["TPGroup", "ProcessGroupTP", "ThreadGroupTP", "CopyToTP", "ReduceFromTP", "GatherFromSP", "ScatterToSP",
-           "SplitToSP", "GatherWholeFromSP", "TPComm", "set_group"]
+           "SplitToSP", "GatherWholeFromSP", "GatheredLinear", "TPComm", "set_group"]
 
 
 class TPGroup(Protocol):
@@ -191,16 +191,58 @@ class GatherWholeFromSP(torch.autograd.Function):
         return grad.chunk(ctx.size, dim=ctx.dim)[ctx.rank].contiguous(), None, None, None, None
 
 
+class GatheredLinear(torch.autograd.Function):
+    """A colwise Linear on the all-gathered sequence, saving only this rank's part (Korthikanti et al. 2022,
+    4.2.2): all-gather forward, then the linear; backward, the input's gradient reduce-scattered and, for the
+    weight's, the sequence all-gathered again. Under a split backward (``stash``: the zero-bubble
+    :class:`~pipec.compiler.frontend.deferred.WeightGradStash`) the weight's gradient is stashed for ``BWD_W``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: TPGroup, dim: int,
+                stash: Any) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.stash, ctx.has_bias = group, dim, stash, bias is not None
+        ctx.save_for_backward(x, weight)
+        ctx.weight = weight  # the parameter itself (saved_tensors may give back an alias)
+        return torch.nn.functional.linear(group.all_gather(x, dim), weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, weight = ctx.saved_tensors
+        grad_x = ctx.group.reduce_scatter(grad @ weight.to(grad.dtype), ctx.dim) if ctx.needs_input_grad[0] else None
+        grad_w = grad_b = None
+        if ctx.needs_input_grad[1]:
+            full = ctx.group.all_gather(x.detach(), ctx.dim)
+            if ctx.stash is not None:
+                ctx.stash.items.append((ctx.weight, full, grad.detach()))
+            else:
+                grad_w = (grad.reshape(-1, grad.shape[-1]).t() @ full.reshape(-1, full.shape[-1]).to(grad.dtype)
+                          ).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def _weight_grad_stash() -> Any:
+    """The zero-bubble split's stash when a stage's forward runs under ``defer_weight_grads``, else None."""
+    from pipec.compiler.frontend.deferred import defer_weight_grads
+
+    for mode in torch.overrides._get_current_function_mode_stack():
+        if isinstance(mode, defer_weight_grads):
+            return mode.stash
+    return None
+
+
 class TPComm(nn.Module):
     """One kind of collective in a sharded stage's graph: ``"copy"`` (f), ``"reduce"`` (g), or sequence
     parallelism's ``"gather"`` / ``"scatter"`` / ``"split"`` / ``"gather_whole"`` along ``dim`` (tp rank
-    ``rank`` of ``size``).
+    ``rank`` of ``size``); ``"gather_linear"`` takes ``(x, weight, bias)``: a colwise Linear on the gathered
+    sequence that saves this rank's part (:class:`GatheredLinear`).
 
     ``group`` is set when the stage is built for its rank (:func:`set_group`); while it is None the module runs
     one rank alone: f and g are identities, a gather repeats this rank's part ``size`` times and a scatter or
     split keeps part ``rank`` (the local shapes of one rank, run in one process)."""
 
-    KINDS = ("copy", "reduce", "gather", "scatter", "split", "gather_whole")
+    KINDS = ("copy", "reduce", "gather", "scatter", "split", "gather_whole", "gather_linear")
 
     def __init__(self, kind: str, dim: int = 1, *, size: int = 1, rank: int = 0) -> None:
         super().__init__()
@@ -208,8 +250,12 @@ class TPComm(nn.Module):
         self.kind, self.dim, self.size, self.rank = kind, dim, size, rank
         self.group: TPGroup | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
         kind = self.kind
+        if kind == "gather_linear":
+            if self.group is None:
+                return torch.nn.functional.linear(torch.cat([x] * self.size, dim=self.dim), weight, bias)
+            return GatheredLinear.apply(x, weight, bias, self.group, self.dim, _weight_grad_stash())
         if self.group is None:
             if kind in ("gather", "gather_whole") and self.size > 1:
                 return torch.cat([x] * self.size, dim=self.dim)
