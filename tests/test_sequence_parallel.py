@@ -435,3 +435,27 @@ def test_pp2_tp2_sequence_parallel_runs_check_against_the_unpartitioned_model(sp
     print("saved activations at their peak, per global rank, sequence_parallel on / off: "
           + ", ".join(f"rank {r} {on[r]} / {off[r]} B ({on[r] / off[r]:.2f})" for r in sorted(on)))
     assert all(on[r] < off[r] for r in on), (on, off)
+
+
+def _sp_8_ranks(folder):
+    """pp 2 x dp 2 x tp 2 (8 ranks) with sequence parallelism under shard full (FSDP2), with --check."""
+    from conftest import run_job
+
+    from pipec.compiler.ir.plan_json import write_plan
+
+    path = folder / "full.json"
+    write_plan(tiny_gpt_sp("1f1b", dp=2, shard="full"), str(path))
+    return {"full": run_job(path, "--steps", "3", "--check", reference=True)}
+
+
+sp_8_ranks = LAUNCHES.runs("sp_8_ranks", world=8, make=_sp_8_ranks)
+
+
+@pytest.mark.timeout(600)
+def test_pp2_dp2_tp2_shard_full_with_sequence_parallelism(sp_8_ranks):
+    rec = sp_8_ranks["full"]
+    assert rec["rc"] == 0, rec["stderr"][-4000:]
+    check = rec["check"]
+    assert check["passed"] and check["max_grad_diff"] < 1e-4, check
+    assert {k: rec["report"]["mesh"][k] for k in ("pp", "dp", "tp")} == {"pp": 2, "dp": 2, "tp": 2}
+    print(f"sequence_parallel on, pp 2 x dp 2 x tp 2 shard full: max grad diff {check['max_grad_diff']:.2e}")

@@ -19,6 +19,18 @@ sharded value become local ints, sizes read off sharded tensors are folded to th
 :class:`~.tp_comm.TPComm` call_modules, rowwise biases follow the all-reduce, sharded parameters are sliced
 (:func:`shard_param`; :func:`unshard` inverts it). Then it proves the rewrite: shapes are propagated again
 on fake tensors and every node must have its full shape with the sharded dim divided by tp.
+
+Sequence parallelism (Megatron's, Korthikanti et al. 2022; ``sequence_parallel``) is one more run of the same
+analysis over the decided modules (:func:`_sp_run`): a rowwise output is a :class:`Shard` with ``seq`` set on
+its sequence dim (the dim of the model input's dim-1 length; its g becomes a reduce-scatter), followed by the
+same rules (norms, residual adds, dropout act position by position; attention, a cumsum or a reduction along
+the positions are refused, located); a replicated operand of full length there is split to this rank's
+positions (all-gather backward); a colwise module's input is all-gathered in place of f (reduce-scatter
+backward; its only colwise consumer gathers it itself and saves only the part, :class:`~.tp_comm.GatheredLinear`),
+a replicated consumer's and the last stage's outputs gathered whole; other stage outputs leave as parts and
+arrive so at the next stages (:func:`plan_stages`). A backward walk (:func:`_partial_params`) finds the
+replicated parameters whose gradient is a sum over positions split across the ranks (norm weights, rowwise
+biases): the runtime all-reduces them over the tp group before the optimizer step.
 """
 
 from __future__ import annotations
