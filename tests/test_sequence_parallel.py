@@ -459,3 +459,27 @@ def test_pp2_dp2_tp2_shard_full_with_sequence_parallelism(sp_8_ranks):
     assert check["passed"] and check["max_grad_diff"] < 1e-4, check
     assert {k: rec["report"]["mesh"][k] for k in ("pp", "dp", "tp")} == {"pp": 2, "dp": 2, "tp": 2}
     print(f"sequence_parallel on, pp 2 x dp 2 x tp 2 shard full: max grad diff {check['max_grad_diff']:.2e}")
+
+
+# ----------------------------------------------------------------------------- Hugging Face GPT-2
+
+
+def test_hf_gpt2_conv1d_on_the_flattened_batch_matches():
+    """HF's Conv1D runs on ``x.view(-1, features)``: the rowwise output ``[B T, C]`` is B blocks of the
+    positions, each cut into the tp parts; its reduce-scatter and the colwise inputs' all-gathers act per block."""
+    pytest.importorskip("transformers")
+    stages = _stages(_request("test_hf:wrapped_gpt2", name="input_ids", partition=SplitBefore(("model.transformer.h.1",))))
+    plans = plan_stages([stages[0], stages[1]], 2, sequence_parallel=True)
+    assert plans[0].seq_outputs and plans[1].seq_inputs == plans[0].seq_outputs
+    assert "model.transformer.h.0.ln_2.weight" in plans[0].partial_params
+    code = shard_stage(stages[0], plans[0], 0).code
+    assert "tp_scatter_0_2" in code and "tp_gather_0_2" in code, code  # [2 x 16, 32]: 2 blocks on dim 0
+    ids = {"input_ids": torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))}
+    assert_sp_matches(stages, plans, 2, ids)
+
+
+def test_a_collective_on_blocks_acts_on_each():
+    full = torch.arange(2 * 8 * 3.0).view(16, 3)  # [B T, C] with B 2, T 8
+    r1 = TPComm("scatter", dim=0, size=2, rank=1, segments=2)(full)  # alone: rank 1's positions of each block
+    assert torch.equal(r1, torch.cat([full[4:8], full[12:16]]))
+    assert TPComm("gather", dim=0, size=2, segments=2)(r1).shape == (16, 3)

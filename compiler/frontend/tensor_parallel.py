@@ -242,8 +242,9 @@ class _Analysis:
         self.gathers: dict[Node, set[str]] = {}
         """Sequence parallelism: a sequence-sharded node -> how it is all-gathered: ``gather`` (for colwise
         modules: reduce-scatter backward), ``gather_whole`` (for a replicated consumer: the gradient's part)."""
-        self.splits: dict[tuple[Node, Node], int] = {}
-        """(replicated operand, its sequence-sharded consumer) -> the operand's dim cut to this rank's part."""
+        self.splits: dict[tuple[Node, Node], tuple[int, int]] = {}
+        """(replicated operand, its sequence-sharded consumer) -> the operand's dim cut to this rank's part, and
+        that dim's segments."""
         self.seq_outputs: dict[int, int] = {}
         """Output position -> its sequence dim, for the outputs sent as parts (not the last stage)."""
         self.state: dict[Node, Any] = {}
@@ -305,8 +306,8 @@ class _Analysis:
         """Sequence-sharded stage outputs: all-gathered whole for the loss (the last stage), else sent as parts."""
         flat = list(n.args[0]) if isinstance(n.args[0], (tuple, list)) else [n.args[0]]
         for a, s in ins:
-            if s.segments != 1:
-                return self.fail(a, [s], f"{a.name!r} leaves the stage with its sequence dim mixed with another")
+            if s.segments != 1 and not self.sp.last:
+                return self.fail(a, [s], f"{a.name!r} leaves the stage with its sequence dim flattened into another")
             if self.sp.last:
                 self.gathers.setdefault(a, set()).add("gather_whole")
             else:
@@ -315,16 +316,21 @@ class _Analysis:
                         self.seq_outputs[i] = s.dim
         return None
 
-    def seq_dim(self, n: Node) -> int | None:
-        """The sequence dim of a rowwise output: the dim of the sequence length (dim 1 where several are)."""
-        dims = [i for i, d in enumerate(_shape(n)[:-1]) if d == self.sp.length]
-        return 1 if 1 in dims else dims[0] if len(dims) == 1 else None
+    def seq_dim(self, n: Node) -> tuple[int, int] | None:
+        """The sequence dim of a rowwise output and its segments: the dim of the sequence length (dim 1 where
+        several are), or a 2-D ``[B T, features]`` (a Linear run on the flattened batch: HF's Conv1D), whose
+        dim 0 is B blocks of the T positions."""
+        shape = _shape(n)
+        dims = [i for i, d in enumerate(shape[:-1]) if d == self.sp.length]
+        if dims:
+            return (1 if 1 in dims else dims[0], 1) if 1 in dims or len(dims) == 1 else None
+        if len(shape) == 2 and shape[0] % self.sp.length == 0:
+            return 0, shape[0] // self.sp.length
+        return None
 
     def _linear(self, n: Node, lin: _Lin) -> Any:
         s, out, xs = self.of(lin.x), _shape(n), _shape(lin.x)
         if isinstance(s, Shard) and s.seq:  # the sequence gathered whole first
-            if s.segments != 1:
-                return self.fail(n, [s], f"its input {lin.x.name!r} has its sequence dim mixed with another")
             colwise = n.name in self.colwise and lin.kind != "embedding"
             self.gathers.setdefault(lin.x, set()).add("gather" if colwise else "gather_whole")
             s = None
@@ -342,11 +348,11 @@ class _Analysis:
             self.rowwise[n.name] = s.segments
             if self.sp is None:
                 return None
-            d = self.seq_dim(n)
-            if d is None:
+            found = self.seq_dim(n)
+            if found is None:
                 return self.fail(n, [Shard(0, 1, frozenset({n.name}), seq=True)],
                                  f"its output {list(out)} has no dimension of the sequence length {self.sp.length}")
-            return Shard(d, 1, frozenset({n.name}), seq=True)
+            return Shard(found[0], found[1], frozenset({n.name}), seq=True)
         return replace(s, dim=len(out) - len(xs) + s.dim)
 
     def _module(self, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
@@ -376,8 +382,8 @@ def _elementwise(an: _Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
             continue
         k = d - (len(out) - len(sh))
         if 0 <= k < len(sh) and sh[k] != 1:
-            if shards[0].seq and shards[0].segments == 1:  # cut to this rank's positions (all-gather backward)
-                an.splits[(a, n)] = k
+            if shards[0].seq:  # cut to this rank's positions (all-gather backward)
+                an.splits[(a, n)] = (k, shards[0].segments)
                 continue
             return an.fail(n, shards, f"operand {a.name!r} is replicated with the full size {sh[k]} on the sharded "
                                       "dimension (it does not broadcast there)")
@@ -1092,25 +1098,27 @@ def _local(shape: Sequence[int], s: Any, tp: int) -> tuple[int, ...]:
 
 
 def _rewrite(an: _Analysis, lins: Mapping[Node, _Lin], graph: Graph, env: dict[Node, Node],
-             comms: dict[str, tuple[str, int]]) -> dict[Node, Node]:
+             comms: dict[str, tuple[str, int, int]]) -> dict[Node, Node]:
     """Rewrite the copy ``graph`` (``env``: original node -> copy) to local sizes; original node -> its result.
-    ``comms`` gets the :class:`TPComm` modules the rewrite calls (target -> kind, dim)."""
+    ``comms`` gets the :class:`TPComm` modules the rewrite calls (target -> kind, dim, segments)."""
     tp, result = an.tp, dict(env)
     copies: dict[Node, Node] = {}
-    made: dict[tuple[Node, str, int], Node] = {}
+    made: dict[tuple[Node, str, int, int], Node] = {}
 
-    def comm(kind: str, dim: int = 1) -> str:
-        name = f"tp_{kind}" if kind in ("copy", "reduce") else f"tp_{kind}_{dim}"
-        comms[name] = (kind, dim)
+    def comm(kind: str, dim: int = 1, segments: int = 1) -> str:
+        name = f"tp_{kind}" if kind in ("copy", "reduce") else f"tp_{kind}_{dim}" + (
+            f"_{segments}" if segments > 1 else "")
+        comms[name] = (kind, dim, segments)
         return name
 
-    def after(x: Node, kind: str, dim: int = 1) -> Node:
+    def after(x: Node, kind: str, dim: int = 1, segments: int = 1) -> Node:
         """One ``kind`` collective of original node ``x``'s result, shared by its users."""
-        if (x, kind, dim) not in made:
+        key = (x, kind, dim, segments)
+        if key not in made:
             with graph.inserting_after(result[x]):
-                made[(x, kind, dim)] = graph.call_module(comm(kind, dim), (result[x],))
-            made[(x, kind, dim)].meta = dict(x.meta)
-        return made[(x, kind, dim)]
+                made[key] = graph.call_module(comm(kind, dim, segments), (result[x],))
+            made[key].meta = dict(x.meta)
+        return made[key]
 
     for n in list(an.gm.graph.nodes):
         new, op = env[n], _op(n)
@@ -1142,7 +1150,7 @@ def _rewrite(an: _Analysis, lins: Mapping[Node, _Lin], graph: Graph, env: dict[N
         sx = an.of(lin.x)
         seq = isinstance(sx, Shard) and sx.seq
         if seq and n.name not in an.active:  # a replicated consumer of a sequence shard: gathered whole
-            new.replace_input_with(result[lin.x], after(lin.x, "gather_whole", sx.dim))
+            new.replace_input_with(result[lin.x], after(lin.x, "gather_whole", sx.dim, sx.segments))
         if lin.kind == "embedding":
             continue
         if _fused(an, lins, n):
@@ -1152,7 +1160,7 @@ def _rewrite(an: _Analysis, lins: Mapping[Node, _Lin], graph: Graph, env: dict[N
                     b = graph.get_attr(lin.bias) if lin.bias else None
                 else:
                     w, b = new.args[1], _arg(new, 2, "bias")
-                y = graph.call_module(comm("gather_linear", sx.dim), (result[lin.x], w, b))
+                y = graph.call_module(comm("gather_linear", sx.dim, sx.segments), (result[lin.x], w, b))
             y.meta = dict(new.meta)
             new.replace_all_uses_with(y)
             graph.erase_node(new)
@@ -1161,20 +1169,20 @@ def _rewrite(an: _Analysis, lins: Mapping[Node, _Lin], graph: Graph, env: dict[N
         if n.name in an.active:
             x = result[lin.x]
             if lin.x not in copies:  # f, or sequence parallelism's all-gather
-                copies[lin.x] = after(lin.x, "gather", sx.dim) if seq else after(lin.x, "copy")
+                copies[lin.x] = after(lin.x, "gather", sx.dim, sx.segments) if seq else after(lin.x, "copy")
             new.replace_input_with(x, copies[lin.x])
             if lin.kind == "conv1d":
                 result[n] = _functional(graph, new, lin, copies[lin.x], reduce=None)
         elif n.name in an.rowwise:  # g, or sequence parallelism's reduce-scatter
             out = an.of(n)
-            reduce = comm("scatter", out.dim) if isinstance(out, Shard) and out.seq else comm("reduce")
+            reduce = comm("scatter", out.dim, out.segments) if isinstance(out, Shard) and out.seq else comm("reduce")
             result[n] = _functional(graph, new, lin, result[lin.x], reduce=reduce)
-    for (a, u), d in an.splits.items():  # replicated operands cut to this rank's positions
-        result[u].replace_input_with(result[a], after(a, "split", d))
+    for (a, u), (d, segs) in an.splits.items():  # replicated operands cut to this rank's positions
+        result[u].replace_input_with(result[a], after(a, "split", d, segs))
     out_new = result[next(n for n in an.gm.graph.nodes if n.op == "output")]
     for x, how in an.gathers.items():  # the last stage's outputs, whole for the loss
         if "gather_whole" in how and any(u.op == "output" for u in x.users):
-            out_new.replace_input_with(result[x], after(x, "gather_whole", an.of(x).dim))
+            out_new.replace_input_with(result[x], after(x, "gather_whole", an.of(x).dim, an.of(x).segments))
     return result
 
 
@@ -1247,7 +1255,7 @@ def shard_stage(stage: GraphModule, plan: StageTP, rank: int, *, group: TPGroup 
     graph.output(graph.graph_copy(stage.graph, env))
     out_old = next(n for n in stage.graph.nodes if n.op == "output")
     env[out_old] = next(n for n in graph.nodes if n.op == "output")
-    comms: dict[str, tuple[str, int]] = {}
+    comms: dict[str, tuple[str, int, int]] = {}
     result = _rewrite(an, lins, graph, env, comms)
     sharded = {sp.name: sp for sp in plan.params}
     fresh: dict[str, nn.Parameter] = {}
@@ -1260,7 +1268,8 @@ def shard_stage(stage: GraphModule, plan: StageTP, rank: int, *, group: TPGroup 
         return fresh[canon]
 
     memo: dict[int, nn.Module] = {}
-    attrs: dict[str, Any] = {name: TPComm(kind, dim, size=plan.tp, rank=rank) for name, (kind, dim) in comms.items()}
+    attrs: dict[str, Any] = {name: TPComm(kind, dim, size=plan.tp, rank=rank, segments=segs)
+                             for name, (kind, dim, segs) in comms.items()}
     for n in graph.nodes:
         if n.op not in ("call_module", "get_attr") or n.target in attrs:
             continue

@@ -236,7 +236,8 @@ class TPComm(nn.Module):
     """One kind of collective in a sharded stage's graph: ``"copy"`` (f), ``"reduce"`` (g), or sequence
     parallelism's ``"gather"`` / ``"scatter"`` / ``"split"`` / ``"gather_whole"`` along ``dim`` (tp rank
     ``rank`` of ``size``); ``"gather_linear"`` takes ``(x, weight, bias)``: a colwise Linear on the gathered
-    sequence that saves this rank's part (:class:`GatheredLinear`).
+    sequence that saves this rank's part (:class:`GatheredLinear`). With ``segments`` > 1, ``dim`` is that many
+    blocks (a flattened ``[B T]``), each cut into the tp parts: the collective acts on each block.
 
     ``group`` is set when the stage is built for its rank (:func:`set_group`); while it is None the module runs
     one rank alone: f and g are identities, a gather repeats this rank's part ``size`` times and a scatter or
@@ -244,23 +245,29 @@ class TPComm(nn.Module):
 
     KINDS = ("copy", "reduce", "gather", "scatter", "split", "gather_whole", "gather_linear")
 
-    def __init__(self, kind: str, dim: int = 1, *, size: int = 1, rank: int = 0) -> None:
+    def __init__(self, kind: str, dim: int = 1, *, size: int = 1, rank: int = 0, segments: int = 1) -> None:
         super().__init__()
         assert kind in self.KINDS, kind
-        self.kind, self.dim, self.size, self.rank = kind, dim, size, rank
+        self.kind, self.dim, self.size, self.rank, self.segments = kind, dim, size, rank, segments
         self.group: TPGroup | None = None
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.segments > 1:  # each block on its own: the blocks as a dim of their own, then flattened back
+            d = self.dim
+            return self._forward(x.unflatten(d, (self.segments, -1)), weight, bias, d + 1).flatten(d, d + 1)
+        return self._forward(x, weight, bias, self.dim)
+
+    def _forward(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, dim: int) -> torch.Tensor:
         kind = self.kind
         if kind == "gather_linear":
             if self.group is None:
-                return torch.nn.functional.linear(torch.cat([x] * self.size, dim=self.dim), weight, bias)
-            return GatheredLinear.apply(x, weight, bias, self.group, self.dim, _weight_grad_stash())
+                return torch.nn.functional.linear(torch.cat([x] * self.size, dim=dim), weight, bias)
+            return GatheredLinear.apply(x, weight, bias, self.group, dim, _weight_grad_stash())
         if self.group is None:
             if kind in ("gather", "gather_whole") and self.size > 1:
-                return torch.cat([x] * self.size, dim=self.dim)
+                return torch.cat([x] * self.size, dim=dim)
             if kind in ("scatter", "split") and self.size > 1:
-                return x.chunk(self.size, dim=self.dim)[self.rank].contiguous()
+                return x.chunk(self.size, dim=dim)[self.rank].contiguous()
             return x
         if kind == "copy":
             return CopyToTP.apply(x, self.group)
@@ -268,11 +275,12 @@ class TPComm(nn.Module):
             return ReduceFromTP.apply(x, self.group)
         if kind in ("split", "gather_whole"):
             fn = SplitToSP if kind == "split" else GatherWholeFromSP
-            return fn.apply(x, self.group, self.dim, self.size, self.rank)
-        return (GatherFromSP if kind == "gather" else ScatterToSP).apply(x, self.group, self.dim)
+            return fn.apply(x, self.group, dim, self.size, self.rank)
+        return (GatherFromSP if kind == "gather" else ScatterToSP).apply(x, self.group, dim)
 
     def extra_repr(self) -> str:
-        return self.kind if self.kind in ("copy", "reduce") else f"{self.kind}, dim={self.dim}"
+        segs = f", segments={self.segments}" if self.segments > 1 else ""
+        return self.kind if self.kind in ("copy", "reduce") else f"{self.kind}, dim={self.dim}{segs}"
 
 
 def set_group(module: nn.Module, group: TPGroup | None) -> None:
