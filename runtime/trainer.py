@@ -271,6 +271,7 @@ class Trainer:
 
             console = Console(stderr=True)
             tp = f" x {self.plan.mesh.tp} tp" if self.plan.mesh.tp > 1 else ""
+            tp += " (sequence parallel)" if self.plan.mesh.tp > 1 and self.plan.mesh.sequence_parallel else ""
             console.print(f"[bold]pipec run[/] {self.options.plan}: {self.plan.mesh.pp} pp x {self.plan.mesh.dp} dp{tp}, "
                           f"{self.plan.num_microbatches} microbatches, {self.steps} steps"
                           + (" (emulated)" if self.options.emulate else ""))

@@ -406,6 +406,9 @@ def _sp_runs(folder):
         path = folder / f"{schedule}.json"
         write_plan(tiny_gpt_sp(schedule), str(path))
         jobs[schedule] = run_job(path, "--steps", "3", "--check", reference=True)
+    recomputed = folder / "recompute.json"  # a recomputed stage replays its collectives in the backward
+    write_plan(tiny_gpt_sp("1f1b", recompute="all"), str(recomputed))
+    jobs["recompute"] = run_job(recomputed, "--steps", "3", "--check", reference=True)
     off = folder / "off.json"  # the same at sequence_parallel off: the activations it saves, for comparison
     write_plan(tiny_gpt_sp("1f1b", sp=False), str(off))
     jobs["off"] = run_job(off, "--steps", "3", "--check", reference=True)
