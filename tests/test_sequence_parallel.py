@@ -236,6 +236,36 @@ def test_an_op_mixing_positions_is_refused_located():
     assert build_stage_graph(replace(req, sequence_parallel=False))  # without it the pairs shard
 
 
+class _Reuse(nn.Module):
+    """A GPT whose first block's ln1 runs again after the block: once on the whole sequence (before the first
+    rowwise module), once on the sequence parts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from pipec.examples.gpt import build
+
+        self.gpt = build(**GPT_ARGS)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        g = self.gpt
+        x = g.wte(tokens) + g.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+        x = g.blocks[0](x)
+        x = g.blocks[0].ln1(x)
+        return g.lm_head(g.ln_f(x) * g.scale)
+
+
+def reuse() -> nn.Module:
+    return _Reuse()
+
+
+def test_a_weight_used_whole_and_on_the_parts_is_refused():
+    stages = _stages(_request("test_sequence_parallel:reuse", stages=1))
+    with pytest.raises(FrontendError, match=r"parameter gpt\.blocks\.0\.ln1\.weight is used on the sequence shards and "
+                                            r"replicated") as e:
+        plan_stages([stages[0]], 2, sequence_parallel=True)
+    assert "sequence_parallel off" in " ".join(e.value.hints)
+
+
 def test_a_sequence_length_not_divisible_by_tp_is_refused():
     from pipec.compiler.frontend import ModelRequest, TensorSpec
 
