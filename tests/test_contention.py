@@ -23,6 +23,8 @@ def test_no_sharing_without_a_crowd():
     (Mesh(pp=2, dp=2), ((2,), (2,))),  # a pp rank's replicas compute at once: they count twice
     (Mesh(pp=2, dp=2, devices_per_node=2), ((2, 0), (0, 2))),
     (Mesh(pp=4, dp=2, devices_per_node=4), ((2, 0), (2, 0), (0, 2), (0, 2))),
+    (Mesh(pp=2, dp=1, tp=2), ((2,), (2,))),  # and their tp ranks
+    (Mesh(pp=2, dp=2, tp=2, devices_per_node=4), ((4, 0), (0, 4))),
 ])
 def test_hosts_hold_consecutive_global_ranks(mesh, hosts):
     assert sharing_of(PROFILE, mesh).hosts == hosts

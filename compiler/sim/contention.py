@@ -147,7 +147,8 @@ def sharing_of(profile: Mapping[str, Any] | None, mesh: Mesh) -> Sharing | None:
     for p in range(mesh.pp):
         row = [0] * num_hosts
         for d in range(mesh.dp):
-            row[mesh.global_rank(p, d) // per_host] += 1
+            for t in range(mesh.tp):  # a pp rank's replicas and their tp ranks all compute at once
+                row[mesh.global_rank(p, d, t) // per_host] += 1
         hosts.append(tuple(row))
     cores = profile.get("cores")
     slots = max(1, int(cores) // max(1, int(profile.get("threads_per_rank", 1)))) if cores else None
