@@ -209,7 +209,6 @@ class Sleep(NamedTuple):
     seconds: float
 
 
-
 def _local_specs(plan: Plan, src: int, tensors: Sequence[TensorSpec]) -> tuple[TensorSpec, ...]:
     """An edge's tensors as this tp rank sends and receives them: with sequence parallelism, the outputs its
     producer sends as parts (:attr:`~pipec.compiler.ir.tensor_parallel.StageTP.seq_outputs`) have the sequence
@@ -223,6 +222,7 @@ def _local_specs(plan: Plan, src: int, tensors: Sequence[TensorSpec]) -> tuple[T
         out.append(t if d is None else replace(
             t, shape=tuple(n // record.tp if i == d else n for i, n in enumerate(t.shape))))
     return tuple(out)
+
 
 class Executor:
     """Runs one pp rank's program for one dp replica, as one of its tp ranks (``tp_rank``; 0 at tp 1): every
