@@ -172,14 +172,15 @@ class Trainer:
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         grads = []
         for s in self.own:
-            canonical = self.modules[s].canonical
+            canonical = getattr(self.modules[s], "canonical", {})
             for name, p in self.modules[s].named_parameters():
                 if p.grad is None:
                     continue
                 g = local(p.grad)  # a sharded gradient's shard
                 grads.append(g)
                 # a tied weight counts once (its first copy), a tp-replicated one on tp rank 0
-                if (s, name) not in skip and (self.tp_rank == 0 or self._tp_split(s, canonical[name]) is not None):
+                split = self._tp_split(s, canonical.get(name, name))
+                if (s, name) not in skip and (self.tp_rank == 0 or split is not None):
                     sq += g.detach().double().pow(2).sum()
         # each collective's wait is the executor's (timed as waiting: a rank waits here for its slowest peer)
         if self.sharding is not None:
