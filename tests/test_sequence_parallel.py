@@ -19,34 +19,9 @@ from pipec.compiler.frontend.tp_comm import ThreadGroupTP, TPComm
 from pipec.compiler.ir.tensor_parallel import StageTP
 from pipec.runtime.stages import run_stages
 from test_tensor_parallel import GPT, GPT_ARGS, _close, _request, _stages, _xent
+from test_tensor_parallel import run_tp as run_sp
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def run_sp(stages, plans, tp: int, inputs: dict, loss=_xent):
-    """Each tp rank's sharded stages run on a thread: its outputs, and its stages' canonical parameters."""
-    group = ThreadGroupTP(tp)
-    ranks = [{s: shard_stage(st, plans[s], r, group=group.rank(r)) for s, st in stages.items()} for r in range(tp)]
-    outs: list = [None] * tp
-    errors: list = []
-
-    def work(r: int) -> None:
-        try:
-            out = run_stages(ranks[r], inputs)
-            loss(out[0]).backward()
-            outs[r] = out
-        except BaseException as e:  # noqa: BLE001 - reported by the test's thread
-            errors.append(e)
-            group._barrier.abort()
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return outs, ranks
 
 
 def assert_sp_matches(stages, plans, tp: int, inputs: dict, loss=_xent) -> None:

@@ -45,11 +45,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert (got - want).abs().max().item() <= tol, (what, (got - want).abs().max().item(), tol)
 
 
-def assert_tp_matches(stages, plans, tp: int, name: str, *, x: torch.Tensor | None = None, loss=None) -> None:
-    """The stages sharded for ``tp`` ranks, run as threads, give the unsharded stages' outputs and gradients."""
-    gen = torch.Generator().manual_seed(0)
-    inputs = {name: torch.randint(0, 64, (2, 16), generator=gen) if x is None else x}
-    _loss = loss or _xent
+def run_tp(stages, plans, tp: int, inputs: dict, loss=_xent):
+    """Each tp rank's sharded stages run on a thread: its outputs, and its stages."""
     group = ThreadGroupTP(tp)
     ranks = [{s: shard_stage(st, plans[s], r, group=group.rank(r)) for s, st in stages.items()} for r in range(tp)]
     outs: list = [None] * tp
@@ -58,7 +55,7 @@ def assert_tp_matches(stages, plans, tp: int, name: str, *, x: torch.Tensor | No
     def work(r: int) -> None:
         try:
             out = run_stages(ranks[r], inputs)
-            _loss(out[0]).backward()
+            loss(out[0]).backward()
             outs[r] = out
         except BaseException as e:  # noqa: BLE001 - reported by the test's thread
             errors.append(e)
@@ -71,6 +68,15 @@ def assert_tp_matches(stages, plans, tp: int, name: str, *, x: torch.Tensor | No
         t.join()
     if errors:
         raise errors[0]
+    return outs, ranks
+
+
+def assert_tp_matches(stages, plans, tp: int, name: str, *, x: torch.Tensor | None = None, loss=None) -> None:
+    """The stages sharded for ``tp`` ranks, run as threads, give the unsharded stages' outputs and gradients."""
+    gen = torch.Generator().manual_seed(0)
+    inputs = {name: torch.randint(0, 64, (2, 16), generator=gen) if x is None else x}
+    _loss = loss or _xent
+    outs, ranks = run_tp(stages, plans, tp, inputs, _loss)
     for st in stages.values():
         st.zero_grad(set_to_none=True)
     want = run_stages(stages, inputs)

@@ -18,7 +18,7 @@ from torch.fx import GraphModule
 from pipec.compiler.frontend.partition import Split
 from pipec.compiler.frontend.tensors import FrontendError
 
-__all__ = ["StageModule", "materialize"]
+__all__ = ["StageModule", "materialize", "clone_tree", "resolve"]
 
 
 class StageModule(GraphModule):
@@ -67,7 +67,7 @@ def _retarget(gm: GraphModule, device: torch.device, traced_on: str) -> None:
         node.kwargs = {k: fix(v) for k, v in node.kwargs.items()}
 
 
-def _clone_tree(mod: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
+def clone_tree(mod: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
     """A copy of ``mod``'s module tree whose parameter and buffer slots can be refilled
     without touching the original (tensors are not copied)."""
     if id(mod) in memo:
@@ -76,7 +76,7 @@ def _clone_tree(mod: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
     memo[id(mod)] = new
     new._parameters = dict(mod._parameters)
     new._buffers = dict(mod._buffers)
-    new._modules = {k: None if v is None else _clone_tree(v, memo) for k, v in mod._modules.items()}
+    new._modules = {k: None if v is None else clone_tree(v, memo) for k, v in mod._modules.items()}
     return new
 
 
@@ -122,7 +122,7 @@ def materialize(split: Split, s: int, values: Mapping[str, torch.Tensor], buffer
         target = str(node.target)
         obj = resolve(split.traced.gm, target)
         if isinstance(obj, nn.Module):
-            root = _clone_tree(obj, memo)
+            root = clone_tree(obj, memo)
             for mod_name, mod in root.named_modules(prefix=target, remove_duplicate=False):
                 for key, p in list(mod._parameters.items()):
                     if p is not None:

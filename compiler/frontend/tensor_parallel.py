@@ -49,7 +49,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
-from pipec.compiler.frontend.stages import StageModule
+from pipec.compiler.frontend.stages import StageModule, clone_tree, resolve
 from pipec.compiler.frontend.tensors import FrontendError
 from pipec.compiler.frontend.tp_comm import TPComm, TPGroup, set_group
 from pipec.compiler.frontend.trace import (_STACK_FRAME, Traced, _frame_text, _node_frame, _user_frame, module_path,
@@ -789,7 +789,7 @@ def _partial_params(an: _Analysis, canonical: Mapping[str, str], sharded: set[st
         if u.op == "call_module":
             for pname, _ in an.gm.get_submodule(str(u.target)).named_parameters(prefix=str(u.target)):
                 param(pname, ku, u)
-        if u.op == "get_attr" and isinstance(_resolve(an.gm, str(u.target)), nn.Parameter):
+        if u.op == "get_attr" and isinstance(resolve(an.gm, str(u.target)), nn.Parameter):
             param(str(u.target), kinds.get(u), u)
         if _op(u) in _SHAPE_OF:
             continue
@@ -1211,24 +1211,6 @@ def _functional(graph: Graph, new: Node, lin: _Lin, x: Node, *, reduce: str | No
     return y
 
 
-def _clone_tree(mod: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
-    if id(mod) in memo:
-        return memo[id(mod)]
-    new = copy.copy(mod)
-    memo[id(mod)] = new
-    new._parameters = dict(mod._parameters)
-    new._buffers = dict(mod._buffers)
-    new._modules = {k: None if v is None else _clone_tree(v, memo) for k, v in mod._modules.items()}
-    return new
-
-
-def _resolve(root: nn.Module, target: str) -> Any:
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def shard_stage(stage: GraphModule, plan: StageTP, rank: int, *, group: TPGroup | None = None,
                 canonical: Mapping[str, str] | None = None, traced: Traced | None = None, where: str = "",
                 check: bool = True) -> GraphModule:
@@ -1273,9 +1255,9 @@ def shard_stage(stage: GraphModule, plan: StageTP, rank: int, *, group: TPGroup 
     for n in graph.nodes:
         if n.op not in ("call_module", "get_attr") or n.target in attrs:
             continue
-        obj = _resolve(stage, str(n.target))
+        obj = resolve(stage, str(n.target))
         if isinstance(obj, nn.Module):
-            obj = _clone_tree(obj, memo)
+            obj = clone_tree(obj, memo)
             for mod_name, mod in obj.named_modules(prefix=str(n.target), remove_duplicate=False):
                 for key, p in list(mod._parameters.items()):
                     if p is not None:
