@@ -179,8 +179,8 @@ class Trainer:
                 g = local(p.grad)  # a sharded gradient's shard
                 grads.append(g)
                 # a tied weight counts once (its first copy), a tp-replicated one on tp rank 0
-                split = self._tp_split(s, canonical.get(name, name))
-                if (s, name) not in skip and (self.tp_rank == 0 or split is not None):
+                if (s, name) not in skip and (self.tp_rank == 0
+                                               or self._tp_split(s, canonical.get(name, name)) is not None):
                     sq += g.detach().double().pow(2).sum()
         # each collective's wait is the executor's (timed as waiting: a rank waits here for its slowest peer)
         if self.sharding is not None:

@@ -400,34 +400,36 @@ def test_sequence_parallel_on_the_fake_transport_matches_the_reference():
                 _close(grad, ref_grads[name], name)
 
 
-def _sp_runs(folder):
-    """pp 2 x tp 2 (4 ranks) of the small GPT with sequence parallelism: 1f1b and zb_h1, with --check."""
-    from conftest import run_job
+def _sp_runs(names):
+    """pp 2 x tp 2 (4 ranks) of the small GPT with sequence parallelism, with --check: ``1f1b``, ``zb_h1``,
+    ``recompute`` (1f1b with every stage recomputed: it replays its collectives in the backward) and ``off`` (1f1b
+    at sequence_parallel off: the activations it saves, for comparison)."""
 
-    from pipec.compiler.ir.plan_json import write_plan
+    def make(folder):
+        from conftest import run_job
 
-    jobs = {}
-    for schedule in ("1f1b", "zb_h1"):
-        path = folder / f"{schedule}.json"
-        write_plan(tiny_gpt_sp(schedule), str(path))
-        jobs[schedule] = run_job(path, "--steps", "3", "--check", reference=True)
-    recomputed = folder / "recompute.json"  # a recomputed stage replays its collectives in the backward
-    write_plan(tiny_gpt_sp("1f1b", recompute="all"), str(recomputed))
-    jobs["recompute"] = run_job(recomputed, "--steps", "3", "--check", reference=True)
-    off = folder / "off.json"  # the same at sequence_parallel off: the activations it saves, for comparison
-    write_plan(tiny_gpt_sp("1f1b", sp=False), str(off))
-    jobs["off"] = run_job(off, "--steps", "3", "--check", reference=True)
-    return jobs
+        from pipec.compiler.ir.plan_json import write_plan
+
+        plans = {"1f1b": lambda: tiny_gpt_sp("1f1b"), "zb_h1": lambda: tiny_gpt_sp("zb_h1"),
+                 "recompute": lambda: tiny_gpt_sp("1f1b", recompute="all"), "off": lambda: tiny_gpt_sp("1f1b", sp=False)}
+        jobs = {}
+        for name in names:
+            path = folder / f"{name}.json"
+            write_plan(plans[name](), str(path))
+            jobs[name] = run_job(path, "--steps", "3", "--check", reference=True)
+        return jobs
+
+    return make
 
 
 from conftest import LAUNCHES  # noqa: E402 - the launches queue, declared at import
 
-sp_runs = LAUNCHES.runs("sp_runs", world=4, make=_sp_runs)
+sp_runs = LAUNCHES.runs("sp_runs", world=4, make=_sp_runs(("1f1b", "off")))
+sp_runs_slow = LAUNCHES.runs("sp_runs_slow", world=4, make=_sp_runs(("zb_h1", "recompute")))
 
 
-@pytest.mark.timeout(600)
-def test_pp2_tp2_sequence_parallel_runs_check_against_the_unpartitioned_model(sp_runs):
-    for name, rec in sp_runs.items():
+def _assert_runs_check(runs: dict) -> None:
+    for name, rec in runs.items():
         assert rec["rc"] == 0, (name, rec["stderr"][-4000:])
         check = rec["check"]
         assert check["passed"] and check["max_grad_diff"] < 1e-4 and check["loss_diff"] < 1e-5, (name, check)
@@ -435,6 +437,17 @@ def test_pp2_tp2_sequence_parallel_runs_check_against_the_unpartitioned_model(sp
         assert rec["report"]["mesh"]["tp"] == 2
         print(f"sequence_parallel {'off' if name == 'off' else 'on'} {name}: loss diff {check['loss_diff']:.2e}, "
               f"max grad diff {check['max_grad_diff']:.2e}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_pp2_tp2_sequence_parallel_zero_bubble_and_recompute_check(sp_runs_slow):
+    _assert_runs_check(sp_runs_slow)
+
+
+@pytest.mark.timeout(600)
+def test_pp2_tp2_sequence_parallel_runs_check_against_the_unpartitioned_model(sp_runs):
+    _assert_runs_check(sp_runs)
     # the saved activations (measured in the first step): the sequence-parallel region's are held at 1/tp
     def saved(name):
         return {r["rank"]: r["peak_activation_bytes"] for r in sp_runs[name]["report"]["measured"]["per_rank"]}
@@ -459,6 +472,7 @@ def _sp_8_ranks(folder):
 sp_8_ranks = LAUNCHES.runs("sp_8_ranks", world=8, make=_sp_8_ranks)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_pp2_dp2_tp2_shard_full_with_sequence_parallelism(sp_8_ranks):
     rec = sp_8_ranks["full"]

@@ -429,6 +429,7 @@ def test_pp2_tp2_runs_check_against_the_unpartitioned_model(tp_runs):
         print(f"tp 2 {name}: loss diff {check['loss_diff']:.2e}, max grad diff {check['max_grad_diff']:.2e}")
 
 
+@pytest.mark.slow  # two more launches after the first (~40 s on 2 cores)
 @pytest.mark.timeout(600)
 def test_a_tp_2_checkpoint_is_written_whole_by_tp_rank_0_and_resumes_at_tp_1_and_tp_4(tp_runs, tp_resumed,
                                                                                        tp_resumed_4):
@@ -447,6 +448,7 @@ def test_a_tp_2_checkpoint_is_written_whole_by_tp_rank_0_and_resumes_at_tp_1_and
         assert list(again) == [3] and again[3] == pytest.approx(first[3], rel=1e-5)
 
 
+@pytest.mark.slow  # pipec run's own torchrun launch (~20 s on 2 cores)
 @pytest.mark.timeout(600)
 def test_pipec_run_check_at_tp_2_and_pipec_show_of_its_report(tp_pipec_run, tmp_path):
     assert tp_pipec_run.returncode == 0, tp_pipec_run.stderr[-4000:]

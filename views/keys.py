@@ -17,7 +17,7 @@ __all__ = ["KEY_ORDER", "key_values", "key_lines"]
 
 KEY_ORDER: tuple[tuple[str, ...], ...] = (
     ("schedule", "pp", "dp", "tp", "shard", "shard_size", "devices_per_node"),
-    ("tensor_parallel",),
+    ("tensor_parallel", "sequence_parallel"),
     ("virtual", "stages", "microbatches", "placement"),
     ("policy",), ("order",),
     ("model",), ("model_args",), ("input",), ("targets",),
@@ -127,6 +127,7 @@ _VALUES: dict[str, Callable[[Any, Mapping[str, Any]], str]] = {
     "dp": lambda p, s: str(p.mesh.dp),
     "tp": lambda p, s: str(p.mesh.tp),
     "tensor_parallel": lambda p, s: _tensor_parallel(s.get("tensor_parallel", "auto")),
+    "sequence_parallel": lambda p, s: "on" if p.mesh.sequence_parallel else "off",
     "shard": lambda p, s: str(p.mesh.shard),
     "shard_size": lambda p, s: str(p.mesh.shard_size) if p.mesh.shard_size else "dp",
     "devices_per_node": lambda p, s: _number(p.mesh.devices_per_node),
