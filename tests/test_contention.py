@@ -140,6 +140,7 @@ def test_the_fixed_point_is_deterministic():
     assert a == b
 
 
+@pytest.mark.slow  # a whole tune with a crowd's sharing (~5 s)
 def test_tunes_bounds_hold_when_the_host_is_shared(tmp_path, monkeypatch):
     """Every candidate on 4 devices of one crowded host (K = 4, each part 2x slower in the crowd): the step bound
     never exceeds the simulated step, which sharing makes shorter than the crowd's costs say."""

@@ -221,6 +221,7 @@ device_memory 1MB
 '''
 
 
+@pytest.mark.slow  # two whole tunes (~5 s)
 def test_tune_gives_the_same_result_with_cost_only_cuts_and_without(tmp_path, monkeypatch):
     from pipec.tune import search as tune_mod
     from pipec.tune.space import TuneRequest

@@ -142,6 +142,7 @@ NODES = SMALL + ("devices_per_node 2\n"
                  "intra(latency=1us, bandwidth=20GB/s), inter(latency=10us, bandwidth=1GB/s)\n")
 
 
+@pytest.mark.slow  # every candidate of a 4-device space compiled and bounded (~20 s on 2 cores)
 def test_the_bounds_hold_for_every_candidate_and_price_communication(tmp_path):
     """Layouts x shard modes x schedules x microbatches x recompute (none, all) on 4 devices in 2 nodes:
     the step bound (communication included) never exceeds the simulated step, the memory bound never the
