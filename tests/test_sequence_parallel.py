@@ -351,22 +351,15 @@ def test_sequence_parallel_on_the_fake_transport_matches_the_reference():
     every gradient (parts put together, partial ones summed as the trainer sums them) equals the reference's."""
     from conftest import on_threads
 
-    from pipec.compiler.config import TrainingConfig
     from pipec.runtime.executor import Executor
-    from pipec.runtime.stages import build_reference, build_stages
-    from pipec.runtime.training import make_data, make_loss, split_microbatches
-    from pipec.runtime.transport import FakeWorld, TransportTP
+    from pipec.runtime.stages import build_reference
+    from pipec.runtime.training import split_microbatches
+
+    from test_tp_mesh import fake_tp_world
 
     plan = tiny_gpt_sp("1f1b")
     mesh = plan.mesh
-    world = FakeWorld(mesh.world_size, timeout=60)
-    config = TrainingConfig.from_spec(plan.spec)
-    data, loss_fn = make_data(config, plan), make_loss(config.loss)
-    keys = [mesh.coords(g) + (mesh.tp_rank(g),) for g in range(mesh.world_size)]
-    transports = {k: world.transport(mesh.global_rank(*k)) for k in keys}
-    modules = {k: build_stages(plan, [s for s, r in enumerate(plan.placement) if r == k[0]], seed=0, tp_rank=k[2],
-                               tp_group=TransportTP(transports[k], mesh.tp_group(mesh.global_rank(*k)), k[2]))
-               for k in keys}
+    world, data, loss_fn, keys, transports, modules = fake_tp_world(plan)
     executors = {}
 
     def rank(p: int, d: int, t: int):

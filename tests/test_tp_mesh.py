@@ -269,26 +269,36 @@ def tiny_gpt(schedule: str, *, pp: int = 2, dp: int = 1, tp: int = 2, **extra):
     })
 
 
-def test_sharded_stages_on_the_fake_transport_match_the_reference():
-    """pp 2 x dp 2 x tp 2 on threads: each rank talks to its tp peer on the other pp rank, f and g go over the
-    tp group, and every gradient (the tp ranks' parts put together) equals the unpartitioned model's."""
+def fake_tp_world(plan):
+    """Every rank of ``plan`` on the fake transport: the world, the data and loss, the ranks' (pp, dp, tp) keys,
+    their transports and their stages (each its tp part, f and g over the fake's tp group)."""
     from pipec.compiler.config import TrainingConfig
-    from pipec.runtime.executor import Executor
-    from pipec.runtime.stages import build_reference, build_stages
-    from pipec.runtime.training import make_data, make_loss, split_microbatches
-    from pipec.compiler.frontend.tensor_parallel import unshard
+    from pipec.runtime.stages import build_stages
+    from pipec.runtime.training import make_data, make_loss
     from pipec.runtime.transport import FakeWorld, TransportTP
 
-    plan = tiny_gpt("1f1b", dp=2)
     mesh = plan.mesh
     world = FakeWorld(mesh.world_size, timeout=60)
     config = TrainingConfig.from_spec(plan.spec)
-    data, loss_fn = make_data(config, plan), make_loss(config.loss)
     keys = [mesh.coords(g) + (mesh.tp_rank(g),) for g in range(mesh.world_size)]
     transports = {k: world.transport(mesh.global_rank(*k)) for k in keys}
     modules = {k: build_stages(plan, [s for s, r in enumerate(plan.placement) if r == k[0]], seed=0, tp_rank=k[2],
                                tp_group=TransportTP(transports[k], mesh.tp_group(mesh.global_rank(*k)), k[2]))
                for k in keys}
+    return world, make_data(config, plan), make_loss(config.loss), keys, transports, modules
+
+
+def test_sharded_stages_on_the_fake_transport_match_the_reference():
+    """pp 2 x dp 2 x tp 2 on threads: each rank talks to its tp peer on the other pp rank, f and g go over the
+    tp group, and every gradient (the tp ranks' parts put together) equals the unpartitioned model's."""
+    from pipec.runtime.executor import Executor
+    from pipec.runtime.stages import build_reference
+    from pipec.runtime.training import split_microbatches
+    from pipec.compiler.frontend.tensor_parallel import unshard
+
+    plan = tiny_gpt("1f1b", dp=2)
+    mesh = plan.mesh
+    world, data, loss_fn, keys, transports, modules = fake_tp_world(plan)
     assert all(st.tp is not None and st.tp.params for st in plan.stages)  # the blocks' pairs are sharded
 
     def rank(p: int, d: int, t: int):
