@@ -55,7 +55,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import torch
 
 from pipec.compiler.ir.program import DP_GROUPS, SHARD_OPS, Instruction, Op, message_edge
-from pipec.compiler.ir.plan import UNIT_COST, Plan, TensorSpec
+from pipec.compiler.ir.plan import UNIT_COST, Plan, TensorSpec, local_specs
 from pipec.compiler.ir.timeline import Event
 from pipec.errors import EXIT_RUN, PipecError
 from pipec.runtime.clock import CudaClock, HostClock
@@ -209,21 +209,6 @@ class Sleep(NamedTuple):
     seconds: float
 
 
-def _local_specs(plan: Plan, src: int, tensors: Sequence[TensorSpec]) -> tuple[TensorSpec, ...]:
-    """An edge's tensors as this tp rank sends and receives them: with sequence parallelism, the outputs its
-    producer sends as parts (:attr:`~pipec.compiler.ir.tensor_parallel.StageTP.seq_outputs`) have the sequence
-    dim divided by tp (the plan's signatures are the model's, whole)."""
-    record = plan.stages[src].tp if plan.stages and src < len(plan.stages) else None
-    if record is None or not record.seq_outputs:
-        return tuple(tensors)
-    out = []
-    for t in tensors:
-        d = record.seq_dim(t.name)
-        out.append(t if d is None else replace(
-            t, shape=tuple(n // record.tp if i == d else n for i, n in enumerate(t.shape))))
-    return tuple(out)
-
-
 class Executor:
     """Runs one pp rank's program for one dp replica, as one of its tp ranks (``tp_rank``; 0 at tp 1): every
     message goes to the peer pp rank's rank of the same dp and tp rank."""
@@ -266,7 +251,7 @@ class Executor:
         self.producers: dict[int, list[int]] = {}
         self.consumers: dict[int, list[int]] = {}
         for e in plan.edges:
-            self.edge_tensors[(e.src_stage, e.dst_stage)] = _local_specs(plan, e.src_stage, e.tensors) or (
+            self.edge_tensors[(e.src_stage, e.dst_stage)] = local_specs(plan, e.src_stage, e.tensors) or (
                 TensorSpec("x", "float32", (1,)),)
             self.producers.setdefault(e.dst_stage, []).append(e.src_stage)
             self.consumers.setdefault(e.src_stage, []).append(e.dst_stage)

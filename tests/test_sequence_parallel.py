@@ -498,3 +498,15 @@ def test_a_collective_on_blocks_acts_on_each():
     r1 = TPComm("scatter", dim=0, size=2, rank=1, segments=2)(full)  # alone: rank 1's positions of each block
     assert torch.equal(r1, torch.cat([full[4:8], full[12:16]]))
     assert TPComm("gather", dim=0, size=2, segments=2)(r1).shape == (16, 3)
+
+
+def test_the_pp_message_is_each_tp_ranks_part_of_the_sequence_as_the_simulator_prices_it():
+    """local_specs (compiler/ir/plan.py) gives what the executor sends and the simulator prices: at
+    sequence_parallel on, half the sequence at tp 2; off, the whole."""
+    from pipec.compiler.ir.plan import local_specs
+
+    on, off = tiny_gpt_sp("1f1b"), tiny_gpt_sp("1f1b", sp=False)
+    (edge,) = on.edges
+    assert [t.shape for t in local_specs(on, 0, edge.tensors)] == [(2, 8, 32)]
+    assert sum(t.num_bytes for t in local_specs(on, 0, edge.tensors)) * 2 == edge.num_bytes
+    assert local_specs(off, 0, off.edges[0].tensors) == tuple(off.edges[0].tensors)

@@ -12,7 +12,7 @@ the reader of both formats) is :mod:`pipec.compiler.ir.plan_json`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from pipec.compiler.ir.program import Program
@@ -45,6 +45,7 @@ __all__ = [
     "check_limits",
     "Plan",
     "chain_edges",
+    "local_specs",
 ]
 
 class PlanError(SchemaError):
@@ -441,6 +442,21 @@ class Plan:
     def tie_ranks(self, name: str) -> tuple[int, ...]:
         """The pp ranks holding a copy of tied weight ``name``, in order (its tie group)."""
         return self.tie(name).ranks(self.placement)
+
+
+def local_specs(plan: "Plan", src: int, tensors: Sequence[TensorSpec]) -> tuple[TensorSpec, ...]:
+    """An edge's tensors as each tp rank sends and receives them: with sequence parallelism, the outputs its
+    producer sends as parts (:attr:`~pipec.compiler.ir.tensor_parallel.StageTP.seq_outputs`) have the sequence
+    dim divided by tp (the plan's signatures are the model's, whole)."""
+    record = plan.stages[src].tp if plan.stages and src < len(plan.stages) else None
+    if record is None or not record.seq_outputs:
+        return tuple(tensors)
+    out = []
+    for t in tensors:
+        d = record.seq_dim(t.name)
+        out.append(t if d is None else replace(
+            t, shape=tuple(n // record.tp if i == d else n for i, n in enumerate(t.shape))))
+    return tuple(out)
 
 
 def check_limits(*, pp: int, num_stages: int, num_microbatches: int, instructions: int | None = None,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Mapping, Sequence
 
-from pipec.compiler.ir.plan import UNIT_COST, Edge, Link, Mesh, Plan, Tie, chain_edges
+from pipec.compiler.ir.plan import UNIT_COST, Edge, Link, Mesh, Plan, Tie, chain_edges, local_specs
 from pipec.compiler.ir.program import Op, Program
 from pipec.compiler.ir.timeline import Interval, Timeline
 from pipec.compiler.sim.contention import sharing_of
@@ -121,8 +121,11 @@ def _priced(plan: Plan, price: Pricing) -> tuple[dict, dict, dict]:
     """(transfer, allreduce, shard) seconds of a plan in seconds: each edge's message, each dp and tie
     all-reduce, sharding's collectives."""
     mesh, pp = plan.mesh, plan.links["pp"]
+    # each tp rank's message: with sequence parallelism, its part of the sequence
     transfer = {(e.src_stage, e.dst_stage): price.hop(plan.placement[e.src_stage], plan.placement[e.dst_stage],
-                                                      e.num_bytes) for e in plan.edges}
+                                                      sum(t.num_bytes for t in local_specs(plan, e.src_stage,
+                                                                                           e.tensors)))
+                for e in plan.edges}
     allreduce: dict[tuple[str, int], float] = {}
     dp = plan.links.get("dp", pp)
     tp = any(active(st.tp) for st in plan.stages)
