@@ -142,6 +142,7 @@ def build_report(
     report: dict[str, Any] = {
         "plan": plan_path,
         "mesh": {"pp": plan.mesh.pp, "dp": plan.mesh.dp, **({"tp": plan.mesh.tp} if plan.mesh.tp > 1 else {}),
+                 **({"sequence_parallel": True} if plan.mesh.sequence_parallel else {}),
                  **({"shard": plan.mesh.shard, "shard_size": plan.mesh.num_shards} if plan.mesh.sharded else {})},
         "steps": steps,
         "median_step": first_step + med + 1,
