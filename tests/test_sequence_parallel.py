@@ -173,9 +173,9 @@ def _sp_input(gpt, part: bool = False) -> dict:
 # ----------------------------------------------------------------------------- refusals
 
 
-class _Mixer(nn.Module):
-    """A GPT whose residual stream takes a running mean over the positions after the first block: an op that
-    mixes positions outside attention."""
+class _AfterFirstBlock(nn.Module):
+    """The small GPT with something of the subclass's own (:meth:`after`) on the residual stream after its first
+    block."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -183,13 +183,22 @@ class _Mixer(nn.Module):
 
         self.gpt = build(**GPT_ARGS)
 
+    def after(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         g = self.gpt
         x = g.wte(tokens) + g.wpe(torch.arange(tokens.shape[1], device=tokens.device))
-        x = g.blocks[0](x)
-        x = x.cumsum(dim=1) / 16.0
-        x = g.blocks[1](x)
+        x = self.after(g.blocks[0](x))
         return g.lm_head(g.ln_f(x) * g.scale)
+
+
+class _Mixer(_AfterFirstBlock):
+    """A running mean over the positions, then the second block: an op that mixes positions outside attention."""
+
+    def after(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.cumsum(dim=1) / 16.0
+        return self.gpt.blocks[1](x)
 
 
 def mixer() -> nn.Module:
@@ -211,22 +220,12 @@ def test_an_op_mixing_positions_is_refused_located():
     assert build_stage_graph(replace(req, sequence_parallel=False))  # without it the pairs shard
 
 
-class _Reuse(nn.Module):
-    """A GPT whose first block's ln1 runs again after the block: once on the whole sequence (before the first
-    rowwise module), once on the sequence parts."""
+class _Reuse(_AfterFirstBlock):
+    """The first block's ln1 runs again after the block: once on the whole sequence (before the first rowwise
+    module), once on the sequence parts."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        from pipec.examples.gpt import build
-
-        self.gpt = build(**GPT_ARGS)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        g = self.gpt
-        x = g.wte(tokens) + g.wpe(torch.arange(tokens.shape[1], device=tokens.device))
-        x = g.blocks[0](x)
-        x = g.blocks[0].ln1(x)
-        return g.lm_head(g.ln_f(x) * g.scale)
+    def after(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gpt.blocks[0].ln1(x)
 
 
 def reuse() -> nn.Module:

@@ -102,6 +102,12 @@ def _styles(plan) -> dict[str, str]:
     return dict(plan.modules)
 
 
+def _auto(stages, tp: int = 2):
+    """Each stage's plan under tensor_parallel auto, and every module's style across them."""
+    plans = [plan_stage(stages[s], tp) for s in range(len(stages))]
+    return plans, {m: style for p in plans for m, style in p.modules}
+
+
 # ----------------------------------------------------------------------------- the models
 
 
@@ -169,8 +175,7 @@ def gpt2():
 
 
 def test_hf_gpt2_conv1d_fused_c_attn(gpt2):
-    plans = [plan_stage(gpt2[s], 2) for s in range(2)]
-    styles = _styles(plans[0]) | _styles(plans[1])
+    plans, styles = _auto(gpt2)
     for b in range(2):
         assert styles[f"model.transformer.h.{b}.attn.c_attn"] == "colwise"
         assert styles[f"model.transformer.h.{b}.attn.c_proj"] == "rowwise"
@@ -191,8 +196,7 @@ def llama():
 
 
 def test_hf_llama_gqa_rotary_rmsnorm(llama):
-    plans = [plan_stage(llama[s], 2) for s in range(2)]  # 4 heads, 2 kv heads: one kv head per rank
-    styles = _styles(plans[0]) | _styles(plans[1])
+    plans, styles = _auto(llama)  # 4 heads, 2 kv heads: one kv head per rank
     for b in range(2):
         at = f"model.model.layers.{b}"
         for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
