@@ -206,6 +206,17 @@ def assert_located(text: str, where: str, message: str) -> None:
     assert str(err.value).startswith(f"{where}: error: {message}")
 
 
+def located_refusals(*cases: tuple[str, str, str]) -> Callable:
+    """A test, one case per ``(text, where, message)`` in ``cases``, that compiling ``text`` is refused at
+    ``where`` with ``message`` (``assert_located``). A module binds it to a ``test_*`` name."""
+
+    @pytest.mark.parametrize(("text", "where", "message"), cases)
+    def test(text: str, where: str, message: str) -> None:
+        assert_located(text, where, message)
+
+    return test
+
+
 def spec_file(tmp_path_factory, text: str, name: str = "model.pipe") -> str:
     """``text`` written as a schedule file in a folder of its own; its path."""
     path = tmp_path_factory.mktemp("spec") / name

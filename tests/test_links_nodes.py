@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_located
+from conftest import located_refusals
 
 from pipec.cli import main
 from pipec.compiler.driver import compile_spec
@@ -64,16 +64,14 @@ def test_keys_reach_the_request_mesh_and_plan():
     assert Mesh(pp=2, dp=2).node_of(3) == 0 and Mesh(pp=2, dp=2).num_nodes == 1
 
 
-@pytest.mark.parametrize(("text", "where", "message"), [
+test_errors_are_located = located_refusals(
     ("pp 2\ndp 3\ndevices_per_node 4\n", "a.pipe:3:18",
      "devices_per_node 4 must divide the world size pp x dp = 2 x 3 = 6 or be at least it"),
     ("pp 2\ndevices_per_node 0\n", "a.pipe:2:18", "devices_per_node"),
     ("pp 2\nlinks intre(latency=1us)\n", "a.pipe:2:7", "unknown link axis 'intre'"),
     ("pp 2\nlinks inter(latency=1us), inter(latency=2us)\n", "a.pipe:2:27", "links for inter are given twice"),
     ("pp 2\nlinks intra(speed=1GB/s)\n", "a.pipe:2:13", "unknown intra link setting 'speed'"),
-])
-def test_errors_are_located(text, where, message):
-    assert_located(text, where, message)
+)
 
 
 def test_the_node_size_error_says_how_to_fix_it():

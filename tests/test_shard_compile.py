@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import assert_located
+from conftest import located_refusals
 
 from pipec.compiler.driver import compile_plan, compile_request, compile_spec
 from pipec.compiler.sim.engine import MODELS, execute
@@ -51,13 +51,11 @@ def test_keys_reach_the_mesh_and_plan_json():
     assert Mesh(pp=1, dp=8, shard="grads").num_shards == 8 and Mesh(pp=1, dp=8).num_shards == 1
 
 
-@pytest.mark.parametrize(("text", "where", "message"), [
+test_key_errors_are_located = located_refusals(
     ("pp 2\ndp 4\nshard full\nshard_size 3\n", "a.pipe:4:12", "shard_size 3 does not divide dp 4"),
     ("pp 2\nshard grads\n", "a.pipe:2:7", "shard grads needs dp >= 2"),
     ("pp 2\ndp 2\nshard_size 2\n", "a.pipe:3:12", "shard_size 2 is set but shard is none"),
-])
-def test_key_errors_are_located(text, where, message):
-    assert_located(text, where, message)
+)
 
 
 def test_bad_shard_mode_is_refused_by_the_language():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LAUNCHES, PYTHON, assert_located, compiled, on_threads, run_cli_here, run_job
+from conftest import LAUNCHES, PYTHON, compiled, located_refusals, on_threads, run_cli_here, run_job
 
 from pipec.compiler.driver import compile_plan, compile_spec, model_request
 from pipec.compiler.ir.plan import Mesh, Stage
@@ -119,7 +119,7 @@ def test_the_front_end_gets_tp_and_the_tensor_parallel_plan():
     assert req.local_ranks == 4 and req.threads_per_rank == 1  # four ranks share this machine
 
 
-@pytest.mark.parametrize("text, where, message", [
+test_refusals_are_located = located_refusals(
     ("pp 2\ntp 0\n", "a.pipe:2:4", "tp must be at least 1, got 0"),
     ("pp 2\ntp 5000\n", "a.pipe:2:4", "tp 5000 is beyond pipec's limit of 4096 tensor-parallel ranks"),
     ("pp 2\ntp 1.5\n", "a.pipe:2:4", "tp needs a whole number"),
@@ -137,9 +137,7 @@ def test_the_front_end_gets_tp_and_the_tensor_parallel_plan():
     ('tp 2\ntensor_parallel "a.*": 3\n', "a.pipe:2:24", "unknown tensor_parallel style 3"),
     ("tp 2\nlinks tp(latency=2us, speed=1GB/s)\n", "a.pipe:2:23", "unknown tp link setting 'speed'"),
     ('input "tokens": int64[8, 16]\n', "a.pipe:1:7", "a tensor of input is named bare, not quoted"),
-])
-def test_refusals_are_located(text, where, message):
-    assert_located(text, where, message)
+)
 
 
 def test_a_tp_group_across_nodes_warns_naming_the_cost():
