@@ -217,6 +217,17 @@ def located_refusals(*cases: tuple[str, str, str]) -> Callable:
     return test
 
 
+def small_gpt_pipe(*, batch: int = 4, dp: int = 1, extra: str = "") -> str:
+    """A schedule file for the 4-layer toy GPT (dim 32, sequences of 8) on pp 2 and ``dp`` under 1f1b with 2
+    microbatches of a ``batch``-sequence step, costs by flops at 1 TFLOP/s; ``extra`` lines after."""
+    return f'''model "pipec.examples.gpt:build" (layers=4, dim=32, heads=2, vocab=64, seq=8)
+input tokens: int64[{batch}, 8]
+schedule 1f1b
+pp 2  dp {dp}  microbatches 2
+costs flops  peak_flops 1TFLOP/s
+{extra}'''
+
+
 def spec_file(tmp_path_factory, text: str, name: str = "model.pipe") -> str:
     """``text`` written as a schedule file in a folder of its own; its path."""
     path = tmp_path_factory.mktemp("spec") / name

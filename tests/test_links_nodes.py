@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import located_refusals
+from conftest import located_refusals, small_gpt_pipe
 
 from pipec.cli import main
 from pipec.compiler.driver import compile_spec
@@ -197,13 +197,8 @@ def test_show_names_the_link_each_axis_used(tmp_path, capsys):
 # ----------------------------------------------------------------------------- pipec tune
 
 
-SLOW_INTER = '''model "pipec.examples.gpt:build" (layers=4, dim=32, heads=2, vocab=64, seq=8)
-input tokens: int64[4, 8]
-schedule 1f1b
-pp 2  dp 1  microbatches 2
-costs flops  peak_flops 1TFLOP/s
-links intra(latency=1us, bandwidth=100GB/s), inter(latency=1ms, bandwidth=10MB/s)
-'''
+SLOW_INTER = small_gpt_pipe(
+    extra="links intra(latency=1us, bandwidth=100GB/s), inter(latency=1ms, bandwidth=10MB/s)\n")
 KEEP = frozenset({"tp", "shard", "shard_size", "schedule", "partition"})  # tp 1: about where dp groups sit
 
 

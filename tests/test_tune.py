@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import spec_file
+from conftest import small_gpt_pipe, spec_file
 
 from pipec.cli import main
 from pipec.compiler.driver import compile_request, model_request, schedule_order
@@ -25,12 +25,7 @@ from pipec.tune.bounds import bounds, candidate_frame
 from pipec.compiler.passes.verify import verify
 from pipec.dsl import load_spec
 
-SMALL = '''model "pipec.examples.gpt:build" (layers=4, dim=32, heads=2, vocab=64, seq=8)
-input tokens: int64[4, 8]
-schedule 1f1b
-pp 2  dp 1  microbatches 2
-costs flops  peak_flops 1TFLOP/s
-'''
+SMALL = small_gpt_pipe()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import spec_file
+from conftest import small_gpt_pipe, spec_file
 
 from pipec.compiler import driver
 from pipec.compiler.sim import simulate
@@ -20,12 +20,7 @@ from pipec.tune.space import Candidate, TuneRequest, candidate_request
 from pipec.dsl import load_spec
 from pipec.schedules import SCHEDULES
 
-PIPE = '''model "pipec.examples.gpt:build" (layers=4, dim=32, heads=2, vocab=64, seq=8)
-input tokens: int64[8, 8]
-schedule 1f1b
-pp 2  dp 2  microbatches 2
-costs flops  peak_flops 1TFLOP/s
-'''
+PIPE = small_gpt_pipe(batch=8, dp=2)
 
 
 @pytest.fixture(scope="module")
