@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["SharedGPT", "Block", "build", "stage"]
+__all__ = ["SharedGPT", "Block", "Stage", "build", "stage"]
 
 
 class Block(nn.Module):
@@ -66,28 +66,43 @@ def build(layers: int = 8, dim: int = 32, heads: int = 4, vocab: int = 1000, seq
     return SharedGPT(layers, dim, heads, vocab, seq)
 
 
-class _Stage(nn.Module):
-    """Blocks ``lo:hi`` of a :class:`SharedGPT`, the embeddings first and the norm and head last."""
+class Stage(nn.Module):
+    """Blocks ``lo:hi`` of a :class:`SharedGPT`, the embeddings first and the norm and head last.
 
-    def __init__(self, gpt: SharedGPT, lo: int, hi: int, *, first: bool, last: bool) -> None:
+    Another GPT's stage overrides the four hooks: which modules the first and last stages take
+    (:meth:`take_first`, :meth:`take_last`) and what they do with them (:meth:`embed`, :meth:`finish`)."""
+
+    def __init__(self, gpt: nn.Module, lo: int, hi: int, *, first: bool, last: bool) -> None:
         super().__init__()
         self.first, self.last = first, last
         if first:
-            self.wte, self.pos = gpt.wte, gpt.pos
+            self.take_first(gpt)
         self.blocks = nn.ModuleList(gpt.blocks[lo:hi])
         if last:
-            self.ln_f, self.head = gpt.ln_f, gpt.head
+            self.take_last(gpt)
+
+    def take_first(self, gpt: SharedGPT) -> None:
+        self.wte, self.pos = gpt.wte, gpt.pos
+
+    def take_last(self, gpt: SharedGPT) -> None:
+        self.ln_f, self.head = gpt.ln_f, gpt.head
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.wte(tokens) + self.pos[: tokens.shape[1]]
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
-            x = self.wte(x) + self.pos[: x.shape[1]]
+            x = self.embed(x)
         for block in self.blocks:
             x = block(x)
         if self.last:
-            x = self.head(self.ln_f(x))
+            x = self.finish(x)
         return x
 
 
 def stage(gpt: SharedGPT, lo: int, hi: int, *, first: bool, last: bool) -> nn.Module:
     """The stage of ``gpt`` holding blocks ``lo:hi`` (its parameters are the model's own, not copies)."""
-    return _Stage(gpt, lo, hi, first=first, last=last)
+    return Stage(gpt, lo, hi, first=first, last=last)

@@ -47,31 +47,24 @@ from bench import shared_gpt  # noqa: E402
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
-class GPTStage(nn.Module):
+class GPTStage(shared_gpt.Stage):
     """Blocks ``lo:hi`` of the GPT, with the embeddings on the first stage and ln_f + head on the last."""
 
-    def __init__(self, gpt: nn.Module, lo: int, hi: int, *, first: bool, last: bool) -> None:
-        super().__init__()
-        self.first, self.last = first, last
-        if first:
-            self.wte, self.wpe = gpt.wte, gpt.wpe
-        self.blocks = nn.ModuleList(gpt.blocks[lo:hi])
-        if last:
-            self.ln_f = gpt.ln_f
-            self.lm_head = nn.Linear(gpt.lm_head.in_features, gpt.lm_head.out_features, bias=False)
-            with torch.no_grad():
-                self.lm_head.weight.copy_(gpt.wte.weight)  # the tied weight's own copy
-            self.scale = gpt.scale
+    def take_first(self, gpt: nn.Module) -> None:
+        self.wte, self.wpe = gpt.wte, gpt.wpe
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            pos = torch.arange(x.shape[1], device=x.device)
-            x = self.wte(x) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
-        if self.last:
-            x = self.lm_head(self.ln_f(x) * self.scale)
-        return x
+    def take_last(self, gpt: nn.Module) -> None:
+        self.ln_f = gpt.ln_f
+        self.lm_head = nn.Linear(gpt.lm_head.in_features, gpt.lm_head.out_features, bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(gpt.wte.weight)  # the tied weight's own copy
+        self.scale = gpt.scale
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x) * self.scale)
 
 
 class ActionClock:
