@@ -174,7 +174,7 @@ def test_the_1f1b_warning_is_printed_once_at_the_value(tmp_path, capsys):
 
 
 def test_the_trace_fallback_is_a_note_at_the_model(tmp_path, capsys):
-    text = ('model "test_trace:encoder"\ninput x: float32[2, 4, 16]\npp 3\nloss mse\ncosts flops\npeak_flops 1e12\n')
+    text = ('model "test_trace:Encoder"\ninput x: float32[2, 4, 16]\npp 3\nloss mse\ncosts flops\npeak_flops 1e12\n')
     code, err = _compile_file(tmp_path, capsys, text)
     assert code == 0, err
     assert f"{tmp_path / 'f.pipe'}:1:7: note: trace: auto fell back to torch.export" in err, err

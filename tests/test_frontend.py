@@ -395,7 +395,7 @@ def test_request_errors_say_what_to_do_and_name_their_key():
 
 
 def test_the_auto_trace_fallback_note_is_kept_in_the_model_record():
-    sg = build_stage_graph(request("test_trace:encoder", {}, (TensorSpec("x", "float32", (2, 4, 16)),), stages=3))
+    sg = build_stage_graph(request("test_trace:Encoder", {}, (TensorSpec("x", "float32", (2, 4, 16)),), stages=3))
     assert sg.notes and sg.model["notes"] == list(sg.notes) and "fell back to torch.export" in sg.notes[0]
     assert "notes" not in build_stage_graph(request(stages=2)).model  # fx traced: nothing to say
 

@@ -168,23 +168,11 @@ class Marked(nn.Module):
         return self.c(x)
 
 
-def chunked() -> nn.Module:
-    return Chunked()
-
-
-def shapes() -> nn.Module:
-    return Shapes()
-
-
-def marked() -> nn.Module:
-    return Marked()
-
-
 X = (TensorSpec("x", "float32", (4, 8)),)
 
 
 def test_a_tuple_crossing_a_cut_is_refused_naming_the_node():
-    traced = traced_model("test_partition:chunked", {}, X)
+    traced = traced_model("test_partition:Chunked", {}, X)
     cuts = analyse_cuts(traced)
     with pytest.raises(FrontendError, match=r"cannot split before 'post': node 'chunk' \(tuple of tensors\)"):
         assign_stages(traced, cuts, SplitBefore(("post",)), 2)
@@ -194,7 +182,7 @@ def test_a_tuple_crossing_a_cut_is_refused_naming_the_node():
 
 
 def test_python_values_crossing_a_cut_are_folded_and_inputs_routed_through_stage_0():
-    sg = build_stage_graph(ModelRequest(target="test_partition:shapes", inputs=(TensorSpec("x", "float32", (8, 8)),),
+    sg = build_stage_graph(ModelRequest(target="test_partition:Shapes", inputs=(TensorSpec("x", "float32", (8, 8)),),
                                         num_microbatches=2, num_stages=2, costs="unit", partition=SplitBefore(("b",))))
     # B and D are constants in stage 1; x reaches stage 1 from stage 0
     names = [t.name for t in sg.edges[0].tensors]
@@ -208,21 +196,21 @@ def test_python_values_crossing_a_cut_are_folded_and_inputs_routed_through_stage
 
 def test_pipe_split_markers_partition_the_model():
     for mode in ("fx", "export"):
-        sg = build_stage_graph(ModelRequest(target="test_partition:marked", inputs=X, num_microbatches=1, num_stages=3,
+        sg = build_stage_graph(ModelRequest(target="test_partition:Marked", inputs=X, num_microbatches=1, num_stages=3,
                                             costs="unit", trace=mode))
         assert sg.model["trace"] == mode
         assert [st.params for st in sg.stages] == [("a.weight", "a.bias"), ("b.weight", "b.bias"), ("c.weight", "c.bias")]
     with pytest.raises(FrontendError, match="2 pipe_split markers gives 3 stages but stages is 2"):
-        build_stage_graph(ModelRequest(target="test_partition:marked", inputs=X, num_microbatches=1, num_stages=2,
+        build_stage_graph(ModelRequest(target="test_partition:Marked", inputs=X, num_microbatches=1, num_stages=2,
                                        costs="unit", partition=Markers()))
     with pytest.raises(FrontendError, match="has none"):
-        build_stage_graph(ModelRequest(target="test_partition:shapes", inputs=X, num_microbatches=1, num_stages=2,
+        build_stage_graph(ModelRequest(target="test_partition:Shapes", inputs=X, num_microbatches=1, num_stages=2,
                                        costs="unit", partition=Markers()))
 
 
 def test_too_many_stages_is_refused():
     with pytest.raises(FrontendError, match="at most"):
-        build_stage_graph(ModelRequest(target="test_partition:marked", inputs=X, num_microbatches=1, num_stages=40,
+        build_stage_graph(ModelRequest(target="test_partition:Marked", inputs=X, num_microbatches=1, num_stages=40,
                                        costs="unit", partition=Balanced("flops")))
 
 

@@ -64,22 +64,6 @@ class Optional(nn.Module):
         return y * scale
 
 
-def optional() -> nn.Module:
-    return Optional()
-
-
-def encoder() -> nn.Module:
-    return Encoder()
-
-
-def data_dependent() -> nn.Module:
-    return DataDependent()
-
-
-def plain() -> nn.Module:
-    return Plain()
-
-
 def test_fx_traces_the_gpt_on_meta_and_annotates_every_node():
     traced = trace()
     assert traced.path == "fx" and not traced.fallback
@@ -96,7 +80,7 @@ def test_fx_traces_the_gpt_on_meta_and_annotates_every_node():
 
 
 def test_saved_bytes_leave_out_parameters():
-    traced = trace("test_trace:plain", {}, (TensorSpec("x", "float32", (4, 8)),))
+    traced = trace("test_trace:Plain", {}, (TensorSpec("x", "float32", (4, 8)),))
     nodes = {n.name: n for n in traced.gm.graph.nodes}
     # the linear saves its input (weights are parameters, not activations); relu saves its output; x2 saves nothing
     assert sum(b for _, b in nodes["fc"].meta["pipec_saved"]) == 4 * 8 * 4
@@ -119,21 +103,21 @@ def test_fingerprint_is_stable_and_names_its_parts():
 
 def test_auto_falls_back_to_export_when_a_leaf_hides_layers():
     x = (TensorSpec("x", "float32", (2, 4, 16)),)
-    traced = trace("test_trace:encoder", {}, x)
+    traced = trace("test_trace:Encoder", {}, x)
     assert traced.path == "export" and "'enc'" in traced.fallback
     layers = {n.meta["nn_module_stack"] and list(n.meta["nn_module_stack"].values())[-1][0] for n in traced.gm.graph.nodes
               if n.op == "call_function"}
     assert {"enc.layers.0.linear1", "enc.layers.2.norm2"} <= layers
     with pytest.raises(FrontendError, match="one leaf node.*use trace export"):
-        trace("test_trace:encoder", {}, x, mode="fx")
+        trace("test_trace:Encoder", {}, x, mode="fx")
 
 
 def test_trace_failures_are_frontend_errors():
     x = (TensorSpec("x", "float32", (2, 4)),)
     with pytest.raises(FrontendError, match="torch.fx cannot trace DataDependent.*use trace export"):
-        trace("test_trace:data_dependent", {}, x, mode="fx")
+        trace("test_trace:DataDependent", {}, x, mode="fx")
     with pytest.raises(FrontendError, match=r"torch.export cannot capture DataDependent \(fx failed"):
-        trace("test_trace:data_dependent", {}, x, mode="auto")
+        trace("test_trace:DataDependent", {}, x, mode="auto")
     with pytest.raises(FrontendError, match="trace must be one of auto, fx, export"):
         trace(mode="jit")
     with pytest.raises(FrontendError, match="int65"):
@@ -152,7 +136,7 @@ def test_pipe_split_is_recorded_by_both_tracers():
 
 
 def test_forward_arguments_left_at_their_defaults_are_specialised():
-    traced = trace("test_trace:optional", {}, (TensorSpec("x", "float32", (2, 4)),), mode="fx")
+    traced = trace("test_trace:Optional", {}, (TensorSpec("x", "float32", (2, 4)),), mode="fx")
     assert [n.target for n in traced.gm.graph.nodes if n.op == "placeholder"] == ["x"]
     assert [n.op for n in traced.gm.graph.nodes] == ["placeholder", "call_module", "call_function", "output"]
 
