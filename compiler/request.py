@@ -36,9 +36,10 @@ from pipec.schedules.policy import Policy
 __all__ = ["Location", "KeyOrigin", "DEFAULT_ORIGIN", "TensorSpec", "check_batch", "PartitionRequest", "ModelSpec",
            "CompileRequest", "TP_STYLES", "TensorParallelPlan", "tensor_parallel_json"]
 
-TP_STYLES = ("colwise", "rowwise", "replicated")
+TP_STYLES = ("colwise", "rowwise", "vocab", "replicated")
 """The styles an explicit ``tensor_parallel`` plan may give a module: ``colwise`` (its output features split),
-``rowwise`` (its input features split, its output all-reduced), ``replicated`` (not split)."""
+``rowwise`` (its input features split, its output all-reduced), ``vocab`` (an embedding's rows split, its
+lookups all-reduced), ``replicated`` (not split)."""
 
 TensorParallelPlan = Union[str, tuple[tuple[str, str], ...]]
 """Key ``tensor_parallel``: ``"auto"``, or (module-path glob, style) pairs."""

@@ -102,9 +102,12 @@ KEYS: dict[str, Key] = {key.name: key for key in (
     Key(name="tensor_parallel", kind=sk.TensorParallelKind(), default="auto", default_doc="auto",
         flag="--tensor-parallel", group="Schedule and mesh",
         meaning="How each stage's modules are split across its tp ranks: `auto` (the compiler picks Megatron's "
-                "column / row pairs), or an explicit plan of module-path globs, each with a style: `colwise` "
-                "(the output features split), `rowwise` (the input features split; the output all-reduced), "
-                "`replicated` (not split). A module matched by no pattern is replicated.",
+                "column / row pairs, token embeddings vocab-parallel and, under cross_entropy, a loss-parallel "
+                "LM head), or an explicit plan of module-path globs, each with a style: `colwise` (the output "
+                "features split), `rowwise` (the input features split; the output all-reduced), `vocab` (an "
+                "embedding's rows split; the lookups all-reduced), `replicated` (not split). A colwise LM head "
+                "at the last stage under cross_entropy leaves its logits split on the vocabulary and the loss is "
+                "computed on the parts (loss parallel). A module matched by no pattern is replicated.",
         constraints="Read only with tp > 1 (warns otherwise). Patterns are quoted globs over module paths "
                     "(dotted names, with * ? and [...]), each given once; that a pattern matches a module of "
                     "the model is checked when the model is traced.",

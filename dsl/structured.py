@@ -354,7 +354,7 @@ _GLOB_SEGMENT = re.compile(r"(?:[A-Za-z0-9_*?]|\[!?[A-Za-z0-9_-]+\])+")
 class TensorParallelKind(Kind):
     """``auto``, or ``"glob": style, ...``: which modules split how across a stage's tp ranks."""
 
-    doc = 'auto, or "module.glob": colwise|rowwise|replicated, ...'
+    doc = 'auto, or "module.glob": colwise|rowwise|vocab|replicated, ...'
 
     def convert(self, node: ast.Node, ctx: Ctx) -> str | tuple[tuple[str, str], ...]:
         if isinstance(node, ast.Word) and node.name == "auto":

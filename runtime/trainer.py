@@ -28,6 +28,7 @@ from pipec.runtime.training import (
     autocast_dtype,
     make_data,
     make_loss,
+    stage_loss,
     make_optimizer,
     replica_inputs,
     split_microbatches,
@@ -94,6 +95,8 @@ class Trainer:
                                                          lambda params: make_optimizer(params, config), transport,
                                                          dtype=config.dtype)
             self.loss_fn = make_loss(config.loss, (plan.model or {}).get("search_path") or ())
+            self.stage_loss = stage_loss(plan, config.loss, (plan.model or {}).get("search_path") or (),
+                                         tp_group=tp_group, tp_rank=self.tp_rank)
             self.data = make_data(config, plan)
         emulate = None
         if options.emulate:
@@ -101,7 +104,7 @@ class Trainer:
         self.executor = Executor(
             plan, pp_rank=self.pp_rank, dp_rank=self.dp_rank, tp_rank=self.tp_rank, transport=transport,
             modules=self.modules,
-            loss_fn=None if options.emulate else self.loss_fn, emulate=emulate, device=device,
+            loss_fn=None if options.emulate else self.stage_loss, emulate=emulate, device=device,
             autocast_dtype=None if self.mixed_precision else autocast_dtype(config.dtype),
             optimizer_step=self.optimizer_step, fail_hook=self.fail_hook if options.fail_at else None,
             sharding=self.sharding,

@@ -10,6 +10,8 @@ and microbatch slicing (the learning-rate schedule is plain arithmetic:
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -25,6 +27,7 @@ __all__ = [
     "make_optimizer",
     "fastest_kernel",
     "make_loss",
+    "stage_loss",
     "autocast_dtype",
     "replica_inputs",
     "make_data",
@@ -60,10 +63,26 @@ def fastest_kernel(params: Sequence[torch.nn.Parameter], kwargs: Mapping[str, An
     return {"foreach": True}
 
 
-def make_loss(name: str, search_path: Sequence[str] = ()) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+def stage_loss(plan: Plan, name: str, search_path: Sequence[str] = (), *, tp_group: Any = None,
+               tp_rank: int = 0) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """The loss the last stage's executor runs: :func:`make_loss`, vocab-parallel over ``tp_group`` where the
+    plan's last stage is loss-parallel (its output is tp rank ``tp_rank``'s part of the logits)."""
+    last = plan.stages[-1].tp if plan.stages else None
+    parallel = last is not None and last.loss_parallel
+    return make_loss(name, search_path, tp_group=tp_group if parallel else None, tp_rank=tp_rank)
+
+
+def make_loss(name: str, search_path: Sequence[str] = (), *, tp_group: Any = None,
+              tp_rank: int = 0) -> Callable[[Any, torch.Tensor], torch.Tensor]:
     """The loss of the last stage: cross_entropy, mse or ``pkg.module:fn(output, target)`` (found on
-    ``search_path``, the plan's ``model.search_path``, like the model); what it raises names it."""
+    ``search_path``, the plan's ``model.search_path``, like the model); what it raises names it. With
+    ``tp_group`` (a loss-parallel last stage: its output is tp rank ``tp_rank``'s part of the logits) the
+    cross_entropy computed vocab-parallel over the group."""
     fn = load_loss(name, search_path)
+    if tp_group is not None:
+        from pipec.compiler.frontend.tp_comm import vocab_parallel_cross_entropy
+
+        fn = functools.partial(vocab_parallel_cross_entropy, group=tp_group, rank=tp_rank)
 
     def loss(output: Any, target: torch.Tensor) -> torch.Tensor:
         try:

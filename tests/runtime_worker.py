@@ -91,9 +91,10 @@ def reference_losses(plan, steps: int) -> list[float]:
 
 def tied_copies_equal(plan, trainer) -> bool:
     """Every tied weight's copies (on whichever ranks hold them) are bit-identical after training; sharded,
-    the copies of each dp rank's shard are."""
+    the copies of each dp rank's shard are, and of each tp rank's part (a vocab-parallel embedding tied to a
+    loss-parallel head)."""
     mine = {}
-    shard = trainer.dp_rank if trainer.sharding is not None else 0
+    shard = (trainer.dp_rank if trainer.sharding is not None else 0, trainer.tp_rank)
     for tie in plan.ties:
         for s, pname in zip(tie.stages, tie.params):
             if s in trainer.own:

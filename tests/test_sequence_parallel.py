@@ -18,7 +18,7 @@ from pipec.compiler.frontend.tensors import FrontendError
 from pipec.compiler.frontend.tp_comm import ThreadGroupTP, TPComm
 from pipec.compiler.ir.tensor_parallel import StageTP
 from pipec.runtime.stages import run_stages
-from test_tensor_parallel import GPT, GPT_ARGS, _close, _request, _stages, _xent
+from test_tensor_parallel import GPT, GPT_ARGS, _close, _request, _stages, _xent, _xent_parallel
 from test_tensor_parallel import run_tp as run_sp
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,9 +33,10 @@ def assert_sp_matches(stages, plans, tp: int, inputs: dict, loss=_xent) -> None:
         st.zero_grad(set_to_none=True)
     want = run_stages(stages, inputs)
     loss(want[0]).backward()
+    parallel = plans[max(stages)].loss_parallel  # each rank's part of the logits
     for r in range(tp):
         for g, w in zip(outs[r], want):
-            _close(g.detach(), w.detach(), f"rank {r} output")
+            _close(g.detach(), w.detach().chunk(tp, dim=-1)[r] if parallel else w.detach(), f"rank {r} output")
     checked = 0
     for s, st in stages.items():
         local = [ranks[r][s].canonical_params() for r in range(tp)]
@@ -70,16 +71,18 @@ def gpt():
 def test_gpt_sequence_parallel_matches_the_unsharded_stages(gpt, tp):
     plans = plan_stages([gpt[0], gpt[1]], tp, sequence_parallel=True)
     assert all(p.sequence_parallel and p.seq_len == 16 for p in plans)
-    # stage 0's last residual travels as each tp rank's part; the last stage's logits are whole
+    # stage 0's last residual travels as each tp rank's part; the last stage's logits are split on the vocabulary
     (out_name,) = gpt[0].output_names
     assert plans[0].seq_outputs == ((out_name, 1),) and plans[1].seq_inputs == ((out_name, 1),)
-    assert plans[1].seq_outputs == ()
-    # the norms and the rowwise biases in the sequence-parallel region: partial gradients
-    assert set(plans[0].partial_params) == {"blocks.0.attn.proj.bias", "blocks.0.ln2.weight", "blocks.0.ln2.bias",
-                                            "blocks.0.mlp.proj.bias"}
+    assert plans[1].seq_outputs == () and plans[1].loss_parallel
+    # the norms and the rowwise biases in the sequence-parallel region (from the vocab-parallel embedding's
+    # reduce-scatter on): partial gradients; the positions' embedding is cut to each rank's positions, whole
+    assert set(plans[0].partial_params) == {"blocks.0.ln1.weight", "blocks.0.ln1.bias", "blocks.0.attn.proj.bias",
+                                            "blocks.0.ln2.weight", "blocks.0.ln2.bias", "blocks.0.mlp.proj.bias"}
+    assert ("reduce_scatter", "forward", "wte") in {(c.kind, c.phase, c.node) for c in plans[0].collectives}
     assert {"ln_f.weight", "blocks.1.ln1.weight", "blocks.1.attn.proj.bias"} <= set(plans[1].partial_params)
     assert "wte.weight" not in plans[1].partial_params  # the tied head runs on the gathered sequence
-    kinds = {(c.kind, c.phase) for p in plans for c in p.collectives}
+    kinds = {(c.kind, c.phase) for p in plans for c in p.collectives if c.node != "loss"}
     assert ("reduce_scatter", "forward") in kinds and ("all_gather", "forward") in kinds
     # the colwise modules after the first residual get an all-gather in place of f
     assert ("all_reduce", "forward") not in kinds
@@ -138,7 +141,7 @@ def _saved_shapes(stages, plans, tp: int, inputs: dict) -> list[tuple[int, ...]]
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = run_stages(ranks[r], inputs)
-        _xent(out[0]).backward()
+        (_xent_parallel(group.rank(r), r, tp) if plans[max(stages)].loss_parallel else _xent)(out[0]).backward()
 
     threads = [threading.Thread(target=work, args=(r,)) for r in range(tp)]
     for t in threads:
@@ -149,15 +152,15 @@ def _saved_shapes(stages, plans, tp: int, inputs: dict) -> list[tuple[int, ...]]
 
 
 def test_the_sequence_parallel_region_saves_its_part(gpt):
-    """Stage 1 (block 1, ln_f, the head) saves no whole [B, T, C] activation but the head's gathered input
-    (the head is replicated): the norms' inputs and the colwise Linears' inputs are saved as this rank's part
-    of the sequence (the Linears gather it again in the backward)."""
+    """Stage 1 (block 1, ln_f, the loss-parallel head) saves no whole [B, T, C] activation: the norms' inputs and
+    the colwise Linears' inputs (the head's too) are saved as this rank's part of the sequence (the Linears
+    gather it again in the backward)."""
     whole, part = {(2, 16, 32), (32, 32)}, (2, 8, 32)  # [B, T, C], or flattened [B T, C] by a Linear
     off = _saved_shapes({1: gpt[1]}, {1: plan_stages([gpt[0], gpt[1]], 2)[1]}, 2, _sp_input(gpt))
     on = _saved_shapes({1: gpt[1]}, {1: plan_stages([gpt[0], gpt[1]], 2, sequence_parallel=True)[1]}, 2,
                        _sp_input(gpt, part=True))
     assert sum(s in whole for s in off) == 6 and off.count(part) == 0, off  # 3 norms' inputs, 3 Linears'
-    assert sum(s in whole for s in on) == 1 and on.count(part) == 5, on  # the head's input alone whole
+    assert sum(s in whole for s in on) == 0 and on.count(part) == 6, on
     saved = {name: sum(math.prod(s) * 4 for s in shapes) for name, shapes in (("off", off), ("on", on))}
     print(f"stage 1, tp rank 0, saved bytes per microbatch: sequence_parallel off {saved['off']}, on {saved['on']}")
 
@@ -221,11 +224,11 @@ def test_an_op_mixing_positions_is_refused_located():
 
 
 class _Reuse(_AfterFirstBlock):
-    """The first block's ln1 runs again after the block: once on the whole sequence (before the first rowwise
-    module), once on the sequence parts."""
+    """The first block's ln1 runs on the sequence parts in the block, and after it on the positions' embedding,
+    whole on every rank (its gradient then whole: all-gathered where it meets the parts)."""
 
     def after(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gpt.blocks[0].ln1(x)
+        return x + self.gpt.blocks[0].ln1(self.gpt.wpe(torch.arange(x.shape[1], device=x.device)))
 
 
 def reuse() -> nn.Module:
@@ -358,12 +361,12 @@ def test_sequence_parallel_on_the_fake_transport_matches_the_reference():
 
     plan = tiny_gpt_sp("1f1b")
     mesh = plan.mesh
-    world, data, loss_fn, keys, transports, modules = fake_tp_world(plan)
+    world, data, loss_fn, keys, transports, modules, losses = fake_tp_world(plan)
     executors = {}
 
     def rank(p: int, d: int, t: int):
         ex = executors[(p, d, t)] = Executor(plan, pp_rank=p, dp_rank=d, tp_rank=t, transport=transports[(p, d, t)],
-                                             modules=modules[(p, d, t)], loss_fn=loss_fn)
+                                             modules=modules[(p, d, t)], loss_fn=losses[(p, d, t)])
         x, y = data(0, d, mesh.dp)
         return ex.run_step(split_microbatches(x, plan.num_microbatches, "x", ["tokens"]),
                            split_microbatches(y, plan.num_microbatches, "y"))

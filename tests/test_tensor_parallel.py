@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from pipec.compiler.frontend import ModelRequest, SplitBefore, TensorSpec, build_stage_graph, trace_request
 from pipec.compiler.frontend.tensor_parallel import plan_stage, plan_stages, shard_param, shard_stage, unshard
 from pipec.compiler.frontend.tensors import FrontendError
-from pipec.compiler.frontend.tp_comm import ProcessGroupTP, ThreadGroupTP, TPComm
+from pipec.compiler.frontend.tp_comm import ProcessGroupTP, ThreadGroupTP, TPComm, vocab_parallel_cross_entropy
 from pipec.compiler.ir.tensor_parallel import ShardedParam
 from pipec.runtime.stages import build_stages, run_stages
 from test_frontend import plan_of
@@ -45,17 +45,28 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert (got - want).abs().max().item() <= tol, (what, (got - want).abs().max().item(), tol)
 
 
+def _xent_parallel(group, r: int, tp: int):
+    """:func:`_xent` on tp rank ``r``'s part of the logits (a loss-parallel last stage)."""
+    def loss(logits: torch.Tensor) -> torch.Tensor:
+        targets = torch.arange(logits.shape[0] * logits.shape[1]).remainder(logits.shape[-1] * tp)
+        return vocab_parallel_cross_entropy(logits, targets, group, rank=r)
+    return loss
+
+
 def run_tp(stages, plans, tp: int, inputs: dict, loss=_xent):
-    """Each tp rank's sharded stages run on a thread: its outputs, and its stages."""
+    """Each tp rank's sharded stages run on a thread: its outputs, and its stages. A loss-parallel last stage
+    takes :func:`_xent` on its part of the logits."""
     group = ThreadGroupTP(tp)
     ranks = [{s: shard_stage(st, plans[s], r, group=group.rank(r)) for s, st in stages.items()} for r in range(tp)]
     outs: list = [None] * tp
     errors: list = []
+    parallel = plans[max(stages)].loss_parallel
+    assert loss is _xent or not parallel, "a loss-parallel plan runs _xent on the parts"
 
     def work(r: int) -> None:
         try:
             out = run_stages(ranks[r], inputs)
-            loss(out[0]).backward()
+            (_xent_parallel(group.rank(r), r, tp) if parallel else loss)(out[0]).backward()
             outs[r] = out
         except BaseException as e:  # noqa: BLE001 - reported by the test's thread
             errors.append(e)
@@ -81,9 +92,10 @@ def assert_tp_matches(stages, plans, tp: int, name: str, *, x: torch.Tensor | No
         st.zero_grad(set_to_none=True)
     want = run_stages(stages, inputs)
     _loss(want[0]).backward()
+    parallel = plans[max(stages)].loss_parallel
     for r in range(tp):
         for g, w in zip(outs[r], want):
-            _close(g.detach(), w.detach(), f"rank {r} output")
+            _close(g.detach(), w.detach().chunk(tp, dim=-1)[r] if parallel else w.detach(), f"rank {r} output")
     for s, st in stages.items():
         full = st.canonical_params()
         local = [ranks[r][s].canonical_params() for r in range(tp)]
@@ -104,7 +116,7 @@ def _styles(plan) -> dict[str, str]:
 
 def _auto(stages, tp: int = 2):
     """Each stage's plan under tensor_parallel auto, and every module's style across them."""
-    plans = [plan_stage(stages[s], tp) for s in range(len(stages))]
+    plans = plan_stages([stages[s] for s in range(len(stages))], tp)
     return plans, {m: style for p in plans for m, style in p.modules}
 
 
@@ -118,22 +130,35 @@ def gpt():
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_gpt_auto_finds_megatron_pairs_and_matches(gpt, tp):
-    plans = [plan_stage(gpt[s], tp) for s in range(2)]
-    styles = _styles(plans[0]) | _styles(plans[1])
+    plans, styles = _auto(gpt, tp)
     for b in range(2):
         assert styles[f"blocks.{b}.attn.qkv"] == "colwise" and styles[f"blocks.{b}.attn.proj"] == "rowwise"
         assert styles[f"blocks.{b}.mlp.fc"] == "colwise" and styles[f"blocks.{b}.mlp.proj"] == "rowwise"
-    # the LM head's weight is tied to wte: both stay replicated
-    assert styles["lm_head"] == "replicated" and styles["wte"] == "replicated"
+    # Megatron's vocab parallelism: the token embedding's rows split, the LM head (tied to it) colwise and the
+    # loss computed on the logits' parts; the positions' embedding (an arange) stays whole
+    assert styles["wte"] == "vocab" and styles["lm_head"] == "colwise" and styles["wpe"] == "replicated"
+    assert plans[1].loss_parallel and not plans[0].loss_parallel
     assert plans[0].sharded("blocks.0.attn.qkv.weight") == ShardedParam(name="blocks.0.attn.qkv.weight", dim=0, segments=3)
     assert plans[0].sharded("blocks.0.attn.proj.weight").dim == 1 and plans[0].sharded("blocks.0.attn.proj.bias") is None
-    assert plans[1].sharded("wte.weight") is None
-    assert [(c.phase, c.node) for c in plans[0].collectives] == [
-        ("backward", "blocks_0_ln1"), ("forward", "blocks_0_attn_proj"), ("backward", "blocks_0_ln2"),
-        ("forward", "blocks_0_mlp_proj")]
+    assert plans[0].sharded("wte.weight") == plans[1].sharded("wte.weight") == ShardedParam(name="wte.weight", dim=0)
+    assert [(c.kind, c.phase, c.node) for c in plans[0].collectives] == [
+        ("all_reduce", "forward", "wte"), ("all_reduce", "backward", "blocks_0_ln1"),
+        ("all_reduce", "forward", "blocks_0_attn_proj"), ("all_reduce", "backward", "blocks_0_ln2"),
+        ("all_reduce", "forward", "blocks_0_mlp_proj")]
     assert plans[0].collectives[0].num_bytes == 2 * 16 * 32 * 4
-    assert plans[0].sharded_flops == 1.0 and 0.5 < plans[1].sharded_flops < 1.0  # the LM head is not sharded
+    loss = [(c.kind, c.num_bytes) for c in plans[1].collectives if c.node == "loss"]
+    assert loss == [("all_gather", 2 * 16 * 4 * tp), ("all_reduce", 2 * 16 * 4), ("all_reduce", 2 * 16 * 4)]
+    assert plans[0].sharded_flops == 1.0 and plans[1].sharded_flops == 1.0
     assert_tp_matches(gpt, plans, tp, "tokens")
+
+
+def test_gpt_head_with_a_custom_loss_stays_whole(gpt):
+    plans, styles = _auto(gpt, 2)
+    custom = plan_stages([gpt[0], gpt[1]], 2, loss="mypkg.losses:focal")
+    assert not custom[1].loss_parallel and dict(custom[1].modules)["lm_head"] == "replicated"
+    # its weight is tied to wte, so wte stays whole too (the copies are sharded alike)
+    assert dict(custom[0].modules)["wte"] == "replicated" and custom[0].sharded("wte.weight") is None
+    assert custom[0].collectives == plans[0].collectives[1:]
 
 
 def test_gpt_rewrite_uses_local_sizes(gpt):
@@ -158,7 +183,7 @@ def test_plans_from_the_split_graph_on_meta_equal_the_built_stages(gpt):
     first = next(i for i, n in enumerate(nodes) if n.name.startswith("blocks_1"))
     split = split_graph(traced, {n.name: int(i >= first) for i, n in enumerate(nodes)}, 2)
     metas = [GraphModule(traced.gm, split.stage_graph(s)) for s in range(2)]
-    assert plan_stages(metas, 2, canonical=traced.canonical, traced=traced) == [plan_stage(gpt[s], 2) for s in range(2)]
+    assert plan_stages(metas, 2, canonical=traced.canonical, traced=traced) == _auto(gpt, 2)[0]
 
 
 def test_gpt_explicit_patterns(gpt):
@@ -181,7 +206,8 @@ def test_hf_gpt2_conv1d_fused_c_attn(gpt2):
         assert styles[f"model.transformer.h.{b}.attn.c_proj"] == "rowwise"
         assert styles[f"model.transformer.h.{b}.mlp.c_fc"] == "colwise"
         assert styles[f"model.transformer.h.{b}.mlp.c_proj"] == "rowwise"
-    assert styles["model.lm_head"] == "replicated" and styles["model.transformer.wte"] == "replicated"
+    # the LM head is tied to wte: both split on the vocabulary, the loss computed on the parts
+    assert styles["model.lm_head"] == "colwise" and styles["model.transformer.wte"] == "vocab" and plans[1].loss_parallel
     # Conv1D's weight is [in, out]: colwise cuts dim 1 (three segments: q|k|v), rowwise dim 0
     assert plans[0].sharded("model.transformer.h.0.attn.c_attn.weight").dim == 1
     assert plans[0].sharded("model.transformer.h.0.attn.c_attn.weight").segments == 3
@@ -202,7 +228,7 @@ def test_hf_llama_gqa_rotary_rmsnorm(llama):
         for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
             assert styles[f"{at}.{m}"] == "colwise", m
         assert styles[f"{at}.self_attn.o_proj"] == "rowwise" and styles[f"{at}.mlp.down_proj"] == "rowwise"
-    assert styles["model.lm_head"] == "replicated"
+    assert styles["model.lm_head"] == "colwise" and styles["model.model.embed_tokens"] == "vocab"
     assert_tp_matches(llama, plans, 2, "input_ids")
 
 
@@ -257,15 +283,16 @@ def test_tied_copies_sharded_differently_across_stages_are_refused(gpt, monkeypa
     import pipec.compiler.frontend.tensor_parallel as tpm
     from pipec.compiler.ir.tensor_parallel import StageTP
 
-    def sharding_the_head(st, tp, **kw):  # stage 1 as if it sharded the LM head's weight, tied to stage 0's wte
-        plan = plan_stage(st, tp, **kw)
+    def sharding_the_head(st, tp, **kw):  # stage 1 as if it sharded the LM head's weight, tied to stage 0's wte,
+        plan = plan_stage(st, tp, **kw)   # on another dim than a vocab-parallel wte: auto cannot make them agree
         if st is not gpt[1]:
             return plan
-        return StageTP(tp=tp, modules=plan.modules, params=(*plan.params, ShardedParam(name="wte.weight", dim=0)))
+        params = tuple(p for p in plan.params if p.name != "wte.weight")
+        return StageTP(tp=tp, modules=plan.modules, params=(*params, ShardedParam(name="wte.weight", dim=1)))
 
     monkeypatch.setattr(tpm, "plan_stage", sharding_the_head)
     with pytest.raises(FrontendError, match=r"tied parameter wte.weight is sharded differently .*stage 0: "
-                                            r"replicated, stage 1: dim 0"):
+                                            r"replicated, stage 1: dim 1"):
         plan_stages([gpt[0], gpt[1]], 2)
 
 

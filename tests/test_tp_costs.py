@@ -223,7 +223,7 @@ def small_graph():
 
 def test_megatron_layout_of_the_example_gpts_stages(small_graph):
     plain = with_megatron_tp(small_graph.stages, tp=2, num_tokens=16, seq=8, elem_bytes=2, flops=small_graph.flops)
-    assert all("wte" not in dict(st.tp.modules) for st in plain)           # as the sharding pass: vocab replicated
+    assert all("wte" not in dict(st.tp.modules) for st in plain)           # vocab off (a custom loss): replicated
     # stage 0 is 2 blocks (a lookup costs no FLOPs), stage 1 the same 2 blocks and the head, which stays whole
     share = small_graph.flops[0][0] / small_graph.flops[1][0]
     assert plain[1].tp.sharded_flops == pytest.approx(share) and share < 1
@@ -239,6 +239,10 @@ def test_megatron_layout_of_the_example_gpts_stages(small_graph):
     fwd = [c for c in first.tp.collectives if c.phase == "forward"]
     assert len(fwd) == 2 * 2 + 1 and {c.num_bytes for c in fwd} == {16 * 32 * 2}   # 2 per block + the lookup's
     assert len([c for c in last.tp.collectives if c.phase == "backward"]) == 2 * 2 + 1   # + the head's input grad
+    # the head (its weight is wte's, by the canonical name) colwise, the loss on the logits' parts
+    assert dict(last.tp.modules)["wte"] == "colwise" and last.tp.loss_parallel and not first.tp.loss_parallel
+    assert [(c.kind, c.of) for c in last.tp.collectives if c.node == "loss"] == [
+        ("all_gather", "loss"), ("all_reduce", "loss"), ("all_reduce", "loss")]
     assert first.tp.sharded_flops == pytest.approx(1.0) and last.tp.compute_share() == pytest.approx(0.5)
     assert megatron_tp(first, tp=3, num_tokens=16, seq=8, elem_bytes=2, vocab=True) is None   # 3 divides no width
     sp = megatron_tp(first, tp=2, num_tokens=16, seq=8, elem_bytes=2, sequence_parallel=True)

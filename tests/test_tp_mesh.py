@@ -269,10 +269,11 @@ def tiny_gpt(schedule: str, *, pp: int = 2, dp: int = 1, tp: int = 2, **extra):
 
 def fake_tp_world(plan):
     """Every rank of ``plan`` on the fake transport: the world, the data and loss, the ranks' (pp, dp, tp) keys,
-    their transports and their stages (each its tp part, f and g over the fake's tp group)."""
+    their transports, their stages (each its tp part, f and g over the fake's tp group) and the loss each rank's
+    executor runs (vocab-parallel where the last stage is loss-parallel)."""
     from pipec.compiler.config import TrainingConfig
     from pipec.runtime.stages import build_stages
-    from pipec.runtime.training import make_data, make_loss
+    from pipec.runtime.training import make_data, make_loss, stage_loss
     from pipec.runtime.transport import FakeWorld, TransportTP
 
     mesh = plan.mesh
@@ -280,10 +281,11 @@ def fake_tp_world(plan):
     config = TrainingConfig.from_spec(plan.spec)
     keys = [mesh.coords(g) + (mesh.tp_rank(g),) for g in range(mesh.world_size)]
     transports = {k: world.transport(mesh.global_rank(*k)) for k in keys}
+    groups = {k: TransportTP(transports[k], mesh.tp_group(mesh.global_rank(*k)), k[2]) for k in keys}
     modules = {k: build_stages(plan, [s for s, r in enumerate(plan.placement) if r == k[0]], seed=0, tp_rank=k[2],
-                               tp_group=TransportTP(transports[k], mesh.tp_group(mesh.global_rank(*k)), k[2]))
-               for k in keys}
-    return world, make_data(config, plan), make_loss(config.loss), keys, transports, modules
+                               tp_group=groups[k]) for k in keys}
+    losses = {k: stage_loss(plan, config.loss, tp_group=groups[k], tp_rank=k[2]) for k in keys}
+    return world, make_data(config, plan), make_loss(config.loss), keys, transports, modules, losses
 
 
 def test_sharded_stages_on_the_fake_transport_match_the_reference():
@@ -296,12 +298,12 @@ def test_sharded_stages_on_the_fake_transport_match_the_reference():
 
     plan = tiny_gpt("1f1b", dp=2)
     mesh = plan.mesh
-    world, data, loss_fn, keys, transports, modules = fake_tp_world(plan)
+    world, data, loss_fn, keys, transports, modules, losses = fake_tp_world(plan)
     assert all(st.tp is not None and st.tp.params for st in plan.stages)  # the blocks' pairs are sharded
 
     def rank(p: int, d: int, t: int):
         ex = Executor(plan, pp_rank=p, dp_rank=d, tp_rank=t, transport=transports[(p, d, t)],
-                      modules=modules[(p, d, t)], loss_fn=loss_fn)
+                      modules=modules[(p, d, t)], loss_fn=losses[(p, d, t)])
         assert ex.global_rank == mesh.global_rank(p, d, t)
         x, y = data(0, d, mesh.dp)
         return ex.run_step(split_microbatches(x, plan.num_microbatches, "x", ["tokens"]),
@@ -490,7 +492,9 @@ def test_pipec_show_says_what_tensor_parallelism_chose_per_stage():
     plan = tiny_gpt("1f1b")
     text = " ".join(" ".join(tp_lines(plan)).split())
     assert text.startswith("stage 0 (tp 2): colwise blocks.*.attn.qkv, blocks.*.mlp.fc; rowwise blocks.*.attn.proj, "
-                           "blocks.*.mlp.proj; replicated wte, wpe; tp all-reduces per microbatch: 2 in forward"), text
-    assert "stage 1 (tp 2):" in text and "replicated lm_head" in text
+                           "blocks.*.mlp.proj; vocab wte; replicated wpe; tp collectives per microbatch: 3 in "
+                           "forward"), text
+    assert "stage 1 (tp 2): colwise blocks.*.attn.qkv, blocks.*.mlp.fc, lm_head;" in text
+    assert "loss parallel (cross_entropy on the logits' vocabulary parts)" in text
     assert all(len(line) <= 80 for line in tp_lines(plan))
     assert tp_lines(tiny_gpt("1f1b", tp=1)) == []

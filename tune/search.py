@@ -49,12 +49,6 @@ from pipec.tune.space import (Candidate, TuneError, TuneRequest, candidate_reque
 
 __all__ = ["Scored", "TuneResult", "tune"]
 
-VOCAB_PARALLEL = False
-"""Whether tune prices a tp candidate's embedding and LM head vocab-parallel (Megatron-LM's layout) or replicated:
-replicated, as ``tensor_parallel auto`` shards them, so that what tune picks is what a compile of its pick predicts
-and a run does. (On the note's 13B cluster vocab-parallel would pick tp 2 at 0.439 s; replicated, the best tp 2 is
-0.456 s and tp 1 wins at 0.441 s: every tp rank computes the whole head.)"""
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Scored:
@@ -154,8 +148,9 @@ class _Graphs:
 
     def _sharded(self, graph, tp: int, mb: int):
         """The graph with Megatron's layout on every stage at ``tp`` (:func:`~pipec.compiler.sim.megatron.
-        with_megatron_tp`: no sharded trace exists before a tp plan is chosen), its embedding and LM head
-        vocab-parallel as Megatron-LM's are (:data:`VOCAB_PARALLEL`)."""
+        with_megatron_tp`: no sharded trace exists before a tp plan is chosen), its token embedding and LM head
+        vocab-parallel under the built-in cross_entropy, as ``tensor_parallel auto`` shards them (Megatron-LM's
+        layout), so that what tune picks is what a compile of its pick predicts."""
         if graph is None:
             return None
         shape = self.treq.base.model.inputs[0].shape
@@ -163,7 +158,7 @@ class _Graphs:
         elem = COMPUTE_BYTES.get(self.treq.base.training.dtype, 4)
         stages = with_megatron_tp(graph.stages, tp=tp, num_tokens=mb * _numel(shape[1:]), seq=seq, elem_bytes=elem,
                                   flops=graph.flops, sequence_parallel=self.treq.base.mesh.sequence_parallel,
-                                  vocab=VOCAB_PARALLEL)
+                                  vocab=self.treq.base.training.loss == "cross_entropy")
         return replace(graph, stages=stages)
 
     def _graph(self, c: Candidate, key: tuple, data_key: tuple, mb: int):

@@ -71,7 +71,8 @@ def stage_table(plan: Plan) -> Table | None:
 
 def tp_lines(plan: Plan) -> list[str]:
     """What tensor parallelism does to each stage (``pipec show``): the modules by style (numbered layers folded
-    into ``*`` with their count), the tp collectives per microbatch and the share of the FLOPs on shards."""
+    into ``*`` with their count), the tp collectives per microbatch, whether the loss is computed on the logits'
+    parts, and the share of the FLOPs on shards."""
     out = []
     for st in plan.stages:
         tp = st.tp
@@ -90,7 +91,8 @@ def tp_lines(plan: Plan) -> list[str]:
             if n:
                 comm.append(f"{n} in {phase} ({tp.collective_bytes(phase) / 1024:.1f} KiB)")
         line = (f"stage {st.stage} (tp {tp.tp}): {'; '.join(parts) or 'nothing to shard: replicated'}"
-                + (f"; tp all-reduces per microbatch: {', '.join(comm)}" if comm else "")
+                + (f"; tp collectives per microbatch: {', '.join(comm)}" if comm else "")
+                + ("; loss parallel (cross_entropy on the logits' vocabulary parts)" if tp.loss_parallel else "")
                 + f"; {tp.sharded_flops:.0%} of its FLOPs on shards")
         out += textwrap.wrap(line, width=80, subsequent_indent="    ", break_on_hyphens=False)
     return out

@@ -285,7 +285,8 @@ def tensor_parallel_stages(split: Split, req: ModelRequest) -> tuple[StageTP | N
     buffers = {n: torch.empty_like(b, device="meta") for n, b in traced.gm.named_buffers(remove_duplicate=False)}
     modules = [materialize(split, s, values, buffers, "meta", traced_on="meta") for s in range(split.num_stages)]
     patterns = None if req.tensor_parallel == "auto" else dict(req.tensor_parallel)
-    plans = plan_stages(modules, req.tp, patterns=patterns, traced=traced, sequence_parallel=req.sequence_parallel)
+    plans = plan_stages(modules, req.tp, patterns=patterns, traced=traced, sequence_parallel=req.sequence_parallel,
+                        loss=req.loss)
     return tuple(plans)
 
 

@@ -51,10 +51,11 @@ from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
 from pipec.compiler.frontend.stages import StageModule, clone_tree, resolve
 from pipec.compiler.frontend.tensors import FrontendError
-from pipec.compiler.frontend.tp_comm import TPComm, TPGroup, set_group
+from pipec.compiler.frontend.tp_comm import TPComm, TPGroup, VocabLookup, set_group
 from pipec.compiler.frontend.trace import (_STACK_FRAME, Traced, _frame_text, _node_frame, _user_frame, module_path,
                                            quiet_torch)
-from pipec.compiler.ir.tensor_parallel import Collective, ShardedParam, StageTP
+from pipec.compiler.ir.tensor_parallel import Collective, ShardedParam, StageTP, loss_collectives
+from pipec.compiler.request import TP_STYLES
 
 __all__ = ["Shard", "plan_stage", "plan_stages", "shard_stage", "shard_param", "unshard"]
 
@@ -237,8 +238,16 @@ class _Analysis:
     """One pass of the dataflow analysis with a fixed set of colwise candidates (see the module doc)."""
 
     def __init__(self, gm: GraphModule, tp: int, lins: Mapping[Node, _Lin], colwise: set[str],
-                 segments: Mapping[str, int], sp: _SP | None = None) -> None:
+                 segments: Mapping[str, int], sp: _SP | None = None, *, vocab: set[str] = frozenset(),
+                 loss_parallel: bool = False) -> None:
         self.gm, self.tp, self.lins, self.colwise, self.segments, self.sp = gm, tp, lins, colwise, segments, sp
+        self.vocab, self.loss_parallel = vocab, loss_parallel
+        """Embedding candidates for vocab parallelism; whether the stage's output may leave split on its class
+        dim (the last stage, the built-in cross_entropy)."""
+        self.vocab_on: set[str] = set()
+        """Vocab-parallel embeddings (rows split, lookups summed)."""
+        self.loss_out = False
+        """The stage's output leaves split on its class dim (loss parallel)."""
         self.gathers: dict[Node, set[str]] = {}
         """Sequence parallelism: a sequence-sharded node -> how it is all-gathered: ``gather`` (for colwise
         modules: reduce-scatter backward), ``gather_whole`` (for a replicated consumer: the gradient's part)."""
@@ -278,7 +287,7 @@ class _Analysis:
         if n.op == "output" and ins and ins[0][1].seq:
             return self._seq_outputs(n, ins)
         if n.op == "output":
-            if ins:
+            if ins and not self._loss_output(n, ins):
                 self.fail(ins[0][0], [s for _, s in ins], f"{ins[0][0].name!r} leaves the stage sharded (a stage's "
                                                           "outputs are replicated)")
             return None
@@ -316,6 +325,26 @@ class _Analysis:
                         self.seq_outputs[i] = s.dim
         return None
 
+    def _loss_output(self, n: Node, ins: list[tuple[Node, Shard]]) -> bool:
+        """Loss parallelism: the stage's one output split on its last dim (the classes) by a colwise head."""
+        flat = list(n.args[0]) if isinstance(n.args[0], (tuple, list)) else [n.args[0]]
+        (a, s), shape = ins[0], _shape(ins[0][0])
+        if not self.loss_parallel or len(flat) != 1 or len(ins) != 1 or flat[0] is not a or shape is None:
+            return False
+        self.loss_out = len(shape) >= 2 and s.dim == len(shape) - 1 and s.segments == 1
+        return self.loss_out
+
+    def _summed(self, n: Node) -> Any:
+        """A partial sum's output (a rowwise module's, a vocab-parallel lookup's): replicated once all-reduced,
+        or with sequence parallelism the sequence shard its reduce-scatter leaves."""
+        if self.sp is None:
+            return None
+        found = self.seq_dim(n)
+        if found is None:
+            return self.fail(n, [Shard(0, 1, frozenset({n.name}), seq=True)],
+                             f"its output {list(_shape(n))} has no dimension of the sequence length {self.sp.length}")
+        return Shard(found[0], found[1], frozenset({n.name}), seq=True)
+
     def seq_dim(self, n: Node) -> tuple[int, int] | None:
         """The sequence dim of a rowwise output and its segments: the dim of the sequence length (dim 1 where
         several are), or a 2-D ``[B T, features]`` (a Linear run on the flattened batch: HF's Conv1D), whose
@@ -334,6 +363,13 @@ class _Analysis:
             colwise = n.name in self.colwise and lin.kind != "embedding"
             self.gathers.setdefault(lin.x, set()).add("gather" if colwise else "gather_whole")
             s = None
+        if lin.kind == "embedding" and s is None and n.name in self.vocab:
+            rows = resolve(self.gm, lin.weight).shape[0]
+            if rows % self.tp:
+                self.fail(n, [Shard(0, 1, frozenset({n.name}))], f"{lin.path} has {rows} rows (its vocabulary), not "
+                          f"divisible by tp {self.tp}", size=True)
+            self.vocab_on.add(n.name)
+            return self._summed(n)
         if s is None:
             if n.name not in self.colwise or lin.kind == "embedding":
                 return None
@@ -346,13 +382,7 @@ class _Analysis:
             return Shard(len(out) - 1, segs, frozenset({n.name}))
         if lin.kind != "embedding" and s.dim == len(xs) - 1:
             self.rowwise[n.name] = s.segments
-            if self.sp is None:
-                return None
-            found = self.seq_dim(n)
-            if found is None:
-                return self.fail(n, [Shard(0, 1, frozenset({n.name}), seq=True)],
-                                 f"its output {list(out)} has no dimension of the sequence length {self.sp.length}")
-            return Shard(found[0], found[1], frozenset({n.name}), seq=True)
+            return self._summed(n)
         return replace(s, dim=len(out) - len(xs) + s.dim)
 
     def _module(self, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
@@ -652,6 +682,8 @@ def _param_uses(an: _Analysis, canonical: Mapping[str, str]) -> dict[str, dict[S
             use(lin.weight, ShardedParam(name="", dim=1 - lin.out_dim, segments=an.rowwise[n.name]), n)
             if lin.bias:
                 use(lin.bias, None, n)
+        elif n.name in an.vocab_on:
+            use(lin.weight, ShardedParam(name="", dim=0), n)
         else:
             use(lin.weight, None, n)
             if lin.bias:
@@ -669,27 +701,36 @@ def _check_params(an: _Analysis, canonical: Mapping[str, str]) -> None:
     for name, by in _param_uses(an, canonical).items():
         if len(by) > 1:
             nodes = [n for sp, ns in by.items() if sp is not None for n in ns]
-            an.fail(nodes[0], [Shard(0, 1, frozenset(m.name for m in nodes if m.name in an.active)),
+            an.fail(nodes[0], [Shard(0, 1, frozenset(m.name for m in nodes if m.name in an.active | an.vocab_on)),
                                *(an.of(an.lins[m].x) for m in nodes if isinstance(an.of(an.lins[m].x), Shard))],
                     f"parameter {name} is used sharded here and replicated (or sharded otherwise) elsewhere (a tied weight)")
 
 
 def _analyse(gm: GraphModule, tp: int, styles: Mapping[str, str] | None, canonical: Mapping[str, str],
-             segments: Mapping[str, int] | None = None) -> tuple[_Analysis, Mapping[Node, _Lin]]:
+             segments: Mapping[str, int] | None = None, *, loss_parallel: bool = False,
+             replicate: frozenset[str] = frozenset()) -> tuple[_Analysis, Mapping[Node, _Lin]]:
     """The analysis run to its fixpoint: ``styles`` None is auto (candidates that fail are replicated); a
     candidate that fails first tries its other segment counts. ``segments`` (canonical weight -> segments, a
-    plan's record) fixes them."""
+    plan's record) fixes them. ``loss_parallel``: the stage's output may leave split on its class dim (auto
+    leaves a head whose classes tp does not divide replicated); ``replicate``: canonical weights kept whole
+    (a weight tied to a stage that keeps it so)."""
     lins = {n: lin for n in gm.graph.nodes if (lin := _linear_like(n, gm)) is not None}
     choices = {n.name: ([segments.get(canonical.get(lin.weight, lin.weight), 1)] if segments is not None
                         else _segment_choices(n, tp)) for n, lin in lins.items() if lin.kind != "embedding"}
     pick = dict.fromkeys(choices, 0)
+    kept = {n.name for n, lin in lins.items() if canonical.get(lin.weight, lin.weight) in replicate}
     if styles is not None:
         cands = {n.name for n, lin in lins.items() if styles.get(lin.path) == "colwise"}
+        vocab = {n.name for n, lin in lins.items() if styles.get(lin.path) == "vocab"}
     else:
-        cands = set(choices)
-    off: set[str] = set()
+        classes = _class_dim(gm) if loss_parallel else None
+        cands = {c for c in choices if classes is None or _shape(_node(gm, c))[-1] % tp == 0
+                 or _shape(_node(gm, c))[-1] != classes}
+        vocab = {n.name for n, lin in lins.items() if _vocab_candidate(gm, lin, tp)}
+    off: set[str] = set(kept)
     while True:
-        an = _Analysis(gm, tp, lins, cands - off, {c: choices[c][pick[c]] for c in choices}).run()
+        an = _Analysis(gm, tp, lins, cands - off, {c: choices[c][pick[c]] for c in choices}, vocab=vocab - off,
+                       loss_parallel=loss_parallel).run()
         _check_params(an, canonical)
         bad = frozenset().union(*(f.sources for f in an.failures if not f.size)) - off
         retry = {b for b in bad if b in pick and pick[b] + 1 < len(choices[b])}
@@ -699,6 +740,36 @@ def _analyse(gm: GraphModule, tp: int, styles: Mapping[str, str] | None, canonic
             return an, lins
         if styles is None:
             off |= bad - retry
+
+
+def _node(gm: GraphModule, name: str) -> Node:
+    return next(n for n in gm.graph.nodes if n.name == name)
+
+
+def _class_dim(gm: GraphModule) -> int | None:
+    """The last dim of the stage's one output (the classes the loss takes), or None."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    shape = _shape(flat[0]) if len(flat) == 1 else None
+    return shape[-1] if shape else None
+
+
+def _vocab_candidate(gm: GraphModule, lin: _Lin, tp: int) -> bool:
+    """An embedding auto makes vocab-parallel: of token ids the stage is given (a placeholder, through views),
+    its rows divisible by tp, no max_norm (positions from an arange stay replicated: no all-reduce for them)."""
+    if lin.kind != "embedding":
+        return False
+    x = lin.x
+    while isinstance(x, Node) and x.op != "placeholder" and _op(x) in _VIEWS | _UNARY:
+        x = x.args[0]
+    if not isinstance(x, Node) or x.op != "placeholder":
+        return False
+    weight = resolve(gm, lin.weight)
+    if weight.dim() != 2 or weight.shape[0] % tp:
+        return False
+    if lin.node.op == "call_module":
+        return getattr(gm.get_submodule(lin.path), "max_norm", None) is None
+    return isinstance(lin.node.target, torch._ops.OpOverload) or _arg(lin.node, 3, "max_norm") is None
 
 
 # ----------------------------------------------------------------------------- sequence parallelism
@@ -725,11 +796,13 @@ def _sp_run(gm: GraphModule, an: _Analysis, sp: _SP, where: str, traced: Traced 
         raise FrontendError(f"sequence parallelism (tp {an.tp}){where}: the sequence length {sp.length} is not "
                             f"divisible by tp {an.tp}", key=SP_KEY,
                             hints=(f"use a sequence length divisible by {an.tp}, or sequence_parallel off",))
-    run = _Analysis(gm, an.tp, an.lins, an.colwise, an.segments, sp).run()
+    run = _Analysis(gm, an.tp, an.lins, an.colwise, an.segments, sp, vocab=an.vocab,
+                    loss_parallel=an.loss_parallel).run()
     for f in run.failures:
         raise FrontendError(f"sequence parallelism (tp {an.tp}){where} cannot follow the sequence shard at "
                             f"{_at(f.node, traced)}: {f.reason}", key=SP_KEY, hints=("sequence_parallel off",))
-    assert run.active == an.active and run.rowwise == an.rowwise, "sequence parallelism changed the sharding"
+    assert (run.active, run.rowwise, run.vocab_on) == (an.active, an.rowwise, an.vocab_on), \
+        "sequence parallelism changed the sharding"
     return run
 
 
@@ -867,15 +940,18 @@ def _styles_of(gm: GraphModule, lins: Mapping[Node, _Lin], patterns: Mapping[str
     matched: set[str] = set()
     paths = _module_paths(gm)
     for pattern, style in patterns.items():
-        if style not in ("colwise", "rowwise", "replicated"):
-            raise FrontendError(f"tensor_parallel pattern {pattern!r}: style must be colwise, rowwise or replicated, got "
-                                f"{style!r}", key=KEY, hints=("vocab-sharded embeddings are not supported yet",))
+        if style not in TP_STYLES:
+            raise FrontendError(f"tensor_parallel pattern {pattern!r}: style must be one of {', '.join(TP_STYLES)}, got "
+                                f"{style!r}", key=KEY)
         hit = [lin for lin in lins.values() if fnmatch.fnmatchcase(lin.path, pattern)]
         for lin in hit:
             styles.setdefault(lin.path, style)
-            if lin.kind == "embedding" and style != "replicated":
-                raise FrontendError(f"tensor_parallel pattern {pattern!r}{where} makes embedding {lin.path} {style}; "
-                                    "embeddings stay replicated", key=KEY, hints=("leave embeddings out of the patterns",))
+            if (lin.kind == "embedding") != (style == "vocab") and style != "replicated":
+                what = f"embedding {lin.path} {style}" if lin.kind == "embedding" else f"{lin.path} vocab"
+                raise FrontendError(f"tensor_parallel pattern {pattern!r}{where} makes {what}; an embedding is vocab "
+                                    "(its rows split) or replicated, a Linear colwise, rowwise or replicated", key=KEY,
+                                    hints=(f"make {lin.path} {'vocab' if lin.kind == 'embedding' else 'colwise'}, or "
+                                           "leave it out of the patterns",))
         if hit:
             matched.add(pattern)
             continue
@@ -900,8 +976,11 @@ def _record(an: _Analysis, lins: Mapping[Node, _Lin], canonical: Mapping[str, st
                 Collective(kind=second, phase="backward", num_bytes=num_bytes, node=node)]
 
     for n, lin in lins.items():
-        style = "colwise" if n.name in an.active else "rowwise" if n.name in an.rowwise else "replicated"
-        modules.setdefault(lin.path, style)
+        modules.setdefault(lin.path, _style(an, n))
+        if n.name in an.vocab_on:  # the lookups' partial sums: all-reduced, or reduce-scattered
+            collectives += [replace(c, of="vocab") for c in (
+                pair("reduce_scatter", "all_gather", _nbytes(n), n.name) if seq_on else
+                [Collective(kind="all_reduce", phase="forward", num_bytes=_nbytes(n), node=n.name)])]
         if n.name in an.active and lin.x not in copied:
             copied.add(lin.x)
             if "gather" in an.gathers.get(lin.x, ()):
@@ -922,6 +1001,10 @@ def _record(an: _Analysis, lins: Mapping[Node, _Lin], canonical: Mapping[str, st
             collectives.append(Collective(kind="all_gather", phase="forward", num_bytes=_nbytes(x), node=x.name))
     for a in dict.fromkeys(a for a, _ in an.splits):  # a replicated value cut: all-gathered backward
         collectives.append(Collective(kind="all_gather", phase="backward", num_bytes=_nbytes(a), node=a.name))
+    if an.loss_out:  # the loss on the logits' parts: the max (gathered), the sum of exponentials, the target's
+        out = next(n for n in an.gm.graph.nodes if n.op == "output")
+        tokens = _prod(_shape(out.all_input_nodes[0])[:-1])
+        collectives += loss_collectives(tokens, an.tp)
     for name, by in _param_uses(an, canonical).items():
         sp = next(iter(by))
         if sp is not None:
@@ -945,7 +1028,13 @@ def _record(an: _Analysis, lins: Mapping[Node, _Lin], canonical: Mapping[str, st
                      seq_outputs=tuple((outputs[i], d) for i, d in sorted(an.seq_outputs.items())),
                      partial_params=_partial_params(an, canonical, set(params), where, traced))
     return StageTP(tp=an.tp, modules=tuple(modules.items()), params=tuple(params.values()),
-                   collectives=tuple(collectives), sharded_flops=sharded / total if total else 0.0, **extra)
+                   collectives=tuple(collectives), sharded_flops=sharded / total if total else 0.0,
+                   loss_parallel=an.loss_out, **extra)
+
+
+def _style(an: _Analysis, n: Node) -> str:
+    return ("colwise" if n.name in an.active else "rowwise" if n.name in an.rowwise else
+            "vocab" if n.name in an.vocab_on else "replicated")
 
 
 def _check_annotated(stage: GraphModule) -> None:
@@ -958,7 +1047,8 @@ def _check_annotated(stage: GraphModule) -> None:
 def plan_stage(stage: GraphModule, tp: int, *, patterns: Mapping[str, str] | None = None,
                canonical: Mapping[str, str] | None = None, traced: Traced | None = None, where: str = "",
                require_match: bool = True, sequence_parallel: bool = False, seq_len: int | None = None,
-               seq_inputs: Mapping[str, int] | None = None, last: bool = True) -> StageTP:
+               seq_inputs: Mapping[str, int] | None = None, last: bool = True, loss_parallel: bool = False,
+               replicate: frozenset[str] = frozenset()) -> StageTP:
     """Which modules of ``stage`` (a stage module, its graph annotated with shapes) shard what across ``tp`` ranks.
 
     ``patterns`` None is ``auto``; else glob over module paths -> ``colwise``/``rowwise``/``replicated`` (the
@@ -969,7 +1059,10 @@ def plan_stage(stage: GraphModule, tp: int, *, patterns: Mapping[str, str] | Non
     ``sequence_parallel``: the regions between a rowwise module and the next colwise one are cut on the
     sequence dim (length ``seq_len``; None: dim 1 of the stage's first input of two dims or more);
     ``seq_inputs`` (stage input name -> dim) arrive as parts; the outputs are gathered whole where ``last``
-    (they go to the loss), else sent as parts (:attr:`StageTP.seq_outputs`)."""
+    (they go to the loss), else sent as parts (:attr:`StageTP.seq_outputs`).
+
+    ``loss_parallel`` (the last stage, under the built-in cross_entropy): a colwise LM head may leave its logits
+    split on the classes (:attr:`StageTP.loss_parallel`); ``replicate``: canonical weights auto keeps whole."""
     if tp < 1:
         raise FrontendError(f"tp must be at least 1, got {tp}", key="tp")
     canonical = _canonical_of(stage, canonical)
@@ -983,7 +1076,7 @@ def plan_stage(stage: GraphModule, tp: int, *, patterns: Mapping[str, str] | Non
         if require_match and (missing := [p for p in patterns if p not in matched]):
             raise FrontendError(f"tensor_parallel pattern {missing[0]!r} matches no module{where}", key=KEY,
                                 hints=("patterns are globs over module paths such as 'blocks.*.attn.qkv'",))
-    an, lins = _analyse(stage, tp, styles, canonical)
+    an, lins = _analyse(stage, tp, styles, canonical, loss_parallel=loss_parallel, replicate=replicate)
     if styles is not None:
         _explicit_failures(an, lins, styles, where, traced)
     for f in an.failures:
@@ -1017,39 +1110,79 @@ def _explicit_failures(an: _Analysis, lins: Mapping[Node, _Lin], styles: Mapping
             raise _size_refusal(an, f, where, traced)
         raise _refusal(an.tp, where, f.node, f.reason, traced, (hint,))
     for n, lin in lins.items():
-        want = styles.get(lin.path, "replicated")
-        got = "colwise" if n.name in an.active else "rowwise" if n.name in an.rowwise else "replicated"
+        want, got = styles.get(lin.path, "replicated"), _style(an, n)
         if want != got:
             why = {"rowwise": "its input is sharded on its in-features (by a colwise module before it)",
-                   "colwise": "its input is already sharded", "replicated": "its input is not sharded on its in-features"}
+                   "colwise": "its input is already sharded", "replicated": "its input is not sharded on its in-features",
+                   "vocab": "its ids are sharded"}
             raise _refusal(an.tp, where, n, f"{lin.path} is {want} in the patterns, but {why[got]}", traced,
                            (f"make {lin.path} {got}" if got != "colwise" else hint,))
 
 
 def plan_stages(stages: Sequence[GraphModule], tp: int, *, patterns: Mapping[str, str] | None = None,
                 canonical: Mapping[str, str] | None = None, traced: Traced | None = None,
-                sequence_parallel: bool = False) -> list[StageTP]:
+                sequence_parallel: bool = False, loss: str = "cross_entropy") -> list[StageTP]:
     """:func:`plan_stage` for every stage; a pattern matching no module of any stage is refused. A stage needs
     no values: ``GraphModule(split.traced.gm, split.stage_graph(s))`` (meta parameters) will do, with
     ``canonical=split.traced.canonical``. ``sequence_parallel``: the sequence length is the model input's dim 1
-    (see :func:`_sequence_length`); a stage output sent as parts arrives as parts at every later stage."""
+    (see :func:`_sequence_length`); a stage output sent as parts arrives as parts at every later stage.
+    ``loss``: the plan's; under ``cross_entropy`` the last stage's head may be loss-parallel. In auto, a weight
+    tied across stages that one of them keeps whole (a head that is not loss-parallel) is kept whole in all."""
     sp = sequence_parallel and tp > 1
     seq_len = _sequence_length(stages[0], traced) if sp else None
+    replicate: frozenset[str] = frozenset()
+    while True:
+        plans = _plan_each(stages, tp, patterns, canonical, traced, sp, seq_len, loss == "cross_entropy", replicate)
+        held = _tied_uses(stages, plans, canonical)
+        split = {c for c, by in held.items() if len(set(by.values())) > 1} - replicate
+        if patterns is not None or not split:
+            break
+        replicate |= split
+    _check_tied(stages, plans, tp, canonical, held)
+    if patterns is not None and tp > 1:
+        paths = {m for p in plans for m, _ in p.modules}
+        for pattern in patterns:
+            if not any(fnmatch.fnmatchcase(m, pattern) for m in paths):
+                raise FrontendError(f"tensor_parallel pattern {pattern!r} matches no module of any stage", key=KEY,
+                                    hints=("patterns are globs over module paths such as 'blocks.*.attn.qkv'",))
+    return plans
+
+
+def _plan_each(stages: Sequence[GraphModule], tp: int, patterns: Mapping[str, str] | None,
+               canonical: Mapping[str, str] | None, traced: Traced | None, sp: bool, seq_len: int | None,
+               cross_entropy: bool, replicate: frozenset[str]) -> list[StageTP]:
     parts: dict[str, int] = {}
     plans = []
     for s, st in enumerate(stages):
         names = _io_names(st)[0].values()
+        last = s == len(stages) - 1
         plans.append(plan_stage(st, tp, patterns=patterns, canonical=canonical, traced=traced, where=f" in stage {s}",
                                 require_match=False, sequence_parallel=sp, seq_len=seq_len,
-                                seq_inputs={n: parts[n] for n in names if n in parts}, last=s == len(stages) - 1))
+                                seq_inputs={n: parts[n] for n in names if n in parts}, last=last,
+                                loss_parallel=last and cross_entropy, replicate=replicate))
         parts.update(plans[-1].seq_outputs)
+    return plans
+
+
+def _tied_uses(stages: Sequence[GraphModule], plans: Sequence[StageTP],
+               canonical: Mapping[str, str] | None) -> dict[str, dict[int, ShardedParam | None]]:
+    """Canonical parameter -> stage -> how that stage shards it (None: replicated)."""
     held: dict[str, dict[int, ShardedParam | None]] = {}
+    for s, (st, plan) in enumerate(zip(stages, plans)):
+        names = _canonical_of(st, canonical)
+        for local, _ in st.named_parameters(remove_duplicate=False):
+            held.setdefault(names.get(local, local), {})[s] = plan.sharded(names.get(local, local))
+    return held
+
+
+def _check_tied(stages: Sequence[GraphModule], plans: Sequence[StageTP], tp: int,
+                canonical: Mapping[str, str] | None, held: Mapping[str, Mapping[int, ShardedParam | None]]) -> None:
+    """A tied parameter's copies sharded alike, and (sequence parallelism) its gradient partial in all or none."""
     partial: dict[str, dict[int, bool]] = {}
     for s, (st, plan) in enumerate(zip(stages, plans)):
         names = _canonical_of(st, canonical)
         for local, _ in st.named_parameters(remove_duplicate=False):
             c = names.get(local, local)
-            held.setdefault(c, {})[s] = plan.sharded(c)
             partial.setdefault(c, {})[s] = c in plan.partial_params
     for c, by in partial.items():
         if len(set(by.values())) > 1:
@@ -1063,13 +1196,6 @@ def plan_stages(stages: Sequence[GraphModule], tp: int, *, patterns: Mapping[str
             raise FrontendError(f"tensor parallelism (tp {tp}): tied parameter {c} is sharded differently in the stages "
                                 f"that hold it ({how}); its copies must be sharded alike", key=KEY,
                                 hints=("make the tied modules' styles agree in the patterns, or leave them replicated",))
-    if patterns is not None and tp > 1:
-        paths = {m for p in plans for m, _ in p.modules}
-        for pattern in patterns:
-            if not any(fnmatch.fnmatchcase(m, pattern) for m in paths):
-                raise FrontendError(f"tensor_parallel pattern {pattern!r} matches no module of any stage", key=KEY,
-                                    hints=("patterns are globs over module paths such as 'blocks.*.attn.qkv'",))
-    return plans
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -1098,9 +1224,10 @@ def _local(shape: Sequence[int], s: Any, tp: int) -> tuple[int, ...]:
 
 
 def _rewrite(an: _Analysis, lins: Mapping[Node, _Lin], graph: Graph, env: dict[Node, Node],
-             comms: dict[str, tuple[str, int, int]]) -> dict[Node, Node]:
+             comms: dict[str, tuple[str, int, int]], lookups: dict[str, tuple[int, int | None]]) -> dict[Node, Node]:
     """Rewrite the copy ``graph`` (``env``: original node -> copy) to local sizes; original node -> its result.
-    ``comms`` gets the :class:`TPComm` modules the rewrite calls (target -> kind, dim, segments)."""
+    ``comms`` gets the :class:`TPComm` modules the rewrite calls (target -> kind, dim, segments), ``lookups`` the
+    :class:`~.tp_comm.VocabLookup` ones (target -> the whole table's rows, its padding_idx)."""
     tp, result = an.tp, dict(env)
     copies: dict[Node, Node] = {}
     made: dict[tuple[Node, str, int, int], Node] = {}
@@ -1152,6 +1279,8 @@ def _rewrite(an: _Analysis, lins: Mapping[Node, _Lin], graph: Graph, env: dict[N
         if seq and n.name not in an.active:  # a replicated consumer of a sequence shard: gathered whole
             new.replace_input_with(result[lin.x], after(lin.x, "gather_whole", sx.dim, sx.segments))
         if lin.kind == "embedding":
+            if n.name in an.vocab_on:
+                result[n] = _lookup(an, graph, new, lin, result[lin.x], comm, lookups)
             continue
         if _fused(an, lins, n):
             with graph.inserting_before(new):
@@ -1184,6 +1313,28 @@ def _rewrite(an: _Analysis, lins: Mapping[Node, _Lin], graph: Graph, env: dict[N
         if "gather_whole" in how and any(u.op == "output" for u in x.users):
             out_new.replace_input_with(result[x], after(x, "gather_whole", an.of(x).dim, an.of(x).segments))
     return result
+
+
+def _lookup(an: _Analysis, graph: Graph, new: Node, lin: _Lin, ids: Node, comm: Callable[..., str],
+            lookups: dict[str, tuple[int, int | None]]) -> Node:
+    """A vocab-parallel embedding ``new`` as this rank's masked lookup, then g (or a reduce-scatter)."""
+    if new.op == "call_module":
+        mod = resolve(an.gm, lin.path)
+        pad = mod.padding_idx
+    else:
+        aten = isinstance(new.target, torch._ops.OpOverload)
+        pad = _value(_arg(new, 2, "padding_idx", -1 if aten else None))
+        pad = None if pad is None or (aten and pad == -1) else int(pad)
+    name = f"tp_lookup_{len(lookups)}"
+    lookups[name] = (int(resolve(an.gm, lin.weight).shape[0]), pad)
+    out = an.of(lin.node)
+    reduce = comm("scatter", out.dim, out.segments) if isinstance(out, Shard) and out.seq else comm("reduce")
+    with graph.inserting_before(new):
+        y = graph.call_module(reduce, (graph.call_module(name, (ids, graph.get_attr(lin.weight))),))
+    y.meta = dict(new.meta)
+    new.replace_all_uses_with(y)
+    graph.erase_node(new)
+    return y
 
 
 def _functional(graph: Graph, new: Node, lin: _Lin, x: Node, *, reduce: str | None) -> Node:
@@ -1220,15 +1371,16 @@ def shard_stage(stage: GraphModule, plan: StageTP, rank: int, *, group: TPGroup 
     canonical = _canonical_of(stage, canonical)
     if plan.tp == 1:
         return stage
-    an, lins = _analyse(stage, plan.tp, dict(plan.modules), canonical, {sp.name: sp.segments for sp in plan.params})
+    an, lins = _analyse(stage, plan.tp, dict(plan.modules), canonical, {sp.name: sp.segments for sp in plan.params},
+                        loss_parallel=plan.loss_parallel)
     if plan.sequence_parallel and not an.failures:
         given = dict(plan.seq_inputs)
         sp = _SP(plan.seq_len, {h: given[v] for h, v in _io_names(stage)[0].items() if v in given},
                  last=not plan.seq_outputs)
         an = _sp_run(stage, an, sp, where, traced)
     rec = None if an.failures else _record(an, lins, canonical, where=where, traced=traced)
-    if rec is None or (rec.params, rec.seq_outputs, rec.partial_params) != (plan.params, plan.seq_outputs,
-                                                                            plan.partial_params):
+    if rec is None or (rec.params, rec.seq_outputs, rec.partial_params, rec.loss_parallel) != (
+            plan.params, plan.seq_outputs, plan.partial_params, plan.loss_parallel):
         raise FrontendError(f"the plan's tensor-parallel sharding{where} does not hold for this stage's graph; "
                             "re-compile the plan", key=KEY)
     graph = Graph()
@@ -1238,7 +1390,8 @@ def shard_stage(stage: GraphModule, plan: StageTP, rank: int, *, group: TPGroup 
     out_old = next(n for n in stage.graph.nodes if n.op == "output")
     env[out_old] = next(n for n in graph.nodes if n.op == "output")
     comms: dict[str, tuple[str, int, int]] = {}
-    result = _rewrite(an, lins, graph, env, comms)
+    lookups: dict[str, tuple[int, int | None]] = {}
+    result = _rewrite(an, lins, graph, env, comms, lookups)
     sharded = {sp.name: sp for sp in plan.params}
     fresh: dict[str, nn.Parameter] = {}
 
@@ -1252,6 +1405,7 @@ def shard_stage(stage: GraphModule, plan: StageTP, rank: int, *, group: TPGroup 
     memo: dict[int, nn.Module] = {}
     attrs: dict[str, Any] = {name: TPComm(kind, dim, size=plan.tp, rank=rank, segments=segs)
                              for name, (kind, dim, segs) in comms.items()}
+    attrs.update((name, VocabLookup(rows // plan.tp, rank=rank, padding_idx=pad)) for name, (rows, pad) in lookups.items())
     for n in graph.nodes:
         if n.op not in ("call_module", "get_attr") or n.target in attrs:
             continue

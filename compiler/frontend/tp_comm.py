@@ -12,6 +12,12 @@ For sequence parallelism a group also has ``all_gather(tensor, dim)`` (every ran
 :class:`ProcessGroupTP` wraps a ``torch.distributed`` process group; :class:`ThreadGroupTP` runs the tp ranks as
 threads of one process (tests, one-process checks). :class:`TPComm` is the ``call_module`` the sharding pass
 inserts: with no group set it is the identity, so a stage's local shapes run (and profile) in one process.
+
+Vocabulary parallelism: :class:`VocabLookup` is a vocab-parallel embedding's masked lookup (the ids outside this
+rank's rows give zeros; a ``reduce`` or ``scatter`` TPComm after it sums the parts), and
+:func:`vocab_parallel_cross_entropy` the loss on logits split on the class dim (Megatron-LM's
+``vocab_parallel_cross_entropy``): what ``F.cross_entropy`` gives on the whole logits, from three collectives
+of one value per token.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import torch
 from torch import nn
 
 __all__ = ["TPGroup", "ProcessGroupTP", "ThreadGroupTP", "CopyToTP", "ReduceFromTP", "GatherFromSP", "ScatterToSP",
-           "SplitToSP", "GatherWholeFromSP", "GatheredLinear", "TPComm", "set_group"]
+           "SplitToSP", "GatherWholeFromSP", "GatheredLinear", "TPComm", "set_group", "VocabLookup",
+           "vocab_parallel_cross_entropy"]
 
 
 class TPGroup(Protocol):
@@ -288,3 +295,65 @@ def set_group(module: nn.Module, group: TPGroup | None) -> None:
     for sub in module.modules():
         if isinstance(sub, TPComm):
             sub.group = group
+
+
+class VocabLookup(nn.Module):
+    """Tp rank ``rank``'s lookup in a vocab-parallel embedding holding rows ``[rank rows, (rank + 1) rows)`` of
+    the whole table (``rows`` each): ``forward(ids, weight)`` gives the embedding of the ids in that range and
+    zeros for the others (their gradient too). ``padding_idx`` is the whole table's (None: none)."""
+
+    def __init__(self, rows: int, *, rank: int = 0, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.rows, self.start = rows, rank * rows
+        local = None if padding_idx is None else padding_idx - self.start
+        self.padding_idx = local if local is not None and 0 <= local < rows else None
+
+    def forward(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight, self.padding_idx)
+        return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+    def extra_repr(self) -> str:
+        return f"rows {self.start}..{self.start + self.rows}"
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """The mean cross-entropy of ``[N, V / tp]`` logits (this rank's classes ``start..start + V / tp``) against
+    ``[N]`` class ids over the tp group; ``ignore_index`` targets count for nothing, as in ``F.cross_entropy``."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: TPGroup, start: int,
+                ignore_index: int) -> torch.Tensor:
+        rows = logits.shape[-1]
+        top = group.all_gather(logits.detach().amax(dim=-1, keepdim=True), -1).amax(dim=-1, keepdim=True)
+        shifted = logits.detach() - top
+        exp = shifted.exp()
+        total = group.all_reduce(exp.sum(dim=-1))
+        local = target - start
+        inside = (local >= 0) & (local < rows)
+        idx = local.clamp(0, rows - 1)
+        picked = group.all_reduce(shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * inside)
+        valid = target != ignore_index
+        count = valid.sum()
+        loss = ((total.log() - picked) * valid).sum() / count
+        ctx.save_for_backward(exp / total.unsqueeze(-1), idx, inside & valid, valid, count)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        softmax, idx, hit, valid, count = ctx.saved_tensors
+        g = softmax.clone()
+        g.scatter_add_(-1, idx.unsqueeze(-1), -hit.to(g.dtype).unsqueeze(-1))
+        g *= (valid.to(g.dtype) * (grad / count)).unsqueeze(-1)
+        return g, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(output: torch.Tensor, target: torch.Tensor, group: TPGroup, *, rank: int,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """``cross_entropy``'s value on tp rank ``rank``'s part of the logits (class dim last, split in rank order
+    across the group), as pipec's built-in loss takes them: ``[..., C]`` against ``[...]`` class ids (a 2-D
+    ``[B, C]`` against ``[B]``); every rank gets the same loss and its part of the logits' gradient."""
+    rows = output.shape[-1]
+    return _VocabParallelCE.apply(output.reshape(-1, rows).float(), target.reshape(-1), group, rank * rows,
+                                  ignore_index)

@@ -19,6 +19,12 @@ backward becomes an all-gather forward / reduce-scatter backward, the rowwise ou
 reduce-scatter forward / all-gather backward. The parameters used there (:attr:`StageTP.partial_params`: norm
 weights, rowwise biases) get a partial gradient on each tp rank, summed over the tp group before the optimizer
 step; a stage's outputs in :attr:`StageTP.seq_outputs` travel to the next stage as each tp rank's part.
+
+Vocabulary parallelism (Megatron-LM's): an embedding of token ids (style ``vocab``) holds its rows split across
+the tp ranks and all-reduces its masked lookups (reduce-scatters them with sequence parallelism); an LM head
+that is colwise at the last stage leaves its logits split on the vocabulary (:attr:`StageTP.loss_parallel`),
+and the built-in ``cross_entropy`` is computed on the parts (three all-reduces of one value per token: the
+max, the sum of exponentials, the target's logit), so no rank ever holds the whole logits.
 """
 
 from __future__ import annotations
@@ -26,13 +32,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["STYLES", "COLLECTIVE_KINDS", "PHASES", "ShardedParam", "Collective", "StageTP"]
+__all__ = ["STYLES", "COLLECTIVE_KINDS", "LOSS_PARALLEL_VALUES", "loss_collectives", "PHASES", "ShardedParam", "Collective", "StageTP"]
 
 STYLES = ("colwise", "rowwise", "vocab", "replicated")
 """How a module is split: ``colwise`` (its output features), ``rowwise`` (its input features; the output is
 all-reduced), ``vocab`` (an embedding's rows; the masked lookups are all-reduced), ``replicated``."""
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+LOSS_PARALLEL_VALUES = 3
+"""Float32 values per token a loss-parallel head exchanges in the forward: the max (all-gathered), the sum of
+exponentials and the target's logit (all-reduced)."""
+
+
+def loss_collectives(tokens: int, tp: int) -> tuple["Collective", ...]:
+    """The forward collectives of the loss on the logits' parts, for ``tokens`` per microbatch: the max of each
+    rank's part gathered, the sum of exponentials and the target's logit summed (float32 each)."""
+    return (Collective(kind="all_gather", phase="forward", num_bytes=tokens * 4 * tp, node="loss", of="loss"),
+            *(Collective(kind="all_reduce", phase="forward", num_bytes=tokens * 4, node="loss", of="loss")
+              for _ in range(LOSS_PARALLEL_VALUES - 1)))
 PHASES = ("forward", "backward")
 
 
@@ -69,13 +87,18 @@ class Collective:
     """The full (unsharded) tensor's bytes: an all-reduce's payload."""
     node: str
     """The traced node it belongs to (for messages and ``pipec show``)."""
+    of: str = ""
+    """What it serves beyond Megatron's column / row pairs: ``vocab`` (a vocab-parallel lookup's partial sums),
+    ``loss`` (the loss on the logits' parts); ``""`` for the pairs' f, g and their sequence-parallel forms."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "phase": self.phase, "bytes": self.num_bytes, "node": self.node}
+        out = {"kind": self.kind, "phase": self.phase, "bytes": self.num_bytes, "node": self.node}
+        return {**out, "of": self.of} if self.of else out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Collective":
-        return cls(kind=str(d["kind"]), phase=str(d["phase"]), num_bytes=int(d["bytes"]), node=str(d["node"]))
+        return cls(kind=str(d["kind"]), phase=str(d["phase"]), num_bytes=int(d["bytes"]), node=str(d["node"]),
+                   of=str(d.get("of", "")))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,6 +123,9 @@ class StageTP:
     stage's: the loss sees whole outputs)."""
     partial_params: tuple[str, ...] = ()
     """Canonical names of the replicated parameters whose gradients are partial sums on each tp rank."""
+    loss_parallel: bool = False
+    """The last stage's output is its logits split on the last (class) dim across the tp ranks; the loss
+    (``cross_entropy``) is computed vocab-parallel (see the module doc)."""
 
     def sharded(self, name: str) -> ShardedParam | None:
         """The sharding of canonical parameter ``name``, or None where it is replicated."""
@@ -125,6 +151,8 @@ class StageTP:
                 "seq_len": self.seq_len, "inputs": [{"name": n, "dim": d} for n, d in self.seq_inputs],
                 "outputs": [{"name": n, "dim": d} for n, d in self.seq_outputs],
                 "partial_params": list(self.partial_params)}
+        if self.loss_parallel:  # likewise
+            out["loss_parallel"] = True
         return out
 
     @classmethod
@@ -137,4 +165,5 @@ class StageTP:
                    seq_len=int(sp.get("seq_len", 0)),
                    seq_inputs=tuple((str(x["name"]), int(x["dim"])) for x in sp.get("inputs", ())),
                    seq_outputs=tuple((str(x["name"]), int(x["dim"])) for x in sp.get("outputs", ())),
-                   partial_params=tuple(str(n) for n in sp.get("partial_params", ())))
+                   partial_params=tuple(str(n) for n in sp.get("partial_params", ())),
+                   loss_parallel=bool(d.get("loss_parallel", False)))

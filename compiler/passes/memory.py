@@ -48,7 +48,8 @@ replicated part is taken as Megatron's 10 s b h per block, 2.5 x the bytes of th
 all-reduces (each ``s b h`` elements), so ``2.5 x`` its forward all-reduce bytes (at most all of them), and the
 rest divides by tp. This reproduces Megatron's per-block figure for a stage of blocks whose saved bytes are
 Megatron's; for another layout it assumes each forward all-reduce closes a sharded region whose replicated
-inputs are 2.5 x its payload (a vocab-parallel embedding's all-reduce counts so too: more held, never less).
+inputs are 2.5 x its payload. A vocab-parallel lookup's all-reduce and the loss's (``Collective.of``) add
+nothing: what the embedding's sum feeds is the first block's, in that block's count.
 
 :func:`state_bytes` is the first item per rank (plan.json's per-rank
 ``state_bytes``); the simulator adds the second and third and each rank's saved
@@ -216,8 +217,10 @@ def local_param_bytes(stage: Stage) -> int:
 
 
 REPLICATED_PER_ALL_REDUCE = 2.5
-"""A tp stage's saved bytes that stay whole on every tp rank, per byte of its forward all-reduces: Megatron's
-``10 s b h`` per block against its two all-reduces of ``2 s b h`` bytes (16-bit)."""
+"""A tp stage's saved bytes that stay whole on every tp rank, per byte of its pairs' forward all-reduces:
+Megatron's ``10 s b h`` per block against its two all-reduces of ``2 s b h`` bytes (16-bit). A vocab-parallel
+lookup's all-reduce and the loss's add none: what the embedding's sum feeds (the first block's norm and
+residual) is in that block's count."""
 
 
 def tp_activation_bytes(stage: Stage, *, sequence_parallel: bool = False) -> int | None:
@@ -230,7 +233,7 @@ def tp_activation_bytes(stage: Stage, *, sequence_parallel: bool = False) -> int
         return a
     if sequence_parallel:
         return -(-a // stp.tp)
-    payload = sum(c.num_bytes for c in stp.collectives if c.phase == "forward" and c.kind == "all_reduce")
+    payload = sum(c.num_bytes for c in stp.collectives if c.phase == "forward" and c.kind == "all_reduce" and not c.of)
     replicated = min(a, round(REPLICATED_PER_ALL_REDUCE * payload))
     return replicated + -(-(a - replicated) // stp.tp)
 

@@ -10,11 +10,13 @@ parameters in order and finds Megatron's pairs (Shoeybi et al. 2019) by shape al
   in 3 segments for a fused qkv), ``B`` rowwise (weight on dim 1, bias replicated). Per microbatch of ``T``
   tokens: one all-reduce of ``B``'s output in the forward and one of ``A``'s input grad in the backward, each
   ``T x i1 x`` the activation dtype's bytes (Megatron's ``b s h``: 2 forward and 2 backward per block);
-- with ``vocab`` (off by default, as the sharding pass leaves them: ``tensor_parallel auto``), a 2-D weight
-  ``(V, h)`` left over with ``V > h`` and no bias (an embedding or an LM head, tied or not): vocab-parallel,
-  rows on dim 0: a lookup (the stage reads integer inputs) all-reduces its ``T x h`` output in the forward; a
-  head (the stage's output ends in ``V``) computes loss-parallel logits: three float32 all-reduces of ``T``
-  values in the forward (max, sum of exponentials, target logit) and the input grad's ``T x h`` in the backward;
+- with ``vocab`` (as ``tensor_parallel auto`` shards them under the built-in cross_entropy), a 2-D weight
+  ``(V, h)`` left over with ``V > h`` and no bias (an embedding or an LM head, tied or not): rows on dim 0. A
+  lookup (the stage reads integer inputs; style ``vocab``) all-reduces its ``T x h`` output in the forward
+  (sequence parallel: reduce-scatters it, all-gathers the gradient); a head (the stage's output ends in ``V``;
+  ``colwise``, the stage ``loss_parallel``) computes the loss on the logits' parts: the max all-gathered and two
+  float32 all-reduces of ``T`` values in the forward (sum of exponentials, target logit), the input grad's
+  ``T x h`` all-reduced in the backward (sequence parallel: the input all-gathered, its grad reduce-scattered);
 - everything else (norms, position embeddings, biases of rowwise linears) replicated.
 
 The sharded share of the forward (``sharded_flops``) is the pairs' and heads' matmul FLOPs (``2 T o i`` per
@@ -31,13 +33,9 @@ from dataclasses import replace
 from typing import Sequence
 
 from pipec.compiler.ir.plan import Stage
-from pipec.compiler.ir.tensor_parallel import Collective, ShardedParam, StageTP
+from pipec.compiler.ir.tensor_parallel import Collective, ShardedParam, StageTP, loss_collectives
 
-__all__ = ["megatron_tp", "with_megatron_tp", "LOSS_PARALLEL_VALUES"]
-
-LOSS_PARALLEL_VALUES = 3
-"""Float32 values per token a loss-parallel head all-reduces in the forward (max, sum of exponentials, the
-target's logit)."""
+__all__ = ["megatron_tp", "with_megatron_tp"]
 
 _INTS = frozenset(("int64", "int32", "int16", "int8", "uint8"))
 
@@ -89,26 +87,32 @@ def megatron_tp(stage: Stage, *, tp: int, num_tokens: int, seq: int, elem_bytes:
         k += 1
     lookup = any(t.dtype in _INTS for t in stage.inputs)
     out_dims = {t.shape[-1] for t in stage.outputs if t.shape}
+    loss_parallel = False
     for m, (v, h) in weights if vocab else ():
         if m in used or v <= h or v % tp or "bias" in by_module[m]:
             continue
-        head = v in out_dims
+        head = v in out_dims and not loss_parallel
         if not (lookup or head):
             continue
         params.append(ShardedParam(name=f"{m}.weight", dim=0))
-        modules.append((m, "vocab"))
-        if lookup:
-            collectives.append(Collective(kind="all_reduce", phase="forward", num_bytes=T * h * elem_bytes, node=m))
-        if head:
-            collectives += [Collective(kind="all_reduce", phase="forward", num_bytes=T * 4, node=f"{m}.loss")
-                            for _ in range(LOSS_PARALLEL_VALUES)]
-            collectives.append(Collective(kind="all_reduce", phase="backward", num_bytes=T * h * elem_bytes, node=m))
-            flops += 2.0 * T * v * h
+        modules.append((m, "colwise" if head else "vocab"))
+        payload = T * h * elem_bytes
+        if not head:
+            collectives += [Collective(kind=kind, phase=phase, num_bytes=payload, node=m, of="vocab")
+                            for kind, phase in ((("reduce_scatter", "forward"), ("all_gather", "backward"))
+                                                if sequence_parallel else (("all_reduce", "forward"),))]
+            continue
+        loss_parallel = True
+        collectives += [Collective(kind=kind, phase=phase, num_bytes=payload, node=m)
+                        for kind, phase in ((("all_gather", "forward"), ("reduce_scatter", "backward"))
+                                            if sequence_parallel else (("all_reduce", "backward"),))]
+        collectives += loss_collectives(T, tp)
+        flops += 2.0 * T * v * h
     if not params:
         return None
     share = 1.0 if not forward_flops else min(1.0, flops / forward_flops)
     return StageTP(tp=tp, modules=tuple(modules), params=tuple(params), collectives=tuple(collectives),
-                   sharded_flops=share)
+                   sharded_flops=share, loss_parallel=loss_parallel)
 
 
 def with_megatron_tp(stages: Sequence[Stage], *, tp: int, num_tokens: int, seq: int, elem_bytes: int,
