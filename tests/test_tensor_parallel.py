@@ -53,32 +53,43 @@ def _xent_parallel(group, r: int, tp: int):
     return loss
 
 
-def run_tp(stages, plans, tp: int, inputs: dict, loss=_xent):
-    """Each tp rank's sharded stages run on a thread: its outputs, and its stages. A loss-parallel last stage
-    takes :func:`_xent` on its part of the logits."""
-    group = ThreadGroupTP(tp)
-    ranks = [{s: shard_stage(st, plans[s], r, group=group.rank(r)) for s, st in stages.items()} for r in range(tp)]
-    outs: list = [None] * tp
+def _threads(tp, work, group=None):
+    """``work(r)`` for every tp rank on a thread; the first error raised (``group``'s barrier aborted so that
+    the other ranks do not wait for the one that failed)."""
     errors: list = []
-    parallel = plans[max(stages)].loss_parallel
-    assert loss is _xent or not parallel, "a loss-parallel plan runs _xent on the parts"
 
-    def work(r: int) -> None:
+    def run(r):
         try:
-            out = run_stages(ranks[r], inputs)
-            (_xent_parallel(group.rank(r), r, tp) if parallel else loss)(out[0]).backward()
-            outs[r] = out
+            work(r)
         except BaseException as e:  # noqa: BLE001 - reported by the test's thread
             errors.append(e)
-            group._barrier.abort()
+            if group is not None:
+                group._barrier.abort()
 
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(tp)]
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
         raise errors[0]
+
+
+def run_tp(stages, plans, tp: int, inputs: dict, loss=_xent):
+    """Each tp rank's sharded stages run on a thread: its outputs, and its stages. A loss-parallel last stage
+    takes :func:`_xent` on its part of the logits."""
+    group = ThreadGroupTP(tp)
+    ranks = [{s: shard_stage(st, plans[s], r, group=group.rank(r)) for s, st in stages.items()} for r in range(tp)]
+    outs: list = [None] * tp
+    parallel = plans[max(stages)].loss_parallel
+    assert loss is _xent or not parallel, "a loss-parallel plan runs _xent on the parts"
+
+    def work(r: int) -> None:
+        out = run_stages(ranks[r], inputs)
+        (_xent_parallel(group.rank(r), r, tp) if parallel else loss)(out[0]).backward()
+        outs[r] = out
+
+    _threads(tp, work, group)
     return outs, ranks
 
 
@@ -193,10 +204,15 @@ def test_gpt_explicit_patterns(gpt):
     assert_tp_matches(gpt, plans, 2, "tokens")
 
 
+def hf_stages(target: str, before: str):
+    """A Hugging Face model's two stages (split before module ``before``), skipped without transformers."""
+    pytest.importorskip("transformers")
+    return _stages(_request(target, name="input_ids", partition=SplitBefore((before,))))
+
+
 @pytest.fixture(scope="module")
 def gpt2():
-    pytest.importorskip("transformers")
-    return _stages(_request("test_hf:wrapped_gpt2", name="input_ids", partition=SplitBefore(("model.transformer.h.1",))))
+    return hf_stages("test_hf:wrapped_gpt2", "model.transformer.h.1")
 
 
 def test_hf_gpt2_conv1d_fused_c_attn(gpt2):
@@ -217,8 +233,7 @@ def test_hf_gpt2_conv1d_fused_c_attn(gpt2):
 
 @pytest.fixture(scope="module")
 def llama():
-    pytest.importorskip("transformers")
-    return _stages(_request("test_hf:llama", name="input_ids", partition=SplitBefore(("model.model.layers.1",))))
+    return hf_stages("test_hf:llama", "model.model.layers.1")
 
 
 def test_hf_llama_gqa_rotary_rmsnorm(llama):
@@ -338,22 +353,47 @@ def test_thread_group_sums_in_rank_order():
     assert all(torch.equal(g, torch.full((2,), 6.0)) for g in got)
 
 
-def _threads(tp, work):
-    errors: list = []
+@pytest.mark.parametrize("shape", [(3, 4), (12,)])
+def test_vocab_parallel_cross_entropy_is_cross_entropy_on_the_parts(shape):
+    """The loss on each rank's part of the logits (and an ignored target) equals F.cross_entropy on the whole;
+    the parts' gradients put together are the whole's."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(*shape, 20, generator=gen) * 3
+    target = torch.randint(0, 20, shape, generator=gen)
+    target.view(-1)[1] = -100
+    whole = logits.clone().requires_grad_()
+    want = F.cross_entropy(whole.reshape(-1, 20), target.reshape(-1))
+    want.backward()
+    group, got = ThreadGroupTP(4), {}
 
-    def run(r):
-        try:
-            work(r)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+    def work(r):
+        part = logits.chunk(4, dim=-1)[r].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(part, target, group.rank(r), rank=r)
+        loss.backward()
+        got[r] = (loss.detach(), part.grad)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    _threads(4, work, group)
+    for r in range(4):
+        _close(got[r][0], want.detach(), f"rank {r} loss")
+    _close(torch.cat([got[r][1] for r in range(4)], dim=-1), whole.grad, "the logits' gradient")
+
+
+def test_explicit_vocab_style_and_its_refusals(gpt):
+    plans = plan_stages([gpt[0], gpt[1]], 2, patterns={"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise",
+                                                       "wte": "vocab", "lm_head": "colwise"})
+    assert _styles(plans[0])["wte"] == "vocab" and plans[1].loss_parallel
+    assert_tp_matches(gpt, plans, 2, "tokens")
+    with pytest.raises(FrontendError, match="makes embedding wte colwise; an embedding is vocab") as e:
+        plan_stage(gpt[0], 2, patterns={"wte": "colwise"})
+    assert e.value.hints == ("make wte vocab, or leave it out of the patterns",)
+    with pytest.raises(FrontendError, match="makes blocks.0.mlp.fc vocab"):
+        plan_stage(gpt[0], 2, patterns={"blocks.*.mlp.fc": "vocab"})
+
+
+def test_a_head_whose_vocabulary_tp_does_not_divide_stays_whole():
+    stages = _stages(_request(GPT, {**GPT_ARGS, "vocab": 66}, partition=SplitBefore(("blocks.1",))))
+    plans, styles = _auto(stages, 4)
+    assert styles["lm_head"] == styles["wte"] == "replicated" and not plans[1].loss_parallel
 
 
 def test_sequence_parallel_gather_and_scatter_are_each_others_gradients():

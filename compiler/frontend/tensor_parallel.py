@@ -1164,38 +1164,34 @@ def _plan_each(stages: Sequence[GraphModule], tp: int, patterns: Mapping[str, st
     return plans
 
 
-def _tied_uses(stages: Sequence[GraphModule], plans: Sequence[StageTP],
-               canonical: Mapping[str, str] | None) -> dict[str, dict[int, ShardedParam | None]]:
-    """Canonical parameter -> stage -> how that stage shards it (None: replicated)."""
-    held: dict[str, dict[int, ShardedParam | None]] = {}
+def _tied_uses(stages: Sequence[GraphModule], plans: Sequence[StageTP], canonical: Mapping[str, str] | None,
+               of: Callable[[StageTP, str], Any] = StageTP.sharded) -> dict[str, dict[int, Any]]:
+    """Canonical parameter -> stage -> ``of(plan, name)``: by default how that stage shards it (None: replicated)."""
+    held: dict[str, dict[int, Any]] = {}
     for s, (st, plan) in enumerate(zip(stages, plans)):
         names = _canonical_of(st, canonical)
         for local, _ in st.named_parameters(remove_duplicate=False):
-            held.setdefault(names.get(local, local), {})[s] = plan.sharded(names.get(local, local))
+            held.setdefault(names.get(local, local), {})[s] = of(plan, names.get(local, local))
     return held
 
 
 def _check_tied(stages: Sequence[GraphModule], plans: Sequence[StageTP], tp: int,
                 canonical: Mapping[str, str] | None, held: Mapping[str, Mapping[int, ShardedParam | None]]) -> None:
     """A tied parameter's copies sharded alike, and (sequence parallelism) its gradient partial in all or none."""
-    partial: dict[str, dict[int, bool]] = {}
-    for s, (st, plan) in enumerate(zip(stages, plans)):
-        names = _canonical_of(st, canonical)
-        for local, _ in st.named_parameters(remove_duplicate=False):
-            c = names.get(local, local)
-            partial.setdefault(c, {})[s] = c in plan.partial_params
-    for c, by in partial.items():
-        if len(set(by.values())) > 1:
-            how = ", ".join(f"stage {s}: {'partial' if p else 'whole'}" for s, p in by.items())
-            raise FrontendError(f"sequence parallelism (tp {tp}): tied parameter {c}'s gradient is a partial sum over "
-                                f"the tp ranks in some stages and whole in others ({how})", key=SP_KEY,
-                                hints=("sequence_parallel off",))
-    for c, by in held.items():
-        if len(set(by.values())) > 1:
-            how = ", ".join(f"stage {s}: {'replicated' if sp is None else f'dim {sp.dim}'}" for s, sp in by.items())
-            raise FrontendError(f"tensor parallelism (tp {tp}): tied parameter {c} is sharded differently in the stages "
-                                f"that hold it ({how}); its copies must be sharded alike", key=KEY,
-                                hints=("make the tied modules' styles agree in the patterns, or leave them replicated",))
+    partial = _tied_uses(stages, plans, canonical, lambda plan, c: c in plan.partial_params)
+    checks = (
+        (partial, lambda p: "partial" if p else "whole", SP_KEY, "sequence_parallel off",
+         lambda c, how: f"sequence parallelism (tp {tp}): tied parameter {c}'s gradient is a partial sum over the "
+                        f"tp ranks in some stages and whole in others ({how})"),
+        (held, lambda sp: "replicated" if sp is None else f"dim {sp.dim}", KEY,
+         "make the tied modules' styles agree in the patterns, or leave them replicated",
+         lambda c, how: f"tensor parallelism (tp {tp}): tied parameter {c} is sharded differently in the stages that "
+                        f"hold it ({how}); its copies must be sharded alike"))
+    for uses, said, key, hint, message in checks:
+        for c, by in uses.items():
+            if len(set(by.values())) > 1:
+                how = ", ".join(f"stage {s}: {said(v)}" for s, v in by.items())
+                raise FrontendError(message(c, how), key=key, hints=(hint,))
 
 
 # ----------------------------------------------------------------------------- parameters

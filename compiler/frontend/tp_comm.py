@@ -144,30 +144,27 @@ class ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class GatherFromSP(torch.autograd.Function):
-    """Sequence parallelism's entry to a tp region: all-gather along ``dim`` forward, reduce-scatter backward."""
+def _exchange(name: str, forward: str, backward: str, doc: str) -> type:
+    """An autograd Function running group method ``forward`` along ``dim`` forward and ``backward`` on the
+    gradient (the other's inverse: all-gather and reduce-scatter)."""
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: TPGroup, dim: int) -> torch.Tensor:
+    def fwd(ctx: Any, x: torch.Tensor, group: TPGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
-        return group.all_gather(x, dim)
+        return getattr(group, forward)(x, dim)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return ctx.group.reduce_scatter(grad, ctx.dim), None, None
+    def bwd(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return getattr(ctx.group, backward)(grad, ctx.dim), None, None
+
+    return type(name, (torch.autograd.Function,), {"__doc__": doc, "__module__": __name__,
+                                                   "forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class ScatterToSP(torch.autograd.Function):
-    """Sequence parallelism's exit from a tp region: reduce-scatter along ``dim`` forward, all-gather backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: TPGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return group.reduce_scatter(x, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return ctx.group.all_gather(grad, ctx.dim), None, None
+GatherFromSP = _exchange("GatherFromSP", "all_gather", "reduce_scatter",
+                         "Sequence parallelism's entry to a tp region: all-gather along ``dim`` forward, "
+                         "reduce-scatter backward.")
+ScatterToSP = _exchange("ScatterToSP", "reduce_scatter", "all_gather",
+                        "Sequence parallelism's exit from a tp region: reduce-scatter along ``dim`` forward, "
+                        "all-gather backward.")
 
 
 class SplitToSP(torch.autograd.Function):
