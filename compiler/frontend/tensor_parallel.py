@@ -724,8 +724,8 @@ def _analyse(gm: GraphModule, tp: int, styles: Mapping[str, str] | None, canonic
         vocab = {n.name for n, lin in lins.items() if styles.get(lin.path) == "vocab"}
     else:
         classes = _class_dim(gm) if loss_parallel else None
-        cands = {c for c in choices if classes is None or _shape(_node(gm, c))[-1] % tp == 0
-                 or _shape(_node(gm, c))[-1] != classes}
+        cands = {n.name for n in lins if n.name in choices and (classes is None or _shape(n)[-1] % tp == 0
+                                                                 or _shape(n)[-1] != classes)}
         vocab = {n.name for n, lin in lins.items() if _vocab_candidate(gm, lin, tp)}
     off: set[str] = set(kept)
     while True:
@@ -740,10 +740,6 @@ def _analyse(gm: GraphModule, tp: int, styles: Mapping[str, str] | None, canonic
             return an, lins
         if styles is None:
             off |= bad - retry
-
-
-def _node(gm: GraphModule, name: str) -> Node:
-    return next(n for n in gm.graph.nodes if n.name == name)
 
 
 def _class_dim(gm: GraphModule) -> int | None:
