@@ -69,20 +69,20 @@ def stage_loss(plan: Plan, name: str, search_path: Sequence[str] = (), *, tp_gro
     plan's last stage is loss-parallel (its output is tp rank ``tp_rank``'s part of the logits)."""
     last = plan.stages[-1].tp if plan.stages else None
     parallel = last is not None and last.loss_parallel
-    return make_loss(name, search_path, tp_group=tp_group if parallel else None, tp_rank=tp_rank)
+    return make_loss(name, search_path, tp_group=tp_group if parallel else None, tp_rank=tp_rank, tp=plan.mesh.tp)
 
 
-def make_loss(name: str, search_path: Sequence[str] = (), *, tp_group: Any = None,
-              tp_rank: int = 0) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+def make_loss(name: str, search_path: Sequence[str] = (), *, tp_group: Any = None, tp_rank: int = 0,
+              tp: int = 1) -> Callable[[Any, torch.Tensor], torch.Tensor]:
     """The loss of the last stage: cross_entropy, mse or ``pkg.module:fn(output, target)`` (found on
     ``search_path``, the plan's ``model.search_path``, like the model); what it raises names it. With
-    ``tp_group`` (a loss-parallel last stage: its output is tp rank ``tp_rank``'s part of the logits) the
+    ``tp_group`` (a loss-parallel last stage: its output is tp rank ``tp_rank``'s part of ``tp`` of the logits) the
     cross_entropy computed vocab-parallel over the group."""
     fn = load_loss(name, search_path)
     if tp_group is not None:
         from pipec.compiler.frontend.tp_comm import vocab_parallel_cross_entropy
 
-        fn = functools.partial(vocab_parallel_cross_entropy, group=tp_group, rank=tp_rank)
+        fn = functools.partial(vocab_parallel_cross_entropy, group=tp_group, rank=tp_rank, size=tp)
 
     def loss(output: Any, target: torch.Tensor) -> torch.Tensor:
         try:

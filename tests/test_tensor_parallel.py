@@ -49,7 +49,7 @@ def _xent_parallel(group, r: int, tp: int):
     """:func:`_xent` on tp rank ``r``'s part of the logits (a loss-parallel last stage)."""
     def loss(logits: torch.Tensor) -> torch.Tensor:
         targets = torch.arange(logits.shape[0] * logits.shape[1]).remainder(logits.shape[-1] * tp)
-        return vocab_parallel_cross_entropy(logits, targets, group, rank=r)
+        return vocab_parallel_cross_entropy(logits, targets, group, rank=r, size=tp)
     return loss
 
 
@@ -368,7 +368,7 @@ def test_vocab_parallel_cross_entropy_is_cross_entropy_on_the_parts(shape):
 
     def work(r):
         part = logits.chunk(4, dim=-1)[r].clone().requires_grad_()
-        loss = vocab_parallel_cross_entropy(part, target, group.rank(r), rank=r)
+        loss = vocab_parallel_cross_entropy(part, target, group.rank(r), rank=r, size=4)
         loss.backward()
         got[r] = (loss.detach(), part.grad)
 
@@ -376,6 +376,8 @@ def test_vocab_parallel_cross_entropy_is_cross_entropy_on_the_parts(shape):
     for r in range(4):
         _close(got[r][0], want.detach(), f"rank {r} loss")
     _close(torch.cat([got[r][1] for r in range(4)], dim=-1), whole.grad, "the logits' gradient")
+    with pytest.raises(IndexError, match="Target 20 is out of bounds: the logits have 20 classes"):
+        vocab_parallel_cross_entropy(logits.chunk(4, dim=-1)[0], torch.full(shape, 20), group.rank(0), rank=0, size=4)
 
 
 def test_explicit_vocab_style_and_its_refusals(gpt):

@@ -147,6 +147,11 @@ def _value(a: Any) -> Any:
     return a.meta.get("pipec_value", a) if isinstance(a, Node) else a
 
 
+def _flat(out: Node) -> list[Any]:
+    """An output node's values in order."""
+    return list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+
+
 def _prod(xs: Sequence[int]) -> int:
     p = 1
     for x in xs:
@@ -313,7 +318,7 @@ class _Analysis:
 
     def _seq_outputs(self, n: Node, ins: list[tuple[Node, Shard]]) -> None:
         """Sequence-sharded stage outputs: all-gathered whole for the loss (the last stage), else sent as parts."""
-        flat = list(n.args[0]) if isinstance(n.args[0], (tuple, list)) else [n.args[0]]
+        flat = _flat(n)
         for a, s in ins:
             if s.segments != 1 and not self.sp.last:
                 return self.fail(a, [s], f"{a.name!r} leaves the stage with its sequence dim flattened into another")
@@ -327,7 +332,7 @@ class _Analysis:
 
     def _loss_output(self, n: Node, ins: list[tuple[Node, Shard]]) -> bool:
         """Loss parallelism: the stage's one output split on its last dim (the classes) by a colwise head."""
-        flat = list(n.args[0]) if isinstance(n.args[0], (tuple, list)) else [n.args[0]]
+        flat = _flat(n)
         (a, s), shape = ins[0], _shape(ins[0][0])
         if not self.loss_parallel or len(flat) != 1 or len(ins) != 1 or flat[0] is not a or shape is None:
             return False
@@ -745,7 +750,7 @@ def _analyse(gm: GraphModule, tp: int, styles: Mapping[str, str] | None, canonic
 def _class_dim(gm: GraphModule) -> int | None:
     """The last dim of the stage's one output (the classes the loss takes), or None."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    flat = _flat(out)
     shape = _shape(flat[0]) if len(flat) == 1 else None
     return shape[-1] if shape else None
 
@@ -780,7 +785,7 @@ def _io_names(gm: GraphModule) -> tuple[dict[str, str], list[str]]:
     holders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = getattr(gm, "input_names", None) or holders
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    flat = _flat(out)
     outputs = getattr(gm, "output_names", None) or [getattr(a, "name", str(a)) for a in flat]
     return dict(zip(holders, inputs)), list(outputs)
 

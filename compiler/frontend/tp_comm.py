@@ -347,10 +347,14 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(output: torch.Tensor, target: torch.Tensor, group: TPGroup, *, rank: int,
-                                 ignore_index: int = -100) -> torch.Tensor:
-    """``cross_entropy``'s value on tp rank ``rank``'s part of the logits (class dim last, split in rank order
-    across the group), as pipec's built-in loss takes them: ``[..., C]`` against ``[...]`` class ids (a 2-D
-    ``[B, C]`` against ``[B]``); every rank gets the same loss and its part of the logits' gradient."""
+                                 size: int, ignore_index: int = -100) -> torch.Tensor:
+    """``cross_entropy``'s value on tp rank ``rank``'s part (of ``size``) of the logits (class dim last, split
+    in rank order across the group), as pipec's built-in loss takes them: ``[..., C]`` against ``[...]`` class
+    ids (a 2-D ``[B, C]`` against ``[B]``); every rank gets the same loss and its part of the logits' gradient.
+    A class id outside ``[0, C)`` (and not ``ignore_index``) raises, as ``F.cross_entropy`` does."""
     rows = output.shape[-1]
-    return _VocabParallelCE.apply(output.reshape(-1, rows).float(), target.reshape(-1), group, rank * rows,
-                                  ignore_index)
+    flat = target.reshape(-1)
+    bad = ((flat < 0) | (flat >= rows * size)) & (flat != ignore_index)
+    if bool(bad.any()):
+        raise IndexError(f"Target {int(flat[bad][0])} is out of bounds: the logits have {rows * size} classes")
+    return _VocabParallelCE.apply(output.reshape(-1, rows).float(), flat, group, rank * rows, ignore_index)
