@@ -13,10 +13,11 @@ from typing import Any, Mapping, Sequence
 
 from pipec.compiler.ir.plan import Mesh, Plan
 from pipec.compiler.ir.timeline import Interval, Timeline
+from pipec.compiler.sim.metrics import plan_single_device_step, scaling_efficiency
 from pipec.runtime.executor import RankStep
 
-__all__ = ["measured_timeline", "median_step", "stragglers", "state_bytes_report", "interval_report", "build_report",
-           "STRAGGLER_FACTOR"]
+__all__ = ["measured_timeline", "median_step", "stragglers", "state_bytes_report", "interval_report", "scaling_report",
+           "build_report", "STRAGGLER_FACTOR"]
 
 STRAGGLER_FACTOR = 1.25
 """A rank whose compute exceeds the median rank's compute by this factor is a straggler."""
@@ -98,6 +99,17 @@ def interval_report(band: Interval, steps: Sequence[Mapping[str, Any]], measured
             "after_first": len(steps) > 1}
 
 
+def scaling_report(step_time: float, num_devices: int, *, measured_single: float | None,
+                   predicted_single: float | None) -> dict[str, Any] | None:
+    """report.json's ``scaling_efficiency``: ``{"value": T_1 / (num_devices x step_time), "against"}``, T_1 the
+    single device's step measured (``--baseline``) where there is one, ``"against": "measured"``, else predicted
+    from the plan's costs (:func:`~pipec.compiler.sim.metrics.plan_single_device_step`), ``"predicted"``; None
+    where neither is known (a plan in units)."""
+    single, against = (measured_single, "measured") if measured_single is not None else (predicted_single, "predicted")
+    value = scaling_efficiency(step_time, num_devices, single)
+    return None if value is None else {"value": value, "against": against}
+
+
 def build_report(
     plan: Plan,
     plan_path: str,
@@ -112,6 +124,7 @@ def build_report(
     predicted: Timeline | None = None,
     emulation: Mapping[str, Any] | None = None,
     host_load: Mapping[str, Any] | None = None,
+    baseline: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """report.json; fields that do not apply are absent, never faked.
 
@@ -120,7 +133,8 @@ def build_report(
     prediction is kept beside it as ``planned``. None: ``predicted`` is the plan's own, and where it has an
     interval, each step says whether it fell inside (``in_interval``) and ``interval`` sums it up
     (:func:`interval_report`). ``host_load``: the load the plan was profiled at and the run's (the trainer's
-    ``check_load``)."""
+    ``check_load``). ``baseline``: one device's step measured (runtime/baseline.py), which the scaling
+    efficiency is then against (:func:`scaling_report`)."""
     steps = []
     for i, ranks in enumerate(per_step):
         step_time = max(s.step_time for s in ranks)
@@ -166,6 +180,12 @@ def build_report(
         report["tokens_per_s"] = tokens_per_step / measured.step_time
     if flops_per_step and peak_flops:
         report["mfu"] = flops_per_step / measured.step_time / (peak_flops * plan.mesh.world_size)
+    if baseline is not None:
+        report["baseline"] = dict(baseline)
+    scaling = scaling_report(measured.step_time, plan.mesh.world_size, predicted_single=plan_single_device_step(plan),
+                             measured_single=baseline["step_time_s"] if baseline is not None else None)
+    if scaling is not None:
+        report["scaling_efficiency"] = scaling
     if band is not None:
         report["interval"] = interval_report(band, steps, measured)
     if host_load is not None:

@@ -59,6 +59,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help="training steps (overrides the plan's)")
     p.add_argument("--check", action="store_true",
                    help="after the first step, compare loss and every gradient with an unpartitioned single-process step")
+    p.add_argument("--baseline", action="store_true",
+                   help="after the steps, time the unpartitioned model's step on the whole batch on rank 0: the "
+                        "scaling efficiency is then against a measured single device")
     p.add_argument("--emulate", action="store_true",
                    help="sleep for each compute instruction's predicted cost instead of computing")
     p.add_argument("--unit-time", type=float, default=DEFAULT_UNIT_TIME,
@@ -90,6 +93,9 @@ class RunOptions:
     """Training steps, overriding the plan's; None: the plan's (:meth:`num_steps`)."""
     check: bool = False
     """After the first step, compare loss and every gradient with an unpartitioned single-process step."""
+    baseline: bool = False
+    """After the steps, time one device's step (the unpartitioned model on the whole batch, on rank 0:
+    runtime/baseline.py), the single device the scaling efficiency is measured against."""
     emulate: bool = False
     """Sleep for each compute instruction's predicted cost instead of computing."""
     unit_time: float = DEFAULT_UNIT_TIME
@@ -120,6 +126,8 @@ class RunOptions:
             (self.unit_time > 0, f"--unit-time must be positive, got {self.unit_time:g}"),
             (not (self.check and self.emulate),
              "--check compares real gradients: it cannot be combined with --emulate"),
+            (not (self.baseline and self.emulate),
+             "--baseline times the model's real step on one device: it cannot be combined with --emulate"),
             (not (self.resume and self.emulate),
              "--resume loads trained state, but --emulate trains nothing; drop one of them"),
         ):

@@ -80,6 +80,8 @@ class Trainer:
         (:meth:`check_load`); None where it does not apply."""
         self.check_pending = options.check
         self.check_result: dict[str, Any] | None = None
+        self.reference = None
+        """--check's unpartitioned model, kept on rank 0 for --baseline (which times a step of it after the run)."""
         self.emulation = None
         """``--emulate``: what was measured at start-up (runtime/linkprobe.py ``Emulation``)."""
         if not options.emulate:
@@ -218,6 +220,8 @@ class Trainer:
         loss = self.loss_fn(out, targets)
         loss.backward()
         ref_grads = {n: p.grad for n, p in ref.canonical_params().items()}
+        if self.options.baseline and self.env.rank == 0:
+            self.reference = ref
         atol, rtol = CHECK_TOLERANCE[self.config.dtype]
         worst = torch.zeros(2, dtype=torch.float64)  # [max abs diff, max excess over tolerance]
         for s in self.own:
@@ -322,7 +326,14 @@ class Trainer:
             self.checkpointer.finish(self.steps, save=exit_code == 0)
         self.attempt_log.finished()
         if rank0:
-            self.write_outputs(per_step, tokens_per_step)
+            baseline = None
+            if self.options.baseline and exit_code == 0:  # one device's step, after the timed ones
+                from pipec.runtime.baseline import measure_baseline
+
+                baseline = measure_baseline(self.plan, self.config, data=self.data, loss_fn=self.loss_fn,
+                                            step=self.step, device=self.device, reference=self.reference,
+                                            console=console)
+            self.write_outputs(per_step, tokens_per_step, baseline)
         return exit_code
 
     def interval(self):
@@ -451,7 +462,7 @@ class Trainer:
                          "above interval" if step_time > band.step_time[1] else "below interval")
         console.print("  ".join(parts))
 
-    def write_outputs(self, per_step, tokens_per_step) -> None:
+    def write_outputs(self, per_step, tokens_per_step, baseline=None) -> None:
         from pipec.runtime.accounting import build_report
 
         flops = (self.plan.model or {}).get("flops_per_step") if self.plan.model else None
@@ -460,6 +471,7 @@ class Trainer:
         report = build_report(self.plan, self.options.plan, per_step, tokens_per_step=tokens_per_step,
                               flops_per_step=flops, peak_flops=self.peak_flops,
                               check=self._check_json(), first_step=self.first_step, host_load=self.host_load,
+                              baseline=baseline,
                               predicted=self.resimulated(),
                               emulation=None if self.emulation is None else self.emulation.to_json(),
                               goodput=self.attempt_log.summary(
@@ -504,6 +516,8 @@ class Trainer:
         from rich.console import Console
         from rich.table import Table
 
+        from pipec.runtime.baseline import scaling_text
+
         meas, pred = report["measured"], report.get("predicted")
         t = Table(title=f"measured beside predicted (median step {report['median_step']})")
         t.add_column("rank")
@@ -533,6 +547,8 @@ class Trainer:
             extra.append(f"{report['tokens_per_s']:,.0f} tokens/s")
         if "mfu" in report:
             extra.append(f"MFU {report['mfu']:.1%}")
+        if (text := scaling_text(report)) is not None:
+            extra.append(text)
         if report.get("stragglers"):
             extra.append("stragglers: " + ", ".join(f"rank {s['rank']} ({s['ratio']:.2f}x)" for s in report["stragglers"]))
         console.print("  ".join(extra))

@@ -9,9 +9,11 @@
   another, no communication, no bubble, then one optimizer step; that rank's memory is not asked (the baseline
   need not fit a device). Below 1 by construction once communication, bubbles or tp's replicated part enter.
 
-What ``pipec run`` should print beside its measured MFU (runtime/accounting.py): the measured scaling
-efficiency, ``T_1 / (N x measured step)`` with ``T_1`` = :func:`plan_single_device_step` (the plan's own stage
-costs: the run cannot time one device), labelled as against a predicted single device.
+What ``pipec run`` prints beside its measured MFU (report.json's ``scaling_efficiency``, runtime/accounting.py):
+``T_1 / (N x measured step)``, with ``T_1`` one device's step measured under ``--baseline`` (rank 0 times the
+unpartitioned model's step on the whole batch after the run, runtime/baseline.py), labelled as against a measured
+single device; without it ``T_1`` = :func:`plan_single_device_step` (the plan's own stage costs), against a
+predicted single device, and no figure at all for a plan in units.
 
 torch-free.
 """
