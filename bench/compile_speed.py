@@ -10,7 +10,12 @@ the machine's speed and load cancel, as far as they do); per round, in this orde
 - warm: the same command again on that cache: nothing timed (goal: at most 2x);
 - another schedule: ``--schedule gpipe`` on that cache (every timing still applies: nothing timed);
 - another pp: ``--ranks 2 --partition "split before blocks.4"`` (new stages timed alone; the crowd of
-  its shape and ranks here is new too: 2 ranks, not 4).
+  its shape and ranks here is new too: 2 ranks, not 4);
+- model mistake, data mistake: the file with a factory argument the factory rejects (``dimm=256``), and with
+  a token file that does not exist, each on an empty cache: the time to the located error, exit 2 (goal: at
+  most 2x: every check runs before any timing);
+- tune, 4 devices: ``pipec tune examples/gpt_1f1b.pipe --devices 4`` with the file's own costs (profile) on
+  an empty cache (goal: at most 20x). ``--no-extra`` leaves these three out.
 
 Each line gives the medians over ``--rounds`` and the load average. The cold compile's profile record
 says how many rounds and repeats it took.
@@ -28,7 +33,8 @@ v=2, M=1024 (~780K), alternating runs of:
 Goals: pipec no slower than torch at P=32; pipec's P=64 time within 10x of its
 P=32 time (linear in instructions: the instruction ratio is ~8x).
 
-    .venv/bin/python bench/compile_speed.py [--part model|schedule|both] [--rounds N] [--repeats N] [--skip-64]
+    .venv/bin/python bench/compile_speed.py [--part model|schedule|both] [--rounds N] [--no-extra] [--repeats N]
+                                            [--skip-64]
 """
 
 from __future__ import annotations
@@ -77,21 +83,43 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT = os.path.join(REPO, "examples", "gpt_1f1b.pipe")
 MODEL_CASES = (("cold", ()), ("warm", ()), ("another schedule", ("--schedule", "gpipe")),
                ("another pp", ("--ranks", "2", "--partition", "split before blocks.4")))
-MODEL_GOALS = {"cold": 6.0, "warm": 2.0}
+MODEL_GOALS = {"cold": 6.0, "warm": 2.0, "model mistake": 2.0, "data mistake": 2.0, "tune, 4 devices": 20.0}
+MISTAKES = (("model mistake", ("dim=256", "dimm=256")),            # an argument the factory rejects
+            ("data mistake", ("partition ", 'data tokens("missing.bin", dtype=uint16)\npartition ')))
+"""Each a copy of examples/gpt_1f1b.pipe with one edit (old, new), compiled on an empty cache: exit 2 expected."""
 
 
-def _timed(cmd: list[str], env: dict | None = None) -> float:
+def _timed(cmd: list[str], env: dict | None = None, *, rc: int = 0) -> float:
     t = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr}")
+    if done.returncode != rc:
+        raise SystemExit(f"{' '.join(cmd)} exited {done.returncode}, not {rc}:\n{done.stderr}")
     return time.perf_counter() - t
 
 
-def model_part(rounds: int) -> None:
+def _extra_cases(pipec: str, env: dict, xdg: str) -> dict[str, float]:
+    """The mistakes' time to their error, and ``pipec tune`` for 4 devices with the file's own (default)
+    costs, each on an empty cache of its own."""
+    with open(GPT, encoding="utf-8") as f:
+        text = f.read()
+    out = {}
+    for name, (old, new) in MISTAKES:
+        bad = os.path.join(xdg, name.replace(" ", "_") + ".pipe")
+        with open(bad, "w", encoding="utf-8") as f:
+            f.write(text.replace(old, new, 1))
+        fresh = {**env, "XDG_CACHE_HOME": os.path.join(xdg, name.replace(" ", "_"))}
+        out[name] = _timed([pipec, "compile", bad, "-o", os.path.join(xdg, "bad.json")], fresh, rc=2)
+    fresh = {**env, "XDG_CACHE_HOME": os.path.join(xdg, "tune")}
+    out["tune, 4 devices"] = _timed([pipec, "tune", GPT, "--devices", "4", "-o", os.path.join(xdg, "tuned.json")],
+                                    fresh)
+    return out
+
+
+def model_part(rounds: int, extra: bool) -> None:
     pipec = os.path.join(os.path.dirname(sys.executable), "pipec")
-    got: dict[str, list[float]] = {"torch": [], **{name: [] for name, _ in MODEL_CASES}}
-    ratios: dict[str, list[float]] = {name: [] for name, _ in MODEL_CASES}
+    names = [name for name, _ in MODEL_CASES] + [name for name, _ in MISTAKES] + ["tune, 4 devices"]
+    got: dict[str, list[float]] = {"torch": [], **{name: [] for name in names}}
+    ratios: dict[str, list[float]] = {name: [] for name in names}
     loads, records = [], []
     for r in range(rounds):
         with tempfile.TemporaryDirectory(prefix="pipec-bench-cache-") as xdg:
@@ -107,14 +135,18 @@ def model_part(rounds: int) -> None:
                 if name == "cold":
                     with open(out, encoding="utf-8") as f:
                         records.append(json.load(f)["model"]["profile"])
+            if extra:
+                for name, t in _extra_cases(pipec, env, xdg).items():
+                    got[name].append(t)
+                    ratios[name].append(t / torch_s)
             loads.append(os.getloadavg()[0])
         print(f"  round {r + 1}/{rounds}: torch {torch_s:.2f} s; "
-              + "; ".join(f"{name} {got[name][-1]:.1f} s ({ratios[name][-1]:.1f}x)" for name, _ in MODEL_CASES)
+              + "; ".join(f"{name} {got[name][-1]:.1f} s ({ratios[name][-1]:.1f}x)" for name in names if got[name])
               + f"; load {loads[-2]:.2f} -> {loads[-1]:.2f}", flush=True)
     print(f"example GPT (examples/gpt_1f1b.pipe, costs profile), {rounds} round(s), medians; load average "
           f"{min(loads):.2f}-{max(loads):.2f} on {os.cpu_count()} cores")
     print(f"  torch import (python -c 'import torch, torch.fx'): {statistics.median(got['torch']):.2f} s")
-    for name, _ in MODEL_CASES:
+    for name in (n for n in names if got[n]):
         ratio = statistics.median(ratios[name])
         goal = MODEL_GOALS.get(name)
         verdict = f" (goal: at most {goal:g}x -> {'met' if ratio <= goal else 'NOT met'})" if goal else ""
@@ -132,9 +164,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="model part: rounds (torch import, then each compile)")
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per config at P=32 (P=64: 1)")
     ap.add_argument("--skip-64", action="store_true", help="only the P=32 config")
+    ap.add_argument("--no-extra", action="store_true",
+                    help="model part: leave out the mistakes' time to error and pipec tune for 4 devices")
     args = ap.parse_args()
     if args.part in ("model", "both"):
-        model_part(args.rounds)
+        model_part(args.rounds, not args.no_extra)
     if args.part in ("schedule", "both"):
         schedule_part(args.repeats, args.skip_64)
 
