@@ -17,7 +17,16 @@ each rank writes only its own (nothing is gathered to one rank), and DCP
 reshards on load, so a checkpoint loads under another dp, shard mode or
 shard_size too. Under tensor parallelism tp rank 0 writes every tensor whole (a
 tensor-parallel part gathered from its tp ranks) and every tp rank loads its part
-of it, so a checkpoint loads under another tp too. Every tensor is loaded in place, into the parameters and
+of it, so a checkpoint loads under another tp too. Both together: a
+tensor-parallel part is itself a DTensor over the dp shard group (FSDP2's
+parameter, ZeRO-1's or FSDP2's optimizer state), so it is gathered over the
+shard group first, then over the tp group, and saved whole as a plain tensor
+(every dp replica's tp rank 0 writes the same one: DCP keeps one); on load each
+rank slices its tp part of the whole and copies its dp shard of that part, cut
+as the DTensor's own placements cut it. The tensors tp leaves whole stay DTensor
+shards (written by the tp rank 0 ranks, one whole shard group of them). A
+tensor-parallel tensor is thus whole on a rank while it is saved or loaded, as
+under tp alone. Every tensor is loaded in place, into the parameters and
 optimizer state themselves (hyperparameters come from the plan, not from the
 checkpoint's ``param_groups``);
 - ``step``: steps done (the data position: data is a function of the step);
@@ -43,7 +52,7 @@ Saving is asynchronous by default (``dcp.async_save`` on a gloo group of its
 own): the step is blocked only while the state is copied to host memory;
 writing, hashing and the commit run in a background thread.
 
-Why one module of ~680 lines: save, commit, validation, retention and resume
+Why one module of ~770 lines: save, commit, validation, retention and resume
 all read and write the same folder layout and manifest, and a change to one
 is a change to all.
 """
@@ -68,10 +77,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pipec.compiler.config import TrainingConfig
 from pipec.errors import PipecError
-from pipec.runtime.sharding import OptimizerShards, init_optimizer_state, local, optimizer_state
+from pipec.runtime.sharding import OptimizerShards, full, init_optimizer_state, local, optimizer_state
 
 __all__ = [
     "for_run",
@@ -270,10 +280,6 @@ class Checkpointer:
         """ZeRO-1's shard group (its optimizer state is saved as DTensor shards over it)."""
         self.tp_group = tp_group
         """This rank's tp process group (tp > 1): tensor-parallel parts are gathered over it to be saved whole."""
-        mesh = plan.mesh
-        if mesh.tp > 1 and mesh.sharded and (save_dir and every or resume):
-            raise CheckpointError(f"checkpoints of a plan with tp {mesh.tp} and shard {mesh.shard} are not supported: "
-                                  "its tensors are split both ways; use shard none with tp, or tp 1 with shard")
         self.rank, self.world_size = rank, world_size
         self.total_steps = total_steps
         self.save_dir = Path(save_dir) if save_dir and every else None
@@ -338,8 +344,9 @@ class Checkpointer:
     @property
     def writes_model(self) -> bool:
         """This rank writes its stages' model and optimizer state: tp rank 0 of each (pp, dp) coordinate, which
-        saves every tensor whole (a tensor-parallel part gathered from its tp ranks, :meth:`_tp_whole`); the
-        other tp ranks write their RNG state alone."""
+        saves every tensor-parallel part whole (gathered from its tp ranks, and first over its dp shard group
+        under ``shard``: :meth:`_tp_whole`) and the rest as it holds it (whole, or its DTensor shard); the other
+        tp ranks write their RNG state alone."""
         return self.plan.mesh.tp_rank(self.rank) == 0
 
     def _state(self, *, rng: bool, saving: bool = False) -> tuple[dict[str, Any], list[tuple[torch.Tensor, str]]]:
@@ -371,7 +378,12 @@ class Checkpointer:
     def _tp_whole(self, state: dict[str, Any], first: Mapping[str, nn.Parameter], *, gather: bool) -> None:
         """Put each tensor-parallel part in ``state`` (a parameter and its optimizer state) whole, so that a
         checkpoint loads under any tp: ``gather`` (saving) the tp ranks' parts; else (loading) an empty whole
-        tensor to load into, kept in ``self._tp_parts`` with the live part it is sliced into after the load."""
+        tensor to load into, kept in ``self._tp_parts`` with the live part it is sliced into after the load.
+
+        Under ``shard`` a part is a DTensor over the dp shard group: saving gathers it over that group first
+        (its ``full_tensor``), loading copies only this rank's dp shard of the sliced part (:func:`_dp_shard`).
+        Memory: each such tensor is whole on the rank while it is saved (until DCP has staged it) or loaded,
+        as under tp alone; the dp shard group's gather adds one tp part."""
         self._tp_parts: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
         tp = self.plan.mesh.tp
         if tp == 1:
@@ -390,13 +402,16 @@ class Checkpointer:
             for part, key in keys:
                 live = state[part][key]
                 if gather:
-                    pieces = [torch.empty_like(live) for _ in range(tp)]
-                    dist.all_gather(pieces, live.detach().contiguous(), group=self.tp_group)
+                    with torch.no_grad():
+                        mine = full(live.detach()).contiguous()  # this rank's tp part (its dp shards gathered)
+                    pieces = [torch.empty_like(mine) for _ in range(tp)]
+                    dist.all_gather(pieces, mine, group=self.tp_group)
+                    del mine
                     state[part][key] = unshard(pieces, sp)
                 else:
-                    shape = list(live.shape)
+                    shape = list(live.shape)  # a DTensor's is its whole tp part's
                     shape[sp.dim] *= tp
-                    whole = torch.empty(shape, dtype=live.dtype, device=live.device)
+                    whole = torch.empty(shape, dtype=live.dtype, device=local(live).device)
                     state[part][key] = whole
                     self._tp_parts.append((live, whole, sp))
         self._tp_slice = lambda whole, sp: shard_param(whole, sp, tp, self.plan.mesh.tp_rank(self.rank))
@@ -606,7 +621,7 @@ class Checkpointer:
         dcp.load(state, checkpoint_id=path, process_group=self.group)  # in place, resharded as needed
         with torch.no_grad():  # a tensor-parallel part is sliced from its whole tensor
             for live, whole, sp in self._tp_parts:
-                live.copy_(self._tp_slice(whole, sp))
+                local(live).copy_(_dp_shard(self._tp_slice(whole, sp), live))
                 if whole is state["model"].get(sp.name):
                     state["model"][sp.name] = live
         with torch.no_grad():  # every further tied copy takes its canonical value, and its optimizer state
@@ -700,6 +715,15 @@ def _mesh(mesh) -> dict[str, Any]:
     if mesh.sharded:
         out |= {"shard": mesh.shard, "shard_size": mesh.num_shards}
     return out
+
+
+def _dp_shard(part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``part`` as the DTensor ``like`` holds its own (FSDP2's and ZeRO-1's dim-0 chunks,
+    uneven ones included, cut by ``like``'s placements, no collective); ``part`` itself when ``like`` is a plain
+    tensor."""
+    if not isinstance(like, DTensor):
+        return part
+    return distribute_tensor(part, like.device_mesh, like.placements, src_data_rank=None).to_local()
 
 
 def _opt_state(optimizer, p: nn.Parameter) -> dict[str, Any]:
