@@ -305,6 +305,23 @@ def test_hf_llama_sequence_parallel_matches(llama):
     assert_sp_matches(llama, plans, 2, ids)
 
 
+def test_llamas_q_k_v_and_gate_up_gather_once_and_save_the_part(llama):
+    """Llama's q, k, v (and its MLP's gate and up) read one sequence shard: one GatheredLinear each group, one
+    all-gather, only this rank's part saved (no flattened whole [B T, C] input of theirs, as a gather shared by
+    plain Linears would save once per Linear)."""
+    plans = plan_stages([llama[0], llama[1]], 2, sequence_parallel=True)
+    sharded = shard_stage(llama[0], plans[0], 0)
+    fused = [n for n in sharded.graph.nodes if n.op == "call_module"
+             and getattr(sharded.get_submodule(str(n.target)), "kind", None) == "gather_linear"]
+    assert sorted(len(n.args) - 1 for n in fused) == [4, 6], fused  # (gate, up), (q, k, v): weight and bias each
+    assert not any(n.op == "call_module" and getattr(sharded.get_submodule(str(n.target)), "kind", None) == "gather"
+                   for n in sharded.graph.nodes)
+    ids = {"input_ids": torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))}
+    saved = _saved_shapes({0: llama[0]}, {0: plans[0]}, 2, ids)
+    # [B T, 32] once: the down projection's input (this rank's half of the intermediate 64), not the hidden 32's
+    assert saved.count((2 * 16, 32)) == 1 and saved.count((2, 8, 32)) >= 4, saved
+
+
 # ----------------------------------------------------------------------------- the key, plan.json, a run
 
 

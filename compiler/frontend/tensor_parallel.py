@@ -26,7 +26,7 @@ its sequence dim (the dim of the model input's dim-1 length; its g becomes a red
 same rules (norms, residual adds, dropout act position by position; attention, a cumsum or a reduction along
 the positions are refused, located); a replicated operand of full length there is split to this rank's
 positions (all-gather backward); a colwise module's input is all-gathered in place of f (reduce-scatter
-backward; its only colwise consumer gathers it itself and saves only the part, :class:`~.tp_comm.GatheredLinear`),
+backward; its colwise Linears gather it in one :class:`~.tp_comm.GatheredLinear` that saves only the part),
 a replicated consumer's and the last stage's outputs gathered whole; other stage outputs leave as parts and
 arrive so at the next stages (:func:`plan_stages`). A backward walk (:func:`_partial_params`) finds the
 replicated parameters whose gradient is a sum over positions split across the ranks (norm weights, rowwise
@@ -817,13 +817,23 @@ def _seq_state(st: Any) -> bool:
 
 
 def _fused(an: _Analysis, lins: Mapping[Node, _Lin], n: Node) -> bool:
-    """A colwise Linear on a sequence shard, its input's only colwise consumer: it gathers the sequence itself
-    and saves only this rank's part (:class:`~.tp_comm.GatheredLinear`); several (q, k, v apart) share one
-    all-gather instead, each saving the whole."""
+    """A colwise Linear on a sequence shard that gathers the sequence itself, with the other colwise Linears of
+    its input (q, k, v apart; an MLP's gate and up) in one :class:`~.tp_comm.GatheredLinear`: one all-gather,
+    only this rank's part saved (:func:`_fused_group`)."""
     lin = lins.get(n)
-    if lin is None or lin.kind != "linear" or n.name not in an.active or "gather" not in an.gathers.get(lin.x, ()):
-        return False
-    return sum(1 for m, other in lins.items() if other.x is lin.x and m.name in an.active) == 1
+    return lin is not None and n in _fused_group(an, lins, lin.x)
+
+
+def _fused_group(an: _Analysis, lins: Mapping[Node, _Lin], x: Node) -> tuple[Node, ...]:
+    """The colwise Linears of sequence shard ``x``, in graph order, when they can run as one
+    :class:`~.tp_comm.GatheredLinear`: every colwise consumer is a Linear (module or functional) whose weight
+    and bias are the parameters themselves. Else none: they share one all-gather, which each saves whole."""
+    if "gather" not in an.gathers.get(x, ()):
+        return ()
+    group = tuple(m for m, other in lins.items() if other.x is x and m.name in an.active)
+    ok = all(lins[m].kind == "linear" and (m.op == "call_module" or _arg(m, 2, "bias") is None or lins[m].bias)
+             for m in group)
+    return group if ok else ()
 
 
 def _sharded_state(st: Any) -> bool:
@@ -1279,18 +1289,19 @@ def _rewrite(an: _Analysis, lins: Mapping[Node, _Lin], graph: Graph, env: dict[N
             if n.name in an.vocab_on:
                 result[n] = _lookup(an, graph, new, lin, result[lin.x], comm, lookups)
             continue
-        if _fused(an, lins, n):
-            with graph.inserting_before(new):
-                if new.op == "call_module":
-                    w = graph.get_attr(lin.weight)
-                    b = graph.get_attr(lin.bias) if lin.bias else None
-                else:
-                    w, b = new.args[1], _arg(new, 2, "bias")
-                y = graph.call_module(comm("gather_linear", sx.dim, sx.segments), (result[lin.x], w, b))
-            y.meta = dict(new.meta)
-            new.replace_all_uses_with(y)
-            graph.erase_node(new)
-            result[n] = y
+        if group := _fused_group(an, lins, lin.x):
+            if n is group[0]:  # one GatheredLinear for the group, before its first; each member its output
+                with graph.inserting_before(new):
+                    params = [graph.get_attr(a) if a else None for m in group for a in (lins[m].weight, lins[m].bias)]
+                    y = graph.call_module(comm("gather_linear", sx.dim, sx.segments), (result[lin.x], *params))
+                    y.meta = dict(new.meta) if len(group) == 1 else {}
+                    outs = [y] if len(group) == 1 else [graph.call_function(operator.getitem, (y, i))
+                                                         for i in range(len(group))]
+                for m, out in zip(group, outs):
+                    out.meta = dict(env[m].meta)
+                    env[m].replace_all_uses_with(out)
+                    graph.erase_node(env[m])
+                    result[m] = out
             continue
         if n.name in an.active:
             x = result[lin.x]

@@ -196,34 +196,45 @@ class GatherWholeFromSP(torch.autograd.Function):
 
 
 class GatheredLinear(torch.autograd.Function):
-    """A colwise Linear on the all-gathered sequence, saving only this rank's part (Korthikanti et al. 2022,
-    4.2.2): all-gather forward, then the linear; backward, the input's gradient reduce-scattered and, for the
-    weight's, the sequence all-gathered again. Under a split backward (``stash``: the zero-bubble
-    :class:`~pipec.compiler.frontend.deferred.WeightGradStash`) the weight's gradient is stashed for ``BWD_W``."""
+    """Colwise Linears on the all-gathered sequence, saving only this rank's part (Korthikanti et al. 2022,
+    4.2.2): one all-gather forward, then each linear (``params``: weight, bias of each, the bias None where it has
+    none; several when q, k, v or an MLP's gate and up share the input); backward, the input's gradient (the sum
+    over the linears) reduce-scattered once and, for the weights', the sequence all-gathered again once. Under a
+    split backward (``stash``: the zero-bubble :class:`~pipec.compiler.frontend.deferred.WeightGradStash`) the
+    weights' gradients are stashed for ``BWD_W``. One linear gives its output, several a tuple."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: TPGroup, dim: int,
-                stash: Any) -> torch.Tensor:
-        ctx.group, ctx.dim, ctx.stash, ctx.has_bias = group, dim, stash, bias is not None
-        ctx.save_for_backward(x, weight)
-        ctx.weight = weight  # the parameter itself (saved_tensors may give back an alias)
-        return torch.nn.functional.linear(group.all_gather(x, dim), weight, bias)
+    def forward(ctx: Any, x: torch.Tensor, group: TPGroup, dim: int, stash: Any,
+                *params: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        weights, biases = params[0::2], params[1::2]
+        ctx.group, ctx.dim, ctx.stash, ctx.has_bias = group, dim, stash, [b is not None for b in biases]
+        ctx.save_for_backward(x, *weights)
+        ctx.weights = weights  # the parameters themselves (saved_tensors may give back aliases)
+        full = group.all_gather(x, dim)
+        out = tuple(torch.nn.functional.linear(full, w, b) for w, b in zip(weights, biases))
+        return out[0] if len(out) == 1 else out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        x, weight = ctx.saved_tensors
-        grad_x = ctx.group.reduce_scatter(grad @ weight.to(grad.dtype), ctx.dim) if ctx.needs_input_grad[0] else None
-        grad_w = grad_b = None
-        if ctx.needs_input_grad[1]:
-            full = ctx.group.all_gather(x.detach(), ctx.dim)
-            if ctx.stash is not None:
-                ctx.stash.items.append((ctx.weight, full, grad.detach()))
-            else:
-                grad_w = (grad.reshape(-1, grad.shape[-1]).t() @ full.reshape(-1, full.shape[-1]).to(grad.dtype)
-                          ).to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0)
-        return grad_x, grad_w, grad_b, None, None, None
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        x, *weights = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        grad_x = None
+        if need[0]:
+            total = sum(g @ w.to(g.dtype) for g, w in zip(grads, weights))
+            grad_x = ctx.group.reduce_scatter(total, ctx.dim)
+        out: list[Any] = [grad_x, None, None, None]
+        full = ctx.group.all_gather(x.detach(), ctx.dim) if any(need[4::2]) else None
+        for i, (g, w) in enumerate(zip(grads, weights)):
+            grad_w = grad_b = None
+            if need[4 + 2 * i]:
+                if ctx.stash is not None:
+                    ctx.stash.items.append((ctx.weights[i], full, g.detach()))
+                else:
+                    grad_w = (g.reshape(-1, g.shape[-1]).t() @ full.reshape(-1, full.shape[-1]).to(g.dtype)).to(w.dtype)
+            if ctx.has_bias[i] and need[5 + 2 * i]:
+                grad_b = g.reshape(-1, g.shape[-1]).sum(0)
+            out += [grad_w, grad_b]
+        return tuple(out)
 
 
 def _weight_grad_stash() -> Any:
@@ -239,8 +250,9 @@ def _weight_grad_stash() -> Any:
 class TPComm(nn.Module):
     """One kind of collective in a sharded stage's graph: ``"copy"`` (f), ``"reduce"`` (g), or sequence
     parallelism's ``"gather"`` / ``"scatter"`` / ``"split"`` / ``"gather_whole"`` along ``dim`` (tp rank
-    ``rank`` of ``size``); ``"gather_linear"`` takes ``(x, weight, bias)``: a colwise Linear on the gathered
-    sequence that saves this rank's part (:class:`GatheredLinear`). With ``segments`` > 1, ``dim`` is that many
+    ``rank`` of ``size``); ``"gather_linear"`` takes ``(x, weight, bias, ...)``: colwise Linears (a weight and a
+    bias, or None, each) on the gathered sequence that save this rank's part (:class:`GatheredLinear`; several
+    give a tuple). With ``segments`` > 1, ``dim`` is that many
     blocks (a flattened ``[B T]``), each cut into the tp parts: the collective acts on each block.
 
     ``group`` is set when the stage is built for its rank (:func:`set_group`); while it is None the module runs
@@ -255,18 +267,22 @@ class TPComm(nn.Module):
         self.kind, self.dim, self.size, self.rank, self.segments = kind, dim, size, rank, segments
         self.group: TPGroup | None = None
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *params: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if self.segments > 1:  # each block on its own: the blocks as a dim of their own, then flattened back
             d = self.dim
-            return self._forward(x.unflatten(d, (self.segments, -1)), weight, bias, d + 1).flatten(d, d + 1)
-        return self._forward(x, weight, bias, self.dim)
+            out = self._forward(x.unflatten(d, (self.segments, -1)), params, d + 1)
+            return out.flatten(d, d + 1) if isinstance(out, torch.Tensor) else tuple(o.flatten(d, d + 1) for o in out)
+        return self._forward(x, params, self.dim)
 
-    def _forward(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, dim: int) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, params: tuple[torch.Tensor | None, ...],
+                 dim: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
         kind = self.kind
         if kind == "gather_linear":
             if self.group is None:
-                return torch.nn.functional.linear(torch.cat([x] * self.size, dim=dim), weight, bias)
-            return GatheredLinear.apply(x, weight, bias, self.group, dim, _weight_grad_stash())
+                full = torch.cat([x] * self.size, dim=dim)
+                out = tuple(torch.nn.functional.linear(full, w, b) for w, b in zip(params[0::2], params[1::2]))
+                return out[0] if len(out) == 1 else out
+            return GatheredLinear.apply(x, self.group, dim, _weight_grad_stash(), *params)
         if self.group is None:
             if kind in ("gather", "gather_whole") and self.size > 1:
                 return torch.cat([x] * self.size, dim=dim)
