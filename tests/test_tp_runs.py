@@ -20,7 +20,7 @@
   steps, and from its checkpoint of step 2 a run to step 4 under the same layout (bit-identical), under tp 1
   (dp 2, shard full) and under tp 2 with shard none and with shard optimizer (the same losses, parameters and
   optimizer state within the resume tests' tolerance); a tp 1 checkpoint (pp 2 x dp 2, shard full) resumed
-  under tp 2 with shard full likewise.
+  under tp 2 with shard full likewise. The vocabulary is 66, so the embedding's tp part is in uneven dp shards.
 
 All the default runs share one 4-rank launch (tests/launches.py); ``--slow`` adds one of 4 and one of 8, and the
 checkpoints' resumes one of 4 and one of 2 (their first runs join the 4-rank launch of ``--slow``).
@@ -185,13 +185,16 @@ def test_saved_activations_are_at_most_the_prediction_and_within_ten_percent(tp_
 SHARDED = {"tp2": {"pp": 1, "dp": 2, "shard": "full"}, "tp1": {"pp": 2, "dp": 2, "tp": 1, "shard": "full"}}
 """The uninterrupted runs (4 steps, a checkpoint every 2): tp 2 under shard full, and tp 1 under it (pp 2 for 4
 ranks; dp 2 in both, so both read the same batches)."""
+UNEVEN = {"model_args": {**MODELS["gpt"]["model_args"], "vocab": 66}}
+"""The GPT of a vocabulary of 66: at tp 2 the (vocab-parallel) embedding's part has 33 rows, which FSDP2 and
+ZeRO-1 cut into uneven dp shards of 17 and 16."""
 
 
 def _sharded_runs(folder: Path) -> dict[str, dict]:
     jobs = {}
     for name, mesh in SHARDED.items():
         path = folder / f"{name}.json"
-        write_plan(tp_plan("gpt", "1f1b", **mesh), str(path))
+        write_plan(tp_plan("gpt", "1f1b", **mesh, **UNEVEN), str(path))
         jobs[name] = run_job(with_checkpoints(path, folder / f"{name}_ck.json", folder / name, every=2), "--steps", "4")
     return jobs
 
@@ -203,7 +206,7 @@ def _sharded_resumes(resumes: dict[str, tuple[dict, str]]):
         runs, jobs = LAUNCHES.folder("tp_sharded_ckpt"), {}
         for name, (mesh, src) in resumes.items():
             path = folder / f"{name}.json"
-            write_plan(tp_plan("gpt", "1f1b", **mesh), str(path))
+            write_plan(tp_plan("gpt", "1f1b", **mesh, **UNEVEN), str(path))
             plan = with_checkpoints(path, folder / f"{name}_ck.json", folder / name, every=2)
             jobs[name] = run_job(plan, "--steps", "4", "--resume", str(runs / src / "step_00000002"))
         return jobs
@@ -252,6 +255,7 @@ def test_a_tp_2_shard_full_checkpoint_resumes_under_its_layout_tp_1_and_other_sh
     # tp rank 1 (global ranks 1 and 3) gives its parts to tp rank 0, which writes them whole: they write RNG alone
     assert sizes["__1_0.distcp"] < 32 * 1024 and sizes["__3_0.distcp"] < 32 * 1024, sizes
     want = {name: full_state(runs / name / "step_00000004") for name in SHARDED}
+    assert want["tp2"]["model.wte.weight"].shape == (66, 32)  # its tp parts of 33 rows: uneven dp shards
     first = {name: {s["step"]: s["loss"] for s in tp_sharded_ckpt[name]["report"]["steps"]} for name in SHARDED}
     # the same layout continues bit-identical, its RNG streams restored
     rec, out, src = resumed.pop("same")
