@@ -26,6 +26,7 @@ from pipec.runtime.sharding import ParamShards, ShardLayout, full, local, shard_
 from pipec.runtime.training import (
     TrainingError,
     autocast_dtype,
+    dropout_off,
     make_data,
     make_loss,
     stage_loss,
@@ -299,7 +300,13 @@ class Trainer:
                 mb_inputs, mb_targets = self.batch(step)
             else:
                 mb_inputs = mb_targets = None
-            result = self.executor.run_step(mb_inputs, mb_targets)
+            if self.check_pending:  # the compared step (and the reference inside its OPT): dropout off on both
+                with dropout_off() as no_dropout:
+                    result = self.executor.run_step(mb_inputs, mb_targets)
+                if self.check_result is not None:
+                    self.check_result["dropout_off"] = no_dropout.dropped
+            else:
+                result = self.executor.run_step(mb_inputs, mb_targets)
             if self.device.type == "cuda":  # the allocator's peak; on CPU only the process's resident size is known
                 result.peak_memory_bytes = self.peak_memory()
             else:
@@ -435,8 +442,9 @@ class Trainer:
             verdict = "passed" if res["passed"] else "FAILED"
             print(f"pipec: --check {verdict}: loss {res['loss']:.6f} vs reference {res['reference_loss']:.6f} "
                   f"(diff {res['loss_diff']:.2e}); max gradient diff {res['max_grad_diff']:.2e} "
-                  f"(tolerance {atol:g} + {rtol:g} x max|reference| per tensor; {res['policy']})", file=sys.stderr,
-                  flush=True)
+                  f"(tolerance {atol:g} + {rtol:g} x max|reference| per tensor; {res['policy']}"
+                  + ("; the model's dropout off for this step on both sides: its masks are random" if
+                     res.get("dropout_off") else "") + ")", file=sys.stderr, flush=True)
         return res["passed"]
 
     def tokens_per_step(self) -> int | None:
@@ -492,7 +500,8 @@ class Trainer:
             return None
         r = self.check_result
         return {"passed": r.get("passed", False), "loss_diff": r.get("loss_diff"), "max_grad_diff": r["max_grad_diff"],
-                "tolerance": {"atol": r["atol"], "rtol": r["rtol"]}, "policy": r["policy"]}
+                "tolerance": {"atol": r["atol"], "rtol": r["rtol"]}, "policy": r["policy"],
+                "dropout_off": bool(r.get("dropout_off"))}
 
     def state_table(self, held):
         """report.json's ``state_bytes`` as a table: what each rank held after its last step, beside the plan's."""

@@ -33,6 +33,7 @@ __all__ = [
     "make_data",
     "synthetic_batch",
     "split_microbatches",
+    "dropout_off",
 ]
 
 
@@ -207,3 +208,62 @@ def _split_tensor(t: torch.Tensor, num_microbatches: int, what: str) -> list[tor
             f"{what}: a batch of {t.shape[0]} does not split into {num_microbatches} equal microbatches; "
             f"use a batch that {num_microbatches} divides, or another microbatch count")
     return list(t.chunk(num_microbatches))
+
+
+def _dropouts() -> dict[Any, int]:
+    """Every dropout a model can call (Python function, torch function or aten op), with the position of its
+    ``p`` argument (its ``training`` flag follows it)."""
+    import torch.nn.functional as F
+
+    aten = torch.ops.aten
+    out: dict[Any, int] = {f: 1 for f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+                                          F.feature_alpha_dropout, torch.dropout, torch.alpha_dropout,
+                                          torch.feature_dropout, torch.feature_alpha_dropout)}
+    for name in ("dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"):
+        out[getattr(aten, name).default] = 1
+    return out
+
+
+def _attentions() -> dict[Any, tuple[int, str]]:
+    """Every scaled-dot-product attention a model can call, with the position and name of its ``dropout_p``."""
+    import torch.nn.functional as F
+
+    aten = torch.ops.aten
+    return {F.scaled_dot_product_attention: (4, "dropout_p"), aten.scaled_dot_product_attention.default: (4, "dropout_p"),
+            aten._scaled_dot_product_flash_attention_for_cpu.default: (3, "dropout_p"),
+            aten._scaled_dot_product_flash_attention.default: (3, "dropout_p"),
+            aten._scaled_dot_product_efficient_attention.default: (5, "dropout_p"),
+            aten._scaled_dot_product_cudnn_attention.default: (5, "dropout_p")}
+
+
+class dropout_off(torch.overrides.TorchFunctionMode):
+    """``--check``'s compared step: every dropout is the identity (attention's ``dropout_p`` is 0), in the
+    pipelined stages and in the reference alike (their masks are random and drawn in another order: the two steps could not agree with them on).
+    ``dropped`` says whether any dropout met would have dropped something (``p`` > 0 in training)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table, self.attention = _dropouts(), _attentions()
+        self.dropped = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        at = self.table.get(func)
+        if at is None:
+            attention = self.attention.get(func)
+            if attention is not None:  # attention's own dropout (HF models pass attn_pdrop here in training)
+                i, name = attention
+                if len(args) > i:
+                    self.dropped |= float(args[i]) > 0
+                    args = (*args[:i], 0.0, *args[i + 1:])
+                elif name in kwargs:
+                    self.dropped |= float(kwargs[name]) > 0
+                    kwargs = {**kwargs, name: 0.0}
+            return func(*args, **kwargs)
+        p = args[at] if len(args) > at else kwargs.get("p", 0.5)
+        train = args[at + 1] if len(args) > at + 1 else kwargs.get("training", kwargs.get("train", True))
+        self.dropped |= bool(train) and float(p) > 0
+        x = args[0] if args else kwargs["input"]
+        if func is torch.ops.aten.native_dropout.default:
+            return x, torch.ones_like(x, dtype=torch.bool)
+        return x

@@ -2,8 +2,8 @@
 
 Hugging Face models are built from small configs (random weights, no download) and wrapped in a module
 whose forward returns the logits, as a user would write for a loss that takes a tensor. Dropout is off so
-that ``--check`` can compare the pipelined step with the unpartitioned one exactly; nothing else is tuned
-for pipec.
+that the runs' later steps can be compared with single-process training (``--check``'s compared step runs
+without it anyway: ``gpt2(dropout=True)`` keeps GPT-2's own); nothing else is tuned for pipec.
 """
 
 from __future__ import annotations
@@ -29,12 +29,15 @@ class Logits(nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
 
 
-def gpt2(layers: int = 2, dim: int = 32, heads: int = 2, vocab: int = 96, seq: int = 16) -> nn.Module:
+def gpt2(layers: int = 2, dim: int = 32, heads: int = 2, vocab: int = 96, seq: int = 16,
+         dropout: bool = False) -> nn.Module:
+    """GPT-2; ``dropout``: its own default dropout (0.1 on the embeddings, the residuals and attention)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    off = {} if dropout else {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
     return Logits(GPT2LMHeadModel(GPT2Config(
         n_layer=layers, n_embd=dim, n_head=heads, vocab_size=vocab, n_positions=seq, use_cache=False,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)))
+        bos_token_id=0, eos_token_id=0, **off)))
 
 
 def llama(layers: int = 2, dim: int = 32, heads: int = 4, vocab: int = 96, seq: int = 16) -> nn.Module:
