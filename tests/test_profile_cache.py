@@ -114,6 +114,33 @@ def test_a_stage_of_another_cut_is_reused_and_so_is_the_crowd_of_its_shape(timed
     assert timed["crowds"] == 2  # another number of ranks sharing the host: a crowd of its own
 
 
+def test_a_tensor_parallel_stage_is_timed_sharded_as_its_rank_runs_it(monkeypatch):
+    """Under tp 2 each stage is timed as its tp rank 0 runs it (the MLP's fc and proj at half their hidden width),
+    its cost that rank's (``costs_local``: the simulator adds the collectives and scales nothing); the timings
+    are new entries (tp 1's do not price it), and the single device's step scales them back to whole."""
+    from pipec.compiler.frontend import timings
+    from pipec.compiler.sim.metrics import _unsharded
+
+    shapes = []
+    real = timings._stage_runner
+
+    def runner(mod, sigs, sources, autocast):
+        shapes.append(sorted(tuple(p.shape) for p in mod.parameters() if p.dim() == 2))
+        return real(mod, sigs, sources, autocast)
+
+    monkeypatch.setattr(timings, "_stage_runner", runner)
+    one = build_stage_graph(_mlp())
+    assert shapes == [[(16, 64), (16, 64), (64, 16), (64, 16)]] * 2  # tp 1: whole (hidden 4 x 16)
+    shapes.clear()
+    two = build_stage_graph(_mlp(tp=2))
+    assert shapes == [[(16, 32), (16, 32), (32, 16), (32, 16)]] * 2  # a miss, timed as tp rank 0 holds them
+    for st in two.stages:
+        assert st.tp is not None and st.tp.costs_local and st.tp.to_json()["costs_local"] is True
+        whole = _unsharded(st.cost, st)
+        assert whole.fwd == pytest.approx(st.cost.fwd / st.tp.compute_share())
+    assert all(st.tp is None for st in one.stages)
+
+
 def test_a_damaged_entry_is_named_and_measured_again(timed, root):
     first = build_stage_graph(_mlp())
     files = sorted((root / "stage").glob("*.json"))

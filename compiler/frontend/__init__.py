@@ -268,8 +268,10 @@ def cut_stage_graph(tm: TracedModel, req: ModelRequest, *, placement: Sequence[i
                                        reps=req.profile_reps)
         stage_costs = costs_pass.stage_costs(
             split, req.costs, recompute=recompute, peak_flops=req.peak_flops, profile=profile, autocast=tm.autocast,
-            target=src.target, kwargs=req.kwargs, search_path=src.search_path,
+            target=src.target, kwargs=req.kwargs, search_path=src.search_path, tps=tps,
         )
+        if req.costs == "profile":  # each sharded stage was timed as its tp rank runs it
+            tps = tuple(replace(t, costs_local=True) if t is not None and t.tp > 1 else t for t in tps)
     return _stage_graph(tm, req, split, stage_costs, ranks, recompute, tps)
 
 

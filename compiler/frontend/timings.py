@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import statistics
+from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -147,27 +148,48 @@ def _check_crowd(value: Mapping[str, Any]) -> None:
 
 
 def _runners(split: Split, stages: Sequence[int], autocast: str | None, target: str, kwargs: Mapping[str, Any],
-             search_path: Sequence[str]) -> dict[int, Callable[[], _Sample]]:
-    """Stage runners of ``stages``, each on its stage module with seeded random parameters (the same in any cut)."""
+             search_path: Sequence[str], tps: Sequence[Any] = ()) -> dict[int, Callable[[], _Sample]]:
+    """Stage runners of ``stages``, each on its stage module with seeded random parameters (the same in any cut);
+    a stage with tensor parallelism (``tps[s]``) as tp rank 0 runs it: sharded, its inputs at that rank's shapes
+    (a sequence part under sequence parallelism), its collectives left out (they are priced on the links)."""
     from pipec.compiler.frontend.stages import materialize  # profile -> stages -> partition; late to keep layers clear
 
     _, buffers = instantiate(target, kwargs, mode="skeleton", search_path=search_path)
     gen = torch.Generator().manual_seed(0)
     values = {c: (torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype) for c, p in split.traced.param_of.items()}
-    return {s: _stage_runner(materialize(split, s, {c: values[c] for c in split.parts[s].params}, buffers, "cpu"),
-                             split.parts[s].inputs, split.parts[s].sources, autocast) for s in stages}
+    out = {}
+    for s in stages:
+        mod = materialize(split, s, {c: values[c] for c in split.parts[s].params}, buffers, "cpu")
+        sigs = split.parts[s].inputs
+        if (stp := _tp(tps, s)) is not None:
+            from pipec.compiler.frontend.tensor_parallel import shard_stage
+
+            mod = shard_stage(mod, stp, 0)
+            seq = dict(stp.seq_inputs)
+            sigs = [replace(x, shape=tuple(d // stp.tp if i == seq[x.name] else d for i, d in enumerate(x.shape)))
+                    if x.name in seq else x for x in sigs]
+        out[s] = _stage_runner(mod, sigs, split.parts[s].sources, autocast)
+    return out
+
+
+def _tp(tps: Sequence[Any], s: int) -> Any:
+    """Stage ``s``'s tensor parallelism where it shards anything (tp >= 2), else None."""
+    stp = tps[s] if tps else None
+    return stp if stp is not None and stp.tp > 1 else None
 
 
 def profile_stages(split: Split, profile: Profiling, *, autocast: str | None, target: str, kwargs: Mapping[str, Any],
-                   search_path: Sequence[str]) -> tuple[list[Cost], dict[str, Any]]:
+                   search_path: Sequence[str], tps: Sequence[Any] = ()) -> tuple[list[Cost], dict[str, Any]]:
     """Every stage's cost (its least alone times the crowd's slowdown per part; its spread the crowd's, with one
     rank its own) and plan.json's ``model["profile"]`` (:func:`_record`), timing only what the profile cache does
-    not hold."""
+    not hold. ``tps``: each stage's tensor parallelism (none: tp 1); a sharded stage is timed as its tp rank 0
+    runs it (:func:`_runners`), its cost that rank's."""
     host = _host_key(profile.threads)
     dtype = autocast or "float32"
     num, many = split.num_stages, profile.num_ranks > 1
     keys = [{"stage": stage_digest(split, s), "inputs": [[list(x.shape), x.dtype] for x in split.parts[s].inputs],
-             "dtype": dtype, **host} for s in range(num)]
+             "dtype": dtype, **host, **({"tp": stp.to_json()} if (stp := _tp(tps, s)) is not None else {})}
+            for s in range(num)]
     entries: dict[int, cache.Entry] = {}
     for s in range(num):
         if (e := cache.lookup("stage", keys[s], _check_stage)) is not None:
@@ -175,6 +197,8 @@ def profile_stages(split: Split, profile: Profiling, *, autocast: str | None, ta
     crowd_key = {"model": split.traced.fingerprint,
                  "inputs": [[x.name, list(x.shape), x.dtype] for x in split.traced.inputs], "dtype": dtype,
                  "ranks": profile.num_ranks, **host}
+    if any(_tp(tps, s) is not None for s in range(num)):  # the crowd's processes run the sharded stages
+        crowd_key["tp"] = [stp.to_json() if (stp := _tp(tps, s)) is not None else None for s in range(num)]
     shared = cache.lookup("crowd", crowd_key, _check_crowd) if many else None
     host_entry = cache.lookup("host", host, _check_host)
     baseline = float(host_entry.value["reference_s"]) if host_entry else None
@@ -185,7 +209,7 @@ def profile_stages(split: Split, profile: Profiling, *, autocast: str | None, ta
     restore = _threads(profile.threads)
     try:
         built = sorted(set(todo) | (set(range(num)) if many and shared is None else set()))
-        runners = _runners(split, built, autocast, target, kwargs, search_path) if built else {}
+        runners = _runners(split, built, autocast, target, kwargs, search_path, tps) if built else {}
         if todo:
             load = _load()
             samples, speed = profile.alone({s: runners[s] for s in todo}, baseline=baseline)

@@ -126,6 +126,10 @@ class StageTP:
     loss_parallel: bool = False
     """The last stage's output is its logits split on the last (class) dim across the tp ranks; the loss
     (``cross_entropy``) is computed vocab-parallel (see the module doc)."""
+    costs_local: bool = False
+    """The stage's cost is one tp rank's own: ``costs profile`` timed the sharded stage (its compute share and
+    its optimizer's share of the parameters are in the timing; its collectives are not). Else the cost is the
+    unsharded stage's, scaled by :meth:`compute_share`."""
 
     def sharded(self, name: str) -> ShardedParam | None:
         """The sharding of canonical parameter ``name``, or None where it is replicated."""
@@ -153,6 +157,8 @@ class StageTP:
                 "partial_params": list(self.partial_params)}
         if self.loss_parallel:  # likewise
             out["loss_parallel"] = True
+        if self.costs_local:
+            out["costs_local"] = True
         return out
 
     @classmethod
@@ -166,4 +172,4 @@ class StageTP:
                    seq_inputs=tuple((str(x["name"]), int(x["dim"])) for x in sp.get("inputs", ())),
                    seq_outputs=tuple((str(x["name"]), int(x["dim"])) for x in sp.get("outputs", ())),
                    partial_params=tuple(str(n) for n in sp.get("partial_params", ())),
-                   loss_parallel=bool(d.get("loss_parallel", False)))
+                   loss_parallel=bool(d.get("loss_parallel", False)), costs_local=bool(d.get("costs_local", False)))

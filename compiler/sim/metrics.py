@@ -44,13 +44,28 @@ def single_device_step(whole: Sequence[Cost], num_microbatches: int) -> float:
 
 def plan_single_device_step(plan) -> float | None:
     """:func:`single_device_step` from a plan's own stages (their unsharded costs, a recomputed stage's second
-    forward taken out) over all replicas' microbatches; None for a plan in units."""
+    forward taken out, a stage timed sharded scaled back to whole: :func:`_unsharded`) over all replicas' microbatches; None for a plan in units."""
     if plan.unit_costs or not plan.stages:
         return None
     recomputed = set(plan.spec.get("recompute") or ())
-    whole = [replace(st.cost, bwd=st.cost.bwd - st.cost.fwd) if st.stage in recomputed else st.cost
+    whole = [_unsharded(replace(st.cost, bwd=st.cost.bwd - st.cost.fwd) if st.stage in recomputed else st.cost, st)
              for st in plan.stages]
     return single_device_step(whole, plan.num_microbatches * plan.mesh.dp)
+
+
+def _unsharded(cost: Cost, st) -> Cost:
+    """A stage's cost as one device would run it whole: a cost timed on one tp rank's sharded stage
+    (``costs_local``) over its compute share, its optimizer over the share of the parameters the rank holds; any
+    other cost is the unsharded stage's already."""
+    from pipec.compiler.passes.memory import local_params
+
+    stp = st.tp
+    if stp is None or stp.tp < 2 or not stp.costs_local:
+        return cost
+    k = stp.compute_share()
+    held = local_params(st) / st.num_params if st.num_params else 1.0
+    return replace(cost, fwd=cost.fwd / k, bwd=cost.bwd / k, bwd_i=cost.bwd_i / k, bwd_w=cost.bwd_w / k,
+                   optim=cost.optim / held)
 
 
 def scaling_efficiency(step_time: float, num_devices: int, single_step: float | None) -> float | None:

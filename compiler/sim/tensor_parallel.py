@@ -2,7 +2,8 @@
 
 A stage whose :attr:`~pipec.compiler.ir.plan.Stage.tp` is set (a :class:`~pipec.compiler.ir.tensor_parallel.
 StageTP` of tp >= 2) runs, on each of its tp ranks, ``compute_share()`` of its unsharded compute (forward,
-input-backward, weight-backward: the profiled or FLOP-derived times of the whole stage) and, per microbatch,
+input-backward, weight-backward: the FLOP-derived times of the whole stage; under ``costs profile`` the sharded
+stage is timed as one tp rank runs it, ``costs_local``, and its cost is taken as it is) and, per microbatch,
 its tp collectives: the forward ones inside ``F``, the backward ones inside the input half (``I``, or ``B``
 unsplit). A recomputed stage runs its forward collectives again before its backward, in the half its
 recomputed forward sits in (:func:`~pipec.compiler.frontend.costs.with_recompute`). Its optimizer step walks
@@ -44,8 +45,13 @@ def tp_cost(cost: Cost, stp: StageTP, *, forward_s: float, backward_s: float, re
     collectives' ``forward_s`` added to ``F`` (and, when ``recomputed``, to the half of the backward that holds
     the recomputed forward), the backward collectives' ``backward_s`` to the input half (``I``; ``W`` when the
     stage has no input half, a stage fed only by model inputs), the optimizer step at ``state_share`` (the
-    share of the stage's parameters a tp rank holds)."""
-    k = stp.compute_share()
+    share of the stage's parameters a tp rank holds). A cost ``costs profile`` timed on the sharded stage
+    (:attr:`~pipec.compiler.ir.tensor_parallel.StageTP.costs_local`) is one rank's already: only the collectives
+    are added."""
+    if stp.costs_local:  # timed as one tp rank runs it: its shares are in the cost already
+        k, state_share = 1.0, 1.0
+    else:
+        k = stp.compute_share()
     fwd, bwd_i, bwd_w = cost.fwd * k + forward_s, cost.bwd_i * k, cost.bwd_w * k
     extra = backward_s + (forward_s if recomputed else 0.0)
     if cost.bwd_i > 0:
