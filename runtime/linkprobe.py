@@ -17,7 +17,9 @@ Three uses, one set of measurements:
 What is measured: point-to-point between rank 0 and rank 1 (on a cluster, put
 them on different nodes to measure the network) at each message size, fitted
 to ``latency + bytes / bandwidth``; an all-reduce over every rank, fitted to
-the ring's ``latency + 2 (n - 1) / n x bytes / bandwidth``; with ``--sharded``
+the ring's ``latency + 2 (n - 1) / n x bytes / bandwidth``, back to back (``dp``) and
+each after a compute (``tp``: a tensor-parallel stage's all-reduces sit between its
+Linears, and each waits there for its peer); with ``--sharded``
 an all-gather too (``(n - 1) / n``); and the executor's host seconds per
 instruction kind, from a zero-compute step of a small plan (the real
 executor's handlers, timed as they run, less the waits they do). When the
@@ -425,6 +427,34 @@ def _collective(kind: str, nbytes: int, device, rounds: int) -> float:
     return _timed(rounds, run)
 
 
+def _between_computes(nbytes: int, device, rounds: int) -> float:
+    """Seconds one all-reduce adds after a compute, as a tensor-parallel stage runs its collectives between its
+    Linears: ``rounds`` of (a matmul, the all-reduce) less ``rounds`` of the matmul alone. Back to back the ranks
+    arrive together; after a compute each waits for its peer's and for its own wake-up, which costs more."""
+    buf = torch.zeros(max(1, nbytes // 4), device=device)
+    a, w = torch.randn(512, 256, device=device), torch.randn(256, 512, device=device)
+
+    def compute():
+        (a @ w).sum()
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def alone():
+        for _ in range(8):
+            compute()
+        sync()
+
+    def mixed():
+        for _ in range(8):
+            compute()
+            dist.all_reduce(buf)
+        sync()
+
+    return max(0.0, (_timed(rounds, mixed) - _timed(rounds, alone)) / 8)
+
+
 def _tiny_overhead(backend: str, device) -> dict[str, float]:
     """The executor's host overhead on a small zero-compute plan over every rank (1f1b, 4 microbatches per rank)."""
     from pipec.compiler.driver import compile_plan
@@ -452,6 +482,8 @@ def probe(sizes: Sequence[int], *, sharded: bool = False, rounds: int = 5) -> di
     links = {"pp": {"latency_s": lat, "bandwidth_Bps": bw, "measured": measured}}
     lat, bw = _fit(sizes, ar, 2 * (world - 1) / world)
     links["dp"] = links["tie"] = {"latency_s": lat, "bandwidth_Bps": bw, "measured": measured}
+    lat, bw = _fit(sizes, [_between_computes(s, device, rounds) for s in sizes], 2 * (world - 1) / world)
+    links["tp"] = {"latency_s": lat, "bandwidth_Bps": bw, "measured": measured}
     if sharded:
         ag = [_collective("all_gather", s, device, rounds) for s in sizes]
         lat, bw = _fit(sizes, ag, (world - 1) / world)

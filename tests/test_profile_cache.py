@@ -232,7 +232,7 @@ def test_two_compiles_at_once_then_one_that_reuses_every_timing(tmp_path, root):
 
 _PROBED = {"links": {axis: {"latency_s": 1e-4, "bandwidth_Bps": 1e9,
                             "measured": {"at": "2026-01-01T00:00:00Z", "backend": "gloo", "ranks": 2}}
-                     for axis in ("pp", "dp", "tie", "shard")},
+                     for axis in ("pp", "dp", "tie", "shard", "tp")},
            "overhead": {"seconds": {"FWD": 1e-5}, "measured": {"at": "2026-01-01T00:00:00Z", "backend": "gloo"}}}
 
 
@@ -242,7 +242,7 @@ def test_links_are_probed_once_per_host_and_backend_for_every_layout(monkeypatch
     probes = []
     monkeypatch.setattr(links, "_backend", lambda: "gloo")
     monkeypatch.setattr(links, "_probe", lambda plan, backend: probes.append(plan.mesh.sharded) or json.loads(
-        json.dumps(_PROBED)))  # its links: pp, dp, tie and the all-gather's shard
+        json.dumps(_PROBED)))  # its links: pp, dp, tie, the all-gather's shard, tp
     plan = compile_plan(num_ranks=2, num_microbatches=2, schedule="1f1b").plan
     first, _ = links.measure_links(plan)
     new_process()
@@ -252,9 +252,13 @@ def test_links_are_probed_once_per_host_and_backend_for_every_layout(monkeypatch
     assert again.links["pp"].measured.at == "2026-01-01T00:00:00Z" and "kept in the profile cache" in notes[-1]
     assert again.overhead.measured.reused
     assert "shard" not in again.links or not again.links["shard"].measured  # an unsharded plan keeps no all-gather
+    assert "tp" not in again.links  # nor a tp 1 plan the all-reduce between computes
     sharded = compile_plan(num_ranks=2, num_microbatches=2, schedule="1f1b", dp=2, shard="full").plan
     got, _ = links.measure_links(sharded)
     assert probes == [False] and got.links["shard"].measured.reused  # one probe for every layout
+    with_tp = compile_plan(num_ranks=2, num_microbatches=2, schedule="1f1b", tp=2).plan
+    got, _ = links.measure_links(with_tp)
+    assert probes == [False] and got.links["tp"].measured.reused
     (path,) = (root / "links").glob("*.json")
     path.write_text("[]")
     new_process()

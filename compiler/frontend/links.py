@@ -60,7 +60,7 @@ MAX_SIZES = 4
 ANCHOR_BYTES = 1 << 22
 """Always measured too: a size large enough that the fit's bandwidth is not noise when the plan's messages are small."""
 
-PROBE_METHOD = 2
+PROBE_METHOD = 3
 """What the probe measures; cache entries of another method are misses."""
 
 
@@ -262,8 +262,10 @@ def measure_links(plan: Plan) -> tuple[Plan, list[str]]:
         entry = cache.store("links", key, obj)
         notes += cache.take_notes()
     obj = dict(entry.value)
-    if not plan.mesh.sharded:  # the all-gather prices only shard groups
-        obj["links"] = {axis: link for axis, link in obj["links"].items() if axis != "shard"}
+    drop = {"shard"} if not plan.mesh.sharded else set()  # the all-gather prices only shard groups,
+    if plan.mesh.tp == 1:                                    # the all-reduce between computes only tp groups
+        drop.add("tp")
+    obj["links"] = {axis: link for axis, link in obj["links"].items() if axis not in drop}
     probed, overhead = _readable(obj)
     if entry.reused:
         probed = {axis: replace(link, measured=replace(link.measured, reused=True)) if link.measured else link
