@@ -157,6 +157,21 @@ def test_the_load_factor_is_the_share_of_the_cores():
     assert load_factor(None, 3.0) is None
 
 
+@pytest.mark.parametrize("runnable, load", [([1, 3, 1, 1, 3], 0.0), ([3, 3, 1, 3, 2], 2.0)])
+def test_the_host_load_is_the_median_of_its_reads(runnable, load, monkeypatch):
+    """A process runnable in fewer than half of the reads (a launcher's blip, a waiting peer) is no load; one in
+    most of them is (the reader itself is taken out of each count)."""
+    import io
+
+    from pipec.compiler.sim import contention
+
+    reads = iter(runnable)
+    monkeypatch.setattr(contention, "open", lambda *a, **k: io.StringIO(f"0.50 0.40 0.30 {next(reads)}/200 42"),
+                        raising=False)
+    monkeypatch.setattr(contention.time, "sleep", lambda s: None)
+    assert contention.host_load() == load
+
+
 def _check_load(plan, load_now, monkeypatch, capsys, *, emulate=False, device="cpu"):
     """Run Trainer.check_load on ``plan`` as rank 0 of a run whose host reads ``load_now``."""
     import pipec.compiler.sim.contention as contention

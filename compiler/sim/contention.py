@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -161,7 +162,8 @@ LOAD_SAMPLES = 5
 
 def host_load(samples: int = LOAD_SAMPLES, every_s: float = 0.01) -> float:
     """How many other processes want a core now: the runnable count the kernel reports (``/proc/loadavg``'s fourth
-    field, the reader itself among them) less this one, averaged over ``samples`` reads ``every_s`` apart. Where
+    field, the reader itself among them) less this one, the median of ``samples`` reads ``every_s`` apart (a process
+    seen in fewer than half of them, a launcher's or a waiting peer's blip, is not a load). Where
     there is no ``/proc/loadavg``, the 1-minute load average (``os.getloadavg``), which lags by a minute and counts
     the caller's own recent work."""
     counts = []
@@ -177,7 +179,7 @@ def host_load(samples: int = LOAD_SAMPLES, every_s: float = 0.01) -> float:
         counts.append(max(0, running - 1))
         if i + 1 < samples:
             time.sleep(every_s)
-    return sum(counts) / len(counts)
+    return float(statistics.median(counts))
 
 
 def load_factor(profile: Mapping[str, Any] | None, load: float) -> float | None:
