@@ -57,6 +57,13 @@ from pipec.compiler.sim.simulate import DRAWS, HOP, OVERSLEEP
 
 __all__ = ["Emulation", "measure_emulation", "host_overhead", "probe", "main"]
 
+ROUNDS = 15
+"""Timed repetitions of each point-to-point and collective size (their median is kept; a third as many of the tp
+link's, each of which is 8 matmuls and 8 all-reduces). On machine A five put one probe's hop at 0.94 ms where
+others read 0.09-0.14 ms."""
+OVERHEAD_STEPS = 5
+"""Zero-compute steps the executor's host overhead is timed over."""
+
 LAPS = 5
 """Laps of the token round the ranks in the fallback hop measurement (ranks on more than one host)."""
 PAUSE_S = (0.001, 0.02)
@@ -466,10 +473,10 @@ def _tiny_overhead(backend: str, device) -> dict[str, float]:
     env = Env(dist.get_rank(), world, 0, 0)
     transport = plan_transport(plan, env, 60.0, backend, device)
     ex = Executor(plan, pp_rank=env.rank, dp_rank=0, transport=transport, emulate=0.0, device=device)
-    return host_overhead(ex, steps=3)
+    return host_overhead(ex, steps=OVERHEAD_STEPS)
 
 
-def probe(sizes: Sequence[int], *, sharded: bool = False, rounds: int = 5) -> dict[str, Any]:
+def probe(sizes: Sequence[int], *, sharded: bool = False, rounds: int = ROUNDS) -> dict[str, Any]:
     """Every rank runs it; rank 0's result: plan.json's ``links`` (each marked measured) and ``overhead``."""
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -482,7 +489,7 @@ def probe(sizes: Sequence[int], *, sharded: bool = False, rounds: int = 5) -> di
     links = {"pp": {"latency_s": lat, "bandwidth_Bps": bw, "measured": measured}}
     lat, bw = _fit(sizes, ar, 2 * (world - 1) / world)
     links["dp"] = links["tie"] = {"latency_s": lat, "bandwidth_Bps": bw, "measured": measured}
-    lat, bw = _fit(sizes, [_between_computes(s, device, rounds) for s in sizes], 2 * (world - 1) / world)
+    lat, bw = _fit(sizes, [_between_computes(s, device, max(3, rounds // 3)) for s in sizes], 2 * (world - 1) / world)
     links["tp"] = {"latency_s": lat, "bandwidth_Bps": bw, "measured": measured}
     if sharded:
         ag = [_collective("all_gather", s, device, rounds) for s in sizes]
@@ -496,7 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pipec.runtime.linkprobe", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="65536,1048576", help="message sizes in bytes, comma-separated (a plan's edges)")
     p.add_argument("--sharded", action="store_true", help="measure the all-gather too (a sharded plan)")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=ROUNDS)
     p.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl when CUDA is here, else gloo")
     p.add_argument("-o", "--output", required=True, help="the links file to write (JSON: links, overhead)")
     args = p.parse_args(argv)
