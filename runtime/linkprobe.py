@@ -17,9 +17,10 @@ Three uses, one set of measurements:
 What is measured: point-to-point between rank 0 and rank 1 (on a cluster, put
 them on different nodes to measure the network) at each message size, fitted
 to ``latency + bytes / bandwidth``; an all-reduce over every rank, fitted to
-the ring's ``latency + 2 (n - 1) / n x bytes / bandwidth``, back to back (``dp``) and
-each after a compute (``tp``: a tensor-parallel stage's all-reduces sit between its
-Linears, and each waits there for its peer); with ``--sharded``
+the ring's ``latency + 2 (n - 1) / n x bytes / bandwidth``, back to back (``dp``; the
+``tp`` link has its bandwidth and the latency of one after a compute, at the smallest
+size: a tensor-parallel stage's all-reduces sit between its Linears, and each waits
+there for its peer); with ``--sharded``
 an all-gather too (``(n - 1) / n``); and the executor's host seconds per
 instruction kind, from a zero-compute step of a small plan (the real
 executor's handlers, timed as they run, less the waits they do). When the
@@ -59,9 +60,9 @@ __all__ = ["Emulation", "measure_emulation", "host_overhead", "probe", "main"]
 
 ROUNDS = 15
 """Timed repetitions of each point-to-point and collective size (their median is kept; a third as many of the tp
-link's, each of which is 8 matmuls and 8 all-reduces). On machine A five put one probe's hop at 0.94 ms where
+link's latency, each of which is 8 matmuls and 8 all-reduces). On machine A five put one probe's hop at 0.94 ms where
 others read 0.09-0.14 ms."""
-OVERHEAD_STEPS = 5
+OVERHEAD_STEPS = 3
 """Zero-compute steps the executor's host overhead is timed over."""
 
 LAPS = 5
@@ -439,7 +440,7 @@ def _between_computes(nbytes: int, device, rounds: int) -> float:
     Linears: ``rounds`` of (a matmul, the all-reduce) less ``rounds`` of the matmul alone. Back to back the ranks
     arrive together; after a compute each waits for its peer's and for its own wake-up, which costs more."""
     buf = torch.zeros(max(1, nbytes // 4), device=device)
-    a, w = torch.randn(512, 256, device=device), torch.randn(256, 512, device=device)
+    a, w = torch.randn(256, 256, device=device), torch.randn(256, 256, device=device)
 
     def compute():
         (a @ w).sum()
@@ -489,8 +490,11 @@ def probe(sizes: Sequence[int], *, sharded: bool = False, rounds: int = ROUNDS) 
     links = {"pp": {"latency_s": lat, "bandwidth_Bps": bw, "measured": measured}}
     lat, bw = _fit(sizes, ar, 2 * (world - 1) / world)
     links["dp"] = links["tie"] = {"latency_s": lat, "bandwidth_Bps": bw, "measured": measured}
-    lat, bw = _fit(sizes, [_between_computes(s, device, max(3, rounds // 3)) for s in sizes], 2 * (world - 1) / world)
-    links["tp"] = {"latency_s": lat, "bandwidth_Bps": bw, "measured": measured}
+    # the tp link: the all-reduce's bandwidth, its latency as one costs between computes (a plan's smallest size)
+    small = sizes[1] if len(sizes) > 1 else sizes[0]
+    factor = 2 * (world - 1) / world
+    between = _between_computes(small, device, max(3, rounds // 3)) - factor * small / bw
+    links["tp"] = {"latency_s": max(lat, between), "bandwidth_Bps": bw, "measured": measured}
     if sharded:
         ag = [_collective("all_gather", s, device, rounds) for s in sizes]
         lat, bw = _fit(sizes, ag, (world - 1) / world)
