@@ -250,6 +250,7 @@ def test_a_save_cut_short_before_its_commit_never_loads(one_rank, plan_x, tmp_pa
     assert not (root / "step_00000002.tmp-a0").exists()  # removed by the next run
 
 
+@pytest.mark.slow
 def test_retention_and_a_fresh_run_never_mixes_with_old_checkpoints(one_rank, plan_x, tmp_path):
     a = Local(plan_x)
     root = tmp_path / "ck"

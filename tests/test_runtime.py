@@ -258,7 +258,7 @@ def test_schedule_only_plan_needs_emulate(cli_process):
     assert out.returncode == 2 and "use --nproc 2" in out.stderr
 
 
-@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("zb_h1", 1)])
+@pytest.mark.parametrize("schedule, virtual", [pytest.param("1f1b", 1, marks=pytest.mark.slow), ("zb_h1", 1)])
 def test_recompute_runs_the_forward_again_and_keeps_gradients_exact(schedule, virtual):
     """Stage 0 recomputes: its forward runs twice per microbatch, stage 1's once; gradients stay exact."""
     plan = tiny_gpt(schedule, virtual, 2, recompute="stages 0")
