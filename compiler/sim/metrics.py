@@ -44,7 +44,8 @@ def single_device_step(whole: Sequence[Cost], num_microbatches: int) -> float:
 
 def plan_single_device_step(plan) -> float | None:
     """:func:`single_device_step` from a plan's own stages (their unsharded costs, a recomputed stage's second
-    forward taken out, a stage timed sharded scaled back to whole: :func:`_unsharded`) over all replicas' microbatches; None for a plan in units."""
+    forward taken out, a stage timed sharded scaled back to whole: :func:`_unsharded`) over all replicas'
+    microbatches; None for a plan in units."""
     if plan.unit_costs or not plan.stages:
         return None
     recomputed = set(plan.spec.get("recompute") or ())
