@@ -15,8 +15,10 @@ Three uses, one set of measurements:
   rank (a few ms), for the re-simulation report.json's ``predicted`` is.
 
 What is measured: point-to-point between rank 0 and rank 1 (on a cluster, put
-them on different nodes to measure the network) at each message size, fitted
-to ``latency + bytes / bandwidth``; an all-reduce over every rank, fitted to
+them on different nodes to measure the network) at each message size (the mean
+of its rounds: a step pays every stall its messages meet), fitted to ``latency +
+bytes / bandwidth``, with the scatter of the smallest size's rounds as the link's
+``spread``; an all-reduce over every rank, fitted to
 the ring's ``latency + 2 (n - 1) / n x bytes / bandwidth``, back to back (``dp``; the
 ``tp`` link has its bandwidth and the latency of one after a compute, at the smallest
 size: a tensor-parallel stage's all-reduces sit between its Linears, and each waits
@@ -58,7 +60,7 @@ from pipec.compiler.sim.simulate import DRAWS, HOP, OVERSLEEP
 
 __all__ = ["Emulation", "measure_emulation", "host_overhead", "probe", "main"]
 
-ROUNDS = 15
+LINK_ROUNDS = 15
 """Timed repetitions of each point-to-point and collective size (their median is kept; a third as many of the tp
 link's latency, each of which is 8 matmuls and 8 all-reduces). On machine A five put one probe's hop at 0.94 ms where
 others read 0.09-0.14 ms."""
@@ -165,6 +167,11 @@ def _token_hop(laps: int, pause: float) -> float:
 
 def _timed(rounds: int, fn: Callable[[], None], pause: float = 0.0) -> float:
     """Median seconds of ``fn`` over ``rounds`` (after one warm-up), each after a barrier and a pause."""
+    return statistics.median(_samples(rounds, fn, pause))
+
+
+def _samples(rounds: int, fn: Callable[[], None], pause: float = 0.0) -> list[float]:
+    """Seconds of each of ``rounds`` runs of ``fn`` (after one warm-up), each after a barrier and a pause."""
     times = []
     for i in range(rounds + 1):
         dist.barrier()
@@ -174,7 +181,17 @@ def _timed(rounds: int, fn: Callable[[], None], pause: float = 0.0) -> float:
         fn()
         if i:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def _spread(times: Sequence[float]) -> float:
+    """The relative scatter of ``times`` as a standard deviation robust to their outliers: 1.4826 x their median
+    absolute deviation over their median (a normal sample's standard deviation; one stall in 15 rounds, 10x
+    the others, would otherwise read as a spread of 4-7), at most 1."""
+    med = statistics.median(times)
+    if med <= 0 or len(times) < 2:
+        return 0.0
+    return min(1.0, 1.4826 * statistics.median(abs(t - med) for t in times) / med)
 
 
 @dataclass(slots=True)
@@ -398,8 +415,9 @@ def _fit(sizes: Sequence[int], times: Sequence[float], factor: float) -> tuple[f
     return max(min(times), 0.0), floor
 
 
-def _p2p(nbytes: int, device, rounds: int) -> float:
-    """Seconds per hop between rank 0 and rank 1 (half a round trip); other ranks only join the barriers."""
+def _p2p(nbytes: int, device, rounds: int) -> list[float]:
+    """Seconds per hop between rank 0 and rank 1 (half a round trip) in each round; other ranks only join the
+    barriers."""
     rank = dist.get_rank()
     buf = torch.zeros(max(1, nbytes // 4), device=device)
 
@@ -413,7 +431,7 @@ def _p2p(nbytes: int, device, rounds: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    return _timed(rounds, ping) / 2
+    return [t / 2 for t in _samples(rounds, ping)]
 
 
 def _collective(kind: str, nbytes: int, device, rounds: int) -> float:
@@ -477,17 +495,18 @@ def _tiny_overhead(backend: str, device) -> dict[str, float]:
     return host_overhead(ex, steps=OVERHEAD_STEPS)
 
 
-def probe(sizes: Sequence[int], *, sharded: bool = False, rounds: int = ROUNDS) -> dict[str, Any]:
+def probe(sizes: Sequence[int], *, sharded: bool = False, rounds: int = LINK_ROUNDS) -> dict[str, Any]:
     """Every rank runs it; rank 0's result: plan.json's ``links`` (each marked measured) and ``overhead``."""
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     world = dist.get_world_size()
     sizes = sorted({4, *sizes})
-    p2p = [_p2p(s, device, rounds) for s in sizes]
+    hops = [_p2p(s, device, rounds) for s in sizes]
+    p2p = [statistics.fmean(h) for h in hops]  # the mean: a step pays every stall its critical path meets
     ar = [_collective("all_reduce", s, device, rounds) for s in sizes]
     measured = {"at": _now_iso(), "backend": backend, "ranks": world, "host": socket.gethostname()}
     lat, bw = _fit(sizes, p2p, 1.0)
-    links = {"pp": {"latency_s": lat, "bandwidth_Bps": bw, "measured": measured}}
+    links = {"pp": {"latency_s": lat, "bandwidth_Bps": bw, "measured": measured, "spread": _spread(hops[0])}}
     lat, bw = _fit(sizes, ar, 2 * (world - 1) / world)
     links["dp"] = links["tie"] = {"latency_s": lat, "bandwidth_Bps": bw, "measured": measured}
     # the tp link: the all-reduce's bandwidth, its latency as one costs between computes (a plan's smallest size)
@@ -507,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pipec.runtime.linkprobe", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="65536,1048576", help="message sizes in bytes, comma-separated (a plan's edges)")
     p.add_argument("--sharded", action="store_true", help="measure the all-gather too (a sharded plan)")
-    p.add_argument("--rounds", type=int, default=ROUNDS)
+    p.add_argument("--rounds", type=int, default=LINK_ROUNDS)
     p.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl when CUDA is here, else gloo")
     p.add_argument("-o", "--output", required=True, help="the links file to write (JSON: links, overhead)")
     args = p.parse_args(argv)

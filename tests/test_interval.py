@@ -58,6 +58,24 @@ def test_spread_costs_give_an_interval_the_same_every_time():
     assert wider.step_time[1] - wider.step_time[0] > hi - lo
 
 
+def test_a_links_measured_spread_widens_the_interval_and_round_trips(tmp_path):
+    """The pp link's spread (the probe's scatter of one message) draws each message's transfer: a plan whose
+    messages take time gets a wider interval with it, the same every time, and plan.json keeps it."""
+    from pipec.compiler.ir.plan import Link
+
+    base = _timed(spread=0.05, host=None)
+    slow = {**base.links, "pp": Link(latency_s=5e-3, bandwidth_Bps=1e9)}
+    plain = prove_and_predict(replace(base, links=slow, prediction=None))
+    spread = prove_and_predict(replace(base, links={**slow, "pp": replace(slow["pp"], spread=0.5)}, prediction=None))
+    width = lambda p: p.prediction.interval.step_time[1] - p.prediction.interval.step_time[0]  # noqa: E731
+    assert width(spread) > 1.5 * width(plain)
+    assert spread.prediction.step_time == plain.prediction.step_time  # the point is the fixed costs'
+    assert prove_and_predict(replace(spread, prediction=None)).prediction.interval == spread.prediction.interval
+    write_plan(spread, str(tmp_path / "p.json"))
+    again = read_plan(str(tmp_path / "p.json"))
+    assert again.links["pp"].spread == 0.5 and plan_to_json(plain)["links"]["pp"].get("spread") is None
+
+
 def test_no_spread_no_interval():
     unit = compile_plan(num_ranks=4, num_microbatches=8, schedule="1f1b").plan
     assert unit.prediction.interval is None  # unit costs: nothing was timed

@@ -169,6 +169,9 @@ class Link:
     measured: Measured | None = None
     """Set when a probe measured this link (``costs profile``, ``pipec.runtime.linkprobe``); None: given or
     the default."""
+    spread: float | None = None
+    """The relative standard deviation of the probe's timings of one message on this link (its smallest size:
+    the latency's scatter); the step's interval draws each message's transfer from it. None: not measured."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

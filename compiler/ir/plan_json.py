@@ -109,6 +109,8 @@ def _link_json(link: Link) -> dict[str, Any]:
     out: dict[str, Any] = {"latency_s": link.latency_s, "bandwidth_Bps": link.bandwidth_Bps}
     if link.measured is not None:
         out["measured"] = link.measured.to_json()
+    if link.spread is not None:
+        out["spread"] = link.spread
     return out
 
 
@@ -449,7 +451,7 @@ def read_links(rd: Reader) -> dict[str, Link]:
         for axis in links_rd.obj:
             lk = links_rd.sub(axis)
             links[axis] = Link(latency_s=lk.num("latency_s", lo=0), bandwidth_Bps=lk.num("bandwidth_Bps", lo=1e-30),
-                               measured=_read_measured(lk))
+                               measured=_read_measured(lk), spread=lk.num("spread", lo=0, required=False))
     return links
 
 

@@ -58,6 +58,9 @@ class CostModel:
     profile's reference kernel), or None where it was not measured. With every stage's :attr:`Cost.spread`, what
     :func:`~pipec.compiler.sim.simulate.interval_of` draws from: each draw runs the whole step at one host speed,
     each compute at its own draw of its stage's spread."""
+    hop_spread: float = 0.0
+    """The pp link's measured :attr:`~pipec.compiler.ir.plan.Link.spread` (0: none): the interval's draws scale
+    each message's transfer, the same on its send and its receive, by a lognormal draw of it whose mean is 1."""
     sharing: Sharing | None = None
     """Ranks that share a host's cores (``costs profile`` timed the stages in a crowd): every run prices each
     compute at the share of the cores it gets (:mod:`pipec.compiler.sim.contention`). None: each compute takes its

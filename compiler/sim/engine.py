@@ -295,14 +295,15 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
 
 
 def drawn(decoded: Decoded, program: Program, jitter: Mapping[str, Sequence[float]], rng: random.Random, *,
-          spread: Sequence[float] = (), host_spread: float = 0.0) -> Decoded:
+          spread: Sequence[float] = (), host_spread: float = 0.0, hop_spread: float = 0.0) -> Decoded:
     """A copy of ``decoded`` with one draw from ``jitter`` (:attr:`CostModel.jitter`) added to each cost it
     covers: every instruction's host overhead (by its opcode), every compute's duration (a compute that takes
     time), every message's transfer (one draw per message, the same on its send and its receive). ``spread``
     (per stage, :attr:`Cost.spread`: a relative standard deviation) scales each compute of a stage by its own
     draw, ``exp(spread x z - spread^2 / 2)`` for a standard normal z (a lognormal whose mean is 1: a cost is a mean,
     the profile's slowdown a ratio of sums), and ``host_spread`` every compute of the copy by one draw the same way
-    (the host's speed over the step). Draws are taken in program order, rank
+    (the host's speed over the step), ``hop_spread`` (:attr:`CostModel.hop_spread`) each message's transfer by
+    one draw, the same on its send and its receive. Draws are taken in program order, rank
     by rank, so a seeded ``rng`` gives the same copy every time."""
     compute, transfer = jitter.get(COMPUTE_JITTER), jitter.get(TRANSFER_JITTER)
     choice, gauss = rng.choice, rng.gauss
@@ -322,11 +323,12 @@ def drawn(decoded: Decoded, program: Program, jitter: Mapping[str, Sequence[floa
                 d[2] *= speed * math.exp(gauss(0.0, spread[ins.stage]) - shift[ins.stage])
             if code == _COMPUTE and compute and d[2] > 0:
                 d[2] += choice(compute)
-            elif (code == _SEND or code == _RECV) and transfer:
+            elif (code == _SEND or code == _RECV) and (transfer or hop_spread):
                 hop = hops.get(d[1])
                 if hop is None:
-                    hop = hops[d[1]] = choice(transfer)
-                d[2] += hop
+                    hop = hops[d[1]] = (choice(transfer) if transfer else 0.0, math.exp(
+                        gauss(0.0, hop_spread) - hop_spread * hop_spread / 2) if hop_spread else 1.0)
+                d[2] = d[2] * hop[1] + hop[0]
             out.append(tuple(d))
         ranks.append(tuple(out))
     return replace(decoded, ranks=tuple(ranks))
@@ -895,8 +897,9 @@ def execute(
     if decoded is None:
         decoded = decode(program, placement=placement, num_microbatches=num_microbatches, edges=edges, costs=costs)
     spread = spreads(costs)
-    if rng is not None and (costs.jitter or spread):
-        decoded = drawn(decoded, program, costs.jitter, rng, spread=spread, host_spread=costs.host_spread or 0.0)
+    if rng is not None and (costs.jitter or spread or costs.hop_spread):
+        decoded = drawn(decoded, program, costs.jitter, rng, spread=spread, host_spread=costs.host_spread or 0.0,
+                        hop_spread=costs.hop_spread)
     sharing = costs.sharing
     ex = _Engine(program, decoded, placement, ties, model, record_events or sharing is not None).run()
     return ex if sharing is None else _shared(program, decoded, placement, ties, model, record_events, sharing, ex)

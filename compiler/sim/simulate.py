@@ -69,6 +69,7 @@ def plan_costs(plan: Plan) -> CostModel:
         early_receives=not unit and on_gloo(plan),
         sharing=None if unit else sharing_of((plan.model or {}).get("profile"), plan.mesh),
         host_spread=None if unit else _host_spread((plan.model or {}).get("profile")),
+        hop_spread=0.0 if unit else float(plan.links["pp"].spread or 0.0),
     )
 
 
