@@ -9,6 +9,7 @@ the run's :class:`~pipec.runtime.launch.RunOptions`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -300,13 +301,12 @@ class Trainer:
                 mb_inputs, mb_targets = self.batch(step)
             else:
                 mb_inputs = mb_targets = None
-            if self.check_pending:  # the compared step (and the reference inside its OPT): dropout off on both
-                with dropout_off() as no_dropout:
-                    result = self.executor.run_step(mb_inputs, mb_targets)
-                if self.check_result is not None:
-                    self.check_result["dropout_off"] = no_dropout.dropped
-            else:
+            # the compared step (and the reference inside its OPT): dropout off on both sides
+            no_dropout = dropout_off() if self.check_pending else None
+            with no_dropout if no_dropout is not None else contextlib.nullcontext():
                 result = self.executor.run_step(mb_inputs, mb_targets)
+            if no_dropout is not None and self.check_result is not None:
+                self.check_result["dropout_off"] = no_dropout.dropped
             if self.device.type == "cuda":  # the allocator's peak; on CPU only the process's resident size is known
                 result.peak_memory_bytes = self.peak_memory()
             else:

@@ -1294,7 +1294,6 @@ def _rewrite(an: _Analysis, lins: Mapping[Node, _Lin], graph: Graph, env: dict[N
                 with graph.inserting_before(new):
                     params = [graph.get_attr(a) if a else None for m in group for a in (lins[m].weight, lins[m].bias)]
                     y = graph.call_module(comm("gather_linear", sx.dim, sx.segments), (result[lin.x], *params))
-                    y.meta = dict(new.meta) if len(group) == 1 else {}
                     outs = [y] if len(group) == 1 else [graph.call_function(operator.getitem, (y, i))
                                                          for i in range(len(group))]
                 for m, out in zip(group, outs):

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
+from pipec.compiler.passes.memory import local_params
 from pipec.schedules.timing import Cost
 
 __all__ = ["mfu", "single_device_step", "plan_single_device_step", "scaling_efficiency"]
@@ -58,8 +59,6 @@ def _unsharded(cost: Cost, st) -> Cost:
     """A stage's cost as one device would run it whole: a cost timed on one tp rank's sharded stage
     (``costs_local``) over its compute share, its optimizer over the share of the parameters the rank holds; any
     other cost is the unsharded stage's already."""
-    from pipec.compiler.passes.memory import local_params
-
     stp = st.tp
     if stp is None or stp.tp < 2 or not stp.costs_local:
         return cost
