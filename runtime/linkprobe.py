@@ -507,11 +507,11 @@ def probe(sizes: Sequence[int], *, sharded: bool = False, rounds: int = LINK_ROU
     measured = {"at": _now_iso(), "backend": backend, "ranks": world, "host": socket.gethostname()}
     lat, bw = _fit(sizes, p2p, 1.0)
     links = {"pp": {"latency_s": lat, "bandwidth_Bps": bw, "measured": measured, "spread": _spread(hops[0])}}
-    lat, bw = _fit(sizes, ar, 2 * (world - 1) / world)
+    factor = 2 * (world - 1) / world  # the ring all-reduce's
+    lat, bw = _fit(sizes, ar, factor)
     links["dp"] = links["tie"] = {"latency_s": lat, "bandwidth_Bps": bw, "measured": measured}
     # the tp link: the all-reduce's bandwidth, its latency as one costs between computes (a plan's smallest size)
     small = sizes[1] if len(sizes) > 1 else sizes[0]
-    factor = 2 * (world - 1) / world
     between = _between_computes(small, device, max(3, rounds // 3)) - factor * small / bw
     links["tp"] = {"latency_s": max(lat, between), "bandwidth_Bps": bw, "measured": measured}
     if sharded:
