@@ -542,6 +542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if dist.get_rank() == 0:
             with open(args.output, "w", encoding="utf-8") as f:
                 json.dump(out, f, indent=1)
+        dist.barrier()  # every rank done before any tears the group down
     finally:
         dist.destroy_process_group()
     return 0
