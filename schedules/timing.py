@@ -62,6 +62,15 @@ class Cost:
     """How much the stage's measured compute times scatter: the relative standard deviation of its timed
     samples (their standard deviation over their median, one figure for all its parts). None where nothing
     was timed (unit and flops costs): such a cost has no spread, and a prediction from it no interval."""
+    level_spread: float | None = None
+    """How far the profile's level of this stage's cost may sit from a run's, by the stage's own timing: the
+    relative standard error of the median of its rounds alone (1.2533 x their spread / sqrt(rounds)). Drawn once
+    per drawn step for the stage. None: not measured."""
+    crowd_spread: float | None = None
+    """How far the crowd's slowdown (the factor every cost of one profile shares) may sit from a run's: the
+    relative standard deviation of the crowd's repeats, widened for a next repeat's distance from their median
+    (:func:`~pipec.compiler.frontend.profile.crowd_spread`). Drawn once per drawn step for every stage at once
+    (one host, one crowd). None: no crowd measured (one rank here)."""
 
     def of(self, kind: Kind) -> float:
         if kind is Kind.F:

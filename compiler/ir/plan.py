@@ -182,6 +182,10 @@ class Overhead:
     seconds: Mapping[str, float]
     """Opcode name (``"FWD"``, ``"SEND_ACT"``, ...) -> seconds per instruction; a missing opcode is free."""
     measured: Measured | None = None
+    spread: Mapping[str, float] | None = None
+    """Opcode name -> how its instructions' host seconds scattered in the probe (1.4826 x their median absolute
+    deviation over their median); the step's interval draws each instruction's overhead from it. None: not
+    measured."""
 
 
 DEFAULT_LINKS: Mapping[str, Link] = {

@@ -114,6 +114,12 @@ def _link_json(link: Link) -> dict[str, Any]:
     return out
 
 
+def _cost_spreads(c: Cost) -> dict[str, float]:
+    """A cost's measured spreads as plan.json writes them (each absent where not measured)."""
+    return {k: v for k, v in (("spread", c.spread), ("level_spread", c.level_spread),
+                              ("crowd_spread", c.crowd_spread)) if v is not None}
+
+
 def _sig_json(s: TensorSpec) -> dict[str, Any]:
     return {"name": s.name, "shape": list(s.shape), "dtype": s.dtype}
 
@@ -137,7 +143,7 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
             "inputs": [_sig_json(s) for s in st.inputs],
             "outputs": [_sig_json(s) for s in st.outputs],
             "cost": {"fwd": st.cost.fwd, "bwd": st.cost.bwd, "bwd_i": st.cost.bwd_i, "bwd_w": st.cost.bwd_w,
-                     "optim": st.cost.optim, **({} if st.cost.spread is None else {"spread": st.cost.spread})},
+                     "optim": st.cost.optim, **_cost_spreads(st.cost)},
         }
         if st.activation_bytes is not None:
             d["activation_bytes"] = st.activation_bytes
@@ -163,6 +169,7 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
     out["links"] = {k: _link_json(v) for k, v in plan.links.items()}
     if plan.overhead is not None:
         out["overhead"] = {"seconds": dict(plan.overhead.seconds)} | (
+            {} if plan.overhead.spread is None else {"spread": dict(plan.overhead.spread)}) | (
             {} if plan.overhead.measured is None else {"measured": plan.overhead.measured.to_json()})
     out["ranks"] = [
         {"rank": r, "instructions": [_instr_json(i) for i in instrs]} for r, instrs in enumerate(plan.program.ranks)
@@ -345,6 +352,8 @@ def load_plan(obj: Any, where: str = "plan") -> Plan:
             cost = UNIT_COST if c is None else Cost(
                 fwd=c.num("fwd", lo=0), bwd=c.num("bwd", lo=0), bwd_i=c.num("bwd_i", lo=0), bwd_w=c.num("bwd_w", lo=0),
                 optim=c.num("optim", lo=0, required=False) or 0.0, spread=c.num("spread", lo=0, required=False),
+                level_spread=c.num("level_spread", lo=0, required=False),
+                crowd_spread=c.num("crowd_spread", lo=0, required=False),
             )
             params = s.strs("params", required=False) or ()
             stage = Stage(
@@ -465,7 +474,12 @@ def read_overhead(rd: Reader) -> Overhead | None:
     for name in secs.obj:
         if name not in names:
             raise secs.error(name, "expected an opcode name (" + ", ".join(sorted(names)) + ")", name)
-    return Overhead(seconds={name: secs.num(name, lo=0) for name in secs.obj}, measured=_read_measured(o))
+    spread = o.sub("spread", required=False)
+    for name in () if spread is None else spread.obj:
+        if name not in names:
+            raise spread.error(name, "expected an opcode name (" + ", ".join(sorted(names)) + ")", name)
+    return Overhead(seconds={name: secs.num(name, lo=0) for name in secs.obj}, measured=_read_measured(o),
+                    spread=None if spread is None else {name: spread.num(name, lo=0) for name in spread.obj})
 
 
 def read_plan(path: str) -> Plan:
