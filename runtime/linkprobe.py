@@ -24,8 +24,8 @@ the ring's ``latency + 2 (n - 1) / n x bytes / bandwidth``, back to back (``dp``
 size: a tensor-parallel stage's all-reduces sit between its Linears, and each waits
 there for its peer); with ``--sharded``
 an all-gather too (``(n - 1) / n``); and the executor's host seconds per
-instruction kind, from a zero-compute step of a small plan (the real
-executor's handlers, timed as they run, less the waits they do). When the
+instruction kind and their scatter, from a zero-compute step of a small plan
+(the real executor's handlers, timed as they run, less the waits they do). When the
 sizes probed do not show the bandwidth term (the largest one's time is all
 latency), the fit reports the least bandwidth the measurements allow
 (:func:`_fit`): probe larger sizes (``--sizes``) to measure it.
@@ -212,8 +212,12 @@ class _Timings:
 def host_overhead(executor, steps: int = 1) -> dict[str, float]:
     """The executor's host seconds per instruction kind: the median per kind over ``steps`` zero-compute steps
     (see :func:`_handler_times`)."""
-    timings = _handler_times(executor, steps)
-    return {op: statistics.median(x for t in timings for x in t.host.get(op, ()))
+    return {op: statistics.median(xs) for op, xs in _host_samples(_handler_times(executor, steps)).items()}
+
+
+def _host_samples(timings: Sequence[_Timings]) -> dict[str, list[float]]:
+    """Per instruction kind, the host seconds of each of its instructions over the steps."""
+    return {op: [x for t in timings for x in t.host.get(op, ())]
             for op in dict.fromkeys(op for t in timings for op, xs in t.host.items() if xs)}
 
 
@@ -481,8 +485,9 @@ def _between_computes(nbytes: int, device, rounds: int) -> float:
     return max(0.0, (_timed(rounds, mixed) - _timed(rounds, alone)) / 8)
 
 
-def _tiny_overhead(backend: str, device) -> dict[str, float]:
-    """The executor's host overhead on a small zero-compute plan over every rank (1f1b, 4 microbatches per rank)."""
+def _tiny_overhead(backend: str, device) -> tuple[dict[str, float], dict[str, float]]:
+    """The executor's host overhead on a small zero-compute plan over every rank (1f1b, 4 microbatches per rank):
+    per instruction kind its median and its scatter (:func:`_spread`)."""
     from pipec.compiler.driver import compile_plan
     from pipec.runtime.executor import Executor
     from pipec.runtime.launch import Env, plan_transport
@@ -492,7 +497,9 @@ def _tiny_overhead(backend: str, device) -> dict[str, float]:
     env = Env(dist.get_rank(), world, 0, 0)
     transport = plan_transport(plan, env, 60.0, backend, device)
     ex = Executor(plan, pp_rank=env.rank, dp_rank=0, transport=transport, emulate=0.0, device=device)
-    return host_overhead(ex, steps=OVERHEAD_STEPS)
+    samples = _host_samples(_handler_times(ex, OVERHEAD_STEPS))
+    return ({op: statistics.median(xs) for op, xs in samples.items()},
+            {op: _spread(xs) for op, xs in samples.items()})
 
 
 def probe(sizes: Sequence[int], *, sharded: bool = False, rounds: int = LINK_ROUNDS) -> dict[str, Any]:
@@ -518,8 +525,9 @@ def probe(sizes: Sequence[int], *, sharded: bool = False, rounds: int = LINK_ROU
         ag = [_collective("all_gather", s, device, rounds) for s in sizes]
         lat, bw = _fit(sizes, ag, (world - 1) / world)
         links["shard"] = {"latency_s": lat, "bandwidth_Bps": bw, "measured": measured}
-    overhead = _tiny_overhead(backend, device)
-    return {"links": links, "overhead": {"seconds": _medians(_gathered(overhead)), "measured": measured}}
+    seconds, spread = _tiny_overhead(backend, device)
+    overhead = {"seconds": _medians(_gathered(seconds)), "spread": _medians(_gathered(spread)), "measured": measured}
+    return {"links": links, "overhead": overhead}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

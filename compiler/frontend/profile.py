@@ -37,8 +37,8 @@ from pipec.compiler import progress
 from pipec.compiler.frontend.tensors import FrontendError, to_dtype
 from pipec.compiler.ir.plan import Cost
 
-__all__ = ["Profiling", "Crowd", "profiling", "crowd", "median_ci", "usable_cores", "MAX_PROFILE_RANKS",
-           "CROWD_REPEATS", "MIN_CROWD_REPEATS", "MAX_REPS", "SPREAD_TARGET", "PROFILE_METHOD"]
+__all__ = ["Profiling", "Crowd", "profiling", "crowd", "median_ci", "level_spread", "crowd_spread", "usable_cores",
+           "MAX_PROFILE_RANKS", "CROWD_REPEATS", "MIN_CROWD_REPEATS", "MAX_REPS", "SPREAD_TARGET", "PROFILE_METHOD"]
 
 _T = TypeVar("_T")
 
@@ -345,11 +345,35 @@ def _known(repeats: Sequence[Sequence[float]], target: float) -> bool:
     return all(median_ci([r[k] for r in repeats]) <= target for k in (0, 2))
 
 
-def _cost(sample: Sequence[float], spread: float | None = None) -> Cost:
+def level_spread(stage: Mapping[str, Any]) -> float:
+    """How far a stage's level, timed alone, may sit from its true one (a ``stage`` cache entry's value: the
+    ``spread`` of its rounds and how many): the relative standard error of their median, 1.2533 x spread /
+    sqrt(rounds) (:func:`median_ci` without its t)."""
+    return 1.2533 * float(stage["spread"]) / math.sqrt(max(1, int(stage["rounds"])))
+
+
+def crowd_spread(repeats: Sequence[Sequence[float]]) -> float:
+    """How far the slowdown a run's ranks meet may sit from the crowd's median (a ``crowd`` entry's ``repeats``):
+    the relative standard deviation s of the repeats' slowdowns of the forward and the backward (their mean, per
+    repeat) over their median, widened to a next repeat's distance from the median of n, s x sqrt(1 + pi / (2n))
+    (the median's own standard error is 1.2533 s / sqrt(n)); 0 for fewer than two repeats."""
+    levels = [(r[0] + r[2]) / 2 for r in repeats]
+    med = statistics.median(levels) if levels else 0.0
+    if len(levels) < 2 or med <= 0:
+        return 0.0
+    return statistics.stdev(levels) / med * math.sqrt(1 + math.pi / (2 * len(levels)))
+
+
+def _cost(sample: Sequence[float], spread: float | None = None, *, stage: Mapping[str, Any] | None = None,
+          crowd: Mapping[str, Any] | None = None) -> Cost:
+    """A stage's cost from its parts (:data:`_Sample`); ``stage`` and ``crowd``, the cache entries' values it
+    was priced from, give its :attr:`~pipec.schedules.timing.Cost.level_spread` and ``crowd_spread``."""
     fwd, bwd_i, bwd, optim, bwd_w = sample
     if not bwd_i and not bwd_w:  # nothing to split (no output needing a grad)
         bwd_w = bwd
-    return Cost(fwd=fwd, bwd=bwd, bwd_i=bwd_i, bwd_w=bwd_w, optim=optim, spread=spread)
+    return Cost(fwd=fwd, bwd=bwd, bwd_i=bwd_i, bwd_w=bwd_w, optim=optim, spread=spread,
+                level_spread=None if stage is None else level_spread(stage),
+                crowd_spread=None if crowd is None else crowd_spread(crowd["repeats"]))
 
 
 # ----------------------------------------------------------------------------- at once

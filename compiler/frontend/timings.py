@@ -236,7 +236,8 @@ def profile_stages(split: Split, profile: Profiling, *, autocast: str | None, ta
     slowdown = tuple(float(x) for x in shared.value["slowdown"]) if shared else None
     factor = (*slowdown, slowdown[2]) if slowdown else (1.0,) * 5  # the weight half is a backward's
     costs = [_cost([x * f for x, f in zip(alone[s], factor)],
-                   float(shared.value["spread"]) if shared else float(entries[s].value["spread"])) for s in range(num)]
+                   float(shared.value["spread"]) if shared else float(entries[s].value["spread"]),
+                   stage=entries[s].value, crowd=shared.value if shared else None) for s in range(num)]
     return costs, _record(profile, [entries[s] for s in range(num)], shared)
 
 
