@@ -4,7 +4,10 @@ plan.json and report.json hold of it, and the run's check of its steps and of th
 - A plan whose every stage cost carries a spread gets an interval (the same every time); unit or flops costs,
   or one stage never timed, get none (not a made-up one); no spread at all gives the point itself.
 - Steps drawn the way the interval assumes (another seed) fall inside it about as often as it says.
-- plan.json keeps a cost's spread and the interval; a malformed interval is named.
+- The profile's own uncertainty widens it: each stage's level (its median alone's standard error) drawn once per
+  step, the crowd's slowdown (the scatter of its repeats) once per step for every stage at once, each
+  instruction's host overhead from the probe's scatter.
+- plan.json keeps a cost's spreads, the overhead's and the interval; a malformed interval is named.
 - report.json marks each step in or out of the interval and sums it up, only for a run of the plan's own costs.
 - The host's load now against the profile's: the factor, and a warning that names both loads and --reprofile.
 """
@@ -216,3 +219,60 @@ def test_a_load_that_moves_the_step_out_of_its_interval_is_warned_about(monkeypa
     # nothing to compare with: an emulated run, a GPU run, a profile without its load
     for kw, p in (({"emulate": True}, plan), ({"device": "cuda"}, plan), ({}, _timed())):
         assert _check_load(p, 3.0, monkeypatch, capsys, **kw) == (None, "", 0)
+
+
+def _levels(plan, level=None, crowd=None):
+    """``plan`` with every stage's level and crowd spreads set, its prediction made again."""
+    stages = tuple(replace(st, cost=replace(st.cost, level_spread=level, crowd_spread=crowd)) for st in plan.stages)
+    return prove_and_predict(replace(plan, stages=stages, prediction=None))
+
+
+def _width(plan) -> float:
+    lo, hi = plan.prediction.interval.step_time
+    return (hi - lo) / plan.prediction.step_time
+
+
+def test_the_profiles_level_widens_the_interval_the_crowds_most():
+    """A stage's level drawn on its own and the crowd's drawn once for every stage: at the same spread the shared
+    draw moves the whole step, the stages' own draws partly cancel over the pipeline; neither moves the point."""
+    base = _timed(spread=0.02, host=None, ranks=4)
+    own, shared = _levels(base, level=0.1), _levels(base, crowd=0.1)
+    assert _width(own) > 1.5 * _width(base)
+    assert _width(shared) > 1.3 * _width(own)
+    assert own.prediction.step_time == shared.prediction.step_time == base.prediction.step_time
+    assert _levels(base, level=0.1).prediction.interval == own.prediction.interval  # seeded: the same every time
+    assert _levels(_timed(spread=None), level=0.1, crowd=0.1).prediction.interval is None  # no spread: none
+
+
+def test_scattered_crowd_repeats_give_a_wider_crowd_spread_and_a_wider_interval():
+    from pipec.compiler.frontend.profile import crowd_spread, level_spread
+
+    steady = [(2.0, 2.1, 2.2, 1.0), (2.03, 2.1, 2.21, 1.0), (1.98, 2.1, 2.19, 1.0)]
+    scattered = [(2.0, 2.1, 2.2, 1.0), (2.6, 2.1, 2.9, 1.0), (1.5, 2.1, 1.7, 1.0)]
+    assert 0 < crowd_spread(steady) < 0.02 < 0.2 < crowd_spread(scattered)
+    assert crowd_spread(steady[:1]) == 0.0  # one repeat: no scatter measured
+    assert level_spread({"spread": 0.1, "rounds": 4}) == pytest.approx(1.2533 * 0.1 / 2)
+    base = _timed(spread=0.02, host=None)
+    assert _width(_levels(base, crowd=crowd_spread(scattered))) > 2 * _width(_levels(base, crowd=crowd_spread(steady)))
+
+
+def test_the_overheads_scatter_widens_the_interval_and_round_trips(tmp_path):
+    from pipec.compiler.ir.plan import Overhead
+
+    base = _timed(spread=0.01, host=None)
+    host = {"SEND_ACT": 2e-3, "SEND_GRAD": 2e-3, "RECV_ACT": 1e-3, "RECV_GRAD": 1e-3}
+    plain = prove_and_predict(replace(base, overhead=Overhead(seconds=host), prediction=None))
+    spread = prove_and_predict(replace(base, overhead=Overhead(seconds=host, spread=dict.fromkeys(host, 0.5)),
+                                       prediction=None))
+    assert _width(spread) > 1.5 * _width(plain)
+    assert spread.prediction.step_time == plain.prediction.step_time
+    write_plan(_levels(spread, level=0.03, crowd=0.07), str(tmp_path / "p.json"))
+    back = read_plan(str(tmp_path / "p.json"))
+    assert back.overhead.spread == dict.fromkeys(host, 0.5)
+    assert [(st.cost.level_spread, st.cost.crowd_spread) for st in back.stages] == [(0.03, 0.07)] * 4
+    assert back.prediction.interval == _levels(spread, level=0.03, crowd=0.07).prediction.interval
+    raw = plan_to_json(plain)
+    assert "spread" not in raw["overhead"] and "level_spread" not in raw["stages"][0]["cost"]
+    raw["overhead"]["spread"] = {"SEND": 0.1}
+    with pytest.raises(PlanError, match=r"overhead\.spread\.SEND: expected an opcode name"):
+        load_plan(raw)

@@ -55,9 +55,14 @@ class CostModel:
     puts it. Only the buffered model reads it (NCCL keeps the plan's positions)."""
     host_spread: float | None = None
     """How much the host's speed scattered while the costs were timed (the relative standard deviation of the
-    profile's reference kernel), or None where it was not measured. With every stage's :attr:`Cost.spread`, what
-    :func:`~pipec.compiler.sim.simulate.interval_of` draws from: each draw runs the whole step at one host speed,
+    profile's reference kernel), or None where it was not measured. With every stage's :attr:`Cost.spread` (and its
+    ``level_spread`` and ``crowd_spread``), what :func:`~pipec.compiler.sim.simulate.interval_of` draws from: each
+    draw runs the whole step at one host speed and one level of the crowd, each stage at one level of its own,
     each compute at its own draw of its stage's spread."""
+    overhead_spread: Mapping[str, float] = field(default_factory=dict)
+    """Per opcode name: the probe's measured scatter of its instructions' host overhead
+    (:attr:`~pipec.compiler.ir.plan.Overhead.spread`); the interval's draws scale each instruction's overhead by
+    a lognormal draw of it whose mean is 1. Empty: not measured."""
     hop_spread: float = 0.0
     """The pp link's measured :attr:`~pipec.compiler.ir.plan.Link.spread` (0: none): the interval's draws scale
     each message's transfer, the same on its send and its receive, by a lognormal draw of it whose mean is 1."""

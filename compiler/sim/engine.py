@@ -80,7 +80,7 @@ from pipec.errors import PipecError
 from pipec.schedules.timing import Cost
 
 __all__ = ["BUFFERED", "IN_ORDER", "MODELS", "OPTIM_GROUP", "Deadlock", "Execution", "Decoded", "decode", "drawn",
-           "execute", "group_members", "spreads"]
+           "execute", "group_members", "levels", "spreads"]
 
 BUFFERED = "buffered"
 IN_ORDER = "in_order"
@@ -295,7 +295,8 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
 
 
 def drawn(decoded: Decoded, program: Program, jitter: Mapping[str, Sequence[float]], rng: random.Random, *,
-          spread: Sequence[float] = (), host_spread: float = 0.0, hop_spread: float = 0.0) -> Decoded:
+          spread: Sequence[float] = (), host_spread: float = 0.0, hop_spread: float = 0.0,
+          levels: Sequence[tuple[float, float]] = (), overhead_spread: Mapping[str, float] | None = None) -> Decoded:
     """A copy of ``decoded`` with one draw from ``jitter`` (:attr:`CostModel.jitter`) added to each cost it
     covers: every instruction's host overhead (by its opcode), every compute's duration (a compute that takes
     time), every message's transfer (one draw per message, the same on its send and its receive). ``spread``
@@ -303,12 +304,21 @@ def drawn(decoded: Decoded, program: Program, jitter: Mapping[str, Sequence[floa
     draw, ``exp(spread x z - spread^2 / 2)`` for a standard normal z (a lognormal whose mean is 1: a cost is a mean,
     the profile's slowdown a ratio of sums), and ``host_spread`` every compute of the copy by one draw the same way
     (the host's speed over the step), ``hop_spread`` (:attr:`CostModel.hop_spread`) each message's transfer by
-    one draw, the same on its send and its receive. Draws are taken in program order, rank
-    by rank, so a seeded ``rng`` gives the same copy every time."""
+    one draw, the same on its send and its receive. ``levels`` (per stage, its :attr:`Cost.level_spread` and
+    :attr:`Cost.crowd_spread`, 0 where not measured) scale every compute of a stage by one draw of its own level
+    and one of the crowd's, the crowd's z the same for every stage (one host, one crowd); ``overhead_spread``
+    (:attr:`CostModel.overhead_spread`) each instruction's host overhead by its own draw. Draws are taken in
+    program order, rank by rank (the levels first), so a seeded ``rng`` gives the same copy every time."""
     compute, transfer = jitter.get(COMPUTE_JITTER), jitter.get(TRANSFER_JITTER)
     choice, gauss = rng.choice, rng.gauss
     speed = math.exp(gauss(0.0, host_spread) - host_spread * host_spread / 2) if host_spread else 1.0
     shift = [x * x / 2 for x in spread]
+    if levels and any(a or b for a, b in levels):
+        crowd_z = gauss(0.0, 1.0)
+        level = [math.exp(a * gauss(0.0, 1.0) - a * a / 2 + b * crowd_z - b * b / 2) for a, b in levels]
+    else:
+        level = []
+    ospread = {k: v for k, v in (overhead_spread or {}).items() if v > 0}
     hops: dict[int, float] = {}
     ranks = []
     for instrs, dec in zip(program.ranks, decoded.ranks):
@@ -319,8 +329,12 @@ def drawn(decoded: Decoded, program: Program, jitter: Mapping[str, Sequence[floa
             d = list(d)
             if host:
                 d[h] += choice(host)
+            if ospread and d[h] > 0 and (o := ospread.get(ins.op.value)):
+                d[h] *= math.exp(gauss(0.0, o) - o * o / 2)
             if code == _COMPUTE and spread and d[2] > 0:
                 d[2] *= speed * math.exp(gauss(0.0, spread[ins.stage]) - shift[ins.stage])
+                if level:
+                    d[2] *= level[ins.stage]
             if code == _COMPUTE and compute and d[2] > 0:
                 d[2] += choice(compute)
             elif (code == _SEND or code == _RECV) and (transfer or hop_spread):
@@ -897,12 +911,18 @@ def execute(
     if decoded is None:
         decoded = decode(program, placement=placement, num_microbatches=num_microbatches, edges=edges, costs=costs)
     spread = spreads(costs)
-    if rng is not None and (costs.jitter or spread or costs.hop_spread):
+    if rng is not None and (costs.jitter or spread or costs.hop_spread or costs.overhead_spread):
         decoded = drawn(decoded, program, costs.jitter, rng, spread=spread, host_spread=costs.host_spread or 0.0,
-                        hop_spread=costs.hop_spread)
+                        hop_spread=costs.hop_spread, levels=levels(costs) if spread else (),
+                        overhead_spread=costs.overhead_spread)
     sharing = costs.sharing
     ex = _Engine(program, decoded, placement, ties, model, record_events or sharing is not None).run()
     return ex if sharing is None else _shared(program, decoded, placement, ties, model, record_events, sharing, ex)
+
+
+def levels(costs: CostModel) -> tuple[tuple[float, float], ...]:
+    """Per stage, its (:attr:`Cost.level_spread`, :attr:`Cost.crowd_spread`), 0 where not measured."""
+    return tuple((c.level_spread or 0.0, c.crowd_spread or 0.0) for c in costs.stages)
 
 
 def spreads(costs: CostModel) -> tuple[float, ...]:

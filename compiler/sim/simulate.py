@@ -70,6 +70,7 @@ def plan_costs(plan: Plan) -> CostModel:
         sharing=None if unit else sharing_of((plan.model or {}).get("profile"), plan.mesh),
         host_spread=None if unit else _host_spread((plan.model or {}).get("profile")),
         hop_spread=0.0 if unit else float(plan.links["pp"].spread or 0.0),
+        overhead_spread={} if unit or plan.overhead is None else dict(plan.overhead.spread or {}),
     )
 
 
