@@ -211,9 +211,23 @@ class _NodeTimer(Interpreter):
         return out
 
 
+_NODE_TIMES: dict[tuple, dict[str, float]] = {}
+""":func:`time_nodes`'s results by what decides them (``pipec tune`` cuts one trace many ways)."""
+
+
 def time_nodes(traced: Traced, target: str, kwargs: Mapping[str, Any], *, threads: int = 1, reps: int = 3,
                search_path: Sequence[str] = ()) -> dict[str, float]:
-    """Median forward seconds of every node, on a real CPU copy of the model (it must fit in memory)."""
+    """Median forward seconds of every node, on a real CPU copy of the model (it must fit in memory); once per
+    trace, microbatch shape and threads in a process."""
+    key = (traced.fingerprint, repr(traced.inputs), target, repr(sorted(kwargs.items())), threads, reps,
+           tuple(search_path))
+    if key not in _NODE_TIMES:
+        _NODE_TIMES[key] = _time_nodes(traced, target, kwargs, threads=threads, reps=reps, search_path=search_path)
+    return _NODE_TIMES[key]
+
+
+def _time_nodes(traced: Traced, target: str, kwargs: Mapping[str, Any], *, threads: int, reps: int,
+                search_path: Sequence[str]) -> dict[str, float]:
     model, _ = instantiate(target, kwargs, mode="cpu", seed=0, search_path=search_path)
     example = example_inputs(traced.inputs, device="cpu")
     real = trace_model(model, traced.inputs, example, mode=traced.path)

@@ -179,66 +179,74 @@ def _tp(tps: Sequence[Any], s: int) -> Any:
 
 
 def profile_stages(split: Split, profile: Profiling, *, autocast: str | None, target: str, kwargs: Mapping[str, Any],
-                   search_path: Sequence[str], tps: Sequence[Any] = ()) -> tuple[list[Cost], dict[str, Any]]:
-    """Every stage's cost (its least alone times the crowd's slowdown per part; its spread the crowd's, with one
-    rank its own) and plan.json's ``model["profile"]`` (:func:`_record`), timing only what the profile cache does
-    not hold. ``tps``: each stage's tensor parallelism (none: tp 1); a sharded stage is timed as its tp rank 0
-    runs it (:func:`_runners`), its cost that rank's."""
+                   search_path: Sequence[str], tps: Sequence[Any] = (), stages: Sequence[int] | None = None,
+                   crowd_of: Sequence[int] | None = None) -> tuple[list[Cost], dict[str, Any]]:
+    """The cost of every stage of ``stages`` (None: all of the split's), in that order (its least alone times the
+    crowd's slowdown per part; its spread the crowd's, with one rank its own), and plan.json's ``model["profile"]``
+    (:func:`_record`), timing only what the profile cache does not hold. ``tps``: each stage's tensor parallelism
+    (none: tp 1); a sharded stage is timed as its tp rank 0 runs it (:func:`_runners`), its cost that rank's. The
+    crowd, where it is measured, runs the stages of ``stages`` at the places ``crowd_of`` (None: all of them;
+    :mod:`.pieces` times a few pieces of the model and crowds only its layers)."""
     host = _host_key(profile.threads)
     dtype = autocast or "float32"
-    num, many = split.num_stages, profile.num_ranks > 1
+    chosen = list(range(split.num_stages)) if stages is None else list(stages)
+    num, many = len(chosen), profile.num_ranks > 1
     keys = [{"stage": stage_digest(split, s), "inputs": [[list(x.shape), x.dtype] for x in split.parts[s].inputs],
              "dtype": dtype, **host, **({"tp": stp.to_json()} if (stp := _tp(tps, s)) is not None else {})}
-            for s in range(num)]
+            for s in chosen]
     entries: dict[int, cache.Entry] = {}
-    for s in range(num):
-        if (e := cache.lookup("stage", keys[s], _check_stage)) is not None:
-            entries[s] = e
+    for i in range(num):
+        if (e := cache.lookup("stage", keys[i], _check_stage)) is not None:
+            entries[i] = e
     crowd_key = {"model": split.traced.fingerprint,
                  "inputs": [[x.name, list(x.shape), x.dtype] for x in split.traced.inputs], "dtype": dtype,
                  "ranks": profile.num_ranks, **host}
-    if any(_tp(tps, s) is not None for s in range(num)):  # the crowd's processes run the sharded stages
-        crowd_key["tp"] = [stp.to_json() if (stp := _tp(tps, s)) is not None else None for s in range(num)]
+    if any(_tp(tps, s) is not None for s in chosen):  # the crowd's processes run the sharded stages
+        crowd_key["tp"] = [stp.to_json() if (stp := _tp(tps, s)) is not None else None for s in chosen]
     shared = cache.lookup("crowd", crowd_key, _check_crowd) if many else None
     host_entry = cache.lookup("host", host, _check_host)
     baseline = float(host_entry.value["reference_s"]) if host_entry else None
     if baseline is None and entries:  # the host's entry lost: the stages' own speed
         baseline = float(next(iter(entries.values())).value["baseline_s"])
         cache.store("host", host, {"reference_s": baseline})
-    todo = [s for s in range(num) if s not in entries]
+    todo = [i for i in range(num) if i not in entries]
     restore = _threads(profile.threads)
     try:
-        built = sorted(set(todo) | (set(range(num)) if many and shared is None else set()))
-        runners = _runners(split, built, autocast, target, kwargs, search_path, tps) if built else {}
+        crowded = list(range(num)) if crowd_of is None else list(crowd_of)
+        built = sorted(set(todo) | (set(crowded) if many and shared is None else set()))
+        by_stage = _runners(split, [chosen[i] for i in built], autocast, target, kwargs, search_path, tps) if built \
+            else {}
+        runners = {i: by_stage[chosen[i]] for i in built}
         if todo:
             load = _load()
-            samples, speed = profile.alone({s: runners[s] for s in todo}, baseline=baseline)
+            samples, speed = profile.alone({i: runners[i] for i in todo}, baseline=baseline)
             if baseline is None:
                 baseline = statistics.median(speed)
                 cache.store("host", host, {"reference_s": baseline})
-            for s in todo:
-                entries[s] = cache.store("stage", keys[s], {
-                    "least": list(_least_sample(samples[s])), "rounds": len(samples[s]), "baseline_s": baseline,
-                    "spread": _rel_spread([_total(x) for x in samples[s]]), "host_spread": _rel_spread(speed),
+            for i in todo:
+                entries[i] = cache.store("stage", keys[i], {
+                    "least": list(_least_sample(samples[i])), "rounds": len(samples[i]), "baseline_s": baseline,
+                    "spread": _rel_spread([_total(x) for x in samples[i]]), "host_spread": _rel_spread(speed),
                     "load": load})
         assert baseline is not None
-        alone = {s: [x * baseline / float(e.value["baseline_s"]) for x in e.value["least"]] for s, e in entries.items()}
+        alone = {i: [x * baseline / float(e.value["baseline_s"]) for x in e.value["least"]] for i, e in entries.items()}
         if many and shared is None:
             load = _load()
-            got = crowd(profile, runners, alone, num, baseline)
+            got = crowd(profile, dict(enumerate(runners[i] for i in crowded)),
+                        dict(enumerate(alone[i] for i in crowded)), len(crowded), baseline)
             shared = cache.store("crowd", crowd_key, {
                 "slowdown": list(_median_slowdown(got.repeats)), "repeats": [list(r) for r in got.repeats],
                 "spread": got.spread, "baseline_s": baseline, "host_spread": _rel_spread(got.speed), "load": load,
-                "num_stages": num})
+                "num_stages": len(crowded)})
     finally:
         restore()
         progress.done()
     slowdown = tuple(float(x) for x in shared.value["slowdown"]) if shared else None
     factor = (*slowdown, slowdown[2]) if slowdown else (1.0,) * 5  # the weight half is a backward's
-    costs = [_cost([x * f for x, f in zip(alone[s], factor)],
-                   float(shared.value["spread"]) if shared else float(entries[s].value["spread"]),
-                   stage=entries[s].value, crowd=shared.value if shared else None) for s in range(num)]
-    return costs, _record(profile, [entries[s] for s in range(num)], shared)
+    costs = [_cost([x * f for x, f in zip(alone[i], factor)],
+                   float(shared.value["spread"]) if shared else float(entries[i].value["spread"]),
+                   stage=entries[i].value, crowd=shared.value if shared else None) for i in range(num)]
+    return costs, _record(profile, [entries[i] for i in range(num)], shared)
 
 
 def _record(profile: Profiling, stages: Sequence[cache.Entry], crowd: cache.Entry | None) -> dict[str, Any]:
