@@ -320,7 +320,7 @@ a complete schedule file. `--json` prints one object:
 | `format` | `pipec.tune/1` |
 | `devices`, `global_batch` | what was searched for: devices and sequences per step over all replicas |
 | `device_memory`, `peak_flops` | the budget in bytes and the FLOP/s per device (null: not given) |
-| `search` | `candidates` (the space), `compiled`, `pruned` (skipped by the bounds: they could not enter the table), `over_budget` (refused; recompute tried first), `unbuildable` (more stages than the model can be cut into), `traces` (one per microbatch shape), `cuts` (one per stages x shape x balance), `seconds` |
+| `search` | `candidates` (the space), `compiled`, `pruned` (skipped by the bounds: they could not enter the table), `over_budget` (refused; recompute tried first), `unbuildable` (more stages than the model can be cut into), `traces` (one per microbatch shape), `cuts` (one per stages x shape x balance), `pieces` (under `costs profile`: the pieces of the model timed, one of each kind per microbatch shape, that every cut is priced from; null otherwise), `timed` (under `costs profile`: the cuts timed on their own stages, the file's own and the fastest until the fastest is one so timed), `seconds` |
 | `best` | the winner (a candidate, below); measured-best under `--measure` |
 | `top` | the fastest candidates that fit, fastest first (`--top` rows; measured ones first under `--measure`) |
 | `frontier` | the time-memory Pareto set of the candidates compiled, fastest first (exact for steps below the table's last row; slower, smaller candidates the bounds pruned may be missing) |

@@ -377,7 +377,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     out.print(f"searched {result.num_candidates} candidates on {result.num_devices} devices (global batch "
               f"{result.global_batch}) in {result.seconds:.1f} s: {result.num_compiled} compiled, "
               f"{result.num_pruned} pruned by bounds, {result.num_over_budget} over budget; "
-              f"{result.num_traces} traces, {result.num_cuts} cuts", highlight=False)
+              f"{result.num_traces} traces, {result.num_cuts} cuts" + (
+                  "" if result.num_pieces is None else f", priced from {result.num_pieces} timed pieces; "
+                  f"{result.num_timed} timed on their own stages (the file's own, the fastest)"), highlight=False)
     out.print(table(result.top, "top candidates (predicted)", measured=bool(args.measure)))
     out.print(frontier_table(result))
     for note in notes:

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 from pipec.compiler.ir.plan_json import write_plan
 from pipec.runtime.launch import RunOptions, TimeLimitExceeded, start_ranks
-from pipec.tune.search import Scored, TuneResult
+from pipec.tune.search import Scored, TuneResult, banded
 
 __all__ = ["max_ranks", "measure", "run_candidates"]
 
@@ -49,6 +49,7 @@ def run_candidates(scored: Sequence[Scored], *, workdir: str, steps: int = 10, t
             continue
         plan_path = os.path.join(workdir, f"candidate{i}.json")
         report_path = os.path.join(workdir, f"candidate{i}.report.json")
+        s = banded(s)
         write_plan(s.plan, plan_path)
         options = RunOptions(plan=plan_path, steps=steps, report=report_path)
         said = io.StringIO()            # what pipec run would print on its stderr: each rank's error, once

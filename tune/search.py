@@ -47,7 +47,7 @@ from pipec.tune.bounds import Frame, candidate_frame, memory_bound, order_cache,
 from pipec.tune.space import (Candidate, TuneError, TuneRequest, candidate_request, candidates, memory_budget,
                               start_candidate, total_batch)
 
-__all__ = ["Scored", "TuneResult", "tune"]
+__all__ = ["Scored", "TuneResult", "tune", "banded"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,6 +103,12 @@ class TuneResult:
     num_traces: int
     num_cuts: int
     seconds: float
+    num_pieces: int | None = None
+    """Under costs profile: the pieces timed that every cut was priced from (:mod:`pipec.compiler.frontend.pieces`);
+    None: the cuts were priced as they are (unit or flops costs)."""
+    num_timed: int = 0
+    """Under costs profile: the cuts timed on their own stages (the file's own, the fastest until the fastest is
+    timed so)."""
     best_tp1: Scored | None = None
     """When the winner has tp > 1: the fastest fitting candidate without tensor parallelism, proven (found past
     the table's pruning, by the same bounds); None when the winner is tp 1 or no tp 1 candidate fits."""
@@ -120,7 +126,7 @@ class _Graphs:
 
     cost_only = True
 
-    def __init__(self, treq: TuneRequest, batch: int):
+    def __init__(self, treq: TuneRequest, batch: int, space: Sequence[Candidate] = ()):
         self.treq, self.batch = treq, batch
         self.traces: dict[int, Any] = {}
         self.cuts: dict[tuple[int, int, str | None], Any] = {}
@@ -128,6 +134,22 @@ class _Graphs:
         self.graphs: dict[tuple, Any] = {}
         """(cut key, data key, recompute) -> the candidate's StageGraph: all :meth:`graph` reads of a candidate
         (the bisection on recompute asks for the same graphs from every schedule and shard mode)."""
+        self.timed_cuts: dict[tuple[int, int, str | None], Any] = {}
+        """Under costs profile, the cuts timed on their own stages (:meth:`timed`)."""
+        self.pieces = None
+        """Under costs profile, what the cuts are priced by (:class:`~pipec.compiler.frontend.pieces.Pieces`)."""
+        self._at_mb = {}
+        for c in space:
+            self._at_mb.setdefault(batch // c.dp // c.num_microbatches, c)
+        if space and treq.base.model is not None and treq.base.model.costs == "profile":
+            from pipec.compiler.frontend.costs import profiling
+            from pipec.compiler.frontend.pieces import Pieces
+
+            mreq = self._request(space[0])
+            smallest = self._at_mb[min(self._at_mb)]
+            self.pieces = Pieces(profiling(local_ranks=mreq.local_ranks, threads=mreq.threads_per_rank,
+                                           reps=mreq.profile_reps), kwargs=mreq.kwargs,
+                                 calibration=lambda: self._traced(smallest))
 
     def _request(self, c: Candidate):
         from pipec.compiler.driver import model_request
@@ -162,28 +184,58 @@ class _Graphs:
         return replace(graph, stages=stages)
 
     def _graph(self, c: Candidate, key: tuple, data_key: tuple, mb: int):
-        from pipec.compiler.frontend import (FrontendError, cut_stage_graph, trace_request, with_data,
-                                             with_recompute_stages)
+        from pipec.compiler.frontend import FrontendError, cut_stage_graph
 
         mreq = None
         if key not in self.cuts or data_key not in self.data:
             mreq = self._request(c)
-        if mb not in self.traces:
-            self.traces[mb] = trace_request(mreq, like=next(iter(self.traces.values()), None))
+        tm = self._traced(c)
         if key not in self.cuts:
             try:
-                self.cuts[key] = cut_stage_graph(self.traces[mb], mreq, runnable=not self.cost_only)
+                if self.pieces is None:
+                    self.cuts[key] = cut_stage_graph(tm, mreq, runnable=not self.cost_only)
+                else:   # priced from the pieces' timings: the cut itself is cost-only
+                    self.cuts[key] = self.pieces.price(tm, cut_stage_graph(tm, replace(mreq, costs="unit"),
+                                                                           runnable=False))
             except FrontendError as err:
                 if err.key not in ("partition", "stages"):
                     raise
                 self.cuts[key] = None
-        cut = self.cuts[key]
+        return self._finish(self.cuts[key], c, data_key, mreq)
+
+    def _finish(self, cut, c: Candidate, data_key: tuple, mreq):
+        """A cut given the candidate's data record and recompute."""
+        from pipec.compiler.frontend import with_data, with_recompute_stages
+
         if cut is None:
             return None
         if data_key not in self.data:
-            self.data[data_key] = with_data(cut, self.traces[mb], mreq).model["data"]
+            self.data[data_key] = with_data(cut, self._traced(c), mreq).model["data"]
         cut = replace(cut, model={**cut.model, "data": self.data[data_key]})
         return with_recompute_stages(cut, c.recompute) if c.recompute else cut
+
+    def _traced(self, c: Candidate):
+        """The model traced at the candidate's microbatch shape (once per shape)."""
+        from pipec.compiler.frontend import trace_request
+
+        mb = self.batch // c.dp // c.num_microbatches
+        if mb not in self.traces:
+            self.traces[mb] = trace_request(self._request(c), like=next(iter(self.traces.values()), None))
+        return self.traces[mb]
+
+    def timed(self, c: Candidate):
+        """Under costs profile, the candidate's graph with its own stages timed (a full cut, as ``pipec compile``
+        cuts and times it; tp > 1: the tp 1 cut given Megatron's layout, :meth:`_sharded`)."""
+        if c.tp > 1:
+            return self._sharded(self.timed(replace(c, tp=1)), c.tp, self.batch // c.dp // c.num_microbatches)
+        from pipec.compiler.frontend import cut_stage_graph
+
+        mb = self.batch // c.dp // c.num_microbatches
+        key, data_key = (c.num_stages, mb, c.partition_by), (mb, c.num_microbatches, c.dp)
+        mreq = self._request(c)
+        if key not in self.timed_cuts:
+            self.timed_cuts[key] = cut_stage_graph(self._traced(c), mreq)
+        return self._finish(self.timed_cuts[key], c, data_key, mreq)
 
     def confirm(self, c: Candidate) -> None:
         """Cut the candidate's stages the full way (their modules built, as a run builds them) and check
@@ -192,7 +244,7 @@ class _Graphs:
         from pipec.compiler.frontend import confirm_cut
 
         mb = self.batch // c.dp // c.num_microbatches
-        if self.cost_only:
+        if self.cost_only and self.pieces is None:   # under pieces the pick was cut and timed the full way
             confirm_cut(self.traces[mb], self._request(replace(c, tp=1)),
                         self.cuts[(c.num_stages, mb, c.partition_by)])
 
@@ -222,6 +274,17 @@ def _score(c: Candidate, plan: Plan, tokens: int, peak_flops: float | None, num_
                   mfu=mfu, scaling_efficiency=scaling_efficiency(pred.step_time, num_devices, single_step))
 
 
+def banded(s: Scored) -> Scored:
+    """A kept candidate with its plan's interval (:func:`~pipec.compiler.sim.simulate.interval_of`), as a plan
+    written for a run has it (the table's rows go without: 20 runs of the event loop each)."""
+    from pipec.compiler.sim.simulate import interval_of
+
+    pred = s.plan.prediction
+    if pred.interval is not None:
+        return s
+    return replace(s, plan=replace(s.plan, prediction=replace(pred, interval=interval_of(s.plan))))
+
+
 def _pareto(scored: Iterable[Scored]) -> tuple[Scored, ...]:
     out: list[Scored] = []
     for s in sorted(scored, key=Scored.rank_key):
@@ -245,22 +308,28 @@ def _tune(treq: TuneRequest, t0: float) -> TuneResult:
         raise TuneError(f"no candidate: {treq.num_devices} devices, global batch {batch} and the kept keys "
                         f"({', '.join(sorted(treq.keep)) or 'none'}) leave no layout whose replicas split the "
                         "batch; keep fewer keys or choose another --global-batch")
-    search = _Search(treq, batch)
+    search = _Search(treq, batch, space)
     for c in space:
         search.add(c)
-    search.run(lambda j: treq.progress and treq.progress(min(j, len(space)), len(space)))
+    progress = lambda j: treq.progress and treq.progress(min(j, len(space)), len(space))  # noqa: E731
+    search.run(progress)
+    start = start_candidate(treq)
+    if search.graphs.pieces is not None:   # summed prices: the file's own and the fastest timed on their stages
+        search.retime(next((s for s in search.fits if _same_base(s.candidate, start)), None))
+        while search.retime_fastest():
+            search.run(progress)
     if not search.fits:
         raise TuneError(_no_fit(treq, batch, search.refused, search.graphs), key="device_memory")
     ranked = [search.proven(s) for s in search.ranked()[:treq.num_top]]   # proven by search.run
     search.graphs.confirm(ranked[0].candidate)   # the plan written (a run checks its own cut: runtime.stages)
     frontier = search.proven_frontier()
-    start = start_candidate(treq)
     start_scored = next((kept for s in search.fits if _same_base(s.candidate, start)
                          and (kept := search.proven(s)) is not None), None)
     if start_scored is None and start is not None and any(_same_base(c, start) for c in space):
         start_scored = search.settle(start)     # pruned: compiled anyway, the winner is compared with it
     num_pruned = len(search.queue)
     best_tp1 = search.best_where(lambda x: x.tp == 1) if ranked[0].candidate.tp > 1 else None
+    ranked[0] = banded(ranked[0])   # the plan written
     return TuneResult(best=ranked[0], top=tuple(ranked), frontier=frontier, start=start,
                       start_scored=start_scored, global_batch=batch, num_devices=treq.num_devices,
                       device_memory=search.budget, peak_flops=search.peak_flops, num_candidates=len(space),
@@ -269,6 +338,8 @@ def _tune(treq: TuneRequest, t0: float) -> TuneResult:
                       num_unproven=search.num_unproven, refused=tuple(search.refused),
                       num_traces=len(search.graphs.traces),
                       num_cuts=sum(1 for g in search.graphs.cuts.values() if g is not None),
+                      num_pieces=search.graphs.pieces.num_timed if search.graphs.pieces is not None else None,
+                      num_timed=len(search.graphs.timed_cuts),
                       seconds=time.perf_counter() - t0)
 
 
@@ -291,9 +362,9 @@ class _Search:
     row, the table is proven (:func:`~pipec.compiler.passes.verify.verify`); a plan that fails is dropped and
     the search goes on from the queue, so the table holds proven plans only."""
 
-    def __init__(self, treq: TuneRequest, batch: int):
+    def __init__(self, treq: TuneRequest, batch: int, space: Sequence[Candidate] = ()):
         self.treq, self.batch = treq, batch
-        self.graphs = _Graphs(treq, batch)
+        self.graphs = _Graphs(treq, batch, space)
         self.order = order_cache()
         self.budget = memory_budget(treq)
         self.peak_flops = treq.peak_flops if treq.peak_flops is not None else treq.base.training.peak_flops
@@ -305,6 +376,7 @@ class _Search:
         self._times: list[float] = []
         self._proofs: dict[Candidate, bool] = {}
         self._whole: dict[int, Any] = {}
+        self._retimed: set[Candidate] = set()
 
     def _whole_model(self, c: Candidate):
         """The model as one stage at the candidate's microbatch shape (its compute and parameters)."""
@@ -480,7 +552,7 @@ class _Search:
         k = len(c.recompute) if keep or self.budget is None else self._least_recompute(c, got[1], 0)
         while k is not None:
             cand = c if keep else replace(c, recompute=frozenset(range(k)))
-            plan = self._compile(cand, self.graphs.graph(cand))
+            plan = self._compile(cand, self.graphs.graph(cand) if self.graphs.pieces is None else self.graphs.timed(cand))
             if plan is False:
                 return None
             if plan is not None:
@@ -488,14 +560,41 @@ class _Search:
             k = None if keep or k >= c.num_stages else k + 1
         return None
 
+    def retime_fastest(self) -> bool:
+        """Under summed prices (:class:`~pipec.compiler.frontend.pieces.Pieces`): the fastest candidate compiled again
+        on its own stages' timings, and again the fastest, until the fastest is one so timed; whether any was."""
+        any_ = False
+        while self.fits and (head := self.ranked()[0]).candidate not in self._retimed:
+            self.retime(head)
+            any_ = True
+        return any_
+
+    def retime(self, s: Scored | None) -> None:
+        """A summed candidate's row replaced by its compile on its own stages' timings (:meth:`_Graphs.timed`); one
+        over budget then goes to the queue with more recompute, one that cannot run leaves."""
+        if s is None or s.candidate in self._retimed:
+            return
+        c = s.candidate
+        self._retimed.add(c)
+        self._drop(s)
+        self._proofs.pop(c, None)
+        plan = self._compile(c, self.graphs.timed(c))
+        if plan is None:
+            self._escalate(c)
+        elif plan is not False:
+            timed = self.score(c, plan)
+            self.fits.append(timed)
+            bisect.insort(self._times, timed.step_time)
+
     def proven(self, s: Scored) -> Scored | None:
         """The candidate as kept: its plan proven by the verifier and given the timeline of the proof's buffered
         execution, events and all (the search predicts without them; the rest is the same); None when the plan
         fails its proof. Proven once."""
         if s.candidate not in self._proofs:
             try:
-                plan = with_timeline(s.plan, verify(s.plan).executions[BUFFERED])
-                # the search predicts without events or an interval (the kept plan gets both)
+                plan = with_timeline(s.plan, verify(s.plan).executions[BUFFERED], interval=False)
+                # the search predicts without events or an interval (a kept plan gets events; a written one, its
+                # interval: :func:`banded`)
                 assert replace(plan.prediction, events=(), interval=None) == s.plan.prediction, \
                     "a proof predicts what the search did"
                 self._proofs[s.candidate] = replace(s, plan=plan)

@@ -1,0 +1,140 @@
+"""Cuts priced from timed pieces (compiler/frontend/pieces.py), and ``pipec tune`` under ``costs profile`` on them:
+the grid, which pieces are alike, the sum's algebra against a timer whose stage times are known, the winner timed on
+its own stages."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from torch import nn
+
+from conftest import spec_file
+
+from pipec.cli import main
+from pipec.compiler.frontend import ModelRequest, TensorSpec, cut_stage_graph, trace_request
+from pipec.compiler.frontend import costs as costs_pass
+from pipec.compiler.frontend import pieces as pieces_mod
+from pipec.compiler.frontend.partition import Balanced, split_graph
+from pipec.compiler.frontend.pieces import Pieces, _alike, _stage_of, cut_positions, grid_of
+from pipec.compiler.frontend.profile import Profiling
+from pipec.compiler.ir.plan import Cost
+
+GPT = dict(layers=4, dim=32, heads=2, vocab=64, seq=8)
+
+
+def _gpt(mb: int = 2, **kw):
+    req = ModelRequest(target="pipec.examples.gpt:build", kwargs={**GPT, **kw}, num_microbatches=1, num_stages=1,
+                       inputs=(TensorSpec("tokens", "int64", (mb, 8)),), costs="unit")
+    return req, trace_request(req)
+
+
+class Widths(nn.Module):
+    """Four layers in a ModuleList, the last wider: the second and third are alike; the first is not (it takes the
+    model's input, no gradient to send), nor is the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)]
+                                    + [nn.Sequential(nn.Linear(8, 16), nn.ReLU())])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def build_widths():
+    return Widths()
+
+
+def test_the_grid_is_where_layers_start_and_end():
+    _, tm = _gpt()
+    names = [tm.cuts.nodes[i].name for i in grid_of(tm)]
+    assert names[:4] == ["blocks_0_ln1", "blocks_1_ln1", "blocks_2_ln1", "blocks_3_ln1"]
+    assert len(names) == 5 and not names[4].startswith("blocks")   # the head's nodes: one piece
+
+
+def test_layers_alike_are_one_kind_and_a_wider_one_is_not():
+    _, tm = _gpt()
+    grid = grid_of(tm)
+    split = split_graph(tm.traced, _stage_of(tm, grid), len(grid) + 1)
+    kinds = [_alike(split, s) for s in range(split.num_stages)]
+    assert len(set(kinds[1:5])) == 1 and len(set(kinds)) == 3        # embedding, the blocks, the head
+    req = ModelRequest(target=f"{__name__}:build_widths", num_microbatches=1, num_stages=1,
+                       inputs=(TensorSpec("x", "float32", (4, 8)),), costs="unit", loss="mse")
+    tm = trace_request(req)
+    grid = grid_of(tm)
+    split = split_graph(tm.traced, _stage_of(tm, grid), len(grid) + 1)
+    kinds = [_alike(split, s) for s in range(split.num_stages)]
+    assert len(kinds) == 4 and kinds[1] == kinds[2] and len(set(kinds)) == 3
+
+
+# a timer whose stages cost what their FLOPs say plus a fixed cost per stage: the sum of pieces, less the overhead the
+# whole model calibrates, must give every cut's stages exactly what timing them would
+K, C = 1e-9, 1e-4
+
+
+def _known(split, stages=None, **_):
+    out = []
+    for s in (range(split.num_stages) if stages is None else stages):
+        f, i, w = costs_pass.stage_flops(split, s)
+        out.append(Cost(fwd=f * K + C, bwd=(i + w) * K + 2 * C, bwd_i=i * K + C, bwd_w=w * K + C,
+                        optim=split.parts[s].num_params * K + C, spread=0.05))
+    return out, {"concurrent_ranks": 1}
+
+
+def test_a_cut_is_priced_as_its_stages_would_time(monkeypatch):
+    timed: list[int] = []
+
+    def known(split, profile, *, stages=None, **kw):
+        timed.append(split.num_stages)
+        return _known(split, stages)
+
+    monkeypatch.setattr(pieces_mod, "profile_stages", known)
+    # a piece off the grid is priced by its nodes' share of the forward: FLOPs here, as the timer's
+    monkeypatch.setattr(costs_pass, "time_nodes", lambda traced, *a, **kw: {
+        n.name: float(n.meta.get("pipec_flops", 0)) for n in traced.gm.graph.nodes})
+    req, tm = _gpt(mb=2)
+    priced = Pieces(Profiling(), kwargs=req.kwargs, calibration=lambda: tm)
+    for stages in (1, 2, 3, 5, 9):   # 3, 5 and 9 stages cut inside the blocks, 9 among the head's nodes too
+        r = replace(req, num_stages=stages, partition=Balanced("flops"))
+        cut = cut_stage_graph(tm, r, runnable=False)
+        got = priced.price(tm, cut)
+        full = cut_stage_graph(tm, r)        # the same cut, its stages built: what timing them gives
+        want, _ = _known(_split_of(tm, full))
+        for st, w in zip(got.stages, want):
+            if st.stage == 0:
+                w = costs_pass._no_input_grad(w)
+            # off the grid a piece's backward splits into its halves as its forward's share says (the timer's
+            # halves follow the backward FLOPs): its halves only add up
+            on_grid = set(cut_positions(tm, cut)) <= set(grid_of(tm))
+            for part in ("fwd", "bwd", "optim", *(("bwd_i", "bwd_w") if on_grid else ())):
+                assert abs(getattr(st.cost, part) - getattr(w, part)) <= 1e-12 + 1e-9 * getattr(w, part), \
+                    (stages, st.stage, part)
+            assert abs(st.cost.bwd_i + st.cost.bwd_w - st.cost.bwd) <= 1e-12 + 1e-9 * st.cost.bwd
+        assert got.model["profile"]["summed"]["overhead_s"]["fwd"] == round(C, 9)
+    assert priced.num_timed == 4     # the embedding, a block, the head, and the whole model once
+
+
+def _split_of(tm, graph):
+    pos = cut_positions(tm, graph)
+    return split_graph(tm.traced, _stage_of(tm, pos), len(pos) + 1)
+
+
+def test_tune_under_costs_profile_writes_its_winner_timed_on_its_own_stages(tmp_path_factory, tmp_path):
+    pipe = spec_file(tmp_path_factory, '''model "pipec.examples.gpt:build" (layers=2, dim=32, heads=2, vocab=64, seq=8)
+input tokens: int64[4, 8]
+schedule 1f1b
+pp 2  microbatches 2
+costs profile
+''')
+    out, tuned = tmp_path / "plan.json", tmp_path / "tuned.pipe"
+    assert main(["tune", pipe, "--devices", "2", "--keep", "schedule,virtual", "-o", str(out),
+                 "--pipe", str(tuned), "--json"]) == 0
+    plan = json.loads(out.read_text())
+    assert "summed" not in plan["model"]["profile"]           # the winner's own stages were timed
+    again = tmp_path / "again.json"
+    assert main(["compile", str(tuned), "-o", str(again)]) == 0
+    compiled = json.loads(again.read_text())
+    assert [st["cost"] for st in compiled["stages"]] == [st["cost"] for st in plan["stages"]]   # read, not timed again
