@@ -155,7 +155,9 @@ class Pieces:
     measured); traced when first needed."""
 
     def __init__(self, profile: Profiling, *, kwargs: Mapping[str, Any], calibration: Callable[[], Any]) -> None:
-        self.profile, self.kwargs, self.calibration = profile, dict(kwargs), calibration
+        # from one sample up: the stop rules (the median known to the stated spread, alone and in the crowd) still
+        # hold, but a crowd's repeat takes one sample of a long piece where it took three (most of a search's crowd)
+        self.profile, self.kwargs, self.calibration = replace(profile, reps=1), dict(kwargs), calibration
         self._traces: dict[int, _Trace] = {}
         self._overhead: tuple[float, ...] | None = None
         self.num_timed = 0
