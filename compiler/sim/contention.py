@@ -79,13 +79,19 @@ class Sharing:
         estimate). ``computes``: (pp rank, opcode name, start, end) as the last run placed them."""
         crowd = _Crowds(self.hosts, computes)
         out = []
+        caps: dict[str, float] = {}
+        rates: dict[str, Callable[[int], float]] = {}
         for (rank, op, start, end), prev in zip(computes, previous):
-            cap = self.rate_cap(op)
-            if end <= start or cap <= 1.0:
+            if op not in caps:
+                caps[op] = cap = self.rate_cap(op)
+                table: dict[int, float] = {}   # the rate with k computing, once per k (the search runs this often)
+                rates[op] = lambda k, cap=cap, table=table: table[k] if k in table else \
+                    table.setdefault(k, self.rate(cap, k))
+            if end <= start or caps[op] <= 1.0:
                 out.append(prev)
                 continue
             # the work done over [start, end] at the shared rate, per second of the cost's rate
-            work = crowd.work(rank, start, end, lambda k, cap=cap: self.rate(cap, k))
+            work = crowd.work(rank, start, end, rates[op])
             # the duration whose shared work equals the cost, over the cost: (end - start) / work at a steady crowd
             out.append(0.5 * prev + 0.5 * (end - start) / work)
         return out
@@ -117,7 +123,10 @@ class _Crowds:
     def work(self, rank: int, start: float, end: float, rate: Callable[[int], float]) -> float:
         """Seconds of the cost's rate a compute of ``rank`` gets over [start, end] (``rate(k)`` with k computing),
         on its most crowded host."""
-        return min(self._work(h, start, end, rate) for h, n in enumerate(self.hosts[rank]) if n)
+        on = [h for h, n in enumerate(self.hosts[rank]) if n]
+        if len(on) == 1:
+            return self._work(on[0], start, end, rate)
+        return min(self._work(h, start, end, rate) for h in on)
 
     def _work(self, h: int, start: float, end: float, rate: Callable[[int], float]) -> float:
         times, counts = self.times[h], self.counts[h]
