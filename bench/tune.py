@@ -17,7 +17,12 @@
     (8 GPUs per node, NVLink 600 GB/s inside, InfiniBand 25 GB/s across): the whole search over tp x pp x dp
     (goal <= 60 s), why it picks what it picks against the best tp 1 plan, MFU and scaling efficiency.
 
-    python bench/tune.py [--part a|b|both] [--steps 10] [--rounds 3] [--out DIR] | --pool DIR ... | --against DIR ...
+(c) The grid of (a) priced from timed pieces, as ``pipec tune`` prices its cuts under ``costs profile``
+    (compiler/frontend/pieces.py), beside each cut timed on its own stages: per candidate both steps and their ratio,
+    the Spearman rank correlation between them, and how far the summed pick's timed step is over the timed pick's.
+    Runs nothing.
+
+    python bench/tune.py [--part a|b|c|both] [--steps 10] [--rounds 3] [--out DIR] | --pool DIR ... | --against DIR ...
 """
 
 from __future__ import annotations
@@ -298,9 +303,42 @@ def part_b(folder: str) -> None:
     print("  as schedule-file lines:", " | ".join(pipe_lines(r.best.candidate, r.best.plan)))
 
 
+def part_c(folder: str) -> None:
+    """The grid priced from timed pieces (tune's way under costs profile) beside each cut timed on its own stages,
+    both in one cache, so the stages' own timings are those the pieces were priced against."""
+    path = _write(folder, "gpt_small.pipe", SMALL)
+    treq = TuneRequest(base=load_spec(path, {}).request, num_devices=4)
+    space = candidates(treq)
+    grid = [c for c in space if _in_grid(c)]
+    t0 = time.perf_counter()
+    summed = _Graphs(treq, 16, space)
+    rows = []
+    for c in grid:
+        req = candidate_request(treq, c, global_batch=16)
+        a = compile_request(req, graph=summed.graph(c), verify=False, events=False).plan.prediction.step_time
+        rows.append((c, a))
+    priced_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    rows = [(c, a, compile_request(candidate_request(treq, c, global_batch=16), graph=summed.timed(c), verify=False,
+                                   events=False).plan.prediction.step_time) for c, a in rows]
+    timed_s = time.perf_counter() - t0
+    print(f"(c) the grid ({len(grid)} candidates, 4 ranks, costs profile): priced from "
+          f"{summed.pieces.num_timed} timed pieces in {priced_s:.1f} s, each cut then timed on its own stages in "
+          f"{timed_s:.1f} s")
+    print(f"  {'layout':<7} {'schedule':<17} {'v':>2} {'M':>3} {'summed':>9} {'timed':>9} {'summed/timed':>12}")
+    for c, a, b in sorted(rows, key=lambda r: r[2]):
+        print(f"  {c.layout:<7} {c.schedule:<17} {c.num_chunks:>2} {c.num_microbatches:>3} {a * 1e3:>7.1f}ms "
+              f"{b * 1e3:>7.1f}ms {a / b:>12.3f}")
+    err = statistics.fmean(abs(a / b - 1) for _, a, b in rows)
+    pick_a, pick_b = min(rows, key=lambda r: r[1]), min(rows, key=lambda r: r[2])
+    print(f"  Spearman summed vs timed {spearman([r[1] for r in rows], [r[2] for r in rows]):.3f}; mean "
+          f"|summed/timed - 1| {err:.1%}; summed pick {_name(pick_a[0])} at {pick_a[2] * 1e3:.1f} ms timed, "
+          f"{pick_a[2] / pick_b[2] - 1:.1%} over the timed pick {_name(pick_b[0])}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=("a", "b", "both"), default="both")
+    ap.add_argument("--part", choices=("a", "b", "c", "both"), default="both")
     ap.add_argument("--steps", type=int, default=10, help="steps of every run (the first, a warm-up, left out)")
     ap.add_argument("--rounds", type=int, default=3, help="runs of every grid candidate, in alternating order")
     ap.add_argument("--out", default=None, help="folder for the plans and reports (default: a temporary one)")
@@ -320,6 +358,8 @@ def main() -> int:
         part_b(folder)
     if args.part in ("a", "both"):
         part_a(folder, args.steps, args.rounds)
+    if args.part == "c":
+        part_c(folder)
     return 0
 
 
