@@ -134,7 +134,9 @@ costs profile
                  "--pipe", str(tuned), "--json"]) == 0
     plan = json.loads(out.read_text())
     assert "summed" not in plan["model"]["profile"]           # the winner's own stages were timed
+    assert len(plan["prediction"]["step_time_interval"]) == 2   # and the plan written has its interval
     again = tmp_path / "again.json"
     assert main(["compile", str(tuned), "-o", str(again)]) == 0
     compiled = json.loads(again.read_text())
     assert [st["cost"] for st in compiled["stages"]] == [st["cost"] for st in plan["stages"]]   # read, not timed again
+    assert compiled["prediction"]["step_time_interval"] == plan["prediction"]["step_time_interval"]
