@@ -16,7 +16,8 @@ Per setting: the share of steps inside the interval (goal: the stated coverage, 
 whose median step was inside, the median of the point prediction's relative error per step and per round
 (|measured - predicted| / measured), and the interval's median width over its prediction.
 
-    .venv/bin/python bench/coverage.py --rounds 20            # the full benchmark (about an hour on 2 cores)
+    .venv/bin/python bench/coverage.py --rounds 20            # the full benchmark (about 15 minutes on 2 cores:
+                                                              # a round is 9-15 s, a loaded one the longest)
     .venv/bin/python bench/coverage.py --rounds 2 --settings quiet,loaded
     .venv/bin/python bench/coverage.py --rounds 1 --steps 6 --out /tmp/coverage.json
 
