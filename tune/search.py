@@ -501,7 +501,11 @@ class _Search:
         if stage == _CUT:
             self._bound(c)
             return
-        plan = self._compile(c, graph)
+        self._keep(c, self._compile(c, graph))
+
+    def _keep(self, c: Candidate, plan: Plan | None | bool) -> None:
+        """A compiled candidate scored into the table; one over budget queued with more recompute; one that cannot
+        run dropped."""
         if plan is None:
             self._escalate(c)
         elif plan is not False:
@@ -578,13 +582,7 @@ class _Search:
         self._retimed.add(c)
         self._drop(s)
         self._proofs.pop(c, None)
-        plan = self._compile(c, self.graphs.timed(c))
-        if plan is None:
-            self._escalate(c)
-        elif plan is not False:
-            timed = self.score(c, plan)
-            self.fits.append(timed)
-            bisect.insort(self._times, timed.step_time)
+        self._keep(c, self._compile(c, self.graphs.timed(c)))
 
     def proven(self, s: Scored) -> Scored | None:
         """The candidate as kept: its plan proven by the verifier and given the timeline of the proof's buffered
