@@ -138,15 +138,12 @@ class _Graphs:
         """Under costs profile, the cuts timed on their own stages (:meth:`timed`)."""
         self.pieces = None
         """Under costs profile, what the cuts are priced by (:class:`~pipec.compiler.frontend.pieces.Pieces`)."""
-        self._at_mb = {}
-        for c in space:
-            self._at_mb.setdefault(batch // c.dp // c.num_microbatches, c)
         if space and treq.base.model is not None and treq.base.model.costs == "profile":
             from pipec.compiler.frontend.costs import profiling
             from pipec.compiler.frontend.pieces import Pieces
 
             mreq = self._request(space[0])
-            smallest = self._at_mb[min(self._at_mb)]
+            smallest = min(space, key=lambda c: self._keys(c)[0])
             self.pieces = Pieces(profiling(local_ranks=mreq.local_ranks, threads=mreq.threads_per_rank,
                                            reps=mreq.profile_reps), kwargs=mreq.kwargs,
                                  calibration=lambda: self._traced(smallest))
@@ -156,10 +153,14 @@ class _Graphs:
 
         return replace(model_request(candidate_request(self.treq, c, global_batch=self.batch)), recompute=False)
 
+    def _keys(self, c: Candidate) -> tuple[int, tuple, tuple]:
+        """The candidate's microbatch size, its cut's key (stages, microbatch, balance) and its data's."""
+        mb = self.batch // c.dp // c.num_microbatches
+        return mb, (c.num_stages, mb, c.partition_by), (mb, c.num_microbatches, c.dp)
+
     def graph(self, c: Candidate):
         """The candidate's StageGraph, or None when the model cannot be cut that way."""
-        mb = self.batch // c.dp // c.num_microbatches
-        key, data_key = (c.num_stages, mb, c.partition_by), (mb, c.num_microbatches, c.dp)
+        mb, key, data_key = self._keys(c)
         whole = (key, data_key, c.recompute, c.tp)
         if whole not in self.graphs:
             if c.tp == 1:
@@ -218,7 +219,7 @@ class _Graphs:
         """The model traced at the candidate's microbatch shape (once per shape)."""
         from pipec.compiler.frontend import trace_request
 
-        mb = self.batch // c.dp // c.num_microbatches
+        mb = self._keys(c)[0]
         if mb not in self.traces:
             self.traces[mb] = trace_request(self._request(c), like=next(iter(self.traces.values()), None))
         return self.traces[mb]
@@ -226,16 +227,20 @@ class _Graphs:
     def timed(self, c: Candidate):
         """Under costs profile, the candidate's graph with its own stages timed (a full cut, as ``pipec compile``
         cuts and times it; tp > 1: the tp 1 cut given Megatron's layout, :meth:`_sharded`)."""
+        mb, key, data_key = self._keys(c)
         if c.tp > 1:
-            return self._sharded(self.timed(replace(c, tp=1)), c.tp, self.batch // c.dp // c.num_microbatches)
+            return self._sharded(self.timed(replace(c, tp=1)), c.tp, mb)
         from pipec.compiler.frontend import cut_stage_graph
 
-        mb = self.batch // c.dp // c.num_microbatches
-        key, data_key = (c.num_stages, mb, c.partition_by), (mb, c.num_microbatches, c.dp)
         mreq = self._request(c)
         if key not in self.timed_cuts:
             self.timed_cuts[key] = cut_stage_graph(self._traced(c), mreq)
         return self._finish(self.timed_cuts[key], c, data_key, mreq)
+
+    def final(self, c: Candidate):
+        """The graph a candidate is reported by: under costs profile its own stages timed (:meth:`timed`), else the
+        one it was searched by (:meth:`graph`)."""
+        return self.graph(c) if self.pieces is None else self.timed(c)
 
     def confirm(self, c: Candidate) -> None:
         """Cut the candidate's stages the full way (their modules built, as a run builds them) and check
@@ -243,10 +248,9 @@ class _Graphs:
         added to that cut's stages, :meth:`_sharded`)."""
         from pipec.compiler.frontend import confirm_cut
 
-        mb = self.batch // c.dp // c.num_microbatches
+        mb, key, _ = self._keys(c)
         if self.cost_only and self.pieces is None:   # under pieces the pick was cut and timed the full way
-            confirm_cut(self.traces[mb], self._request(replace(c, tp=1)),
-                        self.cuts[(c.num_stages, mb, c.partition_by)])
+            confirm_cut(self.traces[mb], self._request(replace(c, tp=1)), self.cuts[key])
 
 
 # ----------------------------------------------------------------------------- bounds and the search
@@ -556,7 +560,7 @@ class _Search:
         k = len(c.recompute) if keep or self.budget is None else self._least_recompute(c, got[1], 0)
         while k is not None:
             cand = c if keep else replace(c, recompute=frozenset(range(k)))
-            plan = self._compile(cand, self.graphs.graph(cand) if self.graphs.pieces is None else self.graphs.timed(cand))
+            plan = self._compile(cand, self.graphs.final(cand))
             if plan is False:
                 return None
             if plan is not None:
