@@ -16,7 +16,8 @@ from pipec.compiler.frontend import ModelRequest, TensorSpec, cut_stage_graph, t
 from pipec.compiler.frontend import costs as costs_pass
 from pipec.compiler.frontend import pieces as pieces_mod
 from pipec.compiler.frontend.partition import Balanced, split_graph
-from pipec.compiler.frontend.pieces import Pieces, _alike, _stage_of, cut_positions, grid_of
+from pipec.compiler.frontend.pieces import Pieces, _stage_of, cut_positions, grid_of
+from pipec.compiler.frontend.timings import stage_digest
 from pipec.compiler.frontend.profile import Profiling
 from pipec.compiler.ir.plan import Cost
 
@@ -59,14 +60,14 @@ def test_layers_alike_are_one_kind_and_a_wider_one_is_not():
     _, tm = _gpt()
     grid = grid_of(tm)
     split = split_graph(tm.traced, _stage_of(tm, grid), len(grid) + 1)
-    kinds = [_alike(split, s) for s in range(split.num_stages)]
+    kinds = [stage_digest(split, s) for s in range(split.num_stages)]
     assert len(set(kinds[1:5])) == 1 and len(set(kinds)) == 3        # embedding, the blocks, the head
     req = ModelRequest(target=f"{__name__}:build_widths", num_microbatches=1, num_stages=1,
                        inputs=(TensorSpec("x", "float32", (4, 8)),), costs="unit", loss="mse")
     tm = trace_request(req)
     grid = grid_of(tm)
     split = split_graph(tm.traced, _stage_of(tm, grid), len(grid) + 1)
-    kinds = [_alike(split, s) for s in range(split.num_stages)]
+    kinds = [stage_digest(split, s) for s in range(split.num_stages)]
     assert len(kinds) == 4 and kinds[1] == kinds[2] and len(set(kinds)) == 3
 
 

@@ -114,6 +114,19 @@ def test_a_stage_of_another_cut_is_reused_and_so_is_the_crowd_of_its_shape(timed
     assert timed["crowds"] == 2  # another number of ranks sharing the host: a crowd of its own
 
 
+def test_stages_of_layers_alike_are_timed_once_in_a_compile_and_across_cuts(timed):
+    four = _mlp(num_stages=4, partition=SplitBefore(("blocks.1", "blocks.2", "blocks.3")))
+    got = build_stage_graph(four)
+    assert timed["alone"] == [[0, 1, 3]]  # blocks.1 and blocks.2: one layer each, alike (blocks.0 takes x)
+    assert got.stages[2].cost == got.stages[1].cost and got.stages[3].cost != got.stages[1].cost
+    new_process()
+    three = build_stage_graph(_mlp(num_stages=3, partition=SplitBefore(("blocks.2", "blocks.3")),
+                                   kwargs=dict(layers=4, dim=16)))
+    assert timed["alone"] == [[0, 1, 3], [0]]  # blocks.0-1 is new; blocks.2 reads as blocks.1 did
+    assert three.stages[1].cost == got.stages[1].cost
+    assert [st["reused"] for st in three.model["profile"]["stages"]] == [False, True, True]
+
+
 def test_a_tensor_parallel_stage_is_timed_sharded_as_its_rank_runs_it(monkeypatch):
     """Under tp 2 each stage is timed as its tp rank 0 runs it (the MLP's fc and proj at half their hidden width),
     its cost that rank's (``costs_local``: the simulator adds the collectives and scales nothing); the timings

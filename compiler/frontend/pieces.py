@@ -9,8 +9,8 @@ cut's stages are priced as runs of *pieces* (:class:`Pieces`):
   layer, or among the nodes around the layers) makes pieces of a grid piece; each is priced at its nodes' share
   of the grid piece's forward time (as ``balanced(by=time)`` measures the nodes), nothing more is timed.
 - Pieces alike (the same code, modules and shapes: a transformer's layers) are timed once, as the first of them
-  (:func:`_alike`), the way ``costs profile`` times a stage (:func:`~.timings.profile_stages`: alone, the crowd's
-  slowdown, the profile cache). The crowd of a microbatch shape (shared by every cut of it) runs the layers' pieces:
+  (one :func:`~.timings.stage_digest`), the way ``costs profile`` times a stage (:func:`~.timings.profile_stages`:
+  alone, the crowd's slowdown, the profile cache). The crowd of a microbatch shape (shared by every cut of it) runs the layers' pieces:
   the nodes around the layers take a fraction of a millisecond, and a piece that short, in a crowd of more ranks
   than cores, waits out whole time slices that no stage of a run is short enough to meet.
 - A stage of k pieces costs their sum, per part, less k - 1 times the per-stage overhead (what a stage pays once
@@ -27,22 +27,18 @@ the candidate it picks, and re-ranks, before it reports (tune/search.py).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from torch import nn
-from torch.fx.node import map_arg
 
 from pipec.compiler.frontend import costs as costs_pass
-from pipec.compiler.frontend.fingerprint import _target_str
 from pipec.compiler.frontend.partition import Split, _unit_key, split_graph
 from pipec.compiler.frontend.profile import Profiling
 from pipec.compiler.frontend.stages import resolve
 from pipec.compiler.frontend.tensors import FrontendError
-from pipec.compiler.frontend.timings import _source, profile_stages
+from pipec.compiler.frontend.timings import profile_stages, stage_digest
 from pipec.compiler.ir.graph import make_graph
 from pipec.compiler.ir.plan import Cost
 
@@ -74,54 +70,6 @@ def _stage_of(tm: Any, positions: Sequence[int]) -> dict[str, int]:
             s += 1
         out[n.name] = s
     return out
-
-
-def _alike(split: Split, s: int) -> str:
-    """What decides stage ``s``'s timing but where it sits in the model: its nodes in order (op; target, a module
-    path with the layer it is in written by its place among the stage's layers; arguments, a node by its place;
-    the output's shape and dtype), the modules it calls (repr and, for a model's own, their source), its
-    parameters' shapes and its inputs and outputs. Two layers of one ModuleList with the same code and shapes
-    read the same."""
-    traced = split.traced
-    part = split.parts[s]
-    nodes = {n.name: n for n in traced.gm.graph.nodes}
-    units: dict[str, str] = {}
-    for name in part.nodes:
-        if name in nodes and not (key := _unit_key(nodes[name], traced.model)).startswith("node:"):
-            units.setdefault(key, f"#{len(units)}")
-    prefixes = sorted(units, key=len, reverse=True)
-
-    def placed(path: str) -> str:
-        for key in prefixes:
-            if path == key or path.startswith(key + "."):
-                return units[key] + path[len(key):]
-        return path
-
-    graph = split.stage_graph(s)
-    gm = traced.gm
-    index: dict[Any, int] = {}
-    rows = []
-    for i, n in enumerate(graph.nodes):
-        index[n] = i
-        args = map_arg((n.args, n.kwargs), lambda a: f"%{index[a]}")
-        meta = n.meta.get("tensor_meta")
-        shape = [list(meta.shape), str(meta.dtype)] if hasattr(meta, "shape") else None
-        if n.op == "call_module":
-            mod = gm.get_submodule(str(n.target))
-            target = [placed(str(n.target)), repr(mod), sorted({_source(type(m)) for m in mod.modules()} - {""})]
-        elif n.op == "get_attr":
-            obj = resolve(gm, str(n.target))
-            target = [placed(str(n.target)), list(obj.shape) if hasattr(obj, "shape") else type(obj).__name__]
-        elif n.op == "call_function":
-            target = [_target_str(n.target), _source(n.target)]
-        else:
-            target = [str(n.target) if n.op == "call_method" else ""]
-        rows.append([n.op, target, repr(args), shape])
-    params = [[placed(c), list(traced.param_of[c].shape), str(traced.param_of[c].dtype)] for c in part.params]
-    inputs = [[list(x.shape), x.dtype, src >= 0] for x, src in zip(part.inputs, part.sources)]
-    outputs = [[list(x.shape), x.dtype] for x in part.outputs]
-    text = json.dumps([rows, params, inputs, outputs], sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _in_layers(split: Split, s: int) -> bool:
@@ -177,7 +125,7 @@ class Pieces:
             tr.split = split_graph(tm.traced, _stage_of(tm, ends), len(ends) + 1)
         split = tr.split
         at = {(a, b): s for s, (a, b) in enumerate(zip([0, *ends], [*ends, len(tm.cuts.nodes)]))}
-        kinds = {p: _alike(split, at[p]) for p in pieces}
+        kinds = {p: stage_digest(split, at[p]) for p in pieces}
         todo = list(dict.fromkeys(k for k in kinds.values() if k not in tr.by_kind))
         if todo:
             first = {k: at[p] for p, k in reversed(list(kinds.items()))}

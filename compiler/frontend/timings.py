@@ -4,10 +4,11 @@ What decides each timing is its key (:mod:`pipec.compiler.cache`); every key hol
 (:func:`_host_key`: threads per rank, the cores this process may use, the CPU count and model, torch's
 version, :data:`~.profile.PROFILE_METHOD`):
 
-- ``stage``, a stage timed alone: the stage's own graph (:func:`stage_digest`: its code, the modules it
-  calls with their source where the model defines them, its parameters, inputs and outputs) and the
-  microbatch's dtype. The same stage in another cut (its nodes, and so its inputs, the same) is the same
-  entry; recompute is not in it (a recomputed stage's cost is derived from its timing, nothing is timed).
+- ``stage``, a stage timed alone: the stage's own graph wherever it sits (:func:`stage_digest`: its nodes,
+  the modules it calls with their source where the model defines them, its parameters, inputs and outputs)
+  and the microbatch's dtype. The same stage in another cut is the same entry, and so is a stage of other
+  layers alike (a transformer's middle stages: one is timed, in a compile or across compiles); recompute is
+  not in it (a recomputed stage's cost is derived from its timing, nothing is timed).
 - ``crowd``, the slowdown of the run's ranks here computing at once: the model's fingerprint, the
   microbatch's inputs (names, shapes, dtypes), the dtype and the ranks sharing the host. It has no cut in
   it: it is measured once per microbatch shape and shared by every cut of it.
@@ -32,10 +33,12 @@ from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+from torch.fx.node import map_arg
 
 from pipec.compiler import cache, progress
+from pipec.compiler.frontend.fingerprint import _target_str
 from pipec.compiler.frontend.load import instantiate
-from pipec.compiler.frontend.partition import Split
+from pipec.compiler.frontend.partition import Split, _unit_key
 from pipec.compiler.frontend.stages import resolve
 from pipec.compiler.frontend.profile import (PROFILE_METHOD, Profiling, _cost, _least_sample, _median_slowdown,
                                              _rel_spread, _Sample, _stage_runner, _threads, _total, crowd,
@@ -86,27 +89,52 @@ def _source(obj: Any) -> str:
 
 
 def stage_digest(split: Split, s: int) -> str:
-    """The fingerprint of stage ``s`` as it is timed: its graph's code, the modules it calls (their repr and, for a
-    model's own, their source), the tensors it reads by attribute, the functions it calls that are not torch's,
-    its parameters (canonical name, shape, dtype), and its inputs (shape, dtype, whether a gradient flows back)
-    and outputs. The same stage of another cut (its nodes, and so its inputs, the same) has the same one."""
-    part, gm = split.parts[s], split.traced.gm
-    graph = split.stage_graph(s)
-    mods, attrs, funcs = {}, {}, {}
-    for n in graph.nodes:
-        target = str(n.target)
+    """The fingerprint of stage ``s`` as it is timed, wherever it sits in the model: its nodes in order (op; target,
+    a module path with the layer it is in written by its place among the stage's layers; arguments, a node by its
+    place; the output's shape and dtype), the modules it calls (repr and, for a model's own, their source), the
+    tensors it reads by attribute (shape, dtype), the functions it calls that are not torch's (their source), its
+    parameters (shape, dtype) and its inputs (shape, dtype, whether a gradient flows back) and outputs. The same
+    stage of another cut has the same one; so do two stages of layers alike (one ModuleList's children with the
+    same code and shapes): a transformer's middle stages are one timing."""
+    traced = split.traced
+    part = split.parts[s]
+    nodes = {n.name: n for n in traced.gm.graph.nodes}
+    units: dict[str, str] = {}
+    for name in part.nodes:
+        if name in nodes and not (key := _unit_key(nodes[name], traced.model)).startswith("node:"):
+            units.setdefault(key, f"#{len(units)}")
+    prefixes = sorted(units, key=len, reverse=True)
+
+    def placed(path: str) -> str:
+        for key in prefixes:
+            if path == key or path.startswith(key + "."):
+                return units[key] + path[len(key):]
+        return path
+
+    gm = traced.gm
+    index: dict[Any, int] = {}
+    rows = []
+    for i, n in enumerate(split.stage_graph(s).nodes):
+        index[n] = i
+        args = map_arg((n.args, n.kwargs), lambda a: f"%{index[a]}")
+        meta = n.meta.get("tensor_meta")
+        shape = [list(meta.shape), str(meta.dtype)] if hasattr(meta, "shape") else None
         if n.op == "call_module":
-            mod = gm.get_submodule(target)
-            mods[target] = [repr(mod), sorted({_source(type(m)) for m in mod.modules()} - {""})]
+            mod = gm.get_submodule(str(n.target))
+            target = [placed(str(n.target)), repr(mod), sorted({_source(type(m)) for m in mod.modules()} - {""})]
         elif n.op == "get_attr":
-            obj = resolve(gm, target)
-            attrs[target] = [list(obj.shape), str(obj.dtype)] if isinstance(obj, torch.Tensor) else type(obj).__name__
-        elif n.op == "call_function" and (src := _source(n.target)):
-            funcs[n.name] = src
-    params = [[c, list(split.traced.param_of[c].shape), str(split.traced.param_of[c].dtype)] for c in part.params]
+            obj = resolve(gm, str(n.target))
+            target = [placed(str(n.target)),
+                      [list(obj.shape), str(obj.dtype)] if isinstance(obj, torch.Tensor) else type(obj).__name__]
+        elif n.op == "call_function":
+            target = [_target_str(n.target), _source(n.target)]
+        else:
+            target = [str(n.target) if n.op == "call_method" else ""]
+        rows.append([n.op, target, repr(args), shape])
+    params = [[placed(c), list(traced.param_of[c].shape), str(traced.param_of[c].dtype)] for c in part.params]
     inputs = [[list(x.shape), x.dtype, src >= 0] for x, src in zip(part.inputs, part.sources)]
     outputs = [[list(x.shape), x.dtype] for x in part.outputs]
-    text = json.dumps([graph.python_code("self").src, mods, attrs, funcs, params, inputs, outputs], sort_keys=True)
+    text = json.dumps([rows, params, inputs, outputs], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -210,6 +238,9 @@ def profile_stages(split: Split, profile: Profiling, *, autocast: str | None, ta
         baseline = float(next(iter(entries.values())).value["baseline_s"])
         cache.store("host", host, {"reference_s": baseline})
     todo = [i for i in range(num) if i not in entries]
+    first: dict[str, int] = {}   # stages alike (one key) are timed once: the first of them
+    same = {i: first.setdefault(json.dumps(keys[i], sort_keys=True), i) for i in todo}
+    todo = [i for i in todo if same[i] == i]
     restore = _threads(profile.threads)
     try:
         crowded = list(range(num)) if crowd_of is None else list(crowd_of)
@@ -228,6 +259,7 @@ def profile_stages(split: Split, profile: Profiling, *, autocast: str | None, ta
                     "least": list(_least_sample(samples[i])), "rounds": len(samples[i]), "baseline_s": baseline,
                     "spread": _rel_spread([_total(x) for x in samples[i]]), "host_spread": _rel_spread(speed),
                     "load": load})
+        entries.update((i, entries[j]) for i, j in same.items() if i != j)
         assert baseline is not None
         alone = {i: [x * baseline / float(e.value["baseline_s"]) for x in e.value["least"]] for i, e in entries.items()}
         if many and shared is None:
