@@ -64,6 +64,11 @@ LINK_ROUNDS = 15
 """Timed repetitions of each point-to-point and collective size (their median is kept; a third as many of the tp
 link's latency, each of which is 8 matmuls and 8 all-reduces). On machine A five put one probe's hop at 0.94 ms where
 others read 0.09-0.14 ms."""
+SAMPLE_ROUNDS = 60
+"""Timed repetitions of the smallest size (4 bytes: the latency alone), point-to-point and all-reduce: their samples
+are what the step's interval draws each message's and each all-reduce's time from (``samples``), so they are many
+enough to hold the tail the run meets (on machine A a hop of 1-2 ms in about 1 of 10, against a median of 0.1 ms:
+15 rounds miss it in 1 probe of 5). About 40 ms of probe each."""
 OVERHEAD_STEPS = 3
 """Zero-compute steps the executor's host overhead is timed over."""
 
@@ -438,7 +443,8 @@ def _p2p(nbytes: int, device, rounds: int) -> list[float]:
     return [t / 2 for t in _samples(rounds, ping)]
 
 
-def _collective(kind: str, nbytes: int, device, rounds: int) -> float:
+def _collective(kind: str, nbytes: int, device, rounds: int) -> list[float]:
+    """Seconds of each of ``rounds`` collectives of ``kind`` over every rank, ``nbytes`` in all."""
     world = dist.get_world_size()
     n = max(1, nbytes // 4)
     if kind == "all_reduce":
@@ -454,7 +460,7 @@ def _collective(kind: str, nbytes: int, device, rounds: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    return _timed(rounds, run)
+    return _samples(rounds, run)
 
 
 def _between_computes(nbytes: int, device, rounds: int) -> float:
@@ -485,9 +491,9 @@ def _between_computes(nbytes: int, device, rounds: int) -> float:
     return max(0.0, (_timed(rounds, mixed) - _timed(rounds, alone)) / 8)
 
 
-def _tiny_overhead(backend: str, device) -> tuple[dict[str, float], dict[str, float]]:
+def _tiny_overhead(backend: str, device) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]]]:
     """The executor's host overhead on a small zero-compute plan over every rank (1f1b, 4 microbatches per rank):
-    per instruction kind its median and its scatter (:func:`_spread`)."""
+    per instruction kind its median, its scatter (:func:`_spread`) and its samples."""
     from pipec.compiler.driver import compile_plan
     from pipec.runtime.executor import Executor
     from pipec.runtime.launch import Env, plan_transport
@@ -499,7 +505,7 @@ def _tiny_overhead(backend: str, device) -> tuple[dict[str, float], dict[str, fl
     ex = Executor(plan, pp_rank=env.rank, dp_rank=0, transport=transport, emulate=0.0, device=device)
     samples = _host_samples(_handler_times(ex, OVERHEAD_STEPS))
     return ({op: statistics.median(xs) for op, xs in samples.items()},
-            {op: _spread(xs) for op, xs in samples.items()})
+            {op: _spread(xs) for op, xs in samples.items()}, samples)
 
 
 def probe(sizes: Sequence[int], *, sharded: bool = False, rounds: int = LINK_ROUNDS) -> dict[str, Any]:
@@ -508,25 +514,34 @@ def probe(sizes: Sequence[int], *, sharded: bool = False, rounds: int = LINK_ROU
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     world = dist.get_world_size()
     sizes = sorted({4, *sizes})
-    hops = [_p2p(s, device, rounds) for s in sizes]
+    many = [max(rounds, SAMPLE_ROUNDS)] + [rounds] * (len(sizes) - 1)  # the smallest size's rounds: the samples
+    hops = [_p2p(s, device, n) for s, n in zip(sizes, many)]
     p2p = [statistics.fmean(h) for h in hops]  # the mean: a step pays every stall its critical path meets
-    ar = [_collective("all_reduce", s, device, rounds) for s in sizes]
+    ars = [_collective("all_reduce", s, device, n) for s, n in zip(sizes, many)]
+    ar = [statistics.median(xs) for xs in ars]
     measured = {"at": _now_iso(), "backend": backend, "ranks": world, "host": socket.gethostname()}
     lat, bw = _fit(sizes, p2p, 1.0)
-    links = {"pp": {"latency_s": lat, "bandwidth_Bps": bw, "measured": measured, "spread": _spread(hops[0])}}
+    links = {"pp": {"latency_s": lat, "bandwidth_Bps": bw, "measured": measured, "spread": _spread(hops[0]),
+                    "samples": [max(0.0, t) for t in hops[0]]}}
     factor = 2 * (world - 1) / world  # the ring all-reduce's
     lat, bw = _fit(sizes, ar, factor)
-    links["dp"] = links["tie"] = {"latency_s": lat, "bandwidth_Bps": bw, "measured": measured}
+    links["dp"] = links["tie"] = {"latency_s": lat, "bandwidth_Bps": bw, "measured": measured,
+                                  "samples": [max(0.0, t) for t in ars[0]]}
     # the tp link: the all-reduce's bandwidth, its latency as one costs between computes (a plan's smallest size)
     small = sizes[1] if len(sizes) > 1 else sizes[0]
     between = _between_computes(small, device, max(3, rounds // 3)) - factor * small / bw
     links["tp"] = {"latency_s": max(lat, between), "bandwidth_Bps": bw, "measured": measured}
     if sharded:
-        ag = [_collective("all_gather", s, device, rounds) for s in sizes]
+        ag = [statistics.median(_collective("all_gather", s, device, rounds)) for s in sizes]
         lat, bw = _fit(sizes, ag, (world - 1) / world)
         links["shard"] = {"latency_s": lat, "bandwidth_Bps": bw, "measured": measured}
-    seconds, spread = _tiny_overhead(backend, device)
-    overhead = {"seconds": _medians(_gathered(seconds)), "spread": _medians(_gathered(spread)), "measured": measured}
+    seconds, spread, samples = _tiny_overhead(backend, device)
+    pooled: dict[str, list[float]] = {}  # every rank's samples of each kind
+    for got in _gathered(samples):
+        for op, xs in got.items():
+            pooled.setdefault(op, []).extend(max(0.0, x) for x in xs)
+    overhead = {"seconds": _medians(_gathered(seconds)), "spread": _medians(_gathered(spread)), "samples": pooled,
+                "measured": measured}
     return {"links": links, "overhead": overhead}
 
 

@@ -276,3 +276,102 @@ def test_the_overheads_scatter_widens_the_interval_and_round_trips(tmp_path):
     raw["overhead"]["spread"] = {"SEND": 0.1}
     with pytest.raises(PlanError, match=r"overhead\.spread\.SEND: expected an opcode name"):
         load_plan(raw)
+
+
+def _tailed(fast: float, slow: float, n: int = 20) -> tuple[float, ...]:
+    """A probe's samples: ``fast`` in most rounds, ``slow`` in 1 of 10 (the stall tail a MAD spread does not see)."""
+    return tuple(slow if i % 10 == 9 else fast for i in range(n))
+
+
+def test_a_links_samples_draw_each_message_with_its_tail_and_round_trip(tmp_path):
+    """The pp link's samples (the probe's rounds of its smallest message) draw each message's transfer as the
+    transfer x a sample over their mean: a tail of stalls in 1 of 10 rounds, which a MAD spread reads as none,
+    lifts the interval's top; the point (the fixed costs', the link's mean) does not move; plan.json keeps them."""
+    from pipec.compiler.ir.plan import Link
+
+    base = _timed(spread=0.01, host=None)
+    samples = _tailed(1e-3, 10e-3)
+    slow = {**base.links, "pp": Link(latency_s=sum(samples) / len(samples), bandwidth_Bps=1e9, spread=0.0)}
+    plain = prove_and_predict(replace(base, links=slow, prediction=None))
+    drawn = prove_and_predict(replace(base, links={**slow, "pp": replace(slow["pp"], samples=samples)},
+                                      prediction=None))
+    assert plan_costs(drawn).hop_draws == pytest.approx([x / 1.9e-3 for x in samples])
+    assert drawn.prediction.step_time == plain.prediction.step_time
+    assert drawn.prediction.interval.step_time[1] > plain.prediction.interval.step_time[1] + 5e-3
+    assert prove_and_predict(replace(drawn, prediction=None)).prediction.interval == drawn.prediction.interval
+    write_plan(drawn, str(tmp_path / "p.json"))
+    back = read_plan(str(tmp_path / "p.json"))
+    assert back.links["pp"].samples == samples and back.prediction.interval == drawn.prediction.interval
+    assert "samples" not in plan_to_json(plain)["links"]["pp"]
+    raw = plan_to_json(drawn)
+    raw["links"]["pp"]["samples"][3] = -1.0
+    with pytest.raises(PlanError, match=r"links\.pp\.samples\[3\]: expected a number >= 0"):
+        load_plan(raw)
+    raw["links"]["pp"]["samples"] = []
+    with pytest.raises(PlanError, match=r"links\.pp\.samples: expected a non-empty list"):
+        load_plan(raw)
+
+
+def test_an_overheads_samples_replace_its_spread_and_round_trip(tmp_path):
+    """An opcode with samples draws each instruction's overhead as its seconds x a sample over their median (its
+    spread is not drawn as well): samples all alike scale by 1 whatever the spread says; a tail widens."""
+    from pipec.compiler.ir.plan import Overhead
+
+    base = _timed(spread=0.01, host=None)
+    host = {"SEND_ACT": 2e-3, "SEND_GRAD": 2e-3, "RECV_ACT": 1e-3, "RECV_GRAD": 1e-3}
+
+    def with_overhead(**kw):
+        return prove_and_predict(replace(base, overhead=Overhead(seconds=host, **kw), prediction=None))
+
+    plain = with_overhead()
+    alike = with_overhead(samples=dict.fromkeys(host, (1e-3,) * 5))
+    also_spread = with_overhead(spread=dict.fromkeys(host, 0.5), samples=dict.fromkeys(host, (1e-3,) * 5))
+    tailed = with_overhead(samples=dict.fromkeys(host, _tailed(1e-3, 8e-3)))
+    assert also_spread.prediction.interval == alike.prediction.interval
+    assert _width(alike) < 0.02 and _width(tailed) > 5 * _width(alike)
+    assert tailed.prediction.interval.step_time[1] > 1.1 * plain.prediction.interval.step_time[1]
+    assert tailed.prediction.step_time == plain.prediction.step_time
+    write_plan(tailed, str(tmp_path / "p.json"))
+    back = read_plan(str(tmp_path / "p.json"))
+    assert back.overhead.samples == dict.fromkeys(host, _tailed(1e-3, 8e-3))
+    assert back.prediction.interval == tailed.prediction.interval
+    raw = plan_to_json(tailed)
+    raw["overhead"]["samples"] = {"SEND": [1e-3]}
+    with pytest.raises(PlanError, match=r"overhead\.samples\.SEND: expected an opcode name"):
+        load_plan(raw)
+
+
+def test_an_all_reduces_samples_draw_its_duration():
+    """The dp link's samples (the probe's rounds of its smallest all-reduce) draw each dp ``ALLREDUCE``'s duration
+    as the duration x a sample over their median: a tail lifts the interval's top, the point stays."""
+    from pipec.compiler.ir.plan import Link
+
+    plan = compile_plan(num_ranks=2, num_microbatches=4, schedule="1f1b", dp=2).plan
+    stages = tuple(replace(st, cost=replace(COST, spread=0.01), param_bytes=1 << 20) for st in plan.stages)
+    links = {**plan.links, "dp": Link(latency_s=5e-3, bandwidth_Bps=1e9)}
+    plan = replace(plan, stages=stages, links=links, model={"target": "m:f", "profile": {}},
+                   spec={**plan.spec, "costs": "profile"}, prediction=None)
+    plain = prove_and_predict(plan)
+    tail = _tailed(1e-3, 10e-3)
+    drawn = prove_and_predict(replace(plan, links={**links, "dp": replace(links["dp"], samples=tail)}))
+    assert plan_costs(drawn).collective_draws["dp"] == pytest.approx([x / 1e-3 for x in tail])
+    assert drawn.prediction.step_time == plain.prediction.step_time
+    assert drawn.prediction.interval.step_time[1] > plain.prediction.interval.step_time[1] + 5e-3
+
+
+def test_the_links_probe_keeps_its_samples_for_the_draws(tmp_path, monkeypatch):
+    """A real probe (two gloo ranks here) writes the samples the draws take: the pp link's and the all-reduce's
+    rounds of their smallest size (SAMPLE_ROUNDS of each) and each overhead kind's instructions; the plan's cost
+    model scales by them over their figure (the mean hop, the median all-reduce and overhead)."""
+    from pipec.compiler.frontend import links
+    from pipec.runtime.linkprobe import SAMPLE_ROUNDS
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    plan, notes = links.measure_links(compile_plan(num_ranks=2, num_microbatches=4, schedule="1f1b").plan)
+    assert plan.links["pp"].measured is not None, notes
+    assert len(plan.links["pp"].samples) == len(plan.links["dp"].samples) == SAMPLE_ROUNDS
+    assert set(plan.overhead.samples) == set(plan.overhead.seconds)
+    costs = plan_costs(replace(_timed(ranks=2), links=plan.links, overhead=plan.overhead))
+    assert sum(costs.hop_draws) / len(costs.hop_draws) == pytest.approx(1.0)
+    assert sorted(costs.collective_draws) == ["dp", "tie"]
+    assert costs.overhead_draws.keys() == plan.overhead.samples.keys()

@@ -60,7 +60,7 @@ MAX_SIZES = 4
 ANCHOR_BYTES = 1 << 22
 """Always measured too: a size large enough that the fit's bandwidth is not noise when the plan's messages are small."""
 
-PROBE_METHOD = 6
+PROBE_METHOD = 7
 """What the probe measures; cache entries of another method are misses."""
 
 

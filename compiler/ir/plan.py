@@ -171,7 +171,12 @@ class Link:
     the default."""
     spread: float | None = None
     """The relative standard deviation of the probe's timings of one message on this link (its smallest size:
-    the latency's scatter); the step's interval draws each message's transfer from it. None: not measured."""
+    the latency's scatter); the step's interval draws each message's transfer from it where ``samples`` are
+    absent. None: not measured."""
+    samples: tuple[float, ...] | None = None
+    """The probe's seconds of each of its timed rounds of that smallest message, tail included; the step's interval
+    draws each message's transfer as the transfer x one of them over their mean (an empirical draw: the stalls the
+    probe met, as often as it met them). None: not measured (a plan from before, or links given)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -184,7 +189,11 @@ class Overhead:
     measured: Measured | None = None
     spread: Mapping[str, float] | None = None
     """Opcode name -> how its instructions' host seconds scattered in the probe (1.4826 x their median absolute
-    deviation over their median); the step's interval draws each instruction's overhead from it. None: not
+    deviation over their median); the step's interval draws each instruction's overhead from it where ``samples``
+    has none of its opcode. None: not measured."""
+    samples: Mapping[str, tuple[float, ...]] | None = None
+    """Opcode name -> the probe's host seconds of each of its instructions, tail included; the step's interval
+    draws each instruction's overhead as its seconds x one of them over their median (an empirical draw). None: not
     measured."""
 
 

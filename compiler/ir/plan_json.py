@@ -111,6 +111,8 @@ def _link_json(link: Link) -> dict[str, Any]:
         out["measured"] = link.measured.to_json()
     if link.spread is not None:
         out["spread"] = link.spread
+    if link.samples is not None:
+        out["samples"] = list(link.samples)
     return out
 
 
@@ -170,6 +172,8 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
     if plan.overhead is not None:
         out["overhead"] = {"seconds": dict(plan.overhead.seconds)} | (
             {} if plan.overhead.spread is None else {"spread": dict(plan.overhead.spread)}) | (
+            {} if plan.overhead.samples is None
+            else {"samples": {k: list(v) for k, v in plan.overhead.samples.items()}}) | (
             {} if plan.overhead.measured is None else {"measured": plan.overhead.measured.to_json()})
     out["ranks"] = [
         {"rank": r, "instructions": [_instr_json(i) for i in instrs]} for r, instrs in enumerate(plan.program.ranks)
@@ -460,8 +464,22 @@ def read_links(rd: Reader) -> dict[str, Link]:
         for axis in links_rd.obj:
             lk = links_rd.sub(axis)
             links[axis] = Link(latency_s=lk.num("latency_s", lo=0), bandwidth_Bps=lk.num("bandwidth_Bps", lo=1e-30),
-                               measured=_read_measured(lk), spread=lk.num("spread", lo=0, required=False))
+                               measured=_read_measured(lk), spread=lk.num("spread", lo=0, required=False),
+                               samples=_samples(lk, "samples"))
     return links
+
+
+def _samples(rd: Reader, key: str) -> tuple[float, ...] | None:
+    """A non-empty list of measured seconds, each a number >= 0 (a probe's samples), or None where absent."""
+    items = rd.list(key, required=False)
+    if items is None:
+        return None
+    if not items:
+        raise rd.error(key, "expected a non-empty list of seconds", items)
+    for i, v in enumerate(items):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0:
+            raise rd.error(f"{key}[{i}]", "expected a number >= 0 (seconds)", v)
+    return tuple(float(v) for v in items)
 
 
 def read_overhead(rd: Reader) -> Overhead | None:
@@ -475,11 +493,14 @@ def read_overhead(rd: Reader) -> Overhead | None:
         if name not in names:
             raise secs.error(name, "expected an opcode name (" + ", ".join(sorted(names)) + ")", name)
     spread = o.sub("spread", required=False)
-    for name in () if spread is None else spread.obj:
-        if name not in names:
-            raise spread.error(name, "expected an opcode name (" + ", ".join(sorted(names)) + ")", name)
+    samples = o.sub("samples", required=False)
+    for part in (spread, samples):
+        for name in () if part is None else part.obj:
+            if name not in names:
+                raise part.error(name, "expected an opcode name (" + ", ".join(sorted(names)) + ")", name)
     return Overhead(seconds={name: secs.num(name, lo=0) for name in secs.obj}, measured=_read_measured(o),
-                    spread=None if spread is None else {name: spread.num(name, lo=0) for name in spread.obj})
+                    spread=None if spread is None else {name: spread.num(name, lo=0) for name in spread.obj},
+                    samples=None if samples is None else {name: _samples(samples, name) for name in samples.obj})
 
 
 def read_plan(path: str) -> Plan:

@@ -66,6 +66,18 @@ class CostModel:
     hop_spread: float = 0.0
     """The pp link's measured :attr:`~pipec.compiler.ir.plan.Link.spread` (0: none): the interval's draws scale
     each message's transfer, the same on its send and its receive, by a lognormal draw of it whose mean is 1."""
+    hop_draws: tuple[float, ...] = ()
+    """The pp link's measured :attr:`~pipec.compiler.ir.plan.Link.samples`, each over their mean (empty: none):
+    where given, the interval's draws scale each message's transfer, the same on its send and its receive, by one
+    of them picked at random instead of by :attr:`hop_spread` (the probe's tail, as often as it met it)."""
+    collective_draws: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    """Per link axis of an all-reduce (``"dp"`` for a dp group's, ``"tie"`` for a tie group's): that link's
+    measured :attr:`~pipec.compiler.ir.plan.Link.samples`, each over their median (the figure its fit took);
+    the interval's draws scale each such ``ALLREDUCE``'s duration by one picked at random. Empty: fixed."""
+    overhead_draws: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    """Per opcode name: the probe's :attr:`~pipec.compiler.ir.plan.Overhead.samples`, each over their median;
+    where an opcode has them, the interval's draws scale each of its instructions' overhead by one picked at
+    random instead of by :attr:`overhead_spread`."""
     sharing: Sharing | None = None
     """Ranks that share a host's cores (``costs profile`` timed the stages in a crowd): every run prices each
     compute at the share of the cores it gets (:mod:`pipec.compiler.sim.contention`). None: each compute takes its

@@ -296,7 +296,9 @@ def decode(program: Program, *, placement: Sequence[int], num_microbatches: int,
 
 def drawn(decoded: Decoded, program: Program, jitter: Mapping[str, Sequence[float]], rng: random.Random, *,
           spread: Sequence[float] = (), host_spread: float = 0.0, hop_spread: float = 0.0,
-          levels: Sequence[tuple[float, float]] = (), overhead_spread: Mapping[str, float] | None = None) -> Decoded:
+          levels: Sequence[tuple[float, float]] = (), overhead_spread: Mapping[str, float] | None = None,
+          hop_draws: Sequence[float] = (), overhead_draws: Mapping[str, Sequence[float]] | None = None,
+          collective_draws: Mapping[str, Sequence[float]] | None = None) -> Decoded:
     """A copy of ``decoded`` with one draw from ``jitter`` (:attr:`CostModel.jitter`) added to each cost it
     covers: every instruction's host overhead (by its opcode), every compute's duration (a compute that takes
     time), every message's transfer (one draw per message, the same on its send and its receive). ``spread``
@@ -307,7 +309,11 @@ def drawn(decoded: Decoded, program: Program, jitter: Mapping[str, Sequence[floa
     one draw, the same on its send and its receive. ``levels`` (per stage, its :attr:`Cost.level_spread` and
     :attr:`Cost.crowd_spread`, 0 where not measured) scale every compute of a stage by one draw of its own level
     and one of the crowd's, the crowd's z the same for every stage (one host, one crowd); ``overhead_spread``
-    (:attr:`CostModel.overhead_spread`) each instruction's host overhead by its own draw. Draws are taken in
+    (:attr:`CostModel.overhead_spread`) each instruction's host overhead by its own draw. ``hop_draws`` and
+    ``overhead_draws`` (:attr:`CostModel.hop_draws`, :attr:`CostModel.overhead_draws`: measured samples, each over
+    its figure) replace the lognormal of ``hop_spread`` and of an opcode's ``overhead_spread``: each message's
+    transfer, each instruction's overhead, scaled by one of them picked at random; ``collective_draws``
+    (:attr:`CostModel.collective_draws`) each dp or tie ``ALLREDUCE``'s duration the same way. Draws are taken in
     program order, rank by rank (the levels first), so a seeded ``rng`` gives the same copy every time."""
     compute, transfer = jitter.get(COMPUTE_JITTER), jitter.get(TRANSFER_JITTER)
     choice, gauss = rng.choice, rng.gauss
@@ -318,7 +324,9 @@ def drawn(decoded: Decoded, program: Program, jitter: Mapping[str, Sequence[floa
         level = [math.exp(a * gauss(0.0, 1.0) - a * a / 2 + b * crowd_z - b * b / 2) for a, b in levels]
     else:
         level = []
-    ospread = {k: v for k, v in (overhead_spread or {}).items() if v > 0}
+    odraws = {k: v for k, v in (overhead_draws or {}).items() if v}
+    cdraws = {k: v for k, v in (collective_draws or {}).items() if v}
+    ospread = {k: v for k, v in (overhead_spread or {}).items() if v > 0 and k not in odraws}
     hops: dict[int, float] = {}
     ranks = []
     for instrs, dec in zip(program.ranks, decoded.ranks):
@@ -329,19 +337,24 @@ def drawn(decoded: Decoded, program: Program, jitter: Mapping[str, Sequence[floa
             d = list(d)
             if host:
                 d[h] += choice(host)
-            if ospread and d[h] > 0 and (o := ospread.get(ins.op.value)):
+            if odraws and d[h] > 0 and (xs := odraws.get(ins.op.value)):
+                d[h] *= choice(xs)
+            elif ospread and d[h] > 0 and (o := ospread.get(ins.op.value)):
                 d[h] *= math.exp(gauss(0.0, o) - o * o / 2)
+            if code == _AR and cdraws and d[2] > 0 and (xs := cdraws.get("tie" if d[1].startswith("tie.") else d[1])):
+                d[2] *= choice(xs)
             if code == _COMPUTE and spread and d[2] > 0:
                 d[2] *= speed * math.exp(gauss(0.0, spread[ins.stage]) - shift[ins.stage])
                 if level:
                     d[2] *= level[ins.stage]
             if code == _COMPUTE and compute and d[2] > 0:
                 d[2] += choice(compute)
-            elif (code == _SEND or code == _RECV) and (transfer or hop_spread):
+            elif (code == _SEND or code == _RECV) and (transfer or hop_spread or hop_draws):
                 hop = hops.get(d[1])
                 if hop is None:
-                    hop = hops[d[1]] = (choice(transfer) if transfer else 0.0, math.exp(
-                        gauss(0.0, hop_spread) - hop_spread * hop_spread / 2) if hop_spread else 1.0)
+                    hop = hops[d[1]] = (choice(transfer) if transfer else 0.0, choice(hop_draws) if hop_draws else
+                                        math.exp(gauss(0.0, hop_spread) - hop_spread * hop_spread / 2)
+                                        if hop_spread else 1.0)
                 d[2] = d[2] * hop[1] + hop[0]
             out.append(tuple(d))
         ranks.append(tuple(out))
@@ -911,10 +924,12 @@ def execute(
     if decoded is None:
         decoded = decode(program, placement=placement, num_microbatches=num_microbatches, edges=edges, costs=costs)
     spread = spreads(costs)
-    if rng is not None and (costs.jitter or spread or costs.hop_spread or costs.overhead_spread):
+    if rng is not None and (costs.jitter or spread or costs.hop_spread or costs.overhead_spread or costs.hop_draws
+                            or costs.overhead_draws or costs.collective_draws):
         decoded = drawn(decoded, program, costs.jitter, rng, spread=spread, host_spread=costs.host_spread or 0.0,
                         hop_spread=costs.hop_spread, levels=levels(costs) if spread else (),
-                        overhead_spread=costs.overhead_spread)
+                        overhead_spread=costs.overhead_spread, hop_draws=costs.hop_draws,
+                        overhead_draws=costs.overhead_draws, collective_draws=costs.collective_draws)
     sharing = costs.sharing
     ex = _Engine(program, decoded, placement, ties, model, record_events or sharing is not None).run()
     return ex if sharing is None else _shared(program, decoded, placement, ties, model, record_events, sharing, ex)

@@ -11,6 +11,7 @@ that views and report.json share.
 from __future__ import annotations
 
 import random
+import statistics
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -71,7 +72,21 @@ def plan_costs(plan: Plan) -> CostModel:
         host_spread=None if unit else _host_spread((plan.model or {}).get("profile")),
         hop_spread=0.0 if unit else float(plan.links["pp"].spread or 0.0),
         overhead_spread={} if unit or plan.overhead is None else dict(plan.overhead.spread or {}),
+        hop_draws=() if unit else _over(plan.links["pp"].samples, statistics.fmean),
+        collective_draws={} if unit else {axis: got for axis in ("dp", "tie") if axis in plan.links
+                                          and (got := _over(plan.links[axis].samples, statistics.median))},
+        overhead_draws={} if unit or plan.overhead is None else
+        {op: got for op, xs in (plan.overhead.samples or {}).items() if (got := _over(xs, statistics.median))},
     )
+
+
+def _over(samples: Sequence[float] | None, figure) -> tuple[float, ...]:
+    """Measured samples each over their ``figure`` (the mean a link's latency is, the median an overhead is):
+    what a draw scales its fixed cost by; empty where there are none or the figure is 0."""
+    if not samples:
+        return ()
+    f = figure(samples)
+    return tuple(x / f for x in samples) if f > 0 else ()
 
 
 def _stage_costs(plan: Plan, price: Pricing) -> tuple:
