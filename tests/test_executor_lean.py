@@ -107,8 +107,16 @@ def run_steps(plan, num_steps: int, *, emulate: float | None = None, executor_ho
 # ----------------------------------------------------------------------------- buffers once per plan
 
 
-@pytest.mark.parametrize("buffered", [False, True], ids=["posted in place", "posted early"])
-@pytest.mark.parametrize("schedule, virtual, pp, dp", [("1f1b", 1, 2, 1), ("zb_h1", 1, 2, 2), ("interleaved_1f1b", 2, 2, 1)])
+def _lean_cases():
+    """Each schedule once in the quick run (the two ways of posting split between them); the rest under --slow."""
+    quick = {("1f1b", False), ("zb_h1", True), ("interleaved_1f1b", False)}
+    for case in [("1f1b", 1, 2, 1), ("zb_h1", 1, 2, 2), ("interleaved_1f1b", 2, 2, 1)]:
+        for buffered, name in ((False, "posted in place"), (True, "posted early")):
+            marks = () if (case[0], buffered) in quick else pytest.mark.slow
+            yield pytest.param(*case, buffered, marks=marks, id=f"{'-'.join(map(str, case))}-{name}")
+
+
+@pytest.mark.parametrize("schedule, virtual, pp, dp, buffered", list(_lean_cases()))
 def test_receive_buffers_are_made_once_and_every_step_stays_exact(schedule, virtual, pp, dp, buffered):
     """Steps after the first allocate no receive buffer (they post into the first step's tensors), and the second
     step's loss and every gradient still equal one unpartitioned step on its batch (a reused leaf keeps no grad),
