@@ -5,6 +5,7 @@ The driver resolves the schedule file's model keys into a
 the :class:`~pipec.compiler.ir.graph.StageGraph` that becomes plan.json's
 ``model``, ``stages``, ``edges`` and ``ties``. The passes, one module each:
 
+- :mod:`.lazy_dynamo`: torch._dynamo imported only when something uses it;
 - :mod:`.load`: find the model (:func:`~.load.locate_model`: the search
   path, a model file) and build it on meta or fake tensors;
 - :mod:`.trace`: trace it (fx or torch.export), its :mod:`.fingerprint`;
@@ -34,6 +35,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+
+from pipec.compiler.frontend.lazy_dynamo import defer_dynamo_import
+
+defer_dynamo_import()  # before the first meta op: a compile that needs no dynamo never imports it
 
 from pipec.compiler.config import TokenData
 from pipec.compiler.frontend import costs as costs_pass
