@@ -32,8 +32,10 @@ from typing import Any, Callable, Mapping
 __all__ = ["FORMAT", "KINDS", "Entry", "cache_root", "lookup", "store", "reprofile", "take_notes", "summary", "clear"]
 
 FORMAT = "pipec.cache/1"
-KINDS = ("host", "stage", "crowd", "links")
-"""What an entry holds: the host-speed reference, a stage timed alone, the processes' slowdown at once, links."""
+KINDS = ("host", "stage", "crowd", "links", "runs")
+"""What an entry holds: the host-speed reference, a stage timed alone, the processes' slowdown at once, links; and
+the steps earlier runs measured against their predictions (:mod:`pipec.compiler.sim.history`), which
+:func:`reprofile` keeps: they are outcomes, not timings to take again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +107,7 @@ def lookup(kind: str, key: Mapping[str, Any], check: Callable[[Mapping[str, Any]
         except (ValueError, KeyError, TypeError, IndexError) as e:
             _notes.append(f"profile cache: the entry {path} is damaged ({e}); measured again")
             return None
-    if float(obj["epoch"]) < _not_before:
+    if float(obj["epoch"]) < _not_before and kind != "runs":
         return None
     return Entry(value=obj["value"], at=obj["at"], reused=path not in _memory)
 

@@ -246,7 +246,7 @@ def with_timeline(plan: Plan, ex: Execution, costs: CostModel | None = None, *, 
     state = None if rows is None else [m.state for m in rows]
     static = None if rows is None else [m.state + m.transient for m in rows]
     timeline = timeline_of(ex, costs, static, state)
-    band = interval_of(plan, costs) if interval else None
+    band = interval_of(plan, costs, point=timeline.step_time) if interval else None
     return replace(plan, prediction=timeline if band is None else replace(timeline, interval=band))
 
 

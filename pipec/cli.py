@@ -78,6 +78,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from pipec.compiler.driver import compile_spec
     from pipec.compiler.ir.plan_json import write_plan
     from pipec.views.common import format_time
+    from pipec.views.summary import interval_words
 
     _reprofile(args)
     compiled = compile_spec(_spec(args))
@@ -88,8 +89,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     print(f"wrote {args.output}: {what}{plan.num_stages} stages, {plan.program.num_instructions} instructions on "
           f"{_mesh_words(plan.mesh)} ranks; verified; predicted step "
           f"{format_time(pred.step_time, pred.time_unit)}" + ("" if pred.interval is None else
-          f" ({pred.interval.coverage:.0%} interval {format_time(pred.interval.step_time[0], pred.time_unit)}-"
-          f"{format_time(pred.interval.step_time[1], pred.time_unit)})") + f", bubble {pred.bubble_fraction:.1%}")
+          f" ({interval_words(pred)})") + f", bubble {pred.bubble_fraction:.1%}")
     if (line := _links_line(plan)) is not None:
         print(line)
     return 0

@@ -484,6 +484,12 @@ class Trainer:
                               emulation=None if self.emulation is None else self.emulation.to_json(),
                               goodput=self.attempt_log.summary(
                                   **({"checkpoints": self.checkpointer.stats()} if self.checkpointer else {})))
+        if "interval" in report:  # held to the plan's interval: kept for the next compile's (compiler/sim/history.py)
+            from pipec.compiler.sim.history import record
+
+            steps = report["steps"]
+            record(self.plan, [s["step_time"] for s in (steps[1:] if len(steps) > 1 else steps)],
+                   run_load=(self.host_load or {}).get("run"))
         if self.options.report:
             with open(self.options.report, "w", encoding="utf-8") as f:
                 json.dump(report, f, indent=1)

@@ -232,6 +232,14 @@ def test_a_model_file_beside_its_schedule_file_needs_no_pythonpath(byom_user_fil
     run = byom_user_file_run["run"]
     assert run["rc"] == 0, run["stderr"][-3000:]
     assert "--check passed" in run["stderr"] and run["check"]["passed"]
+    # its profiled plan has an interval: the run kept its step for the next compile's (compiler/sim/history.py)
+    from pipec.compiler.ir.plan_json import read_plan
+    from pipec.compiler.sim import history
+
+    compiled = read_plan(str(root / "later" / "plan.json"))
+    kept = history._runs(history.history_key(compiled))
+    assert compiled.prediction.interval is not None and kept, "the run kept no steps"
+    assert kept[-1]["point"] == compiled.prediction.step_time and len(kept[-1]["ratios"]) == 1
 
 
 @pytest.mark.timeout(900)

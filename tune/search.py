@@ -286,7 +286,8 @@ def banded(s: Scored) -> Scored:
     pred = s.plan.prediction
     if pred.interval is not None:
         return s
-    return replace(s, plan=replace(s.plan, prediction=replace(pred, interval=interval_of(s.plan))))
+    band = interval_of(s.plan, point=pred.step_time)
+    return replace(s, plan=replace(s.plan, prediction=replace(pred, interval=band)))
 
 
 def _pareto(scored: Iterable[Scored]) -> tuple[Scored, ...]:

@@ -113,15 +113,25 @@ def render_summary(
     return table
 
 
+def interval_words(tl: Timeline) -> str:
+    """``90% interval 480 ms-580 ms`` (and ``, widened to 6 earlier runs here`` where runs on this host widened it:
+    compiler/sim/history.py); "" without an interval."""
+    band = tl.interval
+    if band is None:
+        return ""
+    lo, hi = band.step_time
+    return (f"{band.coverage:.0%} interval {format_time(lo, tl.time_unit)}-{format_time(hi, tl.time_unit)}"
+            + (f", widened to {band.runs} earlier run{'s' if band.runs != 1 else ''} here" if band.runs else ""))
+
+
 def step_caption(tl: Timeline, name: str = "") -> str:
     """``predicted step 512 ms (90% interval 480 ms-580 ms, bubble 28.0-33.1%)``: the step, and its interval where
     the timeline has one."""
     out = f"{name}step {format_time(tl.step_time, tl.time_unit)}"
     band = tl.interval
     if band is not None:
-        (lo, hi), (blo, bhi) = band.step_time, band.bubble_fraction
-        out += (f" ({band.coverage:.0%} interval {format_time(lo, tl.time_unit)}-{format_time(hi, tl.time_unit)}, "
-                f"bubble {blo:.1%}-{bhi:.1%})")
+        blo, bhi = band.bubble_fraction
+        out += f" ({interval_words(tl)}; bubble {blo:.1%}-{bhi:.1%})"
     return out
 
 

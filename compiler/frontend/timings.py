@@ -290,7 +290,7 @@ def _record(profile: Profiling, stages: Sequence[cache.Entry], crowd: cache.Entr
     profile cache."""
     out: dict[str, Any] = {"concurrent_ranks": profile.num_ranks, "threads_per_rank": profile.threads,
                            "reps": profile.reps, "max_reps": profile.max_reps, "spread_target": profile.spread_target,
-                           "cpu_count": os.cpu_count(), "cores": usable_cores()}
+                           "cpu_count": os.cpu_count(), "cores": usable_cores(), "host": _host_key(profile.threads)}
     out["stages"] = [{"stage": s, "at": e.at, "reused": e.reused, "rounds": int(e.value["rounds"])}
                      for s, e in enumerate(stages)]
     timings = [*stages, *([crowd] if crowd else [])]

@@ -121,6 +121,9 @@ class Interval:
     bubble_fraction: tuple[float, float]
     coverage: float
     draws: int
+    runs: int = 0
+    """Earlier runs on this host whose measured steps widened the step's range (:mod:`pipec.compiler.sim.history`;
+    JSON ``interval_runs``); 0: the simulations' range alone."""
 
     def holds(self, step_time: float) -> bool:
         """Whether a measured step time falls inside."""
@@ -210,7 +213,8 @@ class Timeline:
             "bubble_fraction": self.bubble_fraction,
             **({} if band is None else {"step_time_interval": list(band.step_time),
                                         "bubble_fraction_interval": list(band.bubble_fraction),
-                                        "coverage": band.coverage, "interval_draws": band.draws}),
+                                        "coverage": band.coverage, "interval_draws": band.draws,
+                                        **({"interval_runs": band.runs} if band.runs else {})}),
             "time_unit": self.time_unit,
             "per_rank": per_rank,
             **({"events": [[e.rank, e.text, e.start, e.end] for e in self.events]} if events else {}),
@@ -278,4 +282,4 @@ def _interval(rd) -> Interval | None:
             raise rd.error(name, "expected [lo, hi] with 0 <= lo <= hi", raw)
         ranges.append((float(raw[0]), float(raw[1])))
     return Interval(step_time=ranges[0], bubble_fraction=ranges[1], coverage=rd.num("coverage", lo=0, hi=1),
-                    draws=rd.int("interval_draws", lo=1))
+                    draws=rd.int("interval_draws", lo=1), runs=rd.int("interval_runs", lo=0, required=False) or 0)

@@ -22,6 +22,7 @@ from pipec.compiler.ir.program import Op, Program
 from pipec.compiler.ir.timeline import Interval, Timeline
 from pipec.compiler.sim.contention import sharing_of
 from pipec.compiler.sim.cost import COMPUTE_JITTER, TRANSFER_JITTER, CostModel
+from pipec.compiler.sim.history import widened
 from pipec.compiler.sim.engine import (BUFFERED, IN_ORDER, MODELS, Deadlock, Execution, decode, execute, group_members,
                                        spreads)
 from pipec.compiler.sim.tensor_parallel import RING_FACTOR, active, tp_cost
@@ -380,13 +381,14 @@ INTERVAL_DRAWS = 20
 
 
 def interval_of(plan: Plan, costs: CostModel | None = None, model: str = BUFFERED, *, draws: int = INTERVAL_DRAWS,
-                coverage: float = COVERAGE, seed: int = SEED) -> Interval | None:
+                coverage: float = COVERAGE, seed: int = SEED, point: float | None = None) -> Interval | None:
     """The range the plan's steps are expected in: the event loop run ``draws`` times, each drawing every compute
     from its stage's :attr:`Cost.spread` and the whole step's host speed from :attr:`CostModel.host_spread`
     (:func:`~pipec.compiler.sim.engine.drawn`; one ``random.Random(seed)``, so the same every time), and the middle
     ``coverage`` of the drawn step times and bubbles (quantiles interpolated between the sorted draws). None where
     the costs carry no spread (unit or flops costs, or some stage never timed): no interval rather than a made-up
-    one."""
+    one. With the plan's ``point`` step, the step's range is widened to hold what earlier runs on this host
+    measured against their points (:func:`~pipec.compiler.sim.history.widened`)."""
     costs = costs or plan_costs(plan)
     if costs.time_unit != "s" or not spreads(costs):
         return None
@@ -399,8 +401,9 @@ def interval_of(plan: Plan, costs: CostModel | None = None, model: str = BUFFERE
         steps.append(ex.step_time)
         n = len(ex.compute)
         bubbles.append(sum(ex.step_time - c for c in ex.compute) / (n * ex.step_time) if ex.step_time > 0 else 0.0)
-    return Interval(step_time=_middle(steps, coverage), bubble_fraction=_middle(bubbles, coverage),
+    band = Interval(step_time=_middle(steps, coverage), bubble_fraction=_middle(bubbles, coverage),
                     coverage=coverage, draws=draws)
+    return band if point is None else widened(plan, band, point)
 
 
 def _middle(values: Sequence[float], coverage: float) -> tuple[float, float]:
