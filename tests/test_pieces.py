@@ -141,3 +141,65 @@ costs profile
     compiled = json.loads(again.read_text())
     assert [st["cost"] for st in compiled["stages"]] == [st["cost"] for st in plan["stages"]]   # read, not timed again
     assert compiled["prediction"]["step_time_interval"] == plan["prediction"]["step_time_interval"]
+
+
+def test_a_tune_measures_one_crowd_and_a_compile_of_its_pick_reads_it(tmp_path_factory, tmp_path, monkeypatch):
+    """Under costs profile a search measures the crowd once, at the file's own microbatch shape, and prices every
+    other shape at its slowdown: kept under that shape's key as measured at the file's, which a compile of the
+    tuned file reads (and so predicts what tune reported); a compile at a shape the cache has no crowd of measures
+    its own."""
+    from pipec.compiler import cache
+    from pipec.compiler.frontend import profile as prof
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(cache, "_memory", {})
+    monkeypatch.setattr(cache, "_not_before", 0.0)
+    crowds = []
+    real = prof._at_once
+    monkeypatch.setattr(prof, "_at_once", lambda *a, **kw: crowds.append(1) or real(*a, **kw))
+    pipe = spec_file(tmp_path_factory, '''model "pipec.examples.gpt:build" (layers=2, dim=32, heads=2, vocab=64, seq=8)
+input tokens: int64[4, 8]
+schedule 1f1b
+pp 2  microbatches 2
+costs profile
+''')
+    out, tuned = tmp_path / "plan.json", tmp_path / "tuned.pipe"
+    # the partition kept (balanced by FLOPs): a cut balanced by time is cut by node times a new process measures
+    # again, which may cut it elsewhere
+    assert main(["tune", pipe, "--devices", "2", "--keep", "schedule,virtual,pp,partition", "-o", str(out),
+                 "--pipe", str(tuned), "--json"]) == 0
+    entries = [json.loads(p.read_text()) for p in sorted((tmp_path / "xdg" / "pipec" / "crowd").glob("*.json"))]
+    measured = [e for e in entries if "measured_at" not in e["value"]]
+    borrowed = [e for e in entries if "measured_at" in e["value"]]
+    assert len(crowds) == 1 and len(measured) == 1           # one crowd for the search
+    assert measured[0]["key"]["inputs"] == [["tokens", [2, 8], "int64"]]   # the file's own shape: 4 / M 2
+    assert len(borrowed) >= 2                                 # M 1 and 4 at least: shapes 4 and 1
+    for e in borrowed:
+        assert e["value"]["measured_at"] == {"inputs": measured[0]["key"]["inputs"], "at": measured[0]["at"]}
+        assert e["value"]["slowdown"] == measured[0]["value"]["slowdown"]
+    plan = json.loads(out.read_text())
+    crowd = plan["model"]["profile"]["crowd"]
+    shape = 4 // plan["num_microbatches"]
+    if shape != 2:
+        assert crowd["measured_at"]["inputs"] == [["tokens", [2, 8], "int64"]], crowd
+    else:
+        assert "measured_at" not in crowd
+    cache._memory.clear()                                     # what a new process reads: the folder
+    again = tmp_path / "again.json"
+    assert main(["compile", str(tuned), "-o", str(again)]) == 0
+    compiled = json.loads(again.read_text())
+    assert compiled["model"]["profile"]["crowd"].get("measured_at") == crowd.get("measured_at")
+    assert compiled["prediction"]["step_time"] == plan["prediction"]["step_time"]
+    assert main(["compile", pipe, "--microbatches", "1", "-o", str(tmp_path / "m1.json")]) == 0   # shape 4
+    m1 = json.loads((tmp_path / "m1.json").read_text())["model"]["profile"]["crowd"]
+    assert m1["reused"] and m1["measured_at"]["inputs"] == [["tokens", [2, 8], "int64"]]
+    assert len(crowds) == 1                                   # read, not measured again
+    other = spec_file(tmp_path_factory, '''model "pipec.examples.gpt:build" (layers=2, dim=32, heads=2, vocab=64, seq=8)
+input tokens: int64[12, 8]
+schedule 1f1b
+pp 2  microbatches 2
+costs profile
+''')
+    assert main(["compile", other, "-o", str(tmp_path / "other.json")]) == 0
+    assert len(crowds) == 2                                   # a plain compile at a new shape: its own crowd
+    assert "measured_at" not in json.loads((tmp_path / "other.json").read_text())["model"]["profile"]["crowd"]

@@ -144,9 +144,22 @@ class _Graphs:
 
             mreq = self._request(space[0])
             smallest = min(space, key=lambda c: self._keys(c)[0])
+            crowd = self._crowd_candidate(space)
             self.pieces = Pieces(profiling(local_ranks=mreq.local_ranks, threads=mreq.threads_per_rank,
                                            reps=mreq.profile_reps), kwargs=mreq.kwargs,
-                                 calibration=lambda: self._traced(smallest))
+                                 calibration=lambda: self._traced(smallest), crowd=lambda: self._traced(crowd))
+
+    def _crowd_candidate(self, space: Sequence[Candidate]) -> Candidate:
+        """A candidate at the microbatch shape whose crowd prices every shape (:class:`~pipec.compiler.frontend.pieces.
+        Pieces`): the file's own candidate's shape where the space has it (the plan a compile of the file would
+        time), else the middle of the space's shapes."""
+        by_shape = {self._keys(c)[0]: c for c in reversed(space)}   # the first candidate of each shape
+        start = start_candidate(self.treq)
+        mb = self._keys(start)[0] if start is not None else None
+        if mb not in by_shape:
+            shapes = sorted(by_shape)
+            mb = shapes[len(shapes) // 2]
+        return by_shape[mb]
 
     def _request(self, c: Candidate):
         from pipec.compiler.driver import model_request

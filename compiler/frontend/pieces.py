@@ -10,9 +10,15 @@ cut's stages are priced as runs of *pieces* (:class:`Pieces`):
   of the grid piece's forward time (as ``balanced(by=time)`` measures the nodes), nothing more is timed.
 - Pieces alike (the same code, modules and shapes: a transformer's layers) are timed once, as the first of them
   (one :func:`~.timings.stage_digest`), the way ``costs profile`` times a stage (:func:`~.timings.profile_stages`:
-  alone, the crowd's slowdown, the profile cache). The crowd of a microbatch shape (shared by every cut of it) runs the layers' pieces:
-  the nodes around the layers take a fraction of a millisecond, and a piece that short, in a crowd of more ranks
-  than cores, waits out whole time slices that no stage of a run is short enough to meet.
+  alone, the crowd's slowdown, the profile cache). The crowd runs the layers' pieces: the nodes around the layers
+  take a fraction of a millisecond, and a piece that short, in a crowd of more ranks than cores, waits out whole
+  time slices that no stage of a run is short enough to meet.
+- One crowd prices every shape: it is measured at one microbatch shape (``crowd``: the model traced there; the
+  search's own candidate's shape, else the middle one) and every other shape whose crowd the profile cache lacks is
+  priced at its slowdown, kept under that shape's key as measured at the other (:mod:`.timings`). The crowds of the
+  example GPT's 5 shapes, measured apart in one search, had medians 2.05-2.89 and 1.42-4.22 across repeats: within
+  their own noise of each other, so one crowd saves 4 of the 5 (about 2 s each on 2 cores) and takes the crowd's
+  noise out of the ranking across shapes.
 - A stage of k pieces costs their sum, per part, less k - 1 times the per-stage overhead (what a stage pays once
   and each piece timed alone paid again: its call, autograd's start, the optimizer's fixed cost). The overhead is
   what the pieces of the whole model took beyond the whole model timed as one stage, (sum - whole) / (n - 1), at
@@ -100,14 +106,18 @@ class Pieces:
     """Cut prices from timed pieces (the module docstring), for one model at any microbatch shape.
 
     ``calibration``: the model traced at the smallest microbatch shape priced (where the per-stage overhead is
-    measured); traced when first needed."""
+    measured); traced when first needed. ``crowd``: the model traced at the shape whose crowd prices every shape
+    (None: each shape its own); traced, its pieces timed and its crowd measured, before any other shape's."""
 
-    def __init__(self, profile: Profiling, *, kwargs: Mapping[str, Any], calibration: Callable[[], Any]) -> None:
+    def __init__(self, profile: Profiling, *, kwargs: Mapping[str, Any], calibration: Callable[[], Any],
+                 crowd: Callable[[], Any] | None = None) -> None:
         # from one sample up: the stop rules (the median known to the stated spread, alone and in the crowd) still
         # hold, but a crowd's repeat takes one sample of a long piece where it took three (most of a search's crowd)
         self.profile, self.kwargs, self.calibration = replace(profile, reps=1), dict(kwargs), calibration
         self._traces: dict[int, _Trace] = {}
         self._overhead: tuple[float, ...] | None = None
+        self._crowd = crowd
+        self._crowd_tm: Any = None
         self.num_timed = 0
         """Pieces timed (or read from the profile cache): one of each kind per microbatch shape."""
 
@@ -116,10 +126,23 @@ class Pieces:
             self._traces[id(tm)] = _Trace(tm=tm, grid=grid_of(tm))
         return self._traces[id(tm)]
 
+    def _crowd_from(self, tm: Any) -> Any:
+        """The traced graph whose crowd prices ``tm``'s shape: the crowd's shape's, its pieces timed first (their
+        crowd measured, or read from the cache); None where ``tm`` is that shape, or each shape has its own."""
+        if self._crowd is None or self.profile.num_ranks <= 1:
+            return None
+        if self._crowd_tm is None:
+            self._crowd_tm = self._crowd()
+            tr = self._trace(self._crowd_tm)
+            if tr.record is None:
+                self._time(tr, self._pieces(tr, 0, len(tr.tm.cuts.nodes)))
+        return None if tm is self._crowd_tm else self._crowd_tm.traced
+
     def _time(self, tr: _Trace, pieces: Sequence[tuple[int, int]]) -> None:
         """Time ``pieces`` of a trace (each from one grid position to another): the model cut at the grid, one
         piece of each kind not timed before."""
         tm = tr.tm
+        crowd_from = self._crowd_from(tm)
         ends = list(tr.grid)
         if tr.split is None:
             tr.split = split_graph(tm.traced, _stage_of(tm, ends), len(ends) + 1)
@@ -132,7 +155,8 @@ class Pieces:
             layers = [i for i, k in enumerate(todo) if _in_layers(split, first[k])]
             got, record = profile_stages(split, self.profile, autocast=tm.autocast, target=tm.src.target,
                                          kwargs=self.kwargs, search_path=tm.src.search_path,
-                                         stages=[first[k] for k in todo], crowd_of=layers or None)
+                                         stages=[first[k] for k in todo], crowd_of=layers or None,
+                                         crowd_from=crowd_from)
             self.num_timed += len(todo)
             tr.by_kind.update(zip(todo, got))
             if tr.record is None:
@@ -235,7 +259,7 @@ class Pieces:
         tm = tr.tm
         split = split_graph(tm.traced, _stage_of(tm, ()), 1)
         got, _ = profile_stages(split, self.profile, autocast=tm.autocast, target=tm.src.target, kwargs=self.kwargs,
-                                search_path=tm.src.search_path)
+                                search_path=tm.src.search_path, crowd_from=self._crowd_from(tm))
         self.num_timed += 1
         return got[0]
 

@@ -11,7 +11,9 @@ version, :data:`~.profile.PROFILE_METHOD`):
   not in it (a recomputed stage's cost is derived from its timing, nothing is timed).
 - ``crowd``, the slowdown of the run's ranks here computing at once: the model's fingerprint, the
   microbatch's inputs (names, shapes, dtypes), the dtype and the ranks sharing the host. It has no cut in
-  it: it is measured once per microbatch shape and shared by every cut of it.
+  it: it is measured once per microbatch shape and shared by every cut of it. ``pipec tune`` measures one
+  crowd per search, at one shape, and keeps it under every other shape it prices whose key holds none, with
+  ``measured_at`` (that shape's inputs and when): a compile of the tuned file reads it as tune priced it.
 - ``host``, the host's reference time (:func:`~.profile._reference`) every timing is scaled to: kept from
   the first profile here (or the last ``--reprofile``), so timings taken at different times are priced at
   one host speed; an entry measured at another reference time is rescaled to it.
@@ -208,13 +210,17 @@ def _tp(tps: Sequence[Any], s: int) -> Any:
 
 def profile_stages(split: Split, profile: Profiling, *, autocast: str | None, target: str, kwargs: Mapping[str, Any],
                    search_path: Sequence[str], tps: Sequence[Any] = (), stages: Sequence[int] | None = None,
-                   crowd_of: Sequence[int] | None = None) -> tuple[list[Cost], dict[str, Any]]:
+                   crowd_of: Sequence[int] | None = None,
+                   crowd_from: Any | None = None) -> tuple[list[Cost], dict[str, Any]]:
     """The cost of every stage of ``stages`` (None: all of the split's), in that order (its least alone times the
     crowd's slowdown per part; its spread the crowd's, with one rank its own), and plan.json's ``model["profile"]``
     (:func:`_record`), timing only what the profile cache does not hold. ``tps``: each stage's tensor parallelism
     (none: tp 1); a sharded stage is timed as its tp rank 0 runs it (:func:`_runners`), its cost that rank's. The
     crowd, where it is measured, runs the stages of ``stages`` at the places ``crowd_of`` (None: all of them;
-    :mod:`.pieces` times a few pieces of the model and crowds only its layers)."""
+    :mod:`.pieces` times a few pieces of the model and crowds only its layers). ``crowd_from``: the same model's
+    trace at another microbatch shape (a split's ``traced``), whose crowd the caller measured: where the cache
+    holds no crowd of this shape, that one's slowdown is kept under this shape's key, marked as measured at that
+    shape (:func:`_borrowed`; ``pipec tune`` measures one crowd per search), and nothing is crowded here."""
     host = _host_key(profile.threads)
     dtype = autocast or "float32"
     chosen = list(range(split.num_stages)) if stages is None else list(stages)
@@ -226,12 +232,14 @@ def profile_stages(split: Split, profile: Profiling, *, autocast: str | None, ta
     for i in range(num):
         if (e := cache.lookup("stage", keys[i], _check_stage)) is not None:
             entries[i] = e
-    crowd_key = {"model": split.traced.fingerprint,
-                 "inputs": [[x.name, list(x.shape), x.dtype] for x in split.traced.inputs], "dtype": dtype,
-                 "ranks": profile.num_ranks, **host}
+    crowd_key = _crowd_key(split.traced, dtype, profile.num_ranks, host)
     if any(_tp(tps, s) is not None for s in chosen):  # the crowd's processes run the sharded stages
         crowd_key["tp"] = [stp.to_json() if (stp := _tp(tps, s)) is not None else None for s in chosen]
     shared = cache.lookup("crowd", crowd_key, _check_crowd) if many else None
+    if shared is None and many and crowd_from is not None and "tp" not in crowd_key:
+        source = _crowd_key(crowd_from, dtype, profile.num_ranks, host)
+        if (lent := cache.lookup("crowd", source, _check_crowd)) is not None:
+            shared = cache.store("crowd", crowd_key, _borrowed(lent, source["inputs"]))
     host_entry = cache.lookup("host", host, _check_host)
     baseline = float(host_entry.value["reference_s"]) if host_entry else None
     if baseline is None and entries:  # the host's entry lost: the stages' own speed
@@ -281,6 +289,19 @@ def profile_stages(split: Split, profile: Profiling, *, autocast: str | None, ta
     return costs, _record(profile, [entries[i] for i in range(num)], shared)
 
 
+def _crowd_key(traced: Any, dtype: str, ranks: int, host: Mapping[str, Any]) -> dict[str, Any]:
+    """A crowd's cache key: the model's fingerprint, the microbatch's inputs, the dtype, the ranks sharing the host."""
+    return {"model": traced.fingerprint, "inputs": [[x.name, list(x.shape), x.dtype] for x in traced.inputs],
+            "dtype": dtype, "ranks": ranks, **host}
+
+
+def _borrowed(lent: cache.Entry, inputs: list) -> dict[str, Any]:
+    """A crowd measured at another microbatch shape (``lent``, whose key has ``inputs``), as kept under this shape's
+    key: its slowdown, repeats and spread, and ``measured_at``, the shape it was measured at and when (a crowd
+    itself borrowed keeps its own source)."""
+    return {**lent.value, "measured_at": lent.value.get("measured_at") or {"inputs": inputs, "at": lent.at}}
+
+
 def _record(profile: Profiling, stages: Sequence[cache.Entry], crowd: cache.Entry | None) -> dict[str, Any]:
     """plan.json's ``model["profile"]``: how the stages were timed, each timing's provenance (``stages[s]`` and
     ``crowd``: ``at``, when it was measured, and ``reused``, whether an earlier compile measured it), the slowdown
@@ -305,6 +326,8 @@ def _record(profile: Profiling, stages: Sequence[cache.Entry], crowd: cache.Entr
         out["slowdown"] = dict(zip(_PARTS, (round(float(x), 4) for x in crowd.value["slowdown"])))
         out["crowd"] = {"at": crowd.at, "reused": crowd.reused, "repeats": len(crowd.value["repeats"]),
                         "spread": round(float(crowd.value["spread"]), 4)}
+        if isinstance(at := crowd.value.get("measured_at"), Mapping):   # measured at another shape (_borrowed)
+            out["crowd"]["measured_at"] = {"inputs": at.get("inputs"), "at": at.get("at")}
     notes = cache.take_notes()
     if notes:
         out["notes"] = notes
