@@ -320,7 +320,7 @@ a complete schedule file. `--json` prints one object:
 | `format` | `pipec.tune/1` |
 | `devices`, `global_batch` | what was searched for: devices and sequences per step over all replicas |
 | `device_memory`, `peak_flops` | the budget in bytes and the FLOP/s per device (null: not given) |
-| `search` | `candidates` (the space), `compiled`, `pruned` (skipped by the bounds: they could not enter the table), `over_budget` (refused; recompute tried first), `unbuildable` (more stages than the model can be cut into), `traces` (one per microbatch shape), `cuts` (one per stages x shape x balance), `pieces` (under `costs profile`: the pieces of the model timed, one of each kind per microbatch shape, that every cut is priced from; null otherwise), `timed` (under `costs profile`: the cuts timed on their own stages, the file's own and the fastest until the fastest is one so timed), `seconds` |
+| `search` | `candidates` (the space), `compiled`, `pruned` (skipped by the bounds: they could not enter the table), `over_budget` (refused; recompute tried first), `unbuildable` (more stages than the model can be cut into), `traces` (one per microbatch shape), `cuts` (one per stages x shape x balance), `pieces` (under `costs profile`: the pieces of the model timed, one of each kind per microbatch shape, that every cut is priced from; null otherwise), `timed` (under `costs profile`: the cuts timed on their own stages, the file's own and the fastest until the fastest is one so timed), `level` (under `costs profile`: the median timed / summed step of the candidates timed on their own stages; every row summed from pieces is ranked and shown at its summed step x this; null otherwise), `seconds` |
 | `best` | the winner (a candidate, below); measured-best under `--measure` |
 | `top` | the fastest candidates that fit, fastest first (`--top` rows; measured ones first under `--measure`) |
 | `frontier` | the time-memory Pareto set of the candidates compiled, fastest first (exact for steps below the table's last row; slower, smaller candidates the bounds pruned may be missing) |
@@ -334,7 +334,8 @@ A candidate: `pp`, `dp`, `shard`, `shard_size`, `schedule`, `virtual`, `microbat
 (`{"method": "balanced", "by": ...}`, null: the file's own), `recompute` (stage list), and its
 prediction: `step_time` (s), `tokens_per_s`, `mfu` (model FLOPs, recompute excluded, over peak;
 null without `peak_flops`), `bubble` (fraction), `peak_memory_bytes` (the most one rank holds);
-`measured_step_time` (s, median step under `pipec run`) when `--measure` ran it.
+`measured_step_time` (s, median step under `pipec run`) when `--measure` ran it; `summed_step_time` (s, its
+plan's step summed from pieces, before the level) for a row not timed on its own stages under `costs profile`.
 
 A model that fits no candidate exits with status 2 and says what would: the least any candidate
 needs, the state's size and the devices it needs at least.

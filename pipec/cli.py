@@ -379,7 +379,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
               f"{result.num_pruned} pruned by bounds, {result.num_over_budget} over budget; "
               f"{result.num_traces} traces, {result.num_cuts} cuts" + (
                   "" if result.num_pieces is None else f", priced from {result.num_pieces} timed pieces; "
-                  f"{result.num_timed} timed on their own stages (the file's own, the fastest)"), highlight=False)
+                  f"{result.num_timed} timed on their own stages (the file's own, the fastest), the other rows at "
+                  f"summed x {result.level:.2f} (the level: timed / summed)"), highlight=False)
     out.print(table(result.top, "top candidates (predicted)", measured=bool(args.measure)))
     out.print(frontier_table(result))
     for note in notes:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import pytest
 from torch import nn
 
 from conftest import spec_file
@@ -143,7 +144,8 @@ costs profile
     assert compiled["prediction"]["step_time_interval"] == plan["prediction"]["step_time_interval"]
 
 
-def test_a_tune_measures_one_crowd_and_a_compile_of_its_pick_reads_it(tmp_path_factory, tmp_path, monkeypatch):
+def test_a_tune_measures_one_crowd_and_a_compile_of_its_pick_reads_it(tmp_path_factory, tmp_path, monkeypatch,
+                                                                     capsys):
     """Under costs profile a search measures the crowd once, at the file's own microbatch shape, and prices every
     other shape at its slowdown: kept under that shape's key as measured at the file's, which a compile of the
     tuned file reads (and so predicts what tune reported); a compile at a shape the cache has no crowd of measures
@@ -168,6 +170,13 @@ costs profile
     # again, which may cut it elsewhere
     assert main(["tune", pipe, "--devices", "2", "--keep", "schedule,virtual,pp,partition", "-o", str(out),
                  "--pipe", str(tuned), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    level = result["search"]["level"]
+    assert level > 0 and "summed_step_time" not in result["best"]   # the pick is timed on its own stages
+    for row in result["top"]:                                  # summed rows are shown at the level
+        if "summed_step_time" in row:
+            assert row["step_time"] == pytest.approx(row["summed_step_time"] * level)
+            assert row["step_time"] >= result["best"]["step_time"]
     entries = [json.loads(p.read_text()) for p in sorted((tmp_path / "xdg" / "pipec" / "crowd").glob("*.json"))]
     measured = [e for e in entries if "measured_at" not in e["value"]]
     borrowed = [e for e in entries if "measured_at" in e["value"]]

@@ -124,8 +124,9 @@ def test_json_fields(small, tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["format"] == "pipec.tune/1" and doc["devices"] == 2 and doc["global_batch"] == 4
     assert set(doc["search"]) == {"candidates", "compiled", "pruned", "over_budget", "unbuildable", "traces", "cuts",
-                                  "pieces", "timed", "seconds"}
+                                  "pieces", "timed", "level", "seconds"}
     assert doc["search"]["pieces"] is None and doc["search"]["timed"] == 0     # costs flops: nothing timed
+    assert doc["search"]["level"] is None
     fields = {"pp", "dp", "tp", "shard", "shard_size", "schedule", "virtual", "microbatches", "partition",
               "recompute", "step_time", "tokens_per_s", "mfu", "scaling_efficiency", "bubble", "peak_memory_bytes"}
     assert set(doc["best"]) == fields and all(set(c) >= fields for c in doc["top"] + doc["frontier"])

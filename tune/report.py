@@ -34,6 +34,8 @@ def candidate_json(s: Scored) -> dict[str, Any]:
     }
     if s.measured_step is not None:
         out["measured_step_time"] = s.measured_step
+    if s.summed_step is not None:
+        out["summed_step_time"] = s.summed_step
     return out
 
 
@@ -48,7 +50,8 @@ def result_json(r: TuneResult, *, plan_path: str | None = None, pipe: str | None
         "peak_flops": r.peak_flops,
         "search": {"candidates": r.num_candidates, "compiled": r.num_compiled, "pruned": r.num_pruned,
                    "over_budget": r.num_over_budget, "unbuildable": r.num_unbuildable, "traces": r.num_traces,
-                   "cuts": r.num_cuts, "pieces": r.num_pieces, "timed": r.num_timed, "seconds": r.seconds},
+                   "cuts": r.num_cuts, "pieces": r.num_pieces, "timed": r.num_timed, "level": r.level,
+                   "seconds": r.seconds},
         "best": candidate_json(r.best),
         "top": [candidate_json(s) for s in r.top],
         "frontier": [candidate_json(s) for s in r.frontier],

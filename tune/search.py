@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
@@ -67,6 +68,10 @@ class Scored:
     (:mod:`pipec.compiler.sim.metrics`)."""
     measured_step: float | None = None
     """``--measure``: the median step under ``pipec run``."""
+    summed_step: float | None = None
+    """Under costs profile, a row not timed on its own stages: its plan's step, summed from pieces; ``step_time``
+    (and tokens/s, MFU, scaling efficiency with it) is that x the pieces' level (:attr:`TuneResult.level`). None: the
+    row is its plan's prediction."""
 
     def rank_key(self) -> tuple:
         """Fastest first (to 9 significant digits: float noise is no difference), then smallest, then the
@@ -109,6 +114,10 @@ class TuneResult:
     num_timed: int = 0
     """Under costs profile: the cuts timed on their own stages (the file's own, the fastest until the fastest is
     timed so)."""
+    level: float | None = None
+    """Under costs profile: the pieces' level, the median of timed / summed step over the cuts timed on their own
+    stages (:meth:`_Search.level`); every row summed from pieces is ranked and shown at its summed step x this.
+    None: nothing was summed."""
     best_tp1: Scored | None = None
     """When the winner has tp > 1: the fastest fitting candidate without tensor parallelism, proven (found past
     the table's pruning, by the same bounds); None when the winner is tp 1 or no tp 1 candidate fits."""
@@ -303,9 +312,9 @@ def banded(s: Scored) -> Scored:
     return replace(s, plan=replace(s.plan, prediction=replace(pred, interval=band)))
 
 
-def _pareto(scored: Iterable[Scored]) -> tuple[Scored, ...]:
+def _pareto(scored: Iterable[Scored], key: Callable[[Scored], tuple] = Scored.rank_key) -> tuple[Scored, ...]:
     out: list[Scored] = []
-    for s in sorted(scored, key=Scored.rank_key):
+    for s in sorted(scored, key=key):
         if not out or (s.peak_memory or 0) < (out[-1].peak_memory or 0):
             out.append(s)
     return tuple(out)
@@ -339,6 +348,7 @@ def _tune(treq: TuneRequest, t0: float) -> TuneResult:
     if not search.fits:
         raise TuneError(_no_fit(treq, batch, search.refused, search.graphs), key="device_memory")
     ranked = [search.proven(s) for s in search.ranked()[:treq.num_top]]   # proven by search.run
+    assert search.graphs.pieces is None or ranked[0].candidate in search.retimed, "the plan written is timed"
     search.graphs.confirm(ranked[0].candidate)   # the plan written (a run checks its own cut: runtime.stages)
     frontier = search.proven_frontier()
     start_scored = next((kept for s in search.fits if _same_base(s.candidate, start)
@@ -348,16 +358,18 @@ def _tune(treq: TuneRequest, t0: float) -> TuneResult:
     num_pruned = len(search.queue)
     best_tp1 = search.best_where(lambda x: x.tp == 1) if ranked[0].candidate.tp > 1 else None
     ranked[0] = banded(ranked[0])   # the plan written
-    return TuneResult(best=ranked[0], top=tuple(ranked), frontier=frontier, start=start,
-                      start_scored=start_scored, global_batch=batch, num_devices=treq.num_devices,
+    shown = search.shown
+    return TuneResult(best=ranked[0], top=tuple(map(shown, ranked)), frontier=tuple(map(shown, frontier)),
+                      start=start, start_scored=shown(start_scored), global_batch=batch, num_devices=treq.num_devices,
                       device_memory=search.budget, peak_flops=search.peak_flops, num_candidates=len(space),
                       num_compiled=search.num_compiled, num_over_budget=len(search.refused),
-                      num_pruned=num_pruned, num_unbuildable=search.num_unbuildable, best_tp1=best_tp1,
+                      num_pruned=num_pruned, num_unbuildable=search.num_unbuildable, best_tp1=shown(best_tp1),
                       num_unproven=search.num_unproven, refused=tuple(search.refused),
                       num_traces=len(search.graphs.traces),
                       num_cuts=sum(1 for g in search.graphs.cuts.values() if g is not None),
                       num_pieces=search.graphs.pieces.num_timed if search.graphs.pieces is not None else None,
                       num_timed=len(search.graphs.timed_cuts),
+                      level=search.level() if search.graphs.pieces is not None else None,
                       seconds=time.perf_counter() - t0)
 
 
@@ -394,7 +406,10 @@ class _Search:
         self._times: list[float] = []
         self._proofs: dict[Candidate, bool] = {}
         self._whole: dict[int, Any] = {}
-        self._retimed: set[Candidate] = set()
+        self.retimed: set[Candidate] = set()
+        """The candidates compiled again on their own stages' timings (:meth:`retime`)."""
+        self._ratios: list[float] = []
+        """Per candidate retimed that fits, its timed step over its summed step (:meth:`level`)."""
 
     def _whole_model(self, c: Candidate):
         """The model as one stage at the candidate's microbatch shape (its compute and parameters)."""
@@ -529,16 +544,16 @@ class _Search:
         elif plan is not False:
             s = self.score(c, plan)
             self.fits.append(s)
-            bisect.insort(self._times, s.step_time)
+            bisect.insort(self._times, self._bounded(s))
 
     def best_where(self, pred: Callable[[Candidate], bool]) -> Scored | None:
         """The fastest fitting candidate that ``pred`` holds for, proven: the branch and bound carried on past
         the table over the queued candidates ``pred`` holds for, until none queued can beat the best found."""
         while True:
-            best = min((s for s in self.fits if pred(s.candidate)), key=Scored.rank_key, default=None)
+            best = min((s for s in self.fits if pred(s.candidate)), key=self.rank_key, default=None)
             heads = [e for e in self.queue if pred(e[3])]
             head = min(heads, key=lambda e: e[:3]) if heads else None
-            if head is not None and (best is None or not _beyond(head[0], best.step_time)):
+            if head is not None and (best is None or not _beyond(head[0], self._bounded(best))):
                 self.queue.remove(head)
                 heapq.heapify(self.queue)
                 self._process(head[2], head[3], head[4])
@@ -583,24 +598,64 @@ class _Search:
         return None
 
     def retime_fastest(self) -> bool:
-        """Under summed prices (:class:`~pipec.compiler.frontend.pieces.Pieces`): the fastest candidate compiled again
-        on its own stages' timings, and again the fastest, until the fastest is one so timed; whether any was."""
+        """Under summed prices (:class:`~pipec.compiler.frontend.pieces.Pieces`): the fastest candidate (summed ones at
+        the pieces' level, :meth:`rank_key`) compiled again on its own stages' timings, and again the fastest, until the
+        fastest is one so timed; whether any was. It ends: each turn times a candidate not timed before."""
         any_ = False
-        while self.fits and (head := self.ranked()[0]).candidate not in self._retimed:
+        while self.fits and (head := self.ranked()[0]).candidate not in self.retimed:
             self.retime(head)
             any_ = True
         return any_
 
     def retime(self, s: Scored | None) -> None:
-        """A summed candidate's row replaced by its compile on its own stages' timings (:meth:`_Graphs.timed`); one
-        over budget then goes to the queue with more recompute, one that cannot run leaves."""
-        if s is None or s.candidate in self._retimed:
+        """A summed candidate's row replaced by its compile on its own stages' timings (:meth:`_Graphs.timed`), its
+        timed / summed step kept as evidence of the pieces' level (:meth:`level`); one over budget then goes to the
+        queue with more recompute, one that cannot run leaves."""
+        if s is None or s.candidate in self.retimed:
             return
         c = s.candidate
-        self._retimed.add(c)
+        self.retimed.add(c)
         self._drop(s)
         self._proofs.pop(c, None)
-        self._keep(c, self._compile(c, self.graphs.timed(c)))
+        plan = self._compile(c, self.graphs.timed(c))
+        if isinstance(plan, Plan) and s.step_time > 0:
+            self._ratios.append(plan.prediction.step_time / s.step_time)
+            self._times = sorted(map(self._bounded, self.fits))   # the level moved: the timed rows' entries with it
+        self._keep(c, plan)
+
+    def level(self) -> float:
+        """The pieces' level now: the median of timed / summed step over the candidates retimed that fit (1 before
+        any). A cut timed on its own stages is timed at another moment than its pieces were, and on this kind of
+        host the moment moves every timing by 15-50% (the example GPT: summed 619 ms, timed 760-999 ms for three
+        cuts of one shape); the ratio is that moment's evidence, and its median over the cuts timed the best guess
+        of what timing any other cut now would give."""
+        return statistics.median(self._ratios) if self._ratios else 1.0
+
+    def _priced(self, s: Scored) -> float:
+        """The step a row is ranked by: timed on its own stages, its own; summed from pieces, that x :meth:`level`."""
+        return s.step_time if s.candidate in self.retimed else s.step_time * self.level()
+
+    def _bounded(self, s: Scored) -> float:
+        """A row's entry in the table's steps the bounds are compared with (:attr:`_times`), in the bounds' own
+        terms, summed prices: summed, its step; timed, its step / :meth:`level` (1 before any retime). It orders the
+        rows as :meth:`_priced` does (one positive factor apart), so a candidate queued with a bound past the K-th
+        entry prices, at the level, past the K-th row as ranked: pruning it is as safe as it was unscaled."""
+        return s.step_time / self.level() if s.candidate in self.retimed else s.step_time
+
+    def rank_key(self, s: Scored) -> tuple:
+        """:meth:`Scored.rank_key` at the step :meth:`_priced` gives."""
+        return (float(f"{self._priced(s):.9g}"), s.peak_memory or 0, s.candidate.sort_key())
+
+    def shown(self, s: Scored | None) -> Scored | None:
+        """A row as reported: summed from pieces, at its step x :meth:`level` (and its rates with it), its plan's
+        own step kept as :attr:`Scored.summed_step`; timed, as it is."""
+        if s is None or s.candidate in self.retimed or self.graphs.pieces is None:
+            return s
+        f = self.level()
+        return replace(s, step_time=s.step_time * f, summed_step=s.step_time,
+                       tokens_per_s=None if s.tokens_per_s is None else s.tokens_per_s / f,
+                       mfu=None if s.mfu is None else s.mfu / f,
+                       scaling_efficiency=None if s.scaling_efficiency is None else s.scaling_efficiency / f)
 
     def proven(self, s: Scored) -> Scored | None:
         """The candidate as kept: its plan proven by the verifier and given the timeline of the proof's buffered
@@ -621,17 +676,17 @@ class _Search:
 
     def _drop(self, s: Scored) -> None:
         self.fits.remove(s)
-        self._times.pop(bisect.bisect_left(self._times, s.step_time))
+        self._times.pop(bisect.bisect_left(self._times, self._bounded(s)))
 
     def ranked(self) -> list[Scored]:
-        """The compiled candidates that fit, fastest first (:meth:`Scored.rank_key`)."""
-        return sorted(self.fits, key=Scored.rank_key)
+        """The compiled candidates that fit, fastest first (:meth:`rank_key`: summed ones at the pieces' level)."""
+        return sorted(self.fits, key=self.rank_key)
 
     def proven_frontier(self) -> tuple[Scored, ...]:
         """The Pareto set of the compiled candidates whose plans are proven (one that fails is dropped), as
         kept (:meth:`proven`)."""
         while True:
-            frontier = [(s, self.proven(s)) for s in _pareto(self.fits)]
+            frontier = [(s, self.proven(s)) for s in _pareto(self.fits, self.rank_key)]
             failed = [s for s, kept in frontier if kept is None]
             if not failed:
                 return tuple(kept for _, kept in frontier)
