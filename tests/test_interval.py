@@ -216,6 +216,13 @@ def test_a_load_that_moves_the_step_out_of_its_interval_is_warned_about(monkeypa
     assert f"against the predicted {plan.prediction.step_time:.3f} s" in err
     quiet, err, _ = _check_load(plan, 0.0, monkeypatch, capsys)
     assert quiet["warned"] is False and err == ""
+    # a point below its own interval (draws with a tail) at an unchanged load: no move, no warning
+    lo, hi = plan.prediction.interval.step_time
+    above = replace(plan, prediction=replace(plan.prediction, interval=replace(plan.prediction.interval,
+                                                                               step_time=(hi * 1.5, hi * 3))))
+    same, err, _ = _check_load(above, 0.0, monkeypatch, capsys)
+    assert same["warned"] is False and err == ""
+    assert _check_load(above, 3.0, monkeypatch, capsys)[0]["warned"] is False  # 1.75x: into its interval, not out
     # nothing to compare with: an emulated run, a GPU run, a profile without its load
     for kw, p in (({"emulate": True}, plan), ({"device": "cuda"}, plan), ({}, _timed())):
         assert _check_load(p, 3.0, monkeypatch, capsys, **kw) == (None, "", 0)
