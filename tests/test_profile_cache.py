@@ -330,3 +330,14 @@ def test_progress_is_shown_on_a_terminal_only(monkeypatch):
         progress.report("measuring the links")
         progress.done()
     assert got == ["measuring the links", ""] and tty.getvalue().count("profiling") == 1
+
+
+def test_a_crowds_repeat_takes_samples_from_one_up_until_its_minimum_time(monkeypatch):
+    clock = iter(x * 0.01 for x in range(10_000))
+    monkeypatch.setattr(prof.time, "perf_counter", lambda: next(clock))
+    calls = []
+    once = lambda: calls.append(1) or (0.0,) * 5  # noqa: E731 - each sample: one clock tick
+    p = prof.Profiling(reps=3)
+    assert len(p.samples(once, warm=True)) == 3  # alone: reps samples
+    assert len(p.samples(once, warm=True, reps=1)) == 1  # one that outlasts no minimum
+    assert len(p.samples(once, 0.05, warm=True, reps=1)) == 6  # short ones: until they took 0.05 s

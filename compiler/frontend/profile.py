@@ -184,7 +184,7 @@ class Profiling:
     others share, their work only adds to a repetition's time). With more than one rank here, ``num_ranks``
     processes (the run's ranks on this machine, :data:`MAX_PROFILE_RANKS` at most) then time the stages all at
     once, as the run's ranks compute at once, each with ``threads`` threads: the stages are dealt out round them
-    (:meth:`share`), they start together, each keeps timing until it has ``reps`` samples of each of its stages
+    (:meth:`share`), they start together, each keeps timing until it has samples of each of its stages
     taking ``min_time_s`` in all (so the samples span the scheduler's time slices: with more ranks than cores a
     short op either runs whole or waits a slice), and one that is done keeps running its last stage untimed until
     every process is, so no sample is taken on a machine emptier than the run's. The slowdown of each part
@@ -202,7 +202,7 @@ class Profiling:
     threads: int = 1
     """Intra-op threads of each (``torch.set_num_threads``), as each rank runs."""
     reps: int = 3
-    """The fewest timed rounds of each stage alone, after a warm-up (and samples per repeat in the crowd)."""
+    """The fewest timed rounds of each stage alone, after a warm-up."""
     max_reps: int = MAX_REPS
     """The most rounds alone."""
     min_time_s: float = CONCURRENT_MIN_TIME_S
@@ -219,12 +219,15 @@ class Profiling:
             return list(range(rank, num_stages, self.num_ranks))
         return [rank % num_stages]
 
-    def samples(self, once: Callable[[], _Sample], min_time_s: float = 0.0, *, warm: bool = False) -> list[_Sample]:
-        """``reps`` samples of ``once`` (after a warm-up unless ``warm``), and more until they took ``min_time_s``."""
+    def samples(self, once: Callable[[], _Sample], min_time_s: float = 0.0, *, warm: bool = False,
+                reps: int | None = None) -> list[_Sample]:
+        """``reps`` samples of ``once`` (None: :attr:`reps`; after a warm-up unless ``warm``), and more until they took
+        ``min_time_s``."""
         if not warm:
             once()
+        least = self.reps if reps is None else reps
         out, t0 = [], time.perf_counter()
-        while len(out) < self.reps or time.perf_counter() - t0 < min_time_s:
+        while len(out) < least or time.perf_counter() - t0 < min_time_s:
             out.append(once())
         return out
 
@@ -508,7 +511,9 @@ def crowd(profile: Profiling, runners: Mapping[int, Callable[[], _Sample]], alon
                 together.speed[r] = reference()
                 progress.report(f"profiling {profile.num_ranks} processes at once (repeat {r + 1}, at most {cap})")
             together.start()  # time them together
-            got = {s: profile.samples(once, profile.min_time_s, warm=r > 0) for s, once in mine.items()}
+            # from one sample up, as long as min_time_s: a repeat is one reading of the slowdown and the stop rule
+            # asks for repeats, so three samples of a long stage in each (most of a cold compile's crowd) bought little
+            got = {s: profile.samples(once, profile.min_time_s, warm=r > 0, reps=1) for s, once in mine.items()}
             together.post(rank, r, _sums(alone, got))
             together.finish(mine[max(mine)])
             out.append(got)
