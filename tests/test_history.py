@@ -64,7 +64,8 @@ def test_runs_on_this_host_widen_the_interval_to_hold_their_steps():
     _run(plan, [1.45, 1.5, 1.55, 1.4, 1.65, 1.5, 1.5])
     band = _band(plan)
     assert band.runs == 3 and band.draws == alone.draws and band.bubble_fraction == alone.bubble_fraction
-    # 21 ratios: the 21st least (ceil(22 x 0.95)) above, the first (floor(22 x 0.05)) below: the simulator's there
+    # 3 runs, the unit (their steps move together): fewer than 19, so the greatest and the least of their steps;
+    # the least (1.3) is above the simulator's own low end, which stays
     assert band.step_time[1] == pytest.approx(1.65 * point)
     assert band.step_time[0] == alone.step_time[0]
     # the compile's own line says so, and plan.json keeps it
@@ -97,6 +98,8 @@ def test_the_latest_runs_are_kept_and_reprofile_keeps_them(tmp_path):
         _run(plan, [1.0 + i / 100])
     runs = history._runs(history.history_key(plan))
     assert len(runs) == history.KEEP_RUNS and runs[-1]["ratios"] == [pytest.approx(1.0 + (history.KEEP_RUNS + 4) / 100)]
+    # 40 runs: the ceil(41 x 0.95) = 39th of 40 runs' steps, not the greatest (1.44)
+    assert _band(plan).step_time[1] == pytest.approx(1.43 * plan.prediction.step_time)
     cache.reprofile()
     assert len(history._runs(history.history_key(plan))) == history.KEEP_RUNS
     assert cache.summary()["by_kind"]["runs"] == 1

@@ -6,10 +6,12 @@ no profile meets, a neighbour's work between the compile and the run, a level th
 the next. Every ``pipec run`` of a plan with an interval keeps, in the profile cache (kind ``runs``), each step it
 measured as a ratio to the plan's point prediction: the ratios of the last :data:`KEEP_RUNS` runs per host key
 (the host and torch the profile was taken on, the backend, the ranks sharing the host). A compile with at least
-:data:`MIN_RUNS` such runs profiled at its host load widens its interval to hold the same share of them
-(split-conformal: with n ratios, the ``ceil((n + 1)(1 + c) / 2)``-th least and the ``floor((n + 1)(1 - c) / 2)``-th,
-times the point; the union with the simulator's range). Where the host's past runs are like its next, a share
-``c`` of the next run's steps falls inside; the first runs on a host have the simulator's range alone.
+:data:`MIN_RUNS` such runs profiled at its host load widens its interval to hold the same share of them,
+split-conformally with the run as the unit (a run's steps move together: its profile's level, its load): of k runs,
+the steps pooled are read at the quantiles ``ceil((k + 1)(1 + c) / 2) / k`` and ``floor((k + 1)(1 - c) / 2) / k``
+(the greatest and the least below 19 runs at c = 0.9), times the point; the union with the simulator's range.
+Where the host's past runs are like its next, a share ``c`` of the next run's steps falls inside; the first runs
+on a host have the simulator's range alone.
 
 Only the step's range is widened (a run's bubble is not kept); the point stays the simulator's.
 """
@@ -85,6 +87,11 @@ def record(plan: Plan, steps: Sequence[float], run_load: float | None = None) ->
     cache.store("runs", key, {"runs": [*_runs(key), run][-KEEP_RUNS:]})
 
 
+def _at(xs: Sequence[float], q: float) -> float:
+    """The sorted ``xs`` at quantile ``q``: the ``ceil(q n)``-th least (the least at 0)."""
+    return xs[min(len(xs), max(1, math.ceil(q * len(xs)))) - 1]
+
+
 def widened(plan: Plan, band: Interval | None, point: float) -> Interval | None:
     """``band`` (the simulator's, around the step ``point``) widened to hold the share ``band.coverage`` of the steps
     earlier runs of this host key measured, as ratios to their points, at the plan's host load (the module
@@ -97,10 +104,8 @@ def widened(plan: Plan, band: Interval | None, point: float) -> Interval | None:
     if len(like) < MIN_RUNS:
         return band
     ratios = sorted(float(x) for r in like for x in r["ratios"])
-    n, c = len(ratios), band.coverage
-    hi_at = math.ceil((n + 1) * (1 + c) / 2)
-    lo_at = math.floor((n + 1) * (1 - c) / 2)
-    hi = ratios[min(n, hi_at) - 1]
-    lo = ratios[lo_at - 1] if lo_at >= 1 else ratios[0]
+    n, k, c = len(ratios), len(like), band.coverage
+    hi = _at(ratios, min(1.0, math.ceil((k + 1) * (1 + c) / 2) / k))
+    lo = _at(ratios, max(0.0, math.floor((k + 1) * (1 - c) / 2) / k))
     step = (min(band.step_time[0], point * lo), max(band.step_time[1], point * hi))
     return replace(band, step_time=step, runs=len(like))
