@@ -125,7 +125,7 @@ def interval_words(tl: Timeline) -> str:
 
 
 def step_caption(tl: Timeline, name: str = "") -> str:
-    """``predicted step 512 ms (90% interval 480 ms-580 ms, bubble 28.0-33.1%)``: the step, and its interval where
+    """``predicted step 512 ms (90% interval 480 ms-580 ms; bubble 28.0-33.1%)``: the step, and its interval where
     the timeline has one."""
     out = f"{name}step {format_time(tl.step_time, tl.time_unit)}"
     band = tl.interval
