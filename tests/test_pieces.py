@@ -124,13 +124,17 @@ def _split_of(tm, graph):
     return split_graph(tm.traced, _stage_of(tm, pos), len(pos) + 1)
 
 
-def test_tune_under_costs_profile_writes_its_winner_timed_on_its_own_stages(tmp_path_factory, tmp_path):
-    pipe = spec_file(tmp_path_factory, '''model "pipec.examples.gpt:build" (layers=2, dim=32, heads=2, vocab=64, seq=8)
+TINY = '''model "pipec.examples.gpt:build" (layers=2, dim=32, heads=2, vocab=64, seq=8)
 input tokens: int64[4, 8]
 schedule 1f1b
 pp 2  microbatches 2
 costs profile
-''')
+'''
+"""A small GPT's schedule file under costs profile, for the tunes here."""
+
+
+def test_tune_under_costs_profile_writes_its_winner_timed_on_its_own_stages(tmp_path_factory, tmp_path):
+    pipe = spec_file(tmp_path_factory, TINY)
     out, tuned = tmp_path / "plan.json", tmp_path / "tuned.pipe"
     assert main(["tune", pipe, "--devices", "2", "--keep", "schedule,virtual", "-o", str(out),
                  "--pipe", str(tuned), "--json"]) == 0
@@ -159,12 +163,7 @@ def test_a_tune_measures_one_crowd_and_a_compile_of_its_pick_reads_it(tmp_path_f
     crowds = []
     real = prof._at_once
     monkeypatch.setattr(prof, "_at_once", lambda *a, **kw: crowds.append(1) or real(*a, **kw))
-    pipe = spec_file(tmp_path_factory, '''model "pipec.examples.gpt:build" (layers=2, dim=32, heads=2, vocab=64, seq=8)
-input tokens: int64[4, 8]
-schedule 1f1b
-pp 2  microbatches 2
-costs profile
-''')
+    pipe = spec_file(tmp_path_factory, TINY)
     out, tuned = tmp_path / "plan.json", tmp_path / "tuned.pipe"
     # the partition kept (balanced by FLOPs): a cut balanced by time is cut by node times a new process measures
     # again, which may cut it elsewhere
