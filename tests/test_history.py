@@ -94,6 +94,8 @@ def test_only_runs_like_the_next_one_count():
 
 def test_the_latest_runs_are_kept_and_reprofile_keeps_them(tmp_path):
     plan = _plan()
+    _run(plan, [2.0] * 10 + [1.0] * history.KEEP_STEPS)  # a long run: its last steps
+    assert history._runs(history.history_key(plan))[0]["ratios"] == [pytest.approx(1.0)] * history.KEEP_STEPS
     for i in range(history.KEEP_RUNS + 5):
         _run(plan, [1.0 + i / 100])
     runs = history._runs(history.history_key(plan))

@@ -4,7 +4,8 @@ The simulator's interval (:func:`~pipec.compiler.sim.simulate.interval_of`) cove
 each cost's spread, the profile's level, the links' samples. A host can move a step by more than that: stalls
 no profile meets, a neighbour's work between the compile and the run, a level that drifts from one process to
 the next. Every ``pipec run`` of a plan with an interval keeps, in the profile cache (kind ``runs``), each step it
-measured as a ratio to the plan's point prediction: the ratios of the last :data:`KEEP_RUNS` runs per host key
+measured (its last :data:`KEEP_STEPS`) as a ratio to the plan's point prediction: the ratios of the last
+:data:`KEEP_RUNS` runs per host key
 (the host and torch the profile was taken on, the backend, the ranks sharing the host). A compile with at least
 :data:`MIN_RUNS` such runs profiled at its host load widens its interval to hold the same share of them,
 split-conformally with the run as the unit (a run's steps move together: its profile's level, its load): of k runs,
@@ -26,12 +27,15 @@ from pipec.compiler import cache
 from pipec.compiler.ir.plan import Plan
 from pipec.compiler.ir.timeline import Interval
 
-__all__ = ["history_key", "record", "widened", "MIN_RUNS", "KEEP_RUNS", "LOAD_MATCH"]
+__all__ = ["history_key", "record", "widened", "MIN_RUNS", "KEEP_RUNS", "KEEP_STEPS", "LOAD_MATCH"]
 
 MIN_RUNS = 3
 """The fewest earlier runs (at the plan's host load) that widen an interval."""
 KEEP_RUNS = 40
 """The runs kept per host key, the latest."""
+KEEP_STEPS = 32
+"""The steps kept of a run, its last: a long run weighs no more than a short one in the pooled steps (the run is the
+unit), and an entry stays a few kilobytes."""
 LOAD_MATCH = 0.5
 """Runs whose plans were profiled at a host load within this of the plan's are its like."""
 
@@ -83,7 +87,7 @@ def record(plan: Plan, steps: Sequence[float], run_load: float | None = None) ->
         return
     load = ((plan.model or {}).get("profile") or {}).get("host_load")
     run = {"load": None if load is None else float(load), "run_load": run_load, "point": point,
-           "ratios": [s / point for s in steps]}
+           "ratios": [s / point for s in steps[-KEEP_STEPS:]]}
     cache.store("runs", key, {"runs": [*_runs(key), run][-KEEP_RUNS:]})
 
 
