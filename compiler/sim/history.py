@@ -61,6 +61,12 @@ def _check(value: Mapping[str, Any]) -> None:
             raise ValueError("a ratio that is not positive")
 
 
+def _profile_load(plan: Plan) -> float | None:
+    """The host load the plan was profiled at (``model.profile.host_load``), where the profile recorded it."""
+    load = ((plan.model or {}).get("profile") or {}).get("host_load")
+    return None if load is None else float(load)
+
+
 def _runs(key: Mapping[str, Any]) -> list[dict[str, Any]]:
     entry = cache.lookup("runs", key, _check)
     return list(entry.value["runs"]) if entry is not None else []
@@ -85,8 +91,7 @@ def record(plan: Plan, steps: Sequence[float], run_load: float | None = None) ->
     point = plan.prediction.step_time if plan.prediction is not None else 0.0
     if key is None or point <= 0 or not steps:
         return
-    load = ((plan.model or {}).get("profile") or {}).get("host_load")
-    run = {"load": None if load is None else float(load), "run_load": run_load, "point": point,
+    run = {"load": _profile_load(plan), "run_load": run_load, "point": point,
            "ratios": [s / point for s in steps[-KEEP_STEPS:]]}
     cache.store("runs", key, {"runs": [*_runs(key), run][-KEEP_RUNS:]})
 
@@ -103,12 +108,11 @@ def widened(plan: Plan, band: Interval | None, point: float) -> Interval | None:
     key = history_key(plan)
     if band is None or key is None or point <= 0:
         return band
-    load = ((plan.model or {}).get("profile") or {}).get("host_load")
-    like = [r for r in _runs(key) if _like(r, load)]
+    like = [r for r in _runs(key) if _like(r, _profile_load(plan))]
     if len(like) < MIN_RUNS:
         return band
     ratios = sorted(float(x) for r in like for x in r["ratios"])
-    n, k, c = len(ratios), len(like), band.coverage
+    k, c = len(like), band.coverage
     hi = _at(ratios, min(1.0, math.ceil((k + 1) * (1 + c) / 2) / k))
     lo = _at(ratios, max(0.0, math.floor((k + 1) * (1 - c) / 2) / k))
     step = (min(band.step_time[0], point * lo), max(band.step_time[1], point * hi))
