@@ -1,7 +1,8 @@
 """pipec tune, measured (prints, not a test).
 
-(a) Here, 4 ranks, the example GPT with costs profile: every feasible candidate of a small grid
-    (layouts x schedules x microbatches) compiled and run under ``pipec run`` (``--rounds`` times, in
+(a) Here, 4 ranks, the example GPT with costs profile, timed anew (the profile cache's timings ignored): tune's
+    whole-space search first, so its one crowd prices every cut after it, as its own search priced them; then every
+    feasible candidate of a small grid (layouts x schedules x microbatches) compiled and run under ``pipec run`` (``--rounds`` times, in
     alternating order, the median of all their steps but each run's warm-up); predicted beside measured per candidate,
     beside what the stages timed alone predict (the profile before it timed the run's ranks at once) and
     what the crowd's costs predict without processor sharing (every compute at its cost with all ranks
@@ -22,7 +23,11 @@
     the Spearman rank correlation between them, and how far the summed pick's timed step is over the timed pick's.
     Runs nothing.
 
+    ``--confirm DIR`` runs the tune's measured pick of an earlier ``--part a --out DIR`` run beside that grid's 3
+    fastest measured again, in turn (``--rounds`` times): the pick against the best, measured in the same minutes.
+
     python bench/tune.py [--part a|b|c|both] [--steps 10] [--rounds 3] [--out DIR] | --pool DIR ... | --against DIR ...
+                         | --confirm DIR
 """
 
 from __future__ import annotations
@@ -32,10 +37,13 @@ import glob
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import replace
 
+from pipec.compiler import cache
 from pipec.compiler.driver import compile_request
 from pipec.compiler.ir.plan import Cost, Plan
 from pipec.compiler.ir.plan_json import load_plan
@@ -182,7 +190,12 @@ def _grid(folder: str) -> tuple[TuneRequest, list[Scored]]:
 def part_a(folder: str, steps: int, rounds: int) -> None:
     print(f"(a) the grid on 4 ranks, global batch 16, costs profile, {steps} steps each, {rounds} rounds; "
           f"{os.cpu_count()} cores")
-    treq, scored = _grid(folder)
+    cache.reprofile()   # the grid and the tune price from timings taken now, not from an earlier run's cache
+    t0 = time.perf_counter()
+    treq = TuneRequest(base=load_spec(_write(folder, "gpt_small.pipe", SMALL), {}).request, num_devices=4)
+    full = tune(treq)       # first: its one crowd is the one the grid's cuts then read (every shape at it)
+    search_s = time.perf_counter() - t0
+    _, scored = _grid(folder)
     runs = _measured(scored, folder, steps, rounds)
     rows = [(s, _alone(s.plan), statistics.median(x for r in runs[s.candidate] for x in r), _crowd(s.plan))
             for s in scored if runs[s.candidate]]
@@ -204,11 +217,9 @@ def part_a(folder: str, steps: int, rounds: int) -> None:
         print(f"  {name:>9}: pick {_name(pick[0].candidate)} measured {pick[2] * 1e3:.1f} ms, "
               f"{pick[2] / best[2] - 1:.1%} over the best measured {_name(best[0].candidate)} {best[2] * 1e3:.1f} ms "
               f"(goal <= 5%); Spearman {rho:.3f} (goal >= 0.8); mean |pred/meas - 1| {err:.0%}")
-    t0 = time.perf_counter()
-    full = tune(treq)
-    search_s = time.perf_counter() - t0
     print(f"  tune over its whole space ({full.num_candidates} candidates, {search_s:.1f} s): "
-          f"{_name(full.best.candidate)}, predicted {full.best.step_time * 1e3:.2f} ms")
+          f"{_name(full.best.candidate)}, predicted {full.best.step_time * 1e3:.2f} ms; run first, with --reprofile, so "
+          f"its crowd prices every grid cut")
     top3, notes3 = measure(full, 3, workdir=os.path.join(folder, "top3"), steps=steps)
     for s in top3.top[:3]:
         m = f"{s.measured_step * 1e3:.2f} ms" if s.measured_step else "not measured"
@@ -274,6 +285,45 @@ def against(folders: list[str]) -> None:
           f"{pick[1] / best - 1:.1%} over the best measured (goal <= 5%); Spearman "
           f"{spearman([s.step_time for s, _ in rows], [m for _, m in rows]):.3f} (goal >= 0.8); "
           f"mean |pred/meas - 1| {err:.0%}")
+
+
+def _steps_of(report_path: str) -> list[float]:
+    with open(report_path, encoding="utf-8") as f:
+        return [x["step_time"] for x in json.load(f)["steps"][1:]]
+
+
+def confirm(folder: str, steps: int, rounds: int, best: int = 3) -> None:
+    """Tune's measured pick of an earlier ``--part a --out DIR`` run beside the grid's ``best`` fastest measured,
+    run again in turn (``rounds`` times, alternating the order, so a drift in the machine's load favours none):
+    whether the pick stays within 5% of the best, measured in the same minutes."""
+    picks = [(statistics.median(_steps_of(r)), r.replace(".report.json", ".json"))
+             for r in glob.glob(os.path.join(folder, "top3", "candidate*.report.json"))]
+    grid: dict[tuple, tuple[list[float], str]] = {}
+    for r in glob.glob(os.path.join(folder, "grid*", "candidate*.report.json")):
+        plan_path = r.replace(".report.json", ".json")
+        with open(plan_path, encoding="utf-8") as f:
+            key = _grid_key(load_plan(json.load(f)))
+        grid.setdefault(key, ([], plan_path))[0].extend(_steps_of(r))
+    fastest = sorted(grid.items(), key=lambda kv: statistics.median(kv[1][0]))[:best]
+    runs = [("tune's pick", min(picks)[1])] + [(" ".join(map(str, k)), path) for k, (_, path) in fastest]
+    got: dict[str, list[float]] = {name: [] for name, _ in runs}
+    work = os.path.join(folder, "confirm")
+    os.makedirs(work, exist_ok=True)
+    for r in range(rounds):
+        for i, (name, path) in enumerate(runs if r % 2 == 0 else runs[::-1]):
+            with open(path, encoding="utf-8") as f:
+                mesh = json.load(f)["mesh"]
+            report = os.path.join(work, f"round{r}_{i}.report.json")
+            subprocess.run([sys.executable, "-m", "pipec", "run", path, "--nproc", str(mesh["pp"] * mesh["dp"]),
+                            "--steps", str(steps), "--report", report, "--quiet"], check=True,
+                           stdout=subprocess.DEVNULL, timeout=600)
+            got[name].extend(_steps_of(report))
+        print(f"  round {r + 1}/{rounds}, load average {os.getloadavg()[0]:.2f}", flush=True)
+    meds = {name: statistics.median(xs) for name, xs in got.items()}
+    top = min(meds.values())
+    for name, path in runs:
+        print(f"  {name:<32} {meds[name] * 1e3:7.1f} ms  {meds[name] / top - 1:+6.1%}  ({path})")
+    print(f"  tune's pick {meds[runs[0][0]] / top - 1:.1%} over the best of these (goal <= 5%)")
 
 
 def _name(c: Candidate) -> str:
@@ -343,6 +393,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="runs of every grid candidate, in alternating order")
     ap.add_argument("--out", default=None, help="folder for the plans and reports (default: a temporary one)")
     ap.add_argument("--pool", nargs="+", metavar="DIR", help="compare earlier --part a runs' folders; runs nothing")
+    ap.add_argument("--confirm", metavar="DIR", help="run an earlier --part a run's tune pick beside its grid's 3 "
+                    "best measured again, in turn, --rounds times")
     ap.add_argument("--against", nargs="+", metavar="DIR",
                     help="predict the grid now and score it against earlier --part a runs' measured steps")
     args = ap.parse_args()
@@ -351,6 +403,9 @@ def main() -> int:
         return 0
     if args.against:
         against(args.against)
+        return 0
+    if args.confirm:
+        confirm(args.confirm, args.steps, args.rounds)
         return 0
     folder = args.out or tempfile.mkdtemp(prefix="pipec-bench-tune-")
     os.makedirs(folder, exist_ok=True)
