@@ -170,11 +170,14 @@ def _repeatability(runs: dict[Candidate, list[list[float]]]) -> float:
                                      [statistics.median(runs[c][b]) for c in kept]) for a, b in pairs)
 
 
-def _grid(folder: str) -> tuple[TuneRequest, list[Scored]]:
+def _small(folder: str) -> TuneRequest:
+    """The small GPT's tune request for 4 devices (its schedule file written to ``folder``)."""
+    return TuneRequest(base=load_spec(_write(folder, "gpt_small.pipe", SMALL), {}).request, num_devices=4)
+
+
+def _grid(treq: TuneRequest) -> list[Scored]:
     """The grid's candidates compiled through tune's own front end (one trace per microbatch shape, one cut
     and one profile per distinct cut)."""
-    path = _write(folder, "gpt_small.pipe", SMALL)
-    treq = TuneRequest(base=load_spec(path, {}).request, num_devices=4)
     grid = [c for c in candidates(treq) if _in_grid(c)]
     t0 = time.perf_counter()
     scored, graphs = [], _Graphs(treq, 16)
@@ -184,7 +187,7 @@ def _grid(folder: str) -> tuple[TuneRequest, list[Scored]]:
     slowdowns = sorted({s.plan.model["profile"]["slowdown"]["fwd"] for s in scored})
     print(f"  {len(grid)} grid candidates compiled in {time.perf_counter() - t0:.1f} s; the crowd's forward "
           f"slowdown per cut {', '.join(f'{x:.2f}' for x in slowdowns)}")
-    return treq, scored
+    return scored
 
 
 def part_a(folder: str, steps: int, rounds: int) -> None:
@@ -192,10 +195,10 @@ def part_a(folder: str, steps: int, rounds: int) -> None:
           f"{os.cpu_count()} cores")
     cache.reprofile()   # the grid and the tune price from timings taken now, not from an earlier run's cache
     t0 = time.perf_counter()
-    treq = TuneRequest(base=load_spec(_write(folder, "gpt_small.pipe", SMALL), {}).request, num_devices=4)
+    treq = _small(folder)
     full = tune(treq)       # first: its one crowd is the one the grid's cuts then read (every shape at it)
     search_s = time.perf_counter() - t0
-    _, scored = _grid(folder)
+    scored = _grid(treq)
     runs = _measured(scored, folder, steps, rounds)
     rows = [(s, _alone(s.plan), statistics.median(x for r in runs[s.candidate] for x in r), _crowd(s.plan))
             for s in scored if runs[s.candidate]]
@@ -234,18 +237,28 @@ def _grid_key(plan: Plan) -> tuple:
     return (plan.mesh.pp, plan.mesh.dp, plan.spec["schedule"], plan.num_stages // plan.mesh.pp, plan.num_microbatches)
 
 
+def _steps_of(report_path: str) -> list[float]:
+    with open(report_path, encoding="utf-8") as f:
+        return [x["step_time"] for x in json.load(f)["steps"][1:]]
+
+
+def _grid_reports(folder: str):
+    """Per measured grid run of an earlier ``--part a --out`` folder: its key, its plan.json (parsed), that file's
+    path and its steps but the warm-up."""
+    for report in glob.glob(os.path.join(folder, "grid*", "candidate*.report.json")):
+        path = report.replace(".report.json", ".json")
+        with open(path, encoding="utf-8") as f:
+            plan = json.load(f)
+        yield _grid_key(load_plan(plan)), plan, path, _steps_of(report)
+
+
 def pooled(folders: list[str]) -> None:
     """Each earlier run's predictions against every run's measured steps pooled (see the module's text)."""
     steps: dict[str, dict[tuple, list[float]]] = {}
     pred: dict[str, dict[tuple, float]] = {}
     for d in folders:
-        for path in glob.glob(os.path.join(d, "grid*", "candidate*.report.json")):
-            with open(path, encoding="utf-8") as f:
-                report = json.load(f)
-            with open(path.replace(".report.json", ".json"), encoding="utf-8") as f:
-                plan = json.load(f)
-            key = _grid_key(load_plan(plan))
-            steps.setdefault(d, {}).setdefault(key, []).extend(x["step_time"] for x in report["steps"][1:])
+        for key, plan, _, xs in _grid_reports(d):
+            steps.setdefault(d, {}).setdefault(key, []).extend(xs)
             pred.setdefault(d, {})[key] = plan["prediction"]["step_time"]
     keys = sorted(set.intersection(*(set(v) for v in steps.values())))
     truth = {k: statistics.median(x for d in folders for x in steps[d][k]) for k in keys}
@@ -265,15 +278,11 @@ def pooled(folders: list[str]) -> None:
 def against(folders: list[str]) -> None:
     """The grid's predictions made now (this checkout's model, a fresh profile) against earlier runs' measured
     steps pooled: a change to the model scored without running the grid again."""
-    _, scored = _grid(tempfile.mkdtemp(prefix="pipec-bench-tune-"))
+    scored = _grid(_small(tempfile.mkdtemp(prefix="pipec-bench-tune-")))
     steps: dict[tuple, list[float]] = {}
     for d in folders:
-        for path in glob.glob(os.path.join(d, "grid*", "candidate*.report.json")):
-            with open(path, encoding="utf-8") as f:
-                report = json.load(f)
-            with open(path.replace(".report.json", ".json"), encoding="utf-8") as f:
-                key = _grid_key(load_plan(json.load(f)))
-            steps.setdefault(key, []).extend(x["step_time"] for x in report["steps"][1:])
+        for key, _, _, xs in _grid_reports(d):
+            steps.setdefault(key, []).extend(xs)
     rows = [(s, statistics.median(steps[k])) for s in scored if (k := _grid_key(s.plan)) in steps]
     for s, meas in sorted(rows, key=lambda r: r[1]):
         print(f"  {_name(s.candidate):<32} predicted {s.step_time * 1e3:7.1f} ms  measured {meas * 1e3:7.1f} ms  "
@@ -287,11 +296,6 @@ def against(folders: list[str]) -> None:
           f"mean |pred/meas - 1| {err:.0%}")
 
 
-def _steps_of(report_path: str) -> list[float]:
-    with open(report_path, encoding="utf-8") as f:
-        return [x["step_time"] for x in json.load(f)["steps"][1:]]
-
-
 def confirm(folder: str, steps: int, rounds: int, best: int = 3) -> None:
     """Tune's measured pick of an earlier ``--part a --out DIR`` run beside the grid's ``best`` fastest measured,
     run again in turn (``rounds`` times, alternating the order, so a drift in the machine's load favours none):
@@ -299,11 +303,8 @@ def confirm(folder: str, steps: int, rounds: int, best: int = 3) -> None:
     picks = [(statistics.median(_steps_of(r)), r.replace(".report.json", ".json"))
              for r in glob.glob(os.path.join(folder, "top3", "candidate*.report.json"))]
     grid: dict[tuple, tuple[list[float], str]] = {}
-    for r in glob.glob(os.path.join(folder, "grid*", "candidate*.report.json")):
-        plan_path = r.replace(".report.json", ".json")
-        with open(plan_path, encoding="utf-8") as f:
-            key = _grid_key(load_plan(json.load(f)))
-        grid.setdefault(key, ([], plan_path))[0].extend(_steps_of(r))
+    for key, _, plan_path, xs in _grid_reports(folder):
+        grid.setdefault(key, ([], plan_path))[0].extend(xs)
     fastest = sorted(grid.items(), key=lambda kv: statistics.median(kv[1][0]))[:best]
     runs = [("tune's pick", min(picks)[1])] + [(" ".join(map(str, k)), path) for k, (_, path) in fastest]
     got: dict[str, list[float]] = {name: [] for name, _ in runs}
@@ -356,8 +357,7 @@ def part_b(folder: str) -> None:
 def part_c(folder: str) -> None:
     """The grid priced from timed pieces (tune's way under costs profile) beside each cut timed on its own stages,
     both in one cache, so the stages' own timings are those the pieces were priced against."""
-    path = _write(folder, "gpt_small.pipe", SMALL)
-    treq = TuneRequest(base=load_spec(path, {}).request, num_devices=4)
+    treq = _small(folder)
     space = candidates(treq)
     grid = [c for c in space if _in_grid(c)]
     t0 = time.perf_counter()
