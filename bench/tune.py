@@ -19,7 +19,7 @@
     (goal <= 60 s), why it picks what it picks against the best tp 1 plan, MFU and scaling efficiency.
 
 (c) The grid of (a) priced from timed pieces, as ``pipec tune`` prices its cuts under ``costs profile``
-    (compiler/frontend/pieces.py), beside each cut timed on its own stages: per candidate both steps and their ratio,
+    (costs/pieces.py), beside each cut timed on its own stages: per candidate both steps and their ratio,
     the Spearman rank correlation between them, and how far the summed pick's timed step is over the timed pick's.
     Runs nothing.
 
@@ -43,7 +43,7 @@ import tempfile
 import time
 from dataclasses import replace
 
-from pipec.compiler import cache
+from pipec.costs import cache
 from pipec.compiler.driver import compile_request
 from pipec.compiler.ir.plan import Cost, Plan
 from pipec.compiler.ir.plan_json import load_plan

@@ -73,7 +73,7 @@ def _compile(req: CompileRequest, graph=None, verify: bool = True, events: bool 
         diagnostics += [Diagnostic("note", note, key="trace") for note in graph.notes]
     plan = bare_plan(req, graph, order.placement)                # everything but the program and prediction
     if graph is not None and req.model.costs == "profile" and req.origin("links").kind == "default":
-        from pipec.compiler.frontend.links import measure_links  # a job of two local ranks (torch)
+        from pipec.costs.links import measure_links  # a job of two local ranks (torch)
 
         plan, notes = measure_links(plan)                        # links and host overhead, measured here
         diagnostics += [Diagnostic("note", note, key="links") for note in notes]

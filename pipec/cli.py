@@ -49,7 +49,7 @@ def _add_compile_flags(p: argparse.ArgumentParser, add_flags) -> None:
 def _reprofile(args: argparse.Namespace) -> None:
     """``--reprofile``: this process measures again what the profile cache holds (and replaces it)."""
     if getattr(args, "reprofile", False):
-        from pipec.compiler import cache
+        from pipec.costs import cache
 
         cache.reprofile()
 
@@ -415,7 +415,7 @@ def _tuned_pipe(path: str, lines: list[str]) -> str:
 
 def cmd_cache(args: argparse.Namespace) -> int:
     """Show the profile cache (where, its entries, their size), or with ``--clear`` empty it."""
-    from pipec.compiler import cache
+    from pipec.costs import cache
 
     got = cache.clear() if args.clear else cache.summary()
     kinds = ", ".join(f"{n} {kind}" for kind, n in got["by_kind"].items() if n)

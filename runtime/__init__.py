@@ -4,7 +4,7 @@
   model's fingerprint before the network, parses the run's options (:class:`~.launch.RunOptions`) once;
 - :mod:`.transport`: P2P and collectives over torch.distributed (NCCL, gloo), or an in-process fake;
 - :mod:`.executor`: the rank's program through a dispatch table (the zero-bubble weight-grad split is
-  :mod:`pipec.compiler.frontend.deferred`, which ``costs profile`` times; :mod:`.clock`: instruction timing,
+  :mod:`pipec.model.deferred`, which ``costs profile`` times; :mod:`.clock`: instruction timing,
   host clock or CUDA events);
 - :mod:`.trainer`: the training loop around it; :mod:`.training`: optimizer, lr schedule, loss, autocast, data;
   :mod:`.data`: synthetic batches from the plan's data description, memory-mapped token files;

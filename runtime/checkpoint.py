@@ -222,7 +222,7 @@ def validate(path: str | os.PathLike) -> Manifest:
 
 def model_layout(target: str, kwargs: Mapping[str, Any]) -> tuple[dict[str, list[str]], set[str]]:
     """Tied aliases (canonical -> other names) and persistent buffer names of the unpartitioned model."""
-    from pipec.compiler.frontend.load import instantiate
+    from pipec.model.load import instantiate
 
     model, _ = instantiate(target, kwargs, mode="meta")
     first: dict[int, str] = {}
@@ -388,7 +388,7 @@ class Checkpointer:
         tp = self.plan.mesh.tp
         if tp == 1:
             return
-        from pipec.compiler.frontend.tensor_parallel import shard_param, unshard
+        from pipec.tp.tensor_parallel import shard_param, unshard
 
         splits = {sp.name: sp for s in self.modules if self.plan.stages[s].tp is not None
                   for sp in self.plan.stages[s].tp.params}

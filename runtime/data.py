@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from pipec.compiler.config import TOKEN_DTYPES
-from pipec.compiler.frontend.data import DataError, map_tokens
+from pipec.model.data import DataError, map_tokens
 from pipec.errors import PipecError, UserCodeError
 
 __all__ = ["DataError", "TOKEN_DTYPES", "TokenFile", "window_index", "open_tokens", "synthetic_batch", "CONTRACT",
@@ -105,7 +105,7 @@ def open_tokens(path: str, *, dtype: str, seq: int, batch: int, dp_size: int, se
     """Open ``path`` for batches of ``batch`` rows of ``seq`` tokens on ``dp_size`` replicas.
 
     Refuses, naming the fix, what ``pipec compile`` refuses too
-    (:func:`~pipec.compiler.frontend.data.map_tokens`: a dtype pipec does not
+    (:func:`~pipec.model.data.map_tokens`: a dtype pipec does not
     read, a missing file, a size that is not whole tokens, a file too short
     for one step's windows, ids outside ``vocab``), in case the file changed since.
     """

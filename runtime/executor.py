@@ -59,7 +59,7 @@ from pipec.compiler.ir.plan import UNIT_COST, Plan, TensorSpec, local_specs
 from pipec.compiler.ir.timeline import Event
 from pipec.errors import EXIT_RUN, PipecError
 from pipec.runtime.clock import CudaClock, HostClock
-from pipec.compiler.frontend.deferred import WeightGradStash, defer_weight_grads
+from pipec.model.deferred import WeightGradStash, defer_weight_grads
 from pipec.runtime.failures import RunError
 from pipec.runtime.saved import SavedBytes
 from pipec.runtime.sharding import local, local_grad

@@ -3,7 +3,7 @@
 Three uses, one set of measurements:
 
 - ``pipec compile`` with ``costs profile`` (and no ``links`` given) starts this
-  module as a short job of two local ranks (compiler/frontend/links.py); it
+  module as a short job of two local ranks (costs/links.py); it
   writes the links and the executor's overhead the plan then carries.
 - A multi-node cluster: run it there under torchrun and copy the file's
   numbers into the schedule file's ``links`` key (``pp``, ``dp``)::

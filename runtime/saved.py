@@ -2,7 +2,7 @@
 
 The compiler counts, per stage and microbatch, the storages autograd saves for
 the backward while the stage's forward runs (parameters left out) and the
-stage's outputs (compiler/frontend/annotate.py, ``stage_activation_bytes``),
+stage's outputs (model/annotate.py, ``stage_activation_bytes``),
 held from the microbatch's ``FWD`` to its last backward part (``BWD``, or the
 ``BWD_W`` of a split one). :class:`SavedBytes` counts the same storages as
 the executor runs a step's forwards (a ``saved_tensors_hooks`` pack hook that
@@ -27,7 +27,7 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
-from pipec.compiler.frontend.tensors import storage_key
+from pipec.model.tensors import storage_key
 
 __all__ = ["SavedBytes"]
 

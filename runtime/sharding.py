@@ -23,7 +23,7 @@ stage share, over the shard group (``dp``, or ``dp.shard`` under HSDP):
   returns, which the executor calls in ``OPT`` (or before a reduction over
   those shards: HSDP's ``AR<s>:dp.replicate``, a tie's all-reduce), while the
   backward work still to come runs. The zero-bubble split needs nothing more:
-  the weight grads ``BWD_W`` computes (compiler/frontend/deferred.py) land on the
+  the weight grads ``BWD_W`` computes (model/deferred.py) land on the
   gathered parameters' ``.grad``, which FSDP2 accumulates and reduces. ``dtype
   bfloat16`` (or float16) runs FSDP2's :class:`MixedPrecisionPolicy` (the
   gathered parameters in that dtype, gradients reduced in float32, stage

@@ -3,11 +3,11 @@
 :func:`build_stages` re-traces the model a plan names (on the meta device),
 checks the fingerprint and names the part that differs, splits the graph
 exactly as the plan's stages record it (their node names), and materialises
-only the requested stages (:func:`~pipec.compiler.frontend.stages.materialize`):
+only the requested stages (:func:`~pipec.model.stages.materialize`):
 no process ever holds another stage's parameters.
 
 Initial weights (``init module``/``exact``, and ``auto`` resolved when a plan
-still says it) are :mod:`pipec.compiler.frontend.weights`'s; they do not
+still says it) are :mod:`pipec.model.weights`'s; they do not
 depend on the partition and equal :func:`build_reference`'s for the same seed.
 The model is found as the compiler found it: plan.json's ``model.target``
 (absolute for a model file) and ``model.search_path``, whatever the current
@@ -28,13 +28,13 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
 
-from pipec.compiler.frontend.annotate import propagate
-from pipec.compiler.frontend.load import instantiate
-from pipec.compiler.frontend.partition import Split, split_graph
-from pipec.compiler.frontend.stages import StageModule, materialize
-from pipec.compiler.frontend.tensors import FrontendError, TensorSpec, example_inputs
-from pipec.compiler.frontend.trace import Traced, trace_model
-from pipec.compiler.frontend.weights import INIT_MODES, initial_values, resolve_init
+from pipec.model.annotate import propagate
+from pipec.model.load import instantiate
+from pipec.model.partition import Split, split_graph
+from pipec.model.stages import StageModule, materialize
+from pipec.model.tensors import FrontendError, TensorSpec, example_inputs
+from pipec.model.trace import Traced, trace_model
+from pipec.model.weights import INIT_MODES, initial_values, resolve_init
 from pipec.compiler.ir.plan import Plan
 
 __all__ = ["ReferenceModule", "build_stages", "build_reference", "run_stages"]
@@ -149,9 +149,9 @@ def _split_from_plan(plan: Plan, traced: Traced) -> Split:
 def build_stages(plan: Plan, stage_ids: Iterable[int], *, seed: int, init: str = "module",
                  device: str | torch.device = "cpu", tp_rank: int = 0, tp_group=None) -> dict[int, StageModule]:
     """The requested stages of ``plan`` as runnable modules (see module doc). A stage the plan shards across tp
-    (``plan.stages[s].tp``) is tp rank ``tp_rank``'s part of it (:func:`~pipec.compiler.frontend.tensor_parallel.
+    (``plan.stages[s].tp``) is tp rank ``tp_rank``'s part of it (:func:`~pipec.tp.tensor_parallel.
     shard_stage`: local sizes, its parameters sliced, Megatron's f and g over ``tp_group``, a
-    :class:`~pipec.compiler.frontend.tp_comm.TPGroup`; None: one rank's shapes alone)."""
+    :class:`~pipec.tp.comm.TPGroup`; None: one rank's shapes alone)."""
     ids = sorted(set(stage_ids))
     m = _plan_model(plan)
     init = m.resolve(init)
@@ -167,7 +167,7 @@ def build_stages(plan: Plan, stage_ids: Iterable[int], *, seed: int, init: str =
         stage = materialize(split, s, values, exact_buffers or buffers, device, traced_on=traced_on)
         record = plan.stages[s].tp if plan.stages else None
         if record is not None and record.tp > 1:
-            from pipec.compiler.frontend.tensor_parallel import shard_stage
+            from pipec.tp.tensor_parallel import shard_stage
 
             stage = shard_stage(stage, record, tp_rank, group=tp_group, traced=traced, where=f" in stage {s}")
         out[s] = stage

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from pipec.compiler.config import TokenData, TrainingConfig
-from pipec.compiler.frontend.data import load_function, load_loss
+from pipec.model.data import load_function, load_loss
 from pipec.compiler.ir.plan import Plan
 from pipec.errors import PipecError, UserCodeError
 from pipec.runtime import data as data_mod
@@ -81,7 +81,7 @@ def make_loss(name: str, search_path: Sequence[str] = (), *, tp_group: Any = Non
     cross_entropy computed vocab-parallel over the group."""
     fn = load_loss(name, search_path)
     if tp_group is not None:
-        from pipec.compiler.frontend.tp_comm import vocab_parallel_cross_entropy
+        from pipec.tp.comm import vocab_parallel_cross_entropy
 
         fn = functools.partial(vocab_parallel_cross_entropy, group=tp_group, rank=tp_rank, size=tp)
 

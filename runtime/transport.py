@@ -140,7 +140,7 @@ class TorchTransport:
 
 
 class TransportTP:
-    """A stage's tp group as the :class:`~pipec.compiler.frontend.tp_comm.TPGroup` its f and g call, over a
+    """A stage's tp group as the :class:`~pipec.tp.comm.TPGroup` its f and g call, over a
     :class:`Transport` (torch.distributed's tp process group, or the fake's threads): ``ranks`` are the group's
     global ranks in tp order, ``tp_rank`` this rank's place in it."""
 

@@ -69,7 +69,7 @@ class Cost:
     crowd_spread: float | None = None
     """How far the crowd's slowdown (the factor every cost of one profile shares) may sit from a run's: the
     relative standard deviation of the crowd's repeats, widened for a next repeat's distance from their median
-    (:func:`~pipec.compiler.frontend.profile.crowd_spread`). Drawn once per drawn step for every stage at once
+    (:func:`~pipec.costs.profile.crowd_spread`). Drawn once per drawn step for every stage at once
     (one host, one crowd). None: no crowd measured (one rank here)."""
 
     def of(self, kind: Kind) -> float:

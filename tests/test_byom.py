@@ -123,7 +123,7 @@ def test_init_module_starts_a_hugging_face_model_from_its_own_scheme(factory):
     import torch
 
     import byom_models
-    from pipec.compiler.frontend.weights import initial_values
+    from pipec.model.weights import initial_values
 
     target = f"byom_models:{factory}"
     names = [n for n, _ in getattr(byom_models, factory)().named_parameters()]

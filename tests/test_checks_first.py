@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from pipec.compiler.driver import compile_spec
-from pipec.compiler.frontend import costs as costs_pass
-from pipec.compiler.frontend import links
+from pipec.costs import costs as costs_pass
+from pipec.costs import links
 from pipec.dsl import load_spec
 from pipec.errors import PipecError
 

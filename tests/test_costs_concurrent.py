@@ -1,5 +1,5 @@
 """costs profile timed the way the run runs: as many processes at once as the run has ranks here, each
-round and repeat until its median is known (compiler/frontend/profile.py)."""
+round and repeat until its median is known (costs/profile.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pipec.compiler.frontend import TensorSpec, ModelRequest, build_stage_graph
-from pipec.compiler.frontend import costs
-from pipec.compiler.frontend import profile as prof
-from pipec.compiler.frontend.tensors import FrontendError
+from pipec.costs import costs
+from pipec.costs import profile as prof
+from pipec.model.tensors import FrontendError
 from pipec.compiler.ir.plan import Cost
 
 X = TensorSpec("x", "float32", (8, 16))
@@ -142,7 +142,7 @@ def test_a_failing_profiler_is_an_error_naming_costs_not_a_hang(where):
 def test_gloo_links_and_overhead_slow_down_as_the_profiled_ranks_did():
     from types import SimpleNamespace
 
-    from pipec.compiler.frontend.links import _under_load
+    from pipec.costs.links import _under_load
     from pipec.compiler.ir.plan import Link, Measured, Overhead
 
     gloo, nccl = Measured(at="now", backend="gloo"), Measured(at="now", backend="nccl")

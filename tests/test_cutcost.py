@@ -1,6 +1,6 @@
 """Cost-only cuts and re-annotated traces equal the full front end field by field.
 
-A cost-only cut (:mod:`pipec.compiler.frontend.cutcost`) reads a cut's stages, edges, ties and costs off
+A cost-only cut (:mod:`pipec.costs.cutcost`) reads a cut's stages, edges, ties and costs off
 the trace's nodes instead of building the stages with torch.fx ``split_module``; a trace for another
 microbatch shape re-annotates a copy of an fx graph instead of tracing again. ``pipec tune`` relies on
 both giving exactly what the full path gives, so these compare them on every kind of node the example
@@ -20,10 +20,10 @@ from torch import nn
 
 import pipec.compiler.frontend as frontend
 from pipec.compiler.frontend import Balanced, FrontendError, TensorSpec, Markers, ModelRequest, SplitBefore, cut_stage_graph, trace_request
-from pipec.compiler.frontend.costs import stage_costs
-from pipec.compiler.frontend.cutcost import cost_split, cut_costs
-from pipec.compiler.frontend.partition import split_graph
-from pipec.compiler.frontend.trace import pipe_split
+from pipec.costs.costs import stage_costs
+from pipec.costs.cutcost import cost_split, cut_costs
+from pipec.model.partition import split_graph
+from pipec.model.trace import pipe_split
 
 GPT = ("pipec.examples.gpt:build", dict(layers=3, dim=16, heads=2, vocab=32, seq=8), (TensorSpec("tokens", "int64", (4, 8)),))
 MLP = ("pipec.examples.mlp:build", dict(layers=4, dim=8), (TensorSpec("x", "float32", (4, 8)),))
@@ -106,7 +106,7 @@ def test_a_cost_only_cut_equals_the_full_cut(model, stages, partition, kw, monke
 
 
 def test_a_stage_taking_tokens_is_priced_as_the_cost_only_cut_prices_it_to_the_bit():
-    from pipec.compiler.frontend import costs
+    from pipec.costs import costs
     from pipec.compiler.ir.plan import Cost
 
     flops = Cost(fwd=1.0, bwd=0.3, bwd_i=0.1, bwd_w=0.2)  # 0.1 + 0.2 is not 0.3 in floating point
@@ -294,7 +294,7 @@ def _balance_one_j_at_a_time(weights, num_stages):
 
 
 def test_the_vectorised_balancer_gives_the_same_cuts_bit_for_bit():
-    from pipec.compiler.frontend.partition import balance
+    from pipec.model.partition import balance
 
     rng = random.Random(1)
     for _ in range(300):

@@ -15,9 +15,9 @@ from torch import nn
 
 from pipec.compiler.config import TrainingConfig
 from pipec.compiler.driver import compile_spec
-from pipec.compiler.frontend.data import describe_data
+from pipec.model.data import describe_data
 from pipec.runtime.stages import build_reference
-from pipec.compiler.frontend.tensors import FrontendError, TensorSpec
+from pipec.model.tensors import FrontendError, TensorSpec
 from pipec.dsl import load_spec
 from pipec.errors import PipecError
 from pipec.runtime.training import make_data, make_loss

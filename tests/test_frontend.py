@@ -18,9 +18,9 @@ from pipec.compiler.request import CompileRequest, ModelSpec, PartitionRequest
 from pipec.compiler.passes.memory import MemoryBudgetError, check_memory, state_bytes
 from pipec.compiler.ir.plan import Mesh, Plan
 from pipec.compiler.ir.plan_json import read_plan, write_plan
-from pipec.compiler.frontend.weights import module_seed
+from pipec.model.weights import module_seed
 from pipec.runtime.stages import build_reference, build_stages, run_stages
-from pipec.compiler.frontend import weights
+from pipec.model import weights
 from pipec.errors import PipecError, UserCodeError
 
 GPT = "pipec.examples.gpt:build"

@@ -17,7 +17,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 
 from pipec.compiler.frontend import TensorSpec, ModelRequest, build_stage_graph, resolve_init  # noqa: E402
 from pipec.runtime.stages import build_stages  # noqa: E402
-from pipec.compiler.frontend.weights import initial_values  # noqa: E402
+from pipec.model.weights import initial_values  # noqa: E402
 from test_frontend import assert_stages_match, plan_of  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

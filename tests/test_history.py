@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import pytest
 
-from pipec.compiler import cache
+from pipec.costs import cache
 from pipec.compiler.driver import compile_plan, prove_and_predict
 from pipec.compiler.ir.plan_json import read_plan, write_plan
 from pipec.compiler.sim import history

@@ -252,7 +252,7 @@ def test_the_profiles_level_widens_the_interval_the_crowds_most():
 
 
 def test_scattered_crowd_repeats_give_a_wider_crowd_spread_and_a_wider_interval():
-    from pipec.compiler.frontend.profile import crowd_spread, level_spread
+    from pipec.costs.profile import crowd_spread, level_spread
 
     steady = [(2.0, 2.1, 2.2, 1.0), (2.03, 2.1, 2.21, 1.0), (1.98, 2.1, 2.19, 1.0)]
     scattered = [(2.0, 2.1, 2.2, 1.0), (2.6, 2.1, 2.9, 1.0), (1.5, 2.1, 1.7, 1.0)]
@@ -370,7 +370,7 @@ def test_the_links_probe_keeps_its_samples_for_the_draws(tmp_path, monkeypatch):
     """A real probe (two gloo ranks here) writes the samples the draws take: the pp link's and the all-reduce's
     rounds of their smallest size (SAMPLE_ROUNDS of each) and each overhead kind's instructions; the plan's cost
     model scales by them over their figure (the mean hop, the median all-reduce and overhead)."""
-    from pipec.compiler.frontend import links
+    from pipec.costs import links
     from pipec.runtime.linkprobe import SAMPLE_ROUNDS
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

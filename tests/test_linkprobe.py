@@ -1,6 +1,6 @@
 """runtime/linkprobe.py's emulation probe: the hops of the plan's own messages from the posts' and waits' times,
 each figure a mean over every rank's samples, the median over the probe's steps; the links probe job stopped with
-its ranks when it runs past its time (compiler/frontend/links.py)."""
+its ranks when it runs past its time (costs/links.py)."""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def _running(pid: int) -> bool:
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the ranks from /proc")
 def test_a_probe_job_past_its_time_is_stopped_with_its_ranks(tmp_path, monkeypatch):
     """A links probe job past its time leaves the default links and says why, and leaves no rank behind."""
-    from pipec.compiler.frontend import links
+    from pipec.costs import links
 
     monkeypatch.setattr(links, "PROBE_TIMEOUT_S", 0.01)  # a forked probe takes about a second, a fresh one several
     plan = compile_plan(num_ranks=2, num_microbatches=2, schedule="1f1b").plan
@@ -145,7 +145,7 @@ def test_a_probe_job_past_its_time_is_stopped_with_its_ranks(tmp_path, monkeypat
 
 
 def test_a_probe_rank_that_fails_is_reported_by_its_last_line(tmp_path, monkeypatch):
-    from pipec.compiler.frontend import links
+    from pipec.costs import links
 
     (tmp_path / "failing_rank.py").write_text("import os, sys\nif os.environ['RANK'] == '1':\n"
                                              "    sys.exit('rank 1: cannot reach rank 0')\n")

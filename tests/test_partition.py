@@ -9,14 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from pipec.compiler.frontend.costs import node_weights
+from pipec.costs.costs import node_weights
 from pipec.compiler.frontend import Balanced, FrontendError, TensorSpec, Markers, ModelRequest, SplitBefore, build_stage_graph
-from pipec.compiler.frontend.partition import analyse_cuts, assign_stages, balance, split_graph
+from pipec.model.partition import analyse_cuts, assign_stages, balance, split_graph
 from pipec.runtime.stages import build_reference, build_stages, run_stages
-from pipec.compiler.frontend.annotate import propagate
-from pipec.compiler.frontend.load import instantiate
-from pipec.compiler.frontend.tensors import example_inputs
-from pipec.compiler.frontend.trace import pipe_split, trace_model
+from pipec.model.annotate import propagate
+from pipec.model.load import instantiate
+from pipec.model.tensors import example_inputs
+from pipec.model.trace import pipe_split, trace_model
 from test_frontend import plan_of
 
 GPT = "pipec.examples.gpt:build"

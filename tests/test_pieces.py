@@ -1,4 +1,4 @@
-"""Cuts priced from timed pieces (compiler/frontend/pieces.py), and ``pipec tune`` under ``costs profile`` on them:
+"""Cuts priced from timed pieces (costs/pieces.py), and ``pipec tune`` under ``costs profile`` on them:
 the grid, which pieces are alike, the sum's algebra against a timer whose stage times are known, the winner timed on
 its own stages."""
 
@@ -14,12 +14,12 @@ from conftest import spec_file
 
 from pipec.cli import main
 from pipec.compiler.frontend import ModelRequest, TensorSpec, cut_stage_graph, trace_request
-from pipec.compiler.frontend import costs as costs_pass
-from pipec.compiler.frontend import pieces as pieces_mod
-from pipec.compiler.frontend.partition import Balanced, split_graph
-from pipec.compiler.frontend.pieces import Pieces, _stage_of, cut_positions, grid_of
-from pipec.compiler.frontend.timings import stage_digest
-from pipec.compiler.frontend.profile import Profiling
+from pipec.costs import costs as costs_pass
+from pipec.costs import pieces as pieces_mod
+from pipec.model.partition import Balanced, split_graph
+from pipec.costs.pieces import Pieces, _stage_of, cut_positions, grid_of
+from pipec.costs.timings import stage_digest
+from pipec.costs.profile import Profiling
 from pipec.compiler.ir.plan import Cost
 
 GPT = dict(layers=4, dim=32, heads=2, vocab=64, seq=8)
@@ -154,8 +154,8 @@ def test_a_tune_measures_one_crowd_and_a_compile_of_its_pick_reads_it(tmp_path_f
     other shape at its slowdown: kept under that shape's key as measured at the file's, which a compile of the
     tuned file reads (and so predicts what tune reported); a compile at a shape the cache has no crowd of measures
     its own."""
-    from pipec.compiler import cache
-    from pipec.compiler.frontend import profile as prof
+    from pipec.costs import cache
+    from pipec.costs import profile as prof
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setattr(cache, "_memory", {})

@@ -1,4 +1,4 @@
-"""The profile cache (compiler/cache.py; what decides each timing: compiler/frontend/timings.py).
+"""The profile cache (costs/cache.py; what decides each timing: costs/timings.py).
 
 A timing is reused when nothing that decides it changed (the stage's own graph, the microbatch's shape and
 dtype, threads per rank, the ranks sharing the host for the crowd, the host, torch's version) and measured
@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO
-from pipec.compiler import cache, progress
+from pipec.compiler import progress
+from pipec.costs import cache
 from pipec.compiler.frontend import ModelRequest, SplitBefore, TensorSpec, build_stage_graph
-from pipec.compiler.frontend import links
-from pipec.compiler.frontend import profile as prof
+from pipec.costs import links
+from pipec.costs import profile as prof
 
 X = TensorSpec("x", "float32", (8, 16))
 
@@ -131,7 +132,7 @@ def test_a_tensor_parallel_stage_is_timed_sharded_as_its_rank_runs_it(monkeypatc
     """Under tp 2 each stage is timed as its tp rank 0 runs it (the MLP's fc and proj at half their hidden width),
     its cost that rank's (``costs_local``: the simulator adds the collectives and scales nothing); the timings
     are new entries (tp 1's do not price it), and the single device's step scales them back to whole."""
-    from pipec.compiler.frontend import timings
+    from pipec.costs import timings
     from pipec.compiler.sim.metrics import _unsharded
 
     shapes = []
@@ -178,8 +179,8 @@ def test_a_damaged_entry_is_named_and_measured_again(timed, root):
 def _digest(graph, s: int) -> str:
     """Stage ``s``'s key digest in ``graph``'s cut."""
     from pipec.compiler.frontend import trace_request
-    from pipec.compiler.frontend.partition import split_graph
-    from pipec.compiler.frontend.timings import stage_digest
+    from pipec.model.partition import split_graph
+    from pipec.costs.timings import stage_digest
 
     stage_of = {n: st.stage for st in graph.stages for n in st.nodes}
     return stage_digest(split_graph(trace_request(_mlp()).traced, stage_of, len(graph.stages)), s)
@@ -197,7 +198,7 @@ def test_reprofile_measures_again_once(timed):
 
 _WRITER = textwrap.dedent("""
     import sys
-    from pipec.compiler import cache
+    from pipec.costs import cache
     for i in range(int(sys.argv[1])):
         cache.store("stage", {"k": 1}, {"writer": sys.argv[2], "i": i, "pad": "x" * 60000})
 """)

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from pipec.compiler.frontend import SplitBefore
-from pipec.compiler.frontend.tensor_parallel import plan_stage, plan_stages, shard_stage, unshard
-from pipec.compiler.frontend.tensors import FrontendError
-from pipec.compiler.frontend.tp_comm import ThreadGroupTP, TPComm
+from pipec.tp.tensor_parallel import plan_stage, plan_stages, shard_stage, unshard
+from pipec.model.tensors import FrontendError
+from pipec.tp.comm import ThreadGroupTP, TPComm
 from pipec.compiler.ir.tensor_parallel import StageTP
 from pipec.runtime.stages import run_stages
 from test_tensor_parallel import GPT, GPT_ARGS, _close, _request, _stages, _xent, _xent_parallel

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from pipec.compiler.frontend import ModelRequest, SplitBefore, TensorSpec, build_stage_graph, trace_request
-from pipec.compiler.frontend.tensor_parallel import plan_stage, plan_stages, shard_param, shard_stage, unshard
-from pipec.compiler.frontend.tensors import FrontendError
-from pipec.compiler.frontend.tp_comm import ProcessGroupTP, ThreadGroupTP, TPComm, vocab_parallel_cross_entropy
+from pipec.tp.tensor_parallel import plan_stage, plan_stages, shard_param, shard_stage, unshard
+from pipec.model.tensors import FrontendError
+from pipec.tp.comm import ProcessGroupTP, ThreadGroupTP, TPComm, vocab_parallel_cross_entropy
 from pipec.compiler.ir.tensor_parallel import ShardedParam
 from pipec.runtime.stages import build_stages, run_stages
 from test_frontend import plan_of
@@ -186,8 +186,8 @@ def test_gpt_rewrite_uses_local_sizes(gpt):
 def test_plans_from_the_split_graph_on_meta_equal_the_built_stages(gpt):
     from torch.fx import GraphModule
 
-    from pipec.compiler.frontend.partition import split_graph
-    from pipec.compiler.frontend.trace import compute_nodes, is_pipe_split
+    from pipec.model.partition import split_graph
+    from pipec.model.trace import compute_nodes, is_pipe_split
 
     traced = trace_request(_request(GPT, GPT_ARGS)).traced
     nodes = [n for n in compute_nodes(traced.gm) if not is_pipe_split(n)]
@@ -295,7 +295,7 @@ def test_colwise_without_its_rowwise_partner_is_refused_located(gpt):
 
 
 def test_tied_copies_sharded_differently_across_stages_are_refused(gpt, monkeypatch):
-    import pipec.compiler.frontend.tensor_parallel as tpm
+    import pipec.tp.tensor_parallel as tpm
     from pipec.compiler.ir.tensor_parallel import StageTP
 
     def sharding_the_head(st, tp, **kw):  # stage 1 as if it sharded the LM head's weight, tied to stage 0's wte,
@@ -437,7 +437,7 @@ def test_process_group_tp_with_one_rank(tmp_path):
 def test_view_rule_agrees_with_torch_on_random_reshapes():
     """Where _map_view says a reshape keeps the shard on dim j (with its segments), reshaping each rank's part to
     the local shape gives that rank's part of the reshaped full tensor."""
-    from pipec.compiler.frontend.tensor_parallel import _map_view
+    from pipec.tp.tensor_parallel import _map_view
 
     gen = torch.Generator().manual_seed(5)
     factors = [1, 2, 2, 3, 4]

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from pipec.compiler.frontend.annotate import propagate
-from pipec.compiler.frontend.load import instantiate
-from pipec.compiler.frontend.tensors import FrontendError, TensorSpec, example_inputs
-from pipec.compiler.frontend.trace import is_pipe_split, trace_model
+from pipec.model.annotate import propagate
+from pipec.model.load import instantiate
+from pipec.model.tensors import FrontendError, TensorSpec, example_inputs
+from pipec.model.trace import is_pipe_split, trace_model
 
 GPT = "pipec.examples.gpt:build"
 ARGS = dict(layers=2, dim=16, heads=2, vocab=32, seq=8)
@@ -192,7 +192,7 @@ def test_an_input_longer_than_the_models_positions_is_said_so_without_torchs_log
 def test_torch_log_records_are_dropped_while_tracing_unless_torch_logs_is_set(monkeypatch):
     import logging
 
-    from pipec.compiler.frontend.trace import quiet_torch
+    from pipec.model.trace import quiet_torch
 
     seen = []
     handler = logging.Handler()

@@ -109,7 +109,7 @@ class TuneResult:
     num_cuts: int
     seconds: float
     num_pieces: int | None = None
-    """Under costs profile: the pieces timed that every cut was priced from (:mod:`pipec.compiler.frontend.pieces`);
+    """Under costs profile: the pieces timed that every cut was priced from (:mod:`pipec.costs.pieces`);
     None: the cuts were priced as they are (unit or flops costs)."""
     num_timed: int = 0
     """Under costs profile: the cuts timed on their own stages (the file's own, the fastest until the fastest is
@@ -146,10 +146,10 @@ class _Graphs:
         self.timed_cuts: dict[tuple[int, int, str | None], Any] = {}
         """Under costs profile, the cuts timed on their own stages (:meth:`timed`)."""
         self.pieces = None
-        """Under costs profile, what the cuts are priced by (:class:`~pipec.compiler.frontend.pieces.Pieces`)."""
+        """Under costs profile, what the cuts are priced by (:class:`~pipec.costs.pieces.Pieces`)."""
         if space and treq.base.model is not None and treq.base.model.costs == "profile":
-            from pipec.compiler.frontend.costs import profiling
-            from pipec.compiler.frontend.pieces import Pieces
+            from pipec.costs.costs import profiling
+            from pipec.costs.pieces import Pieces
 
             mreq = self._request(space[0])
             smallest = min(space, key=lambda c: self._keys(c)[0])
@@ -159,7 +159,7 @@ class _Graphs:
                                  calibration=lambda: self._traced(smallest), crowd=lambda: self._traced(crowd))
 
     def _crowd_candidate(self, space: Sequence[Candidate]) -> Candidate:
-        """A candidate at the microbatch shape whose crowd prices every shape (:class:`~pipec.compiler.frontend.pieces.
+        """A candidate at the microbatch shape whose crowd prices every shape (:class:`~pipec.costs.pieces.
         Pieces`): the file's own candidate's shape where the space has it (the plan a compile of the file would
         time), else the middle of the space's shapes."""
         by_shape = {self._keys(c)[0]: c for c in reversed(space)}   # the first candidate of each shape
@@ -598,7 +598,7 @@ class _Search:
         return None
 
     def retime_fastest(self) -> bool:
-        """Under summed prices (:class:`~pipec.compiler.frontend.pieces.Pieces`): the fastest candidate (summed ones at
+        """Under summed prices (:class:`~pipec.costs.pieces.Pieces`): the fastest candidate (summed ones at
         the pieces' level, :meth:`rank_key`) compiled again on its own stages' timings, and again the fastest, until the
         fastest is one so timed; whether any was. It ends: each turn times a candidate not timed before."""
         any_ = False

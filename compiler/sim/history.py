@@ -23,7 +23,7 @@ import math
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
-from pipec.compiler import cache
+from pipec.costs import cache
 from pipec.compiler.ir.plan import Plan
 from pipec.compiler.ir.timeline import Interval
 
@@ -86,7 +86,7 @@ def record(plan: Plan, steps: Sequence[float], run_load: float | None = None) ->
     """Keep a run's measured ``steps`` (those it holds the interval to: after the first) as ratios to the plan's
     point prediction, with the host load the plan was profiled at and the run's (``run_load``: the trainer's
     reading before the first step, where it took one); nothing for a plan without a history key or a point. Two
-    runs ending at once may keep one of the two (each entry is written whole, :mod:`pipec.compiler.cache`)."""
+    runs ending at once may keep one of the two (each entry is written whole, :mod:`pipec.costs.cache`)."""
     key = history_key(plan)
     point = plan.prediction.step_time if plan.prediction is not None else 0.0
     if key is None or point <= 0 or not steps:

@@ -6,7 +6,7 @@ input-backward, weight-backward: the FLOP-derived times of the whole stage; unde
 stage is timed as one tp rank runs it, ``costs_local``, and its cost is taken as it is) and, per microbatch,
 its tp collectives: the forward ones inside ``F``, the backward ones inside the input half (``I``, or ``B``
 unsplit). A recomputed stage runs its forward collectives again before its backward, in the half its
-recomputed forward sits in (:func:`~pipec.compiler.frontend.costs.with_recompute`). Its optimizer step walks
+recomputed forward sits in (:func:`~pipec.costs.costs.with_recompute`). Its optimizer step walks
 the parameters a tp rank holds (:func:`~pipec.compiler.passes.memory.local_params`), so it scales by their
 share. :func:`tp_cost` is the one place these terms are added; :func:`~pipec.compiler.sim.simulate.plan_costs`
 calls it for every stage of a plan in seconds (unit costs are units: a stage's tp changes none of them).

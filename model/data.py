@@ -43,9 +43,9 @@ from torch import nn
 from torch.fx import Node
 
 from pipec.compiler.config import TOKEN_DTYPES, TokenData
-from pipec.compiler.frontend.load import load_factory
-from pipec.compiler.frontend.tensors import FrontendError, TensorSpec, dtype_name, to_dtype
-from pipec.compiler.frontend.trace import Traced
+from pipec.model.load import load_factory
+from pipec.model.tensors import FrontendError, TensorSpec, dtype_name, to_dtype
+from pipec.model.trace import Traced
 from pipec.errors import PipecError, UserCodeError
 
 __all__ = ["LOSSES", "DataError", "load_function", "load_loss", "check_data_source", "describe_data", "data_of",

@@ -2,7 +2,7 @@
 
 The stage gets a copy of each module tree it calls, refilled with fresh tensors on its device: the traced
 model (on meta or fake tensors) is not modified. ``costs profile`` times the stages it materialises
-(:mod:`.costs`); a run rebuilds its plan's stages with it (:mod:`pipec.runtime.stages`).
+(:mod:`pipec.costs.costs`); a run rebuilds its plan's stages with it (:mod:`pipec.runtime.stages`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule
 
-from pipec.compiler.frontend.partition import Split
-from pipec.compiler.frontend.tensors import FrontendError
+from pipec.model.partition import Split
+from pipec.model.tensors import FrontendError
 
 __all__ = ["StageModule", "materialize", "clone_tree", "resolve"]
 

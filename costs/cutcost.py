@@ -41,11 +41,11 @@ from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from pipec.compiler.frontend.costs import StageCost, with_recompute
-from pipec.compiler.frontend.partition import StagePart, _foldable
-from pipec.compiler.frontend.stages import resolve
-from pipec.compiler.frontend.tensors import dtype_name
-from pipec.compiler.frontend.trace import Traced, is_pipe_split
+from pipec.costs.costs import StageCost, with_recompute
+from pipec.model.partition import StagePart, _foldable
+from pipec.model.stages import resolve
+from pipec.model.tensors import dtype_name
+from pipec.model.trace import Traced, is_pipe_split
 from pipec.compiler.ir.plan import UNIT_COST, Cost, Edge, TensorSpec, Tie
 from pipec.errors import PipecError
 

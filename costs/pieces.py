@@ -39,12 +39,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 from torch import nn
 
-from pipec.compiler.frontend import costs as costs_pass
-from pipec.compiler.frontend.partition import Split, _unit_key, split_graph
-from pipec.compiler.frontend.profile import Profiling
-from pipec.compiler.frontend.stages import resolve
-from pipec.compiler.frontend.tensors import FrontendError
-from pipec.compiler.frontend.timings import profile_stages, stage_digest
+from pipec.costs import costs as costs_pass
+from pipec.model.partition import Split, _unit_key, split_graph
+from pipec.costs.profile import Profiling
+from pipec.model.stages import resolve
+from pipec.model.tensors import FrontendError
+from pipec.costs.timings import profile_stages, stage_digest
 from pipec.compiler.ir.graph import make_graph
 from pipec.compiler.ir.plan import Cost
 

@@ -37,8 +37,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pipec.compiler.frontend.load import instantiate
-from pipec.compiler.frontend.tensors import FrontendError, storage_key
+from pipec.model.load import instantiate
+from pipec.model.tensors import FrontendError, storage_key
 
 __all__ = ["INIT_MODES", "EXACT_MAX_PARAMS", "InitProblem", "init_path", "init_problems", "resolve_init",
            "module_seed", "initial_values"]

@@ -1,6 +1,6 @@
 """The timings a cut needs: read from the profile cache, or measured (:mod:`.profile`) and kept there.
 
-What decides each timing is its key (:mod:`pipec.compiler.cache`); every key holds the host's fields
+What decides each timing is its key (:mod:`pipec.costs.cache`); every key holds the host's fields
 (:func:`_host_key`: threads per rank, the cores this process may use, the CPU count and model, torch's
 version, :data:`~.profile.PROFILE_METHOD`):
 
@@ -37,12 +37,14 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch.fx.node import map_arg
 
-from pipec.compiler import cache, progress
-from pipec.compiler.frontend.fingerprint import _target_str
-from pipec.compiler.frontend.load import instantiate
-from pipec.compiler.frontend.partition import Split, _unit_key
-from pipec.compiler.frontend.stages import resolve
-from pipec.compiler.frontend.profile import (PROFILE_METHOD, Profiling, _cost, _least_sample, _median_slowdown,
+from pipec.compiler import progress
+
+from pipec.costs import cache
+from pipec.model.fingerprint import _target_str
+from pipec.model.load import instantiate
+from pipec.model.partition import Split, _unit_key
+from pipec.model.stages import resolve
+from pipec.costs.profile import (PROFILE_METHOD, Profiling, _cost, _least_sample, _median_slowdown,
                                              _rel_spread, _Sample, _stage_runner, _threads, _total, crowd,
                                              usable_cores)
 from pipec.compiler.ir.plan import Cost
@@ -182,7 +184,7 @@ def _runners(split: Split, stages: Sequence[int], autocast: str | None, target: 
     """Stage runners of ``stages``, each on its stage module with seeded random parameters (the same in any cut);
     a stage with tensor parallelism (``tps[s]``) as tp rank 0 runs it: sharded, its inputs at that rank's shapes
     (a sequence part under sequence parallelism), its collectives left out (they are priced on the links)."""
-    from pipec.compiler.frontend.stages import materialize  # profile -> stages -> partition; late to keep layers clear
+    from pipec.model.stages import materialize  # profile -> stages -> partition; late to keep layers clear
 
     _, buffers = instantiate(target, kwargs, mode="skeleton", search_path=search_path)
     gen = torch.Generator().manual_seed(0)
@@ -192,7 +194,7 @@ def _runners(split: Split, stages: Sequence[int], autocast: str | None, target: 
         mod = materialize(split, s, {c: values[c] for c in split.parts[s].params}, buffers, "cpu")
         sigs = split.parts[s].inputs
         if (stp := _tp(tps, s)) is not None:
-            from pipec.compiler.frontend.tensor_parallel import shard_stage
+            from pipec.tp.tensor_parallel import shard_stage
 
             mod = shard_stage(mod, stp, 0)
             seq = dict(stp.seq_inputs)

@@ -15,7 +15,7 @@ measured) and its ``overhead``. Explicit ``links`` in the schedule file win
 :data:`PROBE_TIMEOUT_S` (its ranks are stopped), leaves the default links and
 says why.
 
-What the probe measured is kept in the profile cache (:mod:`pipec.compiler.cache`, kind ``links``) per host,
+What the probe measured is kept in the profile cache (:mod:`pipec.costs.cache`, kind ``links``) per host,
 backend, torch's and pipec's version: a later compile here reuses it (its ``measured`` says when, and
 ``"reused": true``) unless ``--reprofile``. One probe serves every layout: it always measures the all-gather
 too, which only a sharded plan keeps (``pipec tune``'s sharded and unsharded candidates once started a probe
@@ -43,7 +43,8 @@ import time
 from dataclasses import replace
 
 import pipec
-from pipec.compiler import cache, progress
+from pipec.compiler import progress
+from pipec.costs import cache
 from pipec.compiler.ir.plan import Overhead, Plan
 from pipec.compiler.ir.plan_json import read_overhead, read_links
 from pipec.compiler.ir.schema import Reader, SchemaError

@@ -1,30 +1,14 @@
-"""The model front end's one entry point: :func:`build_stage_graph`.
+"""The compiler's front end, one entry point: :func:`build_stage_graph`.
 
-The driver resolves the schedule file's model keys into a
-:class:`ModelRequest`; this runs the front end's passes in order and returns
-the :class:`~pipec.compiler.ir.graph.StageGraph` that becomes plan.json's
-``model``, ``stages``, ``edges`` and ``ties``. The passes, one module each:
+The driver resolves the schedule file's model keys into a :class:`ModelRequest`; this runs the model
+layer's passes (:mod:`pipec.model`: load, trace, annotate, weights, partition, stages, data), the costs
+(:mod:`pipec.costs`) and, at tp > 1, the tensor-parallel analysis (:mod:`pipec.tp`) in order, and returns the
+:class:`~pipec.compiler.ir.graph.StageGraph` that becomes plan.json's ``model``, ``stages``, ``edges`` and
+``ties``. :func:`cut_stage_graph` cuts one trace many times (``pipec tune``: the cut's stages, edges, ties and
+costs read off the trace's nodes, :mod:`pipec.costs.cutcost`, ``runnable=False``; equal to the full cut).
 
-- :mod:`.lazy_dynamo`: torch._dynamo imported only when something uses it;
-- :mod:`.load`: find the model (:func:`~.load.locate_model`: the search
-  path, a model file) and build it on meta or fake tensors;
-- :mod:`.trace`: trace it (fx or torch.export), its :mod:`.fingerprint`;
-- :mod:`.annotate`: shapes, FLOPs and saved bytes on every node;
-- :mod:`.tensors`: what they share (FrontendError, TensorSpec, dtypes);
-- :mod:`.weights`: each module's init path, ``init auto`` resolved on meta;
-- :mod:`.partition`: where cuts can go, the partition, the split;
-- :mod:`.costs`: stage costs and saved activations (unit, flops, profile: :mod:`.timings` reads the
-  profile cache and times what it lacks as :mod:`.profile` says);
-- :mod:`.cutcost`: a cut's stages, edges, ties and costs read off the trace's nodes, without the stage
-  modules (``pipec tune``'s search, ``runnable=False``; equal to the full cut);
-- :mod:`.data`: the data a run trains on described (synthetic data that fits
-  the model, a token file checked, a data function found), the loss checked
-  against its targets on meta;
-- :mod:`.stages`: a stage's runnable module built from the split graph (the
-  profile times them; :mod:`pipec.runtime.stages` rebuilds a plan's with it).
-
-Every :class:`FrontendError` names the key it is about (``key=``, and
-``index=`` for one split point), so the language can print it at that key.
+Every :class:`FrontendError` names the key it is about (``key=``, and ``index=`` for one split point), so the
+language can print it at that key.
 """
 
 from __future__ import annotations
@@ -36,26 +20,26 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from pipec.compiler.frontend.lazy_dynamo import defer_dynamo_import
+from pipec.model.lazy_dynamo import defer_dynamo_import
 
 defer_dynamo_import()  # before the first meta op: a compile that needs no dynamo never imports it
 
 from pipec.compiler.config import TokenData
-from pipec.compiler.frontend import costs as costs_pass
-from pipec.compiler.frontend.cutcost import FAST_COSTS, NodeTable, cost_split, cut_costs, node_table
-from pipec.compiler.frontend.data import check_data_source, data_of
+from pipec.costs import costs as costs_pass
+from pipec.costs.cutcost import FAST_COSTS, NodeTable, cost_split, cut_costs, node_table
+from pipec.model.data import check_data_source, data_of
 from pipec.compiler.ir.graph import StageGraph, make_graph
-from pipec.compiler.frontend.partition import (Balanced, Markers, Split, SplitBefore, analyse_cuts, assign_stages,
+from pipec.model.partition import (Balanced, Markers, Split, SplitBefore, analyse_cuts, assign_stages,
                                                split_graph)
-from pipec.compiler.frontend.stages import materialize
+from pipec.model.stages import materialize
 from pipec.compiler.ir.plan import Stage
 from pipec.compiler.ir.tensor_parallel import StageTP
 from pipec.compiler.request import check_batch
-from pipec.compiler.frontend.annotate import at_shapes, propagate
-from pipec.compiler.frontend.load import ModelSource, instantiate, locate_model
-from pipec.compiler.frontend.tensors import FrontendError, TensorSpec, example_inputs, to_dtype
-from pipec.compiler.frontend.trace import Traced, trace_model
-from pipec.compiler.frontend.weights import EXACT_MAX_PARAMS, INIT_MODES, resolve_init
+from pipec.model.annotate import at_shapes, propagate
+from pipec.model.load import ModelSource, instantiate, locate_model
+from pipec.model.tensors import FrontendError, TensorSpec, example_inputs, to_dtype
+from pipec.model.trace import Traced, trace_model
+from pipec.model.weights import EXACT_MAX_PARAMS, INIT_MODES, resolve_init
 
 __all__ = ["ModelRequest", "TracedModel", "TensorSpec", "SplitBefore", "Balanced", "Markers", "FrontendError", "INIT_MODES",
            "EXACT_MAX_PARAMS", "microbatch_inputs", "build_stage_graph", "trace_request", "cut_stage_graph", "with_data",
@@ -108,7 +92,7 @@ class ModelRequest:
     dp: int = 1
     """Replicas: one step reads ``dp`` batches of a token file."""
     tp: int = 1
-    """Tensor-parallel ranks per stage (key ``tp``; :mod:`pipec.compiler.frontend.tensor_parallel` shards at tp > 1)."""
+    """Tensor-parallel ranks per stage (key ``tp``; :mod:`pipec.tp.tensor_parallel` shards at tp > 1)."""
     tensor_parallel: str | tuple[tuple[str, str], ...] = "auto"
     """Key ``tensor_parallel``: ``"auto"``, or (module-path glob, style) pairs in the order written
     (:attr:`pipec.compiler.request.CompileRequest.tensor_parallel`)."""
@@ -285,7 +269,7 @@ def tensor_parallel_stages(split: Split, req: ModelRequest) -> tuple[StageTP | N
     modules, built on meta: no weights); () at tp 1."""
     if req.tp == 1:
         return ()
-    from pipec.compiler.frontend.tensor_parallel import plan_stages
+    from pipec.tp.tensor_parallel import plan_stages
 
     traced = split.traced
     values = {c: torch.empty_like(p, device="meta") for c, p in traced.param_of.items()}

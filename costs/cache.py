@@ -1,7 +1,7 @@
 """The profile cache: what ``costs profile`` and the links probe measured, kept between compiles.
 
-A timing is kept under a key of what decides it (:mod:`pipec.compiler.frontend.profile` and
-:mod:`pipec.compiler.frontend.links` say what their keys hold), one JSON file per entry::
+A timing is kept under a key of what decides it (:mod:`pipec.costs.profile` and
+:mod:`pipec.costs.links` say what their keys hold), one JSON file per entry::
 
     $XDG_CACHE_HOME/pipec/<kind>/<sha256 of the key>.json     (else ~/.cache/pipec/...)
     {"format": "pipec.cache/1", "kind": ..., "key": {...}, "value": {...}, "at": ISO 8601 UTC, "epoch": seconds}

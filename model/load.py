@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from pipec.compiler.frontend.tensors import FrontendError
+from pipec.model.tensors import FrontendError
 from pipec.errors import PipecError, UserCodeError
 
 __all__ = ["MODEL_FORMS", "ModelSource", "locate_model", "load_factory", "instantiate"]

@@ -35,12 +35,12 @@ import torch
 from torch import nn
 from torch.fx import Interpreter, Node
 
-from pipec.compiler.frontend.load import instantiate
-from pipec.compiler.frontend.partition import Cuts, Split
-from pipec.compiler.frontend.profile import MAX_PROFILE_RANKS, Profiling, _threads, profiling
-from pipec.compiler.frontend.tensors import FrontendError, example_inputs
-from pipec.compiler.frontend.timings import profile_stages
-from pipec.compiler.frontend.trace import Traced, trace_model
+from pipec.model.load import instantiate
+from pipec.model.partition import Cuts, Split
+from pipec.costs.profile import MAX_PROFILE_RANKS, Profiling, _threads, profiling
+from pipec.model.tensors import FrontendError, example_inputs
+from pipec.costs.timings import profile_stages
+from pipec.model.trace import Traced, trace_model
 from pipec.compiler.ir.plan import UNIT_COST, Cost
 
 __all__ = [

@@ -36,8 +36,8 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from torch.fx.passes.split_module import split_module
 
 from pipec.compiler.ir.plan import Edge, TensorSpec, Tie
-from pipec.compiler.frontend.tensors import FrontendError, dtype_name
-from pipec.compiler.frontend.trace import Traced, compute_nodes, is_pipe_split, module_path, pipe_split
+from pipec.model.tensors import FrontendError, dtype_name
+from pipec.model.trace import Traced, compute_nodes, is_pipe_split, module_path, pipe_split
 
 __all__ = [
     "pipe_split",

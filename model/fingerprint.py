@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from pipec.compiler.frontend.tensors import dtype_name
+from pipec.model.tensors import dtype_name
 
 __all__ = ["fingerprint", "torch_version"]
 

@@ -49,10 +49,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
-from pipec.compiler.frontend.stages import StageModule, clone_tree, resolve
-from pipec.compiler.frontend.tensors import FrontendError
-from pipec.compiler.frontend.tp_comm import TPComm, TPGroup, VocabLookup, set_group
-from pipec.compiler.frontend.trace import (_STACK_FRAME, Traced, _frame_text, _node_frame, _user_frame, module_path,
+from pipec.model.stages import StageModule, clone_tree, resolve
+from pipec.model.tensors import FrontendError
+from pipec.tp.comm import TPComm, TPGroup, VocabLookup, set_group
+from pipec.model.trace import (_STACK_FRAME, Traced, _frame_text, _node_frame, _user_frame, module_path,
                                            quiet_torch)
 from pipec.compiler.ir.tensor_parallel import Collective, ShardedParam, StageTP, loss_collectives
 from pipec.compiler.request import TP_STYLES

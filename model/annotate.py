@@ -21,8 +21,8 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from pipec.compiler.frontend.tensors import TensorSpec, storage_key, to_dtype
-from pipec.compiler.frontend.trace import Traced, forward_failed, quiet_torch
+from pipec.model.tensors import TensorSpec, storage_key, to_dtype
+from pipec.model.trace import Traced, forward_failed, quiet_torch
 
 __all__ = ["PROPAGATED", "propagate", "at_shapes"]
 

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from pipec.compiler import progress
-from pipec.compiler.frontend.tensors import FrontendError, to_dtype
+from pipec.model.tensors import FrontendError, to_dtype
 from pipec.compiler.ir.plan import Cost
 
 __all__ = ["Profiling", "Crowd", "profiling", "crowd", "median_ci", "level_spread", "crowd_spread", "usable_cores",
@@ -119,13 +119,13 @@ def _stage_runner(mod: nn.Module, sigs: Sequence[Any], sources: Sequence[int],
                   autocast: str | None) -> Callable[[], _Sample]:
     """One repetition of the stage as a rank runs it, each part timed: its forward, its full backward into
     ``.grad`` (accumulating, as over microbatches) and one AdamW step (the default optimizer, once per
-    training step); then its backward split as a zero-bubble schedule runs it (compiler/frontend/deferred.py):
+    training step); then its backward split as a zero-bubble schedule runs it (model/deferred.py):
     the forward again with the linear layers' weight grads deferred (untimed: it costs the plain forward's
     time and a few percent, and the difference of two samples taken in a crowd is noise), the input half
     (``BWD_I``: every grad but those) and the weight half (``BWD_W``).
     A stage fed by token inputs is timed split too (the runtime does not split it: its cost is the full backward).
     ``once.unsplit`` is a repetition without the split (the crowd's: :func:`crowd`)."""
-    from pipec.compiler.frontend.deferred import WeightGradStash, defer_weight_grads
+    from pipec.model.deferred import WeightGradStash, defer_weight_grads
 
     inputs = _random_inputs(sigs, sources)
     float_inputs = [x for x in inputs if x.requires_grad]

@@ -34,8 +34,8 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node, Tracer
 
-from pipec.compiler.frontend.fingerprint import fingerprint
-from pipec.compiler.frontend.tensors import FrontendError, TensorSpec
+from pipec.model.fingerprint import fingerprint
+from pipec.model.tensors import FrontendError, TensorSpec
 
 __all__ = ["TRACE_PATHS", "Traced", "pipe_split", "is_pipe_split", "trace_model", "module_path", "compute_nodes",
            "quiet_torch", "forward_failed"]
@@ -316,11 +316,12 @@ def _first_line(e: BaseException) -> str:
     return str(e).splitlines()[0] if str(e) else ""
 
 
+_PIPEC = Path(__file__).resolve().parents[1]
 _NOT_USER = tuple(str(Path(p).resolve()) + os.sep for p in (
-    os.path.dirname(torch.__file__), Path(__file__).resolve().parents[1], Path(__file__).resolve().parents[2] / "runtime",
-    sysconfig.get_paths()["stdlib"]))
-"""Folders whose frames are not the user's: torch, pipec's compiler and runtime, Python's own library (the
-example models, ``pipec.examples``, count as a user's)."""
+    os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"],
+    *(_PIPEC / d for d in ("pipec", "compiler", "model", "tp", "costs", "runtime", "tune"))))
+"""Folders whose frames are not the user's: torch, Python's own library, pipec's own packages (the example
+models, ``pipec.examples``, count as a user's; the folders sit side by side in a checkout and in a wheel)."""
 
 _STACK_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)\n(?P<code>[^\n]*)')
 

@@ -200,7 +200,7 @@ class GatheredLinear(torch.autograd.Function):
     4.2.2): one all-gather forward, then each linear (``params``: weight, bias of each, the bias None where it has
     none; several when q, k, v or an MLP's gate and up share the input); backward, the input's gradient (the sum
     over the linears) reduce-scattered once and, for the weights', the sequence all-gathered again once. Under a
-    split backward (``stash``: the zero-bubble :class:`~pipec.compiler.frontend.deferred.WeightGradStash`) the
+    split backward (``stash``: the zero-bubble :class:`~pipec.model.deferred.WeightGradStash`) the
     weights' gradients are stashed for ``BWD_W``. One linear gives its output, several a tuple."""
 
     @staticmethod
@@ -239,7 +239,7 @@ class GatheredLinear(torch.autograd.Function):
 
 def _weight_grad_stash() -> Any:
     """The zero-bubble split's stash when a stage's forward runs under ``defer_weight_grads``, else None."""
-    from pipec.compiler.frontend.deferred import defer_weight_grads
+    from pipec.model.deferred import defer_weight_grads
 
     for mode in torch.overrides._get_current_function_mode_stack():
         if isinstance(mode, defer_weight_grads):
