@@ -144,3 +144,23 @@ def test_only_the_front_end_imports_torch_at_module_level(tmp_path):
     out = _python(code, tmp_path)
     assert out.returncode == 0, out.stderr
     assert len(modules) > 15 and out.stdout.strip() == "ok"
+
+
+def test_pipe_split_is_exported_and_import_pipec_imports_no_torch(tmp_path):
+    code = textwrap.dedent(
+        """
+        import sys
+        import pipec
+        assert "torch" not in sys.modules, "import pipec imported torch"
+        from pipec import pipe_split
+        from pipec.model.trace import pipe_split as marker
+        assert pipe_split is marker and "pipe_split" in pipec.__all__
+        try:
+            pipec.no_such_name
+        except AttributeError as err:
+            print("ok", err)
+        """
+    )
+    out = _python(code, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok module 'pipec' has no attribute 'no_such_name'"
