@@ -17,7 +17,7 @@ arithmetic, a comma sequence, the two phrases (``split before ...``,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import TypeVar, Union
 
 __all__ = [
     "Span",
@@ -66,145 +66,137 @@ NO_SPAN = Span(0, 0, 0, 0)
 """The span of a node that was built, not parsed."""
 
 
-def _span() -> Span:
-    return field(default=NO_SPAN, compare=False, repr=False)  # type: ignore[return-value]
+_T = TypeVar("_T", bound=type)
 
 
-@dataclass(frozen=True, slots=True)
+def _node(cls: _T) -> _T:
+    """A syntax-tree node: a frozen, slotted dataclass of the fields its class declares, then ``span`` (where
+    it was written; ``NO_SPAN`` for a built node), which equality and repr leave out."""
+    cls.__annotations__["span"] = "Span"
+    cls.span = field(default=NO_SPAN, compare=False, repr=False)
+    return dataclass(frozen=True, slots=True)(cls)
+
+
+@_node
 class Number:
     """An integer or real literal, as written (``8``, ``3e-4``)."""
 
     value: int | float
     text: str
-    span: Span = _span()
 
 
-@dataclass(frozen=True, slots=True)
+@_node
 class Quantity:
     """A number with a unit, written without a space: ``80GB``, ``10us``, ``25GB/s``."""
 
     value: int | float
     unit: str
     text: str
-    span: Span = _span()
 
 
-@dataclass(frozen=True, slots=True)
+@_node
 class Word:
     """A bare name: ``loop``, ``1f1b``, ``on``, ``rank``."""
 
     name: str
-    span: Span = _span()
 
 
-@dataclass(frozen=True, slots=True)
+@_node
 class Path:
     """A dotted name: a module path inside the model (``layers.4``)."""
 
     text: str
-    span: Span = _span()
 
 
-@dataclass(frozen=True, slots=True)
+@_node
 class String:
     """A double-quoted string; ``value`` is unescaped."""
 
     value: str
-    span: Span = _span()
 
 
-@dataclass(frozen=True, slots=True)
+@_node
 class Kwarg:
     """``name = value`` inside parentheses."""
 
     name: Word
     value: "Node"
-    span: Span = _span()
 
 
-@dataclass(frozen=True, slots=True)
+@_node
 class Call:
     """``func(args, name=value)``; ``func`` is a word or, for a model, a string."""
 
     func: Word | String
     args: tuple["Node", ...]
     kwargs: tuple[Kwarg, ...]
-    span: Span = _span()
 
 
-@dataclass(frozen=True, slots=True)
+@_node
 class Group:
     """A parenthesised group: an expression ``(M - 1)``, a tuple ``(0.9, 0.95)``,
     or keyword settings ``(warmup = 3, priority = backward)``."""
 
     args: tuple["Node", ...]
     kwargs: tuple[Kwarg, ...]
-    span: Span = _span()
 
 
-@dataclass(frozen=True, slots=True)
+@_node
 class List:
     """``[a, b, c]``."""
 
     items: tuple["Node", ...]
-    span: Span = _span()
 
 
-@dataclass(frozen=True, slots=True)
+@_node
 class Subscript:
     """``int64[16, 128]``: a name with bracketed integer expressions."""
 
     name: Word
     items: tuple["Node", ...]
-    span: Span = _span()
 
 
-@dataclass(frozen=True, slots=True)
+@_node
 class Typed:
     """``tokens: int64[16, 128]``: a name and a type; the name may be quoted (``"blocks.*.qkv": colwise``)."""
 
     name: "Word | String"
     type: "Node"
-    span: Span = _span()
 
 
-@dataclass(frozen=True, slots=True)
+@_node
 class BinOp:
     """``left op right`` with ``op`` one of ``+ - * // /``."""
 
     op: str
     left: "Node"
     right: "Node"
-    span: Span = _span()
 
 
-@dataclass(frozen=True, slots=True)
+@_node
 class Neg:
     """``-operand``."""
 
     operand: "Node"
-    span: Span = _span()
 
 
-@dataclass(frozen=True, slots=True)
+@_node
 class Seq:
     """A comma-separated value: ``0, 1, 1, 0`` or ``pp(...), dp(...)``."""
 
     items: tuple["Node", ...]
-    span: Span = _span()
 
 
-@dataclass(frozen=True, slots=True)
+@_node
 class Phrase:
     """A value introduced by keywords: ``split before a, b`` (``head`` is
     ``"split before"``) or ``stages 0, 1`` (``head`` is ``"stages"``)."""
 
     head: str
     items: tuple["Node", ...]
-    span: Span = _span()
 
 
-@dataclass(frozen=True, slots=True)
+@_node
 class Action:
     """``F0.3`` (or ``F0.0..3`` when ``end`` is set): a compute action of an
     order block. ``stage``, ``microbatch`` and ``end`` are integer expressions."""
@@ -213,10 +205,9 @@ class Action:
     stage: "Node"
     microbatch: "Node"
     end: "Node | None" = None
-    span: Span = _span()
 
 
-@dataclass(frozen=True, slots=True)
+@_node
 class Repeat:
     """``(body for var in start..end)``: ``body`` once per value of ``var``."""
 
@@ -224,10 +215,9 @@ class Repeat:
     var: Word
     start: "Node"
     end: "Node"
-    span: Span = _span()
 
 
-@dataclass(frozen=True, slots=True)
+@_node
 class RankClause:
     """``rank 0: body`` (``rank`` a number) or ``rank r in 0..3: body``
     (``var`` set; ``rank`` and ``end`` are the range)."""
@@ -236,15 +226,13 @@ class RankClause:
     body: tuple["Node", ...]
     var: Word | None = None
     end: "Node | None" = None
-    span: Span = _span()
 
 
-@dataclass(frozen=True, slots=True)
+@_node
 class OrderBlock:
     """An explicit per-rank order: one clause per rank (or per rank range)."""
 
     clauses: tuple[RankClause, ...]
-    span: Span = _span()
 
 
 Node = Union[
@@ -253,19 +241,17 @@ Node = Union[
 ]
 
 
-@dataclass(frozen=True, slots=True)
+@_node
 class Statement:
     """``key value``."""
 
     key: Word
     value: Node
-    span: Span = _span()
 
 
-@dataclass(frozen=True, slots=True)
+@_node
 class File:
     statements: tuple[Statement, ...]
-    span: Span = _span()
 
 
 _DESCRIPTIONS = {

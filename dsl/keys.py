@@ -11,7 +11,7 @@ contract ("Keys and flags").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -50,26 +50,43 @@ class Key:
     """The typed default, or :data:`DERIVED` when other keys decide it."""
     default_doc: str
     """The default as the reference page shows it."""
-    flag: str
+    flag: str = ""
+    """Left out: ``--foo-bar`` for key ``foo_bar`` (DESIGN.md's rule; its fixed names are given)."""
     aliases: tuple[str, ...] = ()
-    group: str
+    group: str = ""
+    """The reference page's group the key is listed in: the one :data:`KEYS` lists it under."""
     meaning: str
     constraints: str = ""
     example: str
     repeatable: bool = False
     """The flag may be given several times (``--model-arg k=v``)."""
 
+    def __post_init__(self) -> None:
+        if not self.flag:
+            object.__setattr__(self, "flag", "--" + self.name.replace("_", "-"))
+
     @property
     def flags(self) -> tuple[str, ...]:
         return (self.flag, *self.aliases)
 
 
-GROUPS = ("Schedule and mesh", "Custom schedules", "Model", "Costs and hardware", "Training")
+def _table(*rows: str | Key) -> dict[str, Key]:
+    """The key table from its rows: a string names a group of the reference page, and the keys after it are
+    in that group."""
+    keys: dict[str, Key] = {}
+    group = ""
+    for row in rows:
+        if isinstance(row, str):
+            group = row
+        else:
+            assert group and row.name not in keys, row.name
+            keys[row.name] = replace(row, group=group)
+    return keys
 
-KEYS: dict[str, Key] = {key.name: key for key in (
-    # ------------------------------------------------------------------ schedule and mesh
+
+KEYS: dict[str, Key] = _table(
+    "Schedule and mesh",
     Key(name="schedule", kind=k.Choice(tuple(SCHEDULES)), default="1f1b", default_doc="1f1b",
-        flag="--schedule", group="Schedule and mesh",
         meaning=f"The named pipeline schedule, one of {', '.join(SCHEDULES)} (each one's chunks per rank, "
                 "placement and microbatch rule: \"Named schedules\" in docs/reference.md). With `policy` or "
                 "`order` the schedule is custom and this key reads `policy` or `order`.",
@@ -78,18 +95,16 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                     "or `order`.",
         example="schedule interleaved_1f1b"),
     Key(name="pp", kind=k.Int(1, MAX_RANKS, "pipeline ranks"), default=2, default_doc="2",
-        flag="--ranks", aliases=("--pp",), group="Schedule and mesh",
+        flag="--ranks", aliases=("--pp",),
         meaning="Pipeline ranks P: the number of places in the pipeline.",
         constraints=f"1..{MAX_RANKS} (pipec's limit).",
         example="pp 4"),
     Key(name="dp", kind=k.Int(1, MAX_REPLICAS), default=1, default_doc="1",
-        flag="--dp", group="Schedule and mesh",
         meaning="Data-parallel replicas D of the whole pipeline. World size is pp x dp x tp; global rank = "
                 "(pp_rank x dp + dp_rank) x tp + tp_rank (with tp 1: pp_rank x dp + dp_rank).",
         constraints=f"1..{MAX_REPLICAS}.",
         example="dp 2"),
     Key(name="tp", kind=k.Int(1, MAX_TP, "tensor-parallel ranks"), default=1, default_doc="1",
-        flag="--tp", group="Schedule and mesh",
         meaning="Tensor-parallel ranks T per (pp rank, dp rank): the innermost mesh dimension, so a tp group is "
                 "T consecutive global ranks (one node, with devices_per_node). Each stage's layers are split "
                 "across its tp group (see `tensor_parallel`); every tp rank runs its pp rank's program, and "
@@ -100,7 +115,6 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                     "node), or is a multiple of G, which warns (every tp collective then crosses nodes).",
         example="tp 2"),
     Key(name="tensor_parallel", kind=sk.TensorParallelKind(), default="auto", default_doc="auto",
-        flag="--tensor-parallel", group="Schedule and mesh",
         meaning="How each stage's modules are split across its tp ranks: `auto` (the compiler picks Megatron's "
                 "column / row pairs, token embeddings vocab-parallel and, under cross_entropy, a loss-parallel "
                 "LM head), or an explicit plan of module-path globs, each with a style: `colwise` (the output "
@@ -113,7 +127,6 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                     "the model is checked when the model is traced.",
         example='tensor_parallel "blocks.*.attn.qkv": colwise, "blocks.*.attn.proj": rowwise'),
     Key(name="sequence_parallel", kind=k.Switch(), default=False, default_doc="off",
-        flag="--sequence-parallel", group="Schedule and mesh",
         meaning="Megatron's sequence parallelism (Korthikanti et al. 2022) inside each tp group: the "
                 "activations between a rowwise module and the next colwise one (layer norms, dropout, residual "
                 "adds) are cut on the sequence dimension (dim 1 of the model's input) across the tp ranks, so "
@@ -127,7 +140,6 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                     "refused, located.",
         example="sequence_parallel on"),
     Key(name="shard", kind=k.Choice(SHARD_MODES), default="none", default_doc="none",
-        flag="--shard", group="Schedule and mesh",
         meaning="Sharded data parallelism: how the dp replicas share each stage's state. `none`: every "
                 "replica holds all of it and gradients are all-reduced. `optimizer` (ZeRO-1): optimizer state "
                 "sharded; gradients all-reduced; the optimizer step updates its shard and gathers the "
@@ -140,7 +152,6 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                     "of the shard size). Shard groups are consecutive dp ranks.",
         example="shard full"),
     Key(name="shard_size", kind=k.Maybe(k.Int(1, MAX_REPLICAS)), default=None, default_doc="dp",
-        flag="--shard-size", group="Schedule and mesh",
         meaning="Replicas that shard a stage's state among themselves. Below dp (HSDP, a 2-D dp mesh "
                 "replicate x shard) the state is sharded within groups of this many consecutive dp ranks "
                 "(group `dp.shard`) and replicated across the groups (group `dp.replicate`, whose all-reduce "
@@ -149,18 +160,17 @@ KEYS: dict[str, Key] = {key.name: key for key in (
         example="shard_size 4"),
     Key(name="virtual", kind=k.Int(1, MAX_STAGES), default=DERIVED, default_doc="the schedule's chunks per rank "
         "(1; interleaved_1f1b, looped_bfs and zbv: 2)",
-        flag="--virtual", group="Schedule and mesh",
         meaning="Chunks v per rank (virtual stages): each rank holds v of the S = pp x v stages.",
         constraints=f"stages = pp x virtual <= {MAX_STAGES}; gpipe, 1f1b and zb_h1 take 1, zbv exactly 2, "
                     "interleaved_1f1b and looped_bfs 2 or more.",
         example="virtual 2"),
     Key(name="stages", kind=k.Int(1, MAX_STAGES, "stages"), default=DERIVED,
-        default_doc="pp x virtual", flag="--stages", group="Schedule and mesh",
+        default_doc="pp x virtual",
         meaning="Stages S the model is cut into. Give it or `virtual`, not necessarily both.",
         constraints=f"A multiple of pp; must equal pp x virtual; 1..{MAX_STAGES} (pipec's limit).",
         example="stages 8"),
     Key(name="placement", kind=sk.PlacementKind(), default=DERIVED,
-        default_doc="the schedule's (loop; zbv: v)", flag="--placement", group="Schedule and mesh",
+        default_doc="the schedule's (loop; zbv: v)",
         meaning="Which pp rank holds each stage: `loop` (stage s on rank s mod P), `v` (the V shape: "
                 "s < P on rank s, then back down), or an explicit list giving each stage's rank.",
         constraints="`v` needs exactly 2 chunks per rank. A list has one entry per stage, each in "
@@ -169,14 +179,12 @@ KEYS: dict[str, Key] = {key.name: key for key in (
         example="placement 0, 1, 1, 0"),
     Key(name="microbatches", kind=k.Int(1, MAX_MICROBATCHES, "microbatches"), default=DERIVED,
         default_doc="2 x pp (with an input: the largest divisor of its batch up to 2 x pp)",
-        flag="--microbatches", group="Schedule and mesh",
         meaning="Microbatches M per step; each input's batch (its first dimension) is split into M.",
         constraints=f"1..{MAX_MICROBATCHES} (pipec's limit); divides each input's batch; the schedule's rules "
                     "(interleaved_1f1b: M divisible by max(1, M // P)). 1f1b with M < pp warns.",
         example="microbatches 8"),
-    # ------------------------------------------------------------------ custom schedules
+    "Custom schedules",
     Key(name="policy", kind=sk.PolicyKind(tuple(PRESETS)), default=None, default_doc="none",
-        flag="--policy", group="Custom schedules",
         meaning="A custom schedule declared by policy: warm-up depth per rank, backward or forward "
                 "priority, backward split, where weight-grad work goes, chunk order. See "
                 "\"Custom schedules\" above.",
@@ -186,37 +194,33 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                     "max_in_flight (expression or max; with weight_grad bubbles). Placement loop or v.",
         example="policy (warmup=min(P - rank, M), priority=backward)"),
     Key(name="order", kind=sk.OrderKind(), default=None, default_doc="none",
-        flag="--order", group="Custom schedules",
         meaning="A custom schedule given as an explicit per-rank order: rank clauses, or a "
                 "torch.distributed.pipelining compute-only CSV file (path relative to the schedule file).",
         constraints="Every (stage, microbatch) gets one F and one backward (B, or I then W) on the rank "
                     "that holds the stage. pp, microbatches, virtual and placement default to what the "
                     "order covers.",
         example='order "schedule.csv"'),
-    # ------------------------------------------------------------------ model
+    "Model",
     Key(name="model", kind=k.Maybe(k.Target()), default=None, default_doc="none (a schedule-only plan)",
-        flag="--model", group="Model",
         meaning="The model factory, \"pkg.module:function\", optionally followed by its keyword "
                 "arguments (which set `model_args`).",
         constraints="A dotted module path, a colon and a function name; the factory is imported when "
                     "the plan is compiled, not when the file is checked.",
         example='model "pipec.examples.gpt:build" (layers=8, dim=256, heads=4, vocab=1000, seq=128)'),
     Key(name="model_args", kind=sk.Kwargs(), default=MappingProxyType({}), default_doc="none",
-        flag="--model-arg", group="Model", repeatable=True,
+        flag="--model-arg", repeatable=True,
         meaning="Keyword arguments of the model factory. `--model-arg k=v` sets one (repeatable) and "
                 "keeps the file's others.",
         constraints="Literal values: numbers, strings, true/false, none, tuples. Not together with "
                     "arguments written after `model`.",
         example="model_args (layers=8, dim=256)"),
     Key(name="input", kind=k.Maybe(sk.Tensors()), default=None, default_doc="none",
-        flag="--input", group="Model",
         meaning="The example input of one dp replica's whole batch: name, dtype and shape of each "
                 "model input. The model is traced with it; its batch is split into microbatches.",
         constraints=f"dtypes: {', '.join(sk.DTYPES)}. Required with `model`.",
         example="input tokens: int64[16, 128]"),
     Key(name="targets", kind=k.Maybe(sk.Tensors("y: float32[32, 4]", one=True)), default=None,
         default_doc="derived from the model and the loss",
-        flag="--targets", group="Model",
         meaning="The targets of one dp replica's whole batch, as the loss takes them: name, dtype and shape "
                 "(written like `input`). Synthetic targets then have this shape and dtype, and a data "
                 "function's targets are checked against it. Left out, the targets are derived from the traced "
@@ -226,7 +230,7 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                     "are the next tokens.",
         example="targets y: float32[32, 4]"),
     Key(name="partition", kind=sk.PartitionKind(), default=Partition("auto"),
-        default_doc="auto", flag="--partition", group="Model",
+        default_doc="auto",
         meaning="How the model is cut into stages: `auto` (the model's pipe_split() markers if it has "
                 "any, else balanced by flops), `markers`, balanced by params, flops, time (measured) or "
                 "memory (minimising the slowest stage), or split before the named modules.",
@@ -235,11 +239,9 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                     "machine-independent.",
         example="partition split before blocks.2, blocks.4, blocks.6"),
     Key(name="trace", kind=k.Choice(("auto", "fx", "export")), default="auto", default_doc="auto",
-        flag="--trace", group="Model",
         meaning="How the model is traced: torch.fx, torch.export, or auto (fx, falling back to export).",
         example="trace export"),
     Key(name="init", kind=k.Choice(INITS), default=TRAINING.init, default_doc=TRAINING.init,
-        flag="--init", group="Model",
         meaning="Initial weights: `module` (each module's reset_parameters(), then the nearest _init_weights "
                 "(a Hugging Face model's) applied to it and its enclosing modules, as the model's own "
                 "initialisation does, under a generator seeded from (seed, module name); independent "
@@ -249,10 +251,9 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                 "parameters, else a compile-time error naming the modules. `pipec compile` resolves it; "
                 "plan.json's spec.init records the result.",
         example="init exact"),
-    # ------------------------------------------------------------------ costs and hardware
+    "Costs and hardware",
     Key(name="costs", kind=k.Choice(("unit", "flops", "profile")), default=DERIVED,
         default_doc="unit without a model; with one, flops if peak_flops is set, else profile",
-        flag="--costs", group="Costs and hardware",
         meaning="Where stage costs come from: unit (F=1, B=2, I=W=1), flops (FLOPs at peak_flops: "
                 "reproducible and machine-independent, the choice when compiling for other hardware), "
                 "profile (measured on this machine: best when compiling on the target hardware; the timings are "
@@ -261,18 +262,15 @@ KEYS: dict[str, Key] = {key.name: key for key in (
         constraints="flops and profile need a model; flops needs peak_flops.",
         example="costs profile"),
     Key(name="peak_flops", kind=k.Maybe(k.FLOP_RATE), default=None, default_doc="none",
-        flag="--peak-flops", group="Costs and hardware",
         meaning="The device's peak FLOP rate: converts flops costs to seconds, and gives a run's MFU.",
         constraints="Positive; FLOP/s, GFLOP/s, TFLOP/s, PFLOP/s (or a plain number in FLOP/s).",
         example="peak_flops 312TFLOP/s"),
     Key(name="device_memory", kind=k.Maybe(k.SIZE), default=None, default_doc="none (not checked)",
-        flag="--device-memory", group="Costs and hardware",
         meaning="Memory per device: a plan whose predicted peak exceeds it on any rank is refused.",
         constraints="Positive; B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (or a plain number of bytes).",
         example="device_memory 80GB"),
     Key(name="links", kind=sk.LinksKind(), default=Links(pp=sk.DEFAULT_LINK, dp=sk.DEFAULT_LINK),
         default_doc="pp(latency=10us, bandwidth=25GB/s), dp(latency=10us, bandwidth=25GB/s)",
-        flag="--links", group="Costs and hardware",
         meaning="Latency and bandwidth per mesh axis: a message costs latency + bytes / bandwidth; "
                 "an all-reduce over n replicas 2(n-1)/n x bytes / bandwidth. `intra` (within a node) and "
                 "`inter` (across nodes) price each hop by where its ranks sit, with `devices_per_node`: a pp "
@@ -294,7 +292,6 @@ KEYS: dict[str, Key] = {key.name: key for key in (
         example="links pp(latency=5us, bandwidth=50GB/s), dp(latency=20us, bandwidth=12.5GB/s)"),
     Key(name="devices_per_node", kind=k.Maybe(k.Int(1, MAX_DEVICES_PER_NODE, "devices per node")), default=None,
         default_doc="none (not said: the pp and dp links price every hop)",
-        flag="--devices-per-node", group="Costs and hardware",
         meaning="Devices G per node: nodes hold G consecutive global ranks (global rank = (pp_rank x dp + "
                 "dp_rank) x tp + tp_rank, so a node holds whole tp groups when tp divides G, and whole dp groups "
                 "when dp x tp divides G). With `links intra(...)` and/or "
@@ -302,46 +299,41 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                 "ranks sit on (see `links`); `pipec show` says which link each axis used.",
         constraints="At least 1; divides the world size pp x dp x tp, or is at least it (one node).",
         example="devices_per_node 8"),
-    # ------------------------------------------------------------------ training
-    Key(name="steps", kind=k.Int(1, MAX_STEPS), default=TRAINING.steps, default_doc=str(TRAINING.steps), flag="--steps",
-        group="Training", meaning="Optimizer steps a run takes (`pipec run --steps` overrides the plan's).",
+    "Training",
+    Key(name="steps", kind=k.Int(1, MAX_STEPS), default=TRAINING.steps, default_doc=str(TRAINING.steps),
+        meaning="Optimizer steps a run takes (`pipec run --steps` overrides the plan's).",
         example="steps 100"),
-    Key(name="seed", kind=k.Int(0, MAX_SEED), default=TRAINING.seed, default_doc=str(TRAINING.seed), flag="--seed",
-        group="Training", meaning="Seed of the initial weights and the synthetic data.",
+    Key(name="seed", kind=k.Int(0, MAX_SEED), default=TRAINING.seed, default_doc=str(TRAINING.seed),
+        meaning="Seed of the initial weights and the synthetic data.",
         example="seed 1234"),
     Key(name="optimizer", kind=sk.OptimizerKind(),
         default=TRAINING.optimizer, default_doc=sk.OptimizerKind().show(TRAINING.optimizer),
-        flag="--optimizer", group="Training",
         meaning="The optimizer and its settings (torch's names and defaults; settings left out keep "
                 "them). adamw: betas, eps, weight_decay (0.01); adam: the same (weight_decay 0); "
                 "sgd: momentum, dampening, weight_decay, nesterov.",
         constraints="The learning rate is the `lr` key, not a setting.",
         example="optimizer adamw(betas=(0.9, 0.95), weight_decay=0.1)"),
-    Key(name="lr", kind=k.Real(0.0, lo_open=True), default=TRAINING.lr, default_doc="3e-4", flag="--lr",
-        group="Training", meaning="Peak learning rate.", constraints="Positive.", example="lr 1e-3"),
+    Key(name="lr", kind=k.Real(0.0, lo_open=True), default=TRAINING.lr, default_doc="3e-4",
+        meaning="Peak learning rate.", constraints="Positive.", example="lr 1e-3"),
     Key(name="lr_schedule", kind=sk.LRScheduleKind(), default=TRAINING.lr_schedule,
         default_doc=sk.LRScheduleKind().show(TRAINING.lr_schedule),
-        flag="--lr-schedule", group="Training",
         meaning="Learning rate over the steps: `warmup` steps ramping linearly from 0, then constant, "
                 "or a cosine or linear decay to `min_lr` at the last step.",
         constraints="warmup < steps (warns otherwise); min_lr <= lr.",
         example="lr_schedule cosine(warmup=10, min_lr=3e-5)"),
     Key(name="grad_clip", kind=k.Maybe(k.Real(0.0, lo_open=True)), default=TRAINING.grad_clip, default_doc="none",
-        flag="--grad-clip", group="Training",
         meaning="Clip the global gradient norm (over one replica's pp ranks, each tied weight once) "
                 "to this value before each step.",
         constraints="Positive, or none.", example="grad_clip 1.0"),
     Key(name="dtype", kind=k.Choice(RUN_DTYPES), default=TRAINING.dtype,
-        default_doc=TRAINING.dtype, flag="--dtype", group="Training",
+        default_doc=TRAINING.dtype,
         meaning="Parameter and activation dtype of the run.", example="dtype bfloat16"),
-    Key(name="recompute", kind=sk.RecomputeKind(), default=TRAINING.recompute, default_doc="none", flag="--recompute",
-        group="Training",
+    Key(name="recompute", kind=sk.RecomputeKind(), default=TRAINING.recompute, default_doc="none",
         meaning="Activation recomputation: none, all stages, or the listed stages. A recomputed stage "
                 "saves only its inputs and runs its forward again in the backward.",
         constraints="Stages in 0..stages-1. The resolved value is the tuple of stages.",
         example="recompute stages 0, 1"),
     Key(name="data", kind=sk.DataKind(), default=TRAINING.data, default_doc=TRAINING.data,
-        flag="--data", group="Training",
         meaning="Training data. `synthetic`: made from the seed to fit the model and the loss (token ids in the "
                 "range of the embedding they feed, class indices in [0, C) for cross_entropy over the output's "
                 "last dimension, the output's shape and dtype for mse; see `targets`). "
@@ -361,22 +353,23 @@ KEYS: dict[str, Key] = {key.name: key for key in (
                     "the current folder, then the installed packages); what it returns is checked on every call.",
         example='data tokens("train.bin", dtype=uint16)'),
     Key(name="loss", kind=k.Target(("cross_entropy", "mse")), default=TRAINING.loss,
-        default_doc=TRAINING.loss, flag="--loss", group="Training",
+        default_doc=TRAINING.loss,
         meaning="Loss of the last stage: cross_entropy, mse, or \"pkg.module:fn\" called as "
                 "fn(output, target). The step's loss is the mean over microbatches. pipec derives synthetic "
                 "targets only for cross_entropy and mse: a custom loss needs `targets` or a data function.",
         example="loss mse"),
     Key(name="checkpoint_dir", kind=k.Maybe(k.Text()), default=TRAINING.checkpoint_dir, default_doc="none",
-        flag="--checkpoint-dir", group="Training",
         meaning="Folder of the run's distributed checkpoints (torch.distributed.checkpoint).",
         example='checkpoint_dir "ckpt/run1"'),
     Key(name="checkpoint_every", kind=k.Int(0, MAX_STEPS), default=TRAINING.checkpoint_every,
         default_doc=f"{TRAINING.checkpoint_every} (off)",
-        flag="--checkpoint-every", group="Training",
         meaning="Write a checkpoint every N steps; 0 writes none.",
         constraints="Above 0 needs checkpoint_dir.", example="checkpoint_every 50"),
-)}
+)
 """Every key, in the order of the reference page."""
+
+GROUPS: tuple[str, ...] = tuple(dict.fromkeys(key.group for key in KEYS.values()))
+"""The reference page's groups, in its order."""
 
 
 def key_of_flag(flag: str) -> str | None:
