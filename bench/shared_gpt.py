@@ -55,11 +55,19 @@ class SharedGPT(nn.Module):
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The token embeddings plus the positions: the first stage's work before its blocks."""
+        return self.wte(tokens) + self.pos[: tokens.shape[1]]
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and the head: the last stage's work after its blocks."""
+        return self.head(self.ln_f(x))
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.wte(tokens) + self.pos[: tokens.shape[1]]
+        x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return self.finish(x)
 
 
 def build(layers: int = 8, dim: int = 32, heads: int = 4, vocab: int = 1000, seq: int = 16) -> SharedGPT:
@@ -87,11 +95,9 @@ class Stage(nn.Module):
     def take_last(self, gpt: SharedGPT) -> None:
         self.ln_f, self.head = gpt.ln_f, gpt.head
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.wte(tokens) + self.pos[: tokens.shape[1]]
-
-    def finish(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln_f(x))
+    # the model's own code, run on the modules the stage took from it (under the model's names)
+    embed = SharedGPT.embed
+    finish = SharedGPT.finish
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:

@@ -283,14 +283,10 @@ class Checkpointer:
         self.rank, self.world_size = rank, world_size
         self.total_steps = total_steps
         self.save_dir = Path(save_dir) if save_dir and every else None
-        self.every = every
-        self.keep = keep
-        self.resume = resume
-        self.attempt = attempt
-        self.run_id = run_id
-        self.asynchronous = asynchronous
+        self.every, self.keep = every, keep
+        self.resume, self.attempt, self.run_id = resume, attempt, run_id
+        self.asynchronous, self.timeout = asynchronous, timeout
         self.log = log
-        self.timeout = timeout
         self._group = None
         model = plan.model or {}
         self.target, self.kwargs = str(model.get("target")), dict(model.get("kwargs") or {})

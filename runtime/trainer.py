@@ -52,14 +52,9 @@ class Trainer:
 
     def __init__(self, plan: Plan, config: TrainingConfig, options: RunOptions, env, transport, device: torch.device,
                  *, peak_flops: float | None, peak_memory: Callable[[], int]) -> None:
-        self.plan = plan
-        self.config = config
-        self.options = options
-        self.env = env
-        self.transport = transport
-        self.device = device
-        self.peak_flops = peak_flops
-        self.peak_memory = peak_memory
+        self.plan, self.config, self.options = plan, config, options
+        self.env, self.transport, self.device = env, transport, device
+        self.peak_flops, self.peak_memory = peak_flops, peak_memory
         self.D = plan.mesh.dp
         self.pp_rank, self.dp_rank = plan.mesh.coords(env.rank)
         self.tp_rank = plan.mesh.tp_rank(env.rank)

@@ -125,26 +125,31 @@ def test_split_point_errors_name_the_problem():
         assign_stages(traced, cuts, SplitBefore(("blocks.1", "blocks.0")), 3)
 
 
-class Chunked(nn.Module):
-    """``chunk`` returns a tuple; its second half is read after ``post`` runs."""
+class _Linears(nn.Module):
+    """A model of square Linear layers, ``LAYERS`` (name, features) in that order; each says what it computes."""
+
+    LAYERS: tuple[tuple[str, int], ...] = ()
 
     def __init__(self) -> None:
         super().__init__()
-        self.pre = nn.Linear(8, 8)
-        self.post = nn.Linear(4, 4)
+        for name, features in self.LAYERS:
+            self.add_module(name, nn.Linear(features, features))
+
+
+class Chunked(_Linears):
+    """``chunk`` returns a tuple; its second half is read after ``post`` runs."""
+
+    LAYERS = (("pre", 8), ("post", 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts = self.pre(x).chunk(2, dim=-1)
         return self.post(parts[0]) + parts[1]
 
 
-class Shapes(nn.Module):
+class Shapes(_Linears):
     """``B, D = x.shape`` is read in the first stage and used in the second."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 8)
+    LAYERS = (("a", 8), ("b", 8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, D = x.shape
@@ -153,12 +158,10 @@ class Shapes(nn.Module):
         return h.reshape(B, 2, D // 2) + x.reshape(B, 2, D // 2)
 
 
-class Marked(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 8)
-        self.c = nn.Linear(8, 8)
+class Marked(_Linears):
+    """Three layers with a ``pipe_split()`` marker after each of the first two."""
+
+    LAYERS = (("a", 8), ("b", 8), ("c", 8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.a(x)
