@@ -10,7 +10,7 @@ import pytest
 
 from pipec.compiler.ir.program import Instruction, IRError, Op, Program, parse_instruction, parse_program
 from pipec.compiler.ir.plan import Cost, Edge, Link, Mesh, Plan, PlanError, TensorSpec, Stage, Tie
-from pipec.compiler.ir.plan_json import ELSEWHERE, load_plan, plan_to_json, read_plan, write_plan
+from pipec.compiler.ir.plan_json import ELSEWHERE, FORMAT, load_plan, plan_to_json, read_plan, write_plan
 from pipec.compiler.limits import LIMITS
 from pipec.compiler.ir.timeline import Event, Timeline
 
@@ -111,7 +111,7 @@ def _corrupt(path, mutate):
     "mutate, message",
     [
         (lambda o: o.update(format="pipec.plan/9"),
-         "plan.format: expected 'pipec.plan/2' (or the older 'pipec.plan/1'), got 'pipec.plan/9'"),
+         "plan.format: 'pipec.plan/9' is newer than this pipec reads (pipec.plan/1, pipec.plan/2, pipec.plan/3)"),
         (lambda o: o["mesh"].update(pp="two"), "plan.mesh.pp: expected an integer"),
         (lambda o: o.pop("num_stages"), "plan.num_stages: required field is missing"),
         (lambda o: o["ranks"][1]["instructions"][0].update(peer=7), "plan.ranks[1].instructions[0].peer: expected an integer in 0..1"),
@@ -227,10 +227,10 @@ def test_a_v1_plan_reads_into_the_plan_compiled_today(name, tmp_path):
     assert replace(old, model=model(old), prediction=None) == replace(now, model=model(now), prediction=None)
     assert old.prediction.step_time == pytest.approx(now.prediction.step_time)
     assert old.mesh.shard == ("full" if name == "sharded" else "none")
-    path = tmp_path / "v2.json"
-    write_plan(old, str(path))  # written again, it is a pipec.plan/2 plan that reads back the same
+    path = tmp_path / "again.json"
+    write_plan(old, str(path))  # written again, it is a plan of today's format that reads back the same
     again = json.loads(path.read_text())
-    assert again["format"] == "pipec.plan/2" and not set(again["spec"]) & set(ELSEWHERE)
+    assert again["format"] == FORMAT and not set(again["spec"]) & set(ELSEWHERE)
     assert read_plan(str(path)) == old
 
 
@@ -241,8 +241,8 @@ def test_each_value_appears_once_in_a_plan():
     assert obj["mesh"] == {"pp": 2, "dp": 2, "shard": "full"} and obj["num_microbatches"] == 2
     assert not set(obj["spec"]) & set(ELSEWHERE)
     obj["spec"]["shard"] = "optimizer"  # a second home for shard, as a hand edit might add
-    with pytest.raises(PlanError, match=r"plan.spec.shard: a pipec.plan/2 plan keeps shard in mesh.shard, not "
-                                        r"in spec, got 'optimizer'"):
+    with pytest.raises(PlanError, match=r"plan.spec.shard: plan.json keeps shard in mesh.shard, not in spec, "
+                                        r"got 'optimizer'"):
         load_plan(obj)
     obj["spec"].pop("shard")
     obj["mesh"]["shard"] = "half"  # the one home, checked once (the mesh's check)

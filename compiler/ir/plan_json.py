@@ -1,24 +1,30 @@
-"""plan.json: the plan written and read, format ``pipec.plan/2`` (and ``pipec.plan/1`` read).
+"""plan.json: the plan written and read, format ``pipec.plan/3``; older formats read through one adapter each.
 
 :func:`write_plan` writes small fields indented and one instruction and one
 event per line; :func:`read_plan` (:func:`load_plan` for parsed JSON) checks
 the whole schema and names the exact field of a malformed file, and refuses
 inputs beyond :data:`~pipec.compiler.limits.LIMITS` instead of attempting
-them. Each value appears once in a ``pipec.plan/2`` file: the mesh (``shard``
-among it) in ``mesh``, the stage count and placement in ``num_stages`` and
-``placement``, the model's factory and arguments in ``model``, the links in
-``links``, and in ``spec`` only the resolved keys none of those hold
-(:meth:`~pipec.compiler.request.CompileRequest.spec_json`). A
-``pipec.plan/1`` file, which repeated those in ``spec`` too, reads into the
-same :class:`~pipec.compiler.ir.plan.Plan`: its repeats are dropped, the
-plan's own fields kept.
+them. Each value appears once: the mesh (``shard`` and ``tp`` among it) in
+``mesh``, the stage count and placement in ``num_stages`` and ``placement``,
+the model's factory and arguments in ``model``, the links in ``links``, and in
+``spec`` only the resolved keys none of those hold
+(:meth:`~pipec.compiler.request.CompileRequest.spec_json`).
+
+The reader reads :data:`FORMAT` only. A plan of an older format is first
+brought up to it by :func:`upgrade`: :data:`UPGRADES` holds, per older
+version, a function from that version's dict to the next version's, applied
+in turn (``pipec.plan/1`` -> ``/2`` -> ``/3``). A changed field bumps the
+version and adds the adapter from the one before; a field that is new and
+optional (absent meaning what it meant before it existed) does not. A format
+this pipec does not know, a newer one included, is refused.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from pipec.compiler.ir.plan import (
     DEFAULT_LINKS,
@@ -50,7 +56,11 @@ from pipec.schedules.order import gc_paused
 __all__ = [
     "FORMAT",
     "FORMAT_V1",
+    "FORMAT_V2",
+    "UPGRADES",
+    "READS",
     "ELSEWHERE",
+    "upgrade",
     "read_plan",
     "load_plan",
     "read_links",
@@ -59,10 +69,13 @@ __all__ = [
     "plan_to_json",
 ]
 
-FORMAT = "pipec.plan/2"
-"""The format this module writes."""
+FORMAT = "pipec.plan/3"
+"""The format this module writes and :func:`load_plan` reads (older ones through :func:`upgrade`). Changed from
+``pipec.plan/2``: a stage's tp record no longer repeats the degree (``stages[].tp.tp``; it is ``mesh.tp``)."""
+FORMAT_V2 = "pipec.plan/2"
+"""Each value in one home (changed from ``pipec.plan/1``: ``spec`` no longer repeats the plan's fields)."""
 FORMAT_V1 = "pipec.plan/1"
-"""The format before each value had one home: still read."""
+"""The first format."""
 
 ELSEWHERE: Mapping[str, str] = {
     "pp": "mesh.pp", "dp": "mesh.dp", "shard": "mesh.shard", "shard_size": "mesh.shard_size",
@@ -72,8 +85,8 @@ ELSEWHERE: Mapping[str, str] = {
     "placement": "placement", "microbatches": "num_microbatches", "model": "model.target",
     "model_args": "model.kwargs", "links": "links",
 }
-"""Keys a ``pipec.plan/1`` spec repeated, and the field of the plan that holds each: a
-``pipec.plan/2`` spec has none of them."""
+"""Keys a ``pipec.plan/1`` spec repeated, and the field of the plan that holds each: since ``pipec.plan/2`` a
+spec has none of them."""
 
 
 # ----------------------------------------------------------------------------- writing
@@ -250,14 +263,6 @@ def _shapes(rd: Reader, num_params: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(sh) for sh in raw)
 
 
-def _sequence_parallel(rd: Reader) -> bool:
-    """``mesh.sequence_parallel``: true, or absent (off; plans from before sequence parallelism)."""
-    v = rd._get("sequence_parallel", False)
-    if v is not None and not isinstance(v, bool):
-        raise rd.error("sequence_parallel", "expected true or false", v)
-    return bool(v)
-
-
 def _stage_tp(rd: Reader) -> StageTP | None:
     """A stage's ``tp`` (:meth:`StageTP.to_json`): absent in a plan at tp 1 or from before tensor parallelism."""
     raw = rd.dict("tp", required=False)
@@ -324,20 +329,109 @@ def _read_instructions(rd: Reader, num_ranks: int, num_stages: int, num_mb: int)
     return Program(tuple(ranks))
 
 
+# ----------------------------------------------------------------------------- older formats
+
+
+_V1_UNUSED = ("policy", "order", "input", "targets")
+"""Keys a ``pipec.plan/1`` spec wrote as null where they did not apply."""
+
+
+def _v1_to_v2(obj: dict[str, Any], where: str) -> dict[str, Any]:
+    """``pipec.plan/1`` -> ``/2``. The spec without the keys the plan holds elsewhere (:data:`ELSEWHERE`: v1
+    repeated them), without what did not apply (a null policy, order, input or targets; a schedule-only plan's
+    partition and trace), an order as its ranks; a stage's cost with ``optim`` (0 in a v1 plan from before the
+    optimizer step was costed)."""
+    out = dict(obj, format=FORMAT_V2)
+    spec = obj.get("spec")
+    if isinstance(spec, dict):
+        has_model = obj.get("model") is not None
+        spec = {k: v for k, v in spec.items() if k not in ELSEWHERE and not (k in _V1_UNUSED and v is None)
+                and (has_model or k not in ("partition", "trace"))}
+        if isinstance(spec.get("order"), dict):
+            spec["order"] = {"ranks": spec["order"].get("ranks")}
+        out["spec"] = spec
+    stages = obj.get("stages")
+    if isinstance(stages, list):
+        no_optim = lambda st: isinstance(st, dict) and isinstance(st.get("cost"), dict) and (  # noqa: E731
+            st["cost"].get("optim") is None)
+        out["stages"] = [dict(st, cost=dict(st["cost"], optim=0.0)) if no_optim(st) else st for st in stages]
+    return out
+
+
+def _v2_to_v3(obj: dict[str, Any], where: str) -> dict[str, Any]:
+    """``pipec.plan/2`` -> ``/3``: a stage's tp record without ``tp``, the degree it repeated; it must equal
+    ``mesh.tp`` (absent: 1), the degree's one home."""
+    out = dict(obj, format=FORMAT)
+    stages = obj.get("stages")
+    if not isinstance(stages, list):
+        return out
+    mesh = obj.get("mesh")
+    tp = mesh.get("tp") if isinstance(mesh, dict) else None
+    tp = 1 if tp is None else tp
+    out["stages"] = []
+    for i, st in enumerate(stages):
+        if isinstance(st, dict) and isinstance(st.get("tp"), dict):
+            record = dict(st["tp"])
+            degree = record.pop("tp", None)
+            if type(tp) is int and (type(degree) is not int or degree != tp):  # a malformed mesh.tp: the reader's
+                raise PlanError(f"{where}.stages[{i}].tp.tp: the stage's tensor-parallel record is for tp "
+                                f"{degree!r:.60}, but mesh.tp is {tp}; recompile the plan for tp {tp}")
+            st = dict(st, tp=record)
+        out["stages"].append(st)
+    return out
+
+
+UPGRADES: Mapping[str, tuple[str, Callable[[dict[str, Any], str], dict[str, Any]]]] = {
+    FORMAT_V1: (FORMAT_V2, _v1_to_v2),
+    FORMAT_V2: (FORMAT, _v2_to_v3),
+}
+"""Per older format, the next one and the adapter from a plan of the old format (parsed JSON; ``where`` names
+it in messages) to one of the next: :func:`upgrade` applies them in turn."""
+
+READS = (FORMAT_V1, FORMAT_V2, FORMAT)
+"""The plan.json formats this pipec reads."""
+
+_VERSION = re.compile(r"pipec\.plan/([0-9]+)")
+
+
+def upgrade(obj: Any, where: str = "plan") -> Any:
+    """Parsed plan.json in :data:`FORMAT`: each older version's adapter applied in turn (``obj`` itself is left
+    as it was). A format this pipec does not read, a newer one included, is refused: what it got, the formats
+    this pipec reads, and to compile the plan again."""
+    rd = Reader(obj, where)
+    fmt = rd.str("format")
+    while fmt != FORMAT:
+        if fmt not in UPGRADES:
+            reads = ", ".join(READS)
+            m = _VERSION.fullmatch(fmt)
+            if m and int(m.group(1)) > int(_VERSION.fullmatch(FORMAT).group(1)):
+                by = obj.get("pipec_version")
+                raise PlanError(f"{where}.format: {fmt!r} is newer than this pipec reads ({reads})"
+                                + (f"; the plan was written by pipec {by}" if isinstance(by, str) and by else "")
+                                + "; compile it again with this pipec (pipec compile), or read it with the "
+                                "pipec that wrote it")
+            raise PlanError(f"{where}.format: expected a plan.json format this pipec reads ({reads}), got "
+                            f"{fmt!r:.60}; compile the plan again with this pipec (pipec compile)")
+        fmt, adapt = UPGRADES[fmt]
+        obj = adapt(obj, where)
+    return obj
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
 def load_plan(obj: Any, where: str = "plan") -> Plan:
-    """Build a :class:`Plan` from parsed JSON, checking the whole schema."""
+    """Build a :class:`Plan` from parsed JSON of any format :data:`READS` names (:func:`upgrade`), checking the
+    whole schema."""
     try:
-        rd = Reader(obj, where)
-        fmt = rd.str("format")
-        if fmt not in (FORMAT, FORMAT_V1):
-            raise rd.error("format", f"expected {FORMAT!r} (or the older {FORMAT_V1!r})", fmt)
+        rd = Reader(upgrade(obj, where), where)
         mesh_rd = rd.sub("mesh")
         mesh = Mesh(pp=mesh_rd.int("pp", lo=1), dp=mesh_rd.int("dp", lo=1),
                     shard=mesh_rd.str("shard", required=False) or "none",
                     shard_size=mesh_rd.int("shard_size", lo=1, required=False),
                     devices_per_node=mesh_rd.int("devices_per_node", lo=1, required=False),
                     tp=mesh_rd.int("tp", lo=1, required=False) or 1,
-                    sequence_parallel=_sequence_parallel(mesh_rd))
+                    sequence_parallel=mesh_rd.bool("sequence_parallel", required=False) or False)
         try:
             check_tp(mesh)
             check_shard(mesh)
@@ -355,7 +449,7 @@ def load_plan(obj: Any, where: str = "plan") -> Plan:
             c = s.sub("cost", required=False)
             cost = UNIT_COST if c is None else Cost(
                 fwd=c.num("fwd", lo=0), bwd=c.num("bwd", lo=0), bwd_i=c.num("bwd_i", lo=0), bwd_w=c.num("bwd_w", lo=0),
-                optim=c.num("optim", lo=0, required=False) or 0.0, spread=c.num("spread", lo=0, required=False),
+                optim=c.num("optim", lo=0), spread=c.num("spread", lo=0, required=False),
                 level_spread=c.num("level_spread", lo=0, required=False),
                 crowd_spread=c.num("crowd_spread", lo=0, required=False),
             )
@@ -414,7 +508,7 @@ def load_plan(obj: Any, where: str = "plan") -> Plan:
             ties=ties,
             links=links,
             overhead=overhead,
-            spec=_spec(rd, fmt, model is not None),
+            spec=_spec(rd),
             model=model,
             prediction=None if pred is None else Timeline.from_json(pred, f"{where}.prediction"),
             pipec_version=rd.str("pipec_version", required=False) or "",
@@ -425,23 +519,12 @@ def load_plan(obj: Any, where: str = "plan") -> Plan:
         raise PlanError(str(e)) from None
 
 
-def _spec(rd: Reader, fmt: str, has_model: bool) -> dict[str, Any]:
-    """The plan's ``spec``. A ``pipec.plan/1`` one as ``pipec.plan/2`` writes it: without the keys the plan
-    holds elsewhere (it repeated them), without what did not apply (a null policy, order, input or targets;
-    a schedule-only plan's partition and trace), an order as its ranks. A ``pipec.plan/2`` one may not
-    repeat a key the plan holds elsewhere."""
+def _spec(rd: Reader) -> dict[str, Any]:
+    """The plan's ``spec``: it may not repeat a key the plan holds elsewhere (:data:`ELSEWHERE`)."""
     spec = rd.dict("spec", required=False) or {}
-    if fmt == FORMAT_V1:
-        unused = ("policy", "order", "input", "targets")
-        out = {k: v for k, v in spec.items() if k not in ELSEWHERE and not (k in unused and v is None)
-               and (has_model or k not in ("partition", "trace"))}
-        if isinstance(out.get("order"), dict):
-            out["order"] = {"ranks": out["order"].get("ranks")}
-        return out
     for key in spec:
         if key in ELSEWHERE:
-            raise rd.error(f"spec.{key}", f"a {FORMAT} plan keeps {key} in {ELSEWHERE[key]}, not in spec",
-                           spec[key])
+            raise rd.error(f"spec.{key}", f"plan.json keeps {key} in {ELSEWHERE[key]}, not in spec", spec[key])
     return spec
 
 
@@ -449,11 +532,8 @@ def _read_measured(rd: Reader) -> Measured | None:
     m = rd.sub("measured", required=False)
     if m is None:
         return None
-    reused = m.obj.get("reused", False)
-    if not isinstance(reused, bool):
-        raise m.error("reused", "true or false", reused)
     return Measured(at=m.str("at"), backend=m.str("backend"), num_ranks=m.int("ranks", lo=1, required=False) or 2,
-                    host=m.str("host", required=False) or "", reused=reused)
+                    host=m.str("host", required=False) or "", reused=m.bool("reused", required=False) or False)
 
 
 def read_links(rd: Reader) -> dict[str, Link]:
@@ -483,7 +563,7 @@ def _samples(rd: Reader, key: str) -> tuple[float, ...] | None:
 
 
 def read_overhead(rd: Reader) -> Overhead | None:
-    """A plan's ``overhead`` (absent in plans from before it was measured)."""
+    """A plan's ``overhead`` (absent where the link probe did not measure it)."""
     o = rd.sub("overhead", required=False)
     if o is None:
         return None

@@ -74,6 +74,12 @@ class Reader:
             raise self.error(key, "expected one of " + ", ".join(repr(c) for c in choices), v)
         return v
 
+    def bool(self, key: str, *, required: bool = True) -> Any:
+        v = self._get(key, required)
+        if v is not None and not isinstance(v, bool):
+            raise self.error(key, "expected true or false", v)
+        return v
+
     def list(self, key: str, *, required: bool = True) -> Any:
         return self._of(key, list, "a list", required)
 
