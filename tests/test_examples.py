@@ -7,6 +7,7 @@ from importlib import resources
 import pytest
 
 from pipec.compiler.driver import compile_spec
+from pipec.compiler.ir.plan_json import read_plan, write_plan
 from pipec.compiler.passes.verify import verify
 from pipec.dsl import load_spec
 
@@ -24,13 +25,17 @@ def test_there_is_an_example_for_every_schedule():
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
-def test_example_compiles_and_verifies(name):
+def test_example_compiles_and_verifies(name, tmp_path):
     path = str(resources.files("pipec.examples") / name)
     spec = load_spec(path)
     if spec["model"] and spec["costs"] == "profile":
         spec = load_spec(path, FAST)
     plan = compile_spec(spec).plan
-    verify(plan)  # the proofs hold on the plan as written
+    # the compile proved the plan in memory; the proofs hold on it as written to plan.json and read back
+    write_plan(plan, str(tmp_path / "plan.json"))
+    back = read_plan(str(tmp_path / "plan.json"))
+    assert back.program == plan.program and back.placement == plan.placement
+    verify(back)
     assert plan.program.num_instructions > 0
     assert plan.prediction.step_time > 0 and 0 <= plan.prediction.bubble_fraction < 1
     assert plan.mesh.pp == spec["pp"] and plan.num_microbatches == spec["microbatches"]

@@ -13,7 +13,7 @@ from pipec.compiler.driver import compile_plan
 from pipec.compiler.sim.cost import CostModel
 from pipec.compiler.sim.engine import BUFFERED, execute
 from pipec.compiler.ir.program import Op
-from pipec.compiler.ir.plan import Link, Measured, Overhead
+from pipec.compiler.ir.plan import Link, Measured, Overhead, PlanError
 from pipec.compiler.ir.plan_json import load_plan, plan_to_json, read_plan, write_plan
 from pipec.compiler.sim.simulate import emulated_costs, plan_costs, simulate, simulate_costs
 from pipec.schedules.timing import Cost
@@ -88,7 +88,8 @@ def test_old_plans_load_without_overhead_and_a_bad_opcode_is_named():
     assert "overhead" not in obj and all("measured" not in v for v in obj["links"].values())
     assert load_plan(json.loads(json.dumps(obj))).overhead is None
     obj["overhead"] = {"seconds": {"FORWARD": 1e-4}}
-    with pytest.raises(Exception, match="overhead.seconds.FORWARD.*opcode"):
+    with pytest.raises(PlanError, match=r"plan\.overhead\.seconds\.FORWARD: expected an opcode name "
+                                        r"\(ALLREDUCE, .*\), got 'FORWARD'"):
         load_plan(obj)
 
 

@@ -94,9 +94,11 @@ def test_the_probe_steps_raw_samples_are_pooled_and_reported_in_summary():
     assert "hop" not in _step_samples(step, one_host=False)
     stalled = {"FWD": [900.0]}
     quiet = {"FWD": [1.0], "oversleep": [0.5]}
-    # totals 11.4, 1.5 and 900: the median 11.4, so the stalled step (past STALLED x 11.4) is left out; the
-    # rest pooled in step order, a negative sample (a clock's noise) as none
-    assert 1.5 < 11.4 * STALLED < 900.0
+    # a step is left out once its total passes STALLED x the median step's: one at the bound is kept
+    at_bound, past = {"FWD": [STALLED * 1.0]}, {"FWD": [STALLED * 1.0 + 0.01]}
+    assert _pooled([{"FWD": [1.0]}] * 3 + [at_bound, past]) == {"FWD": (1.0, 1.0, 1.0, STALLED)}
+    # totals 11.4, 1.5 and 900: the median 11.4, so the stalled step is left out; the rest pooled in step
+    # order, a negative sample (a clock's noise) as none
     _same(_pooled([samples, stalled, quiet]),
           {"FWD": (1.0, 3.0, 2.0, 1.0), "OPT": (5.0,), "oversleep": (0.1, 0.0, 0.5), "hop": (0.2, 0.4)})
     _same(_pooled([quiet, quiet]), {"FWD": (1.0, 1.0), "oversleep": (0.5, 0.5)})  # none stalled: all kept

@@ -227,12 +227,12 @@ def test_balance_by_measured_time():
 
 
 def test_one_split_point_is_worded_in_the_singular():
-    from pipec.dsl import load_spec
+    from pipec.dsl import DSLError, load_spec
 
     flags = {"model": GPT, "input": "tokens: int64[8, 8]", "pp": "3", "partition": "split before blocks.1"}
-    with pytest.raises(Exception, match=r"error: 1 split point makes 2 stages, but there are 3") as err:
+    with pytest.raises(DSLError, match=r"error: 1 split point makes 2 stages, but there are 3") as err:
         load_spec(None, flags)
     assert "give 2 split points" in str(err.value)
-    with pytest.raises(Exception, match=r"error: 2 split points make 3 stages, but there are 2") as err:
+    with pytest.raises(DSLError, match=r"error: 2 split points make 3 stages, but there are 2") as err:
         load_spec(None, {**flags, "pp": "2", "partition": "split before blocks.1, blocks.2"})
     assert "give 1 split point\n" in str(err.value) + "\n"
