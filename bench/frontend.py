@@ -40,14 +40,14 @@ def one(name: str) -> dict:
     from pipec.compiler.passes.memory import state_bytes
     from pipec.compiler.config import TrainingConfig
     from pipec.compiler.ir.plan import Mesh
-    from pipec.compiler.request import CompileRequest, ModelSpec, PartitionRequest, TensorSpec
+    from pipec.compiler.request import CompileRequest, ModelSpec, Partition, TensorSpec
     from pipec.views.stage_table import stage_table
 
     t1 = time.perf_counter()
     cfg = CONFIGS[name]
     model = ModelSpec(target="pipec.examples.gpt:build", kwargs=cfg,
                       inputs=(TensorSpec("tokens", "int64", (BATCH, cfg["seq"])),),
-                      partition=PartitionRequest(method="balanced", by="flops"), costs="flops", trace="auto")
+                      partition=Partition("balanced", "flops"), costs="flops", trace="auto")
     plan = compile_request(CompileRequest(schedule="1f1b", mesh=Mesh(pp=PP), num_microbatches=MICROBATCHES, model=model,
                                           training=TrainingConfig(peak_flops=989e12))).plan
     t2 = time.perf_counter()

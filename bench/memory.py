@@ -38,11 +38,11 @@ GPT_13B = dict(layers=40, dim=5120, heads=40, vocab=50304, seq=2048)
 def compile_one(cfg: dict, *, pp: int, dp: int, shard: str, batch: int, microbatches: int, costs: str = "unit"):
     from pipec.compiler.driver import compile_request
     from pipec.compiler.ir.plan import Mesh
-    from pipec.compiler.request import CompileRequest, ModelSpec, PartitionRequest, TensorSpec
+    from pipec.compiler.request import CompileRequest, ModelSpec, Partition, TensorSpec
 
     model = ModelSpec(target="pipec.examples.gpt:build", kwargs=cfg,
                       inputs=(TensorSpec("tokens", "int64", (batch, cfg["seq"])),),
-                      partition=PartitionRequest(method="auto"), costs=costs, trace="auto")
+                      partition=Partition("auto"), costs=costs, trace="auto")
     return compile_request(CompileRequest(schedule="1f1b", mesh=Mesh(pp=pp, dp=dp, shard=shard),
                                           num_microbatches=microbatches, model=model)).plan
 

@@ -23,7 +23,7 @@ from pipec.compiler.passes.lower import lower
 from pipec.compiler.passes.memory import breakdown, check_memory
 from pipec.compiler.ir.plan import (DEFAULT_LINKS, Link, Mesh, Plan, Stage, check_limits, check_nodes, check_shard,
                                     check_tp, tp_notes)
-from pipec.compiler.request import CompileRequest, ModelSpec
+from pipec.compiler.request import CompileRequest
 from pipec.compiler.sim.simulate import (BUFFERED, CostModel, Execution, chain_edges, execute, interval_of, plan_costs,
                                          timeline_of)
 from pipec.compiler.passes.verify import verify
@@ -258,57 +258,16 @@ def _placed(stages: Sequence[Stage], placement: Sequence[int]) -> tuple[Stage, .
 
 
 def model_graph(req: CompileRequest, *, before_timing=None):
-    """Run the model front end (trace, partition, costs) for a request that names a model; ``before_timing``
-    as :func:`~pipec.compiler.frontend.cut_stage_graph` calls it."""
-    from pipec.compiler.frontend import build_stage_graph
+    """Run the model front end (trace, partition, costs) for a request that names a model: it reads the
+    request as it is, and times stages as a run of it on this machine runs them
+    (:meth:`~pipec.compiler.frontend.Host.of`); ``before_timing`` as
+    :func:`~pipec.compiler.frontend.cut_stage_graph` calls it."""
+    from pipec.compiler.frontend import Host, build_stage_graph
 
-    return build_stage_graph(model_request(req), before_timing=before_timing)
-
-
-def model_request(req: CompileRequest):
-    """The front end's :class:`~pipec.compiler.frontend.ModelRequest` for a request that names a model."""
-    from pipec.compiler.frontend import Balanced, Markers, ModelRequest, SplitBefore
-
-    m: ModelSpec = req.model
-    training = req.training
-    part = m.partition
-    partition = {"split": lambda: SplitBefore(tuple(part.split_before)), "balanced": lambda: Balanced(part.by),
-                 "markers": lambda: Markers(), "auto": lambda: None}[part.method]()
-    world = req.mesh.world_size
-    return ModelRequest(
-        target=m.target,
-        search_path=m.search_path,
-        kwargs=dict(m.kwargs),
-        inputs=m.inputs,
-        num_microbatches=req.num_microbatches,
-        num_stages=req.num_stages,
-        partition=partition,
-        costs=m.costs,
-        trace=m.trace,
-        recompute=frozenset(training.recompute),
-        dtype=training.dtype,
-        peak_flops=training.peak_flops,
-        threads_per_rank=1 if world > 1 else _threads(),
-        # the ranks that share one machine: a node's when devices_per_node is given, else every rank
-        local_ranks=min(world, req.mesh.devices_per_node or world),
-        init=training.init,
-        loss=training.loss,
-        targets=m.targets,
-        data=training.data,
-        dp=req.dp,
-        tp=req.tp,
-        tensor_parallel=req.tensor_parallel,
-        sequence_parallel=req.mesh.sequence_parallel,
-    )
+    return build_stage_graph(req, host=Host.of(req.mesh), before_timing=before_timing)
 
 
 def _model_entry(graph, req: CompileRequest) -> dict[str, Any]:
     """plan.json's ``model``: the front end's record (its notes too), with one replica's step FLOPs."""
     flops = sum(sum(f) for f in graph.flops) * req.num_microbatches  # forward + backward, one replica's step
     return {**graph.model, "flops_per_step": flops}
-
-
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()

@@ -33,8 +33,8 @@ from pipec.errors import PipecError
 from pipec.schedules.order import Action
 from pipec.schedules.policy import Policy
 
-__all__ = ["Location", "KeyOrigin", "DEFAULT_ORIGIN", "TensorSpec", "check_batch", "PartitionRequest", "ModelSpec",
-           "CompileRequest", "TP_STYLES", "TensorParallelPlan", "tensor_parallel_json"]
+__all__ = ["Location", "KeyOrigin", "DEFAULT_ORIGIN", "TensorSpec", "check_batch", "BALANCE_BY", "Partition",
+           "ModelSpec", "CompileRequest", "TP_STYLES", "TensorParallelPlan", "tensor_parallel_json"]
 
 TP_STYLES = ("colwise", "rowwise", "vocab", "replicated")
 """The styles an explicit ``tensor_parallel`` plan may give a module: ``colwise`` (its output features split),
@@ -113,18 +113,35 @@ def _divisors(n: int, most: int = 12) -> list[int]:
     return sorted(set(small + [n // d for d in small]))[:most]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PartitionRequest:
-    """How the model is cut (key ``partition``)."""
+BALANCE_BY = ("params", "flops", "time", "memory")
+"""The measures ``balanced(by=...)`` evens out across the stages."""
+
+
+@dataclass(frozen=True, slots=True)
+class Partition:
+    """How the model is cut into stages (key ``partition``), one type from the schedule file to the model
+    layer's :func:`~pipec.model.partition.assign_stages`: ``auto`` (the model's ``pipe_split()`` markers if it
+    has any, else balanced by flops), ``markers``, ``balanced`` by a measure, or ``split`` before the named
+    modules (in model order). Torch-free, so that the language, the compiler and the model layer share it."""
 
     method: str
     """``"auto"``, ``"markers"``, ``"balanced"`` or ``"split"``."""
     by: str | None = None
-    """For ``balanced``: ``"params"``, ``"flops"``, ``"time"`` or ``"memory"``."""
+    """For ``balanced``: one of :data:`BALANCE_BY`."""
     split_before: tuple[str, ...] = ()
-    """For ``split``: the module paths a new stage starts at (``index`` of a complaint counts these)."""
+    """For ``split``: the module paths a new stage starts at, such as ``layers.4``; S - 1 of them (``index``
+    of a complaint counts these)."""
+
+    def text(self) -> str:
+        """The schedule-file syntax that writes it."""
+        if self.method == "split":
+            return "split before " + ", ".join(self.split_before)
+        if self.method == "balanced":
+            return f"balanced(by={self.by})"
+        return self.method
 
     def to_json(self) -> dict[str, Any]:
+        """plan.json's ``spec.partition``."""
         out: dict[str, Any] = {"method": self.method}
         if self.by is not None:
             out["by"] = self.by
@@ -144,7 +161,7 @@ class ModelSpec:
     """Factory arguments (key ``model_args``)."""
     inputs: tuple[TensorSpec, ...]
     """One dp replica's batch (key ``input``)."""
-    partition: PartitionRequest
+    partition: Partition
     costs: str
     """``"unit"``, ``"flops"`` or ``"profile"``."""
     trace: str

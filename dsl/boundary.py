@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 from pipec.compiler.config import TrainingConfig
 from pipec.compiler.ir.plan import Mesh
-from pipec.compiler.request import CompileRequest, KeyOrigin, Location, ModelSpec, PartitionRequest
+from pipec.compiler.request import CompileRequest, KeyOrigin, Location, ModelSpec
 from pipec.dsl.errors import DSLError, DSLWarning, Source
 from pipec.dsl.keys import KEYS
 from pipec.errors import Diagnostic, PipecError
@@ -73,12 +73,11 @@ def request_of(values: Mapping[str, Any], origins: Mapping[str, Any], *, policy,
     and the training config take their keys by field name, so a key of either needs no line here."""
     model = None
     if values["model"]:
-        part = values["partition"]
         model = ModelSpec(
             target=values["model"],
             kwargs=dict(values["model_args"] or {}),
             inputs=values["input"],
-            partition=PartitionRequest(method=part.method, by=part.by, split_before=tuple(part.split_before)),
+            partition=values["partition"],  # the compiler's Partition, as the language resolved it
             costs=values["costs"],
             trace=values["trace"],
             search_path=search_path(base_dir),

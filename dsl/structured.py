@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from pipec.compiler.config import LR_SCHEDULES, OPTIMIZER_SETTINGS, TOKEN_DTYPES, TokenData
 from pipec.compiler.ir.plan import Link
 from pipec.compiler.limits import MAX_DIM, MAX_STAGES, MAX_STEPS
+from pipec.compiler.request import BALANCE_BY
 from pipec.compiler.request import TP_STYLES
 from pipec.dsl import ast
 from pipec.dsl.errors import did_you_mean
@@ -120,7 +121,8 @@ class Tensors(Kind):
         return "none" if value is None else ", ".join(t.text() for t in value)
 
 
-PARTITION_MEASURES = ("params", "flops", "time", "memory")
+PARTITION_MEASURES = BALANCE_BY
+"""The measures of ``balanced(by=...)``: the compiler's (:data:`pipec.compiler.request.BALANCE_BY`)."""
 
 
 @dataclass(frozen=True, slots=True)

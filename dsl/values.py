@@ -3,7 +3,8 @@
 Plain keys resolve to ints, floats, strings, bools, None or tuples; the keys
 below resolve to these small frozen dataclasses, each with ``text()`` (the
 schedule-file syntax that writes it). ``input`` and ``targets`` resolve to
-the compiler's :class:`~pipec.compiler.request.TensorSpec`, ``optimizer`` and
+the compiler's :class:`~pipec.compiler.request.TensorSpec`, ``partition`` to its
+:class:`~pipec.compiler.request.Partition`, ``optimizer`` and
 ``lr_schedule`` to the training config's own types (:mod:`pipec.compiler.config`,
 which the runtime reads too; their kinds, :mod:`pipec.dsl.structured`, write
 their text). plan.json's ``spec`` is written from the compile request, not
@@ -17,7 +18,7 @@ from typing import Any, Mapping
 
 from pipec.compiler.config import LRSchedule, Optimizer  # the training config owns them
 from pipec.compiler.ir.plan import Link
-from pipec.compiler.request import TensorSpec  # the compiler's: one type from the language to the front end
+from pipec.compiler.request import Partition, TensorSpec  # the compiler's: one type from the language to the front end
 from pipec.dsl.expr import ExprError, IntExpr
 from pipec.schedules.order import Action
 
@@ -45,27 +46,6 @@ def literal_text(value: Any) -> str:
     if isinstance(value, tuple):
         return "(" + ", ".join(literal_text(v) for v in value) + ")"
     return repr(value) if isinstance(value, float) else str(value)
-
-
-@dataclass(frozen=True, slots=True)
-class Partition:
-    """How the model is cut into stages: ``auto`` (the model's ``pipe_split()``
-    markers if it has any, else balanced by flops), ``markers``, ``balanced`` by
-    a measure, or ``split`` before the named modules (in model order)."""
-
-    method: str
-    """``"auto"``, ``"markers"``, ``"balanced"`` or ``"split"``."""
-    by: str | None = None
-    """For ``balanced``: ``"params"``, ``"flops"``, ``"time"`` or ``"memory"``."""
-    split_before: tuple[str, ...] = ()
-    """For ``split``: module paths such as ``layers.4``; S - 1 of them."""
-
-    def text(self) -> str:
-        if self.method == "split":
-            return "split before " + ", ".join(self.split_before)
-        if self.method == "balanced":
-            return f"balanced(by={self.by})"
-        return self.method
 
 
 def _seconds_text(s: float) -> str:

@@ -36,15 +36,15 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from torch.fx.passes.split_module import split_module
 
 from pipec.compiler.ir.plan import Edge, TensorSpec, Tie
+from pipec.compiler.request import BALANCE_BY, Partition  # the one partition type, torch-free
 from pipec.model.tensors import FrontendError, dtype_name
 from pipec.model.trace import Traced, compute_nodes, is_pipe_split, module_path, pipe_split
 
 __all__ = [
     "pipe_split",
-    "SplitBefore",
-    "Balanced",
-    "Markers",
-    "BALANCE_BY",
+    "Partition",
+    "AUTO_BALANCE",
+    "resolved",
     "Cuts",
     "analyse_cuts",
     "balance",
@@ -54,26 +54,16 @@ __all__ = [
     "split_graph",
 ]
 
-BALANCE_BY = ("params", "flops", "time", "memory")
+AUTO_BALANCE = Partition("balanced", "flops")
+"""What ``auto`` cuts by when the model has no ``pipe_split()`` markers."""
 
 
-@dataclass(frozen=True, slots=True)
-class SplitBefore:
-    """``split before layers.4, layers.8``: a stage starts at each module path."""
-
-    paths: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Balanced:
-    """``balanced(by=flops)``: S contiguous stages minimising the slowest by this measure."""
-
-    by: str = "flops"
-
-
-@dataclass(frozen=True, slots=True)
-class Markers:
-    """Split at the model's ``pipe_split()`` markers."""
+def resolved(partition: Partition, cuts: Cuts) -> Partition:
+    """``partition`` with ``auto`` decided: the model's ``pipe_split()`` markers if it has any, else
+    :data:`AUTO_BALANCE`."""
+    if partition.method != "auto":
+        return partition
+    return Partition("markers") if cuts.marker_cuts else AUTO_BALANCE
 
 
 # ----------------------------------------------------------------------------- cut analysis
@@ -277,22 +267,21 @@ def _layer_ranges(paths: Sequence[str]) -> dict[str, tuple[int, int]]:
 
 
 def assign_stages(
-    traced: Traced, cuts: Cuts, partition: SplitBefore | Balanced | Markers | None, num_stages: int, weights: Sequence[float] | None = None
+    traced: Traced, cuts: Cuts, partition: Partition, num_stages: int, weights: Sequence[float] | None = None
 ) -> dict[str, int]:
     """Node name -> stage, for every compute node (markers excluded).
 
-    ``weights`` (one per node of ``cuts.nodes``) drive :class:`Balanced`.
-    ``None`` means markers when the model has any, else ``Balanced("flops")``.
+    ``weights`` (one per node of ``cuts.nodes``) drive ``balanced``; ``auto`` is :func:`resolved` first.
     """
     if num_stages < 1:
         raise FrontendError(f"stages must be at least 1, got {num_stages}", key="stages")
-    if partition is None:
-        partition = Markers() if cuts.marker_cuts else Balanced("flops")
+    partition = resolved(partition, cuts)
     positions: list[int]
-    if isinstance(partition, SplitBefore):
-        _check_count(f"split before {', '.join(partition.paths)}", len(partition.paths), num_stages)
-        positions = [_cut_before_path(cuts, p, i) for i, p in enumerate(partition.paths)]
-        for i, (path, pos, prev) in enumerate(zip(partition.paths, positions, [-1] + positions[:-1])):
+    if partition.method == "split":
+        paths = partition.split_before
+        _check_count(f"split before {', '.join(paths)}", len(paths), num_stages)
+        positions = [_cut_before_path(cuts, p, i) for i, p in enumerate(paths)]
+        for i, (path, pos, prev) in enumerate(zip(paths, positions, [-1] + positions[:-1])):
             if pos == 0:
                 raise FrontendError(f"split before {path!r} leaves stage 0 empty (it is where the graph starts); "
                                     "drop that split point", key="partition", index=i)
@@ -304,7 +293,7 @@ def assign_stages(
             if not cuts.valid[pos]:
                 raise FrontendError(f"cannot split before {path!r}: {_blocker(cuts, pos)}; split before another module",
                                     key="partition", index=i)
-    elif isinstance(partition, Markers):
+    elif partition.method == "markers":
         if not cuts.marker_cuts:
             raise FrontendError("partition by pipe_split markers, but the traced model has none; call pipe_split() in "
                                 "forward or use balanced(by=flops)", key="partition")
@@ -316,7 +305,7 @@ def assign_stages(
                                     "layers", key="partition")
             if not cuts.valid[pos]:
                 raise FrontendError(f"cannot split at pipe_split marker {k + 1}: {_blocker(cuts, pos)}", key="partition")
-    elif isinstance(partition, Balanced):
+    elif partition.method == "balanced":
         if partition.by not in BALANCE_BY:
             raise FrontendError(f"balanced(by=...) must be one of {', '.join(BALANCE_BY)}, got {partition.by!r}",
                                 key="partition")

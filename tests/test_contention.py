@@ -147,11 +147,12 @@ def test_tunes_bounds_hold_when_the_host_is_shared(tmp_path, monkeypatch):
     from dataclasses import replace as _replace
 
     import pipec.compiler.sim.simulate as simulate
-    from pipec.compiler.driver import compile_request, model_request, schedule_order
+    from pipec.compiler.driver import compile_request, schedule_order
     from pipec.compiler.frontend import build_stage_graph
     from pipec.tune.space import TuneRequest, candidate_request, candidates
     from pipec.tune.bounds import bounds, candidate_frame
     from pipec.dsl import load_spec
+    from model_requests import graph_key
     from test_tune import SMALL
 
     crowd = {**PROFILE, "slowdown": {"fwd": 2.0, "bwd_i": 2.0, "bwd": 2.0, "optim": 1.0}}
@@ -163,9 +164,9 @@ def test_tunes_bounds_hold_when_the_host_is_shared(tmp_path, monkeypatch):
     graphs, shorter = {}, 0
     for cand in candidates(treq):
         req = candidate_request(treq, cand)
-        key = repr(model_request(req))
+        key = graph_key(req)
         if key not in graphs:
-            graphs[key] = build_stage_graph(model_request(req))
+            graphs[key] = build_stage_graph(req)
         plan = compile_request(req, graph=graphs[key], verify=False).plan
         step, _, _ = bounds(cand, candidate_frame(req, graphs[key], schedule_order(req)[0]))
         assert step <= plan.prediction.step_time * (1 + 1e-9), cand

@@ -3,26 +3,27 @@ round and repeat until its median is known (costs/profile.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing as mp
 import random
 
 import pytest
 import torch
 
-from pipec.compiler.frontend import TensorSpec, ModelRequest, build_stage_graph
+from pipec.compiler.frontend import Host, TensorSpec, build_stage_graph
 from pipec.costs import costs
 from pipec.costs import profile as prof
 from pipec.model.tensors import FrontendError
 from pipec.compiler.ir.plan import Cost
+from model_requests import model_request
 
 X = TensorSpec("x", "float32", (8, 16))
 
 
-def _mlp(local_ranks: int, stages: int = 2) -> ModelRequest:
-    return ModelRequest(target="pipec.examples.mlp:build", kwargs=dict(layers=4, dim=16), inputs=(X,),
-                        num_microbatches=2, num_stages=stages, costs="profile", threads_per_rank=1,
-                        profile_reps=2, local_ranks=local_ranks)
+def _profiled(local_ranks: int, stages: int = 2, microbatches: int = 2):
+    """The MLP in ``stages`` stages, timed as ``local_ranks`` ranks of one thread each run it on this machine."""
+    req = model_request(target="pipec.examples.mlp:build", kwargs=dict(layers=4, dim=16), inputs=(X,),
+                        num_microbatches=microbatches, num_stages=stages, costs="profile")
+    return build_stage_graph(req, host=Host(threads_per_rank=1, profile_reps=2, local_ranks=local_ranks))
 
 
 @pytest.mark.parametrize("num_ranks,num_stages", [(4, 8), (4, 5), (4, 4), (4, 2), (3, 1), (2, 3)])
@@ -90,7 +91,7 @@ def test_the_split_backward_is_timed_as_the_runs_zero_bubble_stages_run_it():
 def test_a_profile_of_two_local_ranks_times_them_at_once_and_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing reused: everything timed here
     before = torch.get_num_threads()
-    sg = build_stage_graph(_mlp(local_ranks=2))
+    sg = _profiled(local_ranks=2)
     assert torch.get_num_threads() == before
     assert not mp.active_children(), "the forked profilers are joined"
     rec = sg.model["profile"]
@@ -106,11 +107,11 @@ def test_a_profile_of_two_local_ranks_times_them_at_once_and_says_so(tmp_path, m
 
 
 def test_one_rank_is_profiled_alone_and_flops_costs_record_no_profile():
-    alone = build_stage_graph(_mlp(local_ranks=1))
+    alone = _profiled(local_ranks=1)
     assert alone.model["profile"]["concurrent_ranks"] == 1 and "slowdown" not in alone.model["profile"]
-    flops = build_stage_graph(ModelRequest(target="pipec.examples.mlp:build", kwargs=dict(layers=4, dim=16),
-                                           inputs=(X,), num_microbatches=2, num_stages=2, costs="flops",
-                                           peak_flops=1e12, local_ranks=4))
+    flops = build_stage_graph(model_request(target="pipec.examples.mlp:build", kwargs=dict(layers=4, dim=16),
+                                            inputs=(X,), num_microbatches=2, num_stages=2, costs="flops",
+                                            peak_flops=1e12), host=Host(local_ranks=4))
     assert "profile" not in flops.model
 
 
@@ -172,13 +173,13 @@ def test_one_crowd_per_microbatch_shape_is_shared_by_its_cuts_one_fork_for_all_i
         return got
 
     monkeypatch.setattr(prof, "_at_once", counting)
-    two = build_stage_graph(_mlp(local_ranks=3, stages=2)).model["profile"]
-    four = build_stage_graph(_mlp(local_ranks=3, stages=4)).model["profile"]
+    two = _profiled(local_ranks=3, stages=2).model["profile"]
+    four = _profiled(local_ranks=3, stages=4).model["profile"]
     assert len(calls) == 1 and calls[0][0] == 3  # the second cut, of the same shape, reuses the first's crowd
     assert len(set(calls[0][1])) == 1  # every process timed every repeat
     assert not two["crowd"]["reused"] and four["slowdown"] == two["slowdown"] and four["crowd"] == two["crowd"]
     assert set(two["slowdown"]) == set(four["slowdown"]) == {"fwd", "bwd_i", "bwd", "optim"}
-    other = build_stage_graph(dataclasses.replace(_mlp(local_ranks=3, stages=2), num_microbatches=4)).model["profile"]
+    other = _profiled(local_ranks=3, stages=2, microbatches=4).model["profile"]
     assert len(calls) == 2 and not other["crowd"]["reused"]  # another microbatch shape: a crowd of its own
     assert not mp.active_children()
 

@@ -19,11 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipec.compiler.frontend as frontend
-from pipec.compiler.frontend import Balanced, FrontendError, TensorSpec, Markers, ModelRequest, SplitBefore, cut_stage_graph, trace_request
+from pipec.compiler.frontend import FrontendError, Host, Partition, TensorSpec, cut_stage_graph, trace_request
+from pipec.compiler.request import CompileRequest
 from pipec.costs.costs import stage_costs
 from pipec.costs.cutcost import cost_split, cut_costs
 from pipec.model.partition import split_graph
 from pipec.model.trace import pipe_split
+from model_requests import changed, model_request
 
 GPT = ("pipec.examples.gpt:build", dict(layers=3, dim=16, heads=2, vocab=32, seq=8), (TensorSpec("tokens", "int64", (4, 8)),))
 MLP = ("pipec.examples.mlp:build", dict(layers=4, dim=8), (TensorSpec("x", "float32", (4, 8)),))
@@ -68,12 +70,12 @@ def both(outputs, target):  # noqa: ANN001 - Odd's loss: it returns two tensors
 ODD = ("test_cutcost:odd", {}, TWO)
 
 
-def _req(model, *, stages, costs="flops", partition=None, microbatches=2, **kw) -> ModelRequest:
+def _req(model, *, stages, costs="flops", partition=Partition("auto"), microbatches=2, **kw) -> CompileRequest:
     target, kwargs, inputs = model
     loss = "test_cutcost:both" if model is ODD else "cross_entropy"
     targets = (TensorSpec("target", "float32", (inputs[0].shape[0],)),) if model is ODD else ()  # a custom loss's
-    return ModelRequest(target=target, kwargs=kwargs, inputs=inputs, num_microbatches=microbatches, num_stages=stages,
-                        costs=costs, peak_flops=1e12, partition=partition, loss=loss, targets=targets, **kw)
+    return model_request(target=target, kwargs=kwargs, inputs=inputs, num_microbatches=microbatches, num_stages=stages,
+                         costs=costs, peak_flops=1e12, partition=partition, loss=loss, targets=targets, **kw)
 
 
 def _fast(tm, req, monkeypatch) -> frontend.StageGraph:
@@ -83,13 +85,15 @@ def _fast(tm, req, monkeypatch) -> frontend.StageGraph:
         return cut_stage_graph(tm, req, runnable=False)
 
 
+AUTO = Partition("auto")
 CASES = [
-    (GPT, 2, None, {}), (GPT, 4, Balanced("params"), {}), (GPT, 5, Balanced("memory"), {"recompute": frozenset({0, 3})}),
-    (GPT, 3, SplitBefore(("blocks.1", "ln_f")), {}), (GPT, 3, None, {"trace": "export"}),
-    (GPT, 4, None, {"dtype": "bfloat16"}), (GPT, 1, None, {}), (GPT, 2, None, {"costs": "unit"}),
-    (MLP, 3, None, {}), (MLP, 6, Balanced("params"), {"recompute": True}),
-    (SKIP, 3, None, {}), (SKIP, 5, Balanced("params"), {}), (SKIP, 4, None, {"trace": "export"}),
-    (ODD, 2, None, {}), (ODD, 2, Markers(), {"trace": "export"}), (ODD, 3, Balanced("params"), {}),
+    (GPT, 2, AUTO, {}), (GPT, 4, Partition("balanced", "params"), {}),
+    (GPT, 5, Partition("balanced", "memory"), {"recompute": frozenset({0, 3})}),
+    (GPT, 3, Partition("split", split_before=("blocks.1", "ln_f")), {}), (GPT, 3, AUTO, {"trace": "export"}),
+    (GPT, 4, AUTO, {"dtype": "bfloat16"}), (GPT, 1, AUTO, {}), (GPT, 2, AUTO, {"costs": "unit"}),
+    (MLP, 3, AUTO, {}), (MLP, 6, Partition("balanced", "params"), {"recompute": True}),
+    (SKIP, 3, AUTO, {}), (SKIP, 5, Partition("balanced", "params"), {}), (SKIP, 4, AUTO, {"trace": "export"}),
+    (ODD, 2, AUTO, {}), (ODD, 2, Partition("markers"), {"trace": "export"}), (ODD, 3, Partition("balanced", "params"), {}),
 ]
 
 
@@ -162,7 +166,7 @@ def test_profile_costs_take_the_full_cut(monkeypatch):
     called = []
     real = frontend.split_graph
     monkeypatch.setattr(frontend, "split_graph", lambda *a, **k: called.append(1) or real(*a, **k))
-    cut_stage_graph(tm, req, runnable=False)
+    cut_stage_graph(tm, req, host=Host(), runnable=False)
     assert called
 
 
@@ -179,7 +183,7 @@ def test_a_trace_annotated_again_at_another_shape_equals_a_new_trace(model, dtyp
             fresh.cuts.crossing_bytes, fresh.cuts.valid, fresh.cuts.unit_start)
         assert again.table is not None
         for stages, by in ((1, "flops"), (2, "memory"), (3, "flops"), (4, "params")):
-            r = dataclasses.replace(req, num_stages=stages, partition=Balanced(by))
+            r = changed(req, num_stages=stages, partition=Partition("balanced", by))
             assert cut_stage_graph(again, r, runnable=False) == cut_stage_graph(fresh, r)
         assert _annotations(first) == _annotations(trace_request(_req(model, stages=2, microbatches=4, dtype=dtype)))
 
@@ -317,7 +321,7 @@ def test_tune_with_profile_costs_confirms_no_cut_it_made_the_full_way(tmp_path, 
 
     req = _req(MLP, stages=2, costs="profile")
     tm = trace_request(req)
-    graph = cut_stage_graph(tm, req, runnable=False)
+    graph = cut_stage_graph(tm, req, host=Host(), runnable=False)
     recut = []
     real = frontend.cut_stage_graph
     monkeypatch.setattr(frontend, "cut_stage_graph", lambda *a, **k: recut.append(1) or real(*a, **k))

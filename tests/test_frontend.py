@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipec.compiler.frontend import Balanced, FrontendError, TensorSpec, ModelRequest, SplitBefore, build_stage_graph
+from pipec.compiler.frontend import FrontendError, Host, TensorSpec, build_stage_graph
 from pipec.views.graph import render_graph
 from pipec.compiler.ir.program import Program
 from pipec.compiler.driver import compile_request
-from pipec.compiler.request import CompileRequest, ModelSpec, PartitionRequest
+from pipec.compiler.request import CompileRequest, ModelSpec, Partition
 from pipec.compiler.passes.memory import MemoryBudgetError, check_memory, state_bytes
 from pipec.compiler.ir.plan import Mesh, Plan
 from pipec.compiler.ir.plan_json import read_plan, write_plan
@@ -22,6 +22,7 @@ from pipec.model.weights import module_seed
 from pipec.runtime.stages import build_reference, build_stages, run_stages
 from pipec.model import weights
 from pipec.errors import PipecError, UserCodeError
+from model_requests import changed, model_request
 
 GPT = "pipec.examples.gpt:build"
 GPT_ARGS = dict(layers=4, dim=32, heads=2, vocab=64, seq=16)
@@ -38,9 +39,9 @@ def plan_of(sg, placement=None) -> Plan:
                 ties=sg.ties, model=sg.model)
 
 
-def request(target=GPT, kwargs=GPT_ARGS, inputs=(TOKENS,), stages=4, **kw) -> ModelRequest:
-    return ModelRequest(target=target, kwargs=kwargs, inputs=inputs, num_microbatches=2, num_stages=stages,
-                        costs=kw.pop("costs", "unit"), **kw)
+def request(target=GPT, kwargs=GPT_ARGS, inputs=(TOKENS,), stages=4, **kw) -> CompileRequest:
+    return model_request(target=target, kwargs=kwargs, inputs=inputs, num_microbatches=2, num_stages=stages,
+                         costs=kw.pop("costs", "unit"), **kw)
 
 
 def batch_for(plan: Plan, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -119,7 +120,7 @@ def test_mlp_stages_reproduce_outputs_and_gradients():
 def test_skip_connection_is_a_direct_edge_and_stages_match():
     x = TensorSpec("x", "float32", (8, 16))
     sg = build_stage_graph(request("pipec.examples.skip:build", dict(layers=8, dim=16, skip_from=1, skip_to=6), (x,),
-                                   partition=SplitBefore(("blocks.2", "blocks.4", "blocks.6"))))
+                                   partition=Partition("split", split_before=("blocks.2", "blocks.4", "blocks.6"))))
     pairs = [(e.src_stage, e.dst_stage) for e in sg.edges]
     assert pairs == [(0, 1), (0, 3), (1, 2), (2, 3)]
     skip = next(e for e in sg.edges if (e.src_stage, e.dst_stage) == (0, 3))
@@ -133,7 +134,7 @@ def test_skip_connection_is_a_direct_edge_and_stages_match():
 def test_bfloat16_signatures_follow_autocast():
     # cut inside the MLP: the GELU output crosses, and under bf16 autocast it is bf16
     sg = build_stage_graph(request(kwargs=dict(GPT_ARGS, layers=2), stages=2, dtype="bfloat16",
-                                   partition=SplitBefore(("blocks.0.mlp.proj",))))
+                                   partition=Partition("split", split_before=("blocks.0.mlp.proj",))))
     dtypes = {t.name: t.dtype for t in sg.edges[0].tensors}
     assert dtypes["gelu"] == "bfloat16" and dtypes["add_1"] == "float32"
     assert sg.model["traced_on"] == "fake"
@@ -149,7 +150,7 @@ def test_bfloat16_signatures_follow_autocast():
 
 def test_init_module_weights_do_not_depend_on_the_partition():
     a = plan_of(build_stage_graph(request(stages=2)))
-    b = plan_of(build_stage_graph(request(stages=3, partition=SplitBefore(("blocks.1", "ln_f")))))
+    b = plan_of(build_stage_graph(request(stages=3, partition=Partition("split", split_before=("blocks.1", "ln_f")))))
     ref = build_reference(a, seed=7, init="module").canonical_params()
     for plan in (a, b):
         for mod in build_stages(plan, range(plan.num_stages), seed=7, init="module").values():
@@ -260,7 +261,7 @@ def test_init_auto_is_module_when_every_module_has_an_init_path_else_exact_else_
     assert sg.model["init"] == "exact"  # the root's wpe: _init_weights(root) does not set it
     plan = plan_of(sg)
     ref = build_reference(plan, seed=4, init="exact").canonical_params()
-    for p_ in (plan, plan_of(build_stage_graph(dataclasses.replace(nano, num_stages=3)))):
+    for p_ in (plan, plan_of(build_stage_graph(changed(nano, num_stages=3)))):
         for mod in build_stages(p_, range(p_.num_stages), seed=4, init="auto").values():  # the plan's resolution
             for name, p in mod.canonical_params().items():
                 assert torch.equal(p, ref[name]), name
@@ -280,7 +281,7 @@ def test_flops_costs_recompute_and_activation_bytes():
     x = TensorSpec("x", "float32", (8, 16))
     args = dict(layers=2, dim=16, hidden=32)
     base = request("pipec.examples.mlp:build", args, (x,), stages=2, costs="flops", peak_flops=1e9,
-                   partition=SplitBefore(("blocks.1",)))
+                   partition=Partition("split", split_before=("blocks.1",)))
     sg = build_stage_graph(base)
     mb = 4  # batch 8 over 2 microbatches
     block = 2 * mb * 16 * 32 * 2  # two linears: 2*M*K*N each
@@ -294,23 +295,23 @@ def test_flops_costs_recompute_and_activation_bytes():
     assert st0.param_bytes == 4 * st0.num_params
     # saved: x (fc's input), fc out (gelu's input), gelu out (proj's input), plus the output it keeps
     assert st0.activation_bytes == mb * (16 + 32 + 32 + 16) * 4
-    rc = build_stage_graph(dataclasses.replace(base, recompute=frozenset({0})))
+    rc = build_stage_graph(changed(base, recompute=frozenset({0})))
     assert rc.stages[0].activation_bytes == mb * 16 * 4  # its input only
     assert rc.full_activation_bytes[0] == st0.activation_bytes
     assert rc.stages[0].cost.bwd == pytest.approx(st0.cost.bwd + st0.cost.fwd)
     assert rc.stages[1].cost == sg.stages[1].cost
-    rc1 = build_stage_graph(dataclasses.replace(base, recompute=True))
+    rc1 = build_stage_graph(changed(base, recompute=True))
     assert rc1.stages[1].cost.bwd_i == pytest.approx(st1.cost.bwd_i + st1.cost.fwd)
     assert rc1.stages[1].cost.bwd_w == st1.cost.bwd_w
     with pytest.raises(FrontendError, match="peak_flops"):
-        build_stage_graph(dataclasses.replace(base, peak_flops=None))
+        build_stage_graph(changed(base, peak_flops=None))
 
 
 def test_profile_costs_are_measured_with_the_rank_thread_count():
     x = TensorSpec("x", "float32", (8, 16))
     before = torch.get_num_threads()
     sg = build_stage_graph(request("pipec.examples.mlp:build", dict(layers=4, dim=16), (x,), stages=2,
-                                   costs="profile", threads_per_rank=1, profile_reps=2))
+                                   costs="profile"), host=Host(threads_per_rank=1, profile_reps=2))
     assert torch.get_num_threads() == before
     for st in sg.stages:
         c = st.cost
@@ -322,7 +323,7 @@ def test_profile_costs_are_measured_with_the_rank_thread_count():
 def _compiled(device_memory=None) -> Plan:
     """The test GPT compiled by the driver: zbv on 2 ranks, placement 0 1 1 0 (rank 0 holds both tied copies)."""
     model = ModelSpec(target=GPT, kwargs=GPT_ARGS, inputs=(TensorSpec("tokens", "int64", (4, 16)),),
-                      partition=PartitionRequest(method="split", split_before=("blocks.1", "blocks.2", "blocks.3")),
+                      partition=Partition("split", split_before=("blocks.1", "blocks.2", "blocks.3")),
                       costs="unit", trace="auto")
     return compile_request(CompileRequest(schedule="zbv", mesh=Mesh(pp=2), num_chunks=2, num_microbatches=2,
                                           model=model, device_memory=device_memory)).plan
@@ -360,7 +361,7 @@ def _gpt_params():
 # ----------------------------------------------------------------------------- errors
 
 
-def _refused(req: ModelRequest, key: str, match: str, kind=FrontendError) -> PipecError:
+def _refused(req: CompileRequest, key: str, match: str, kind=FrontendError) -> PipecError:
     with pytest.raises(kind, match=match) as err:
         build_stage_graph(req)
     assert err.value.key == key, err.value
@@ -376,7 +377,7 @@ def raises_value_error(**kw):
 
 
 def test_request_errors_say_what_to_do_and_name_their_key():
-    _refused(dataclasses.replace(request(), num_microbatches=3), "microbatches",
+    _refused(changed(request(), num_microbatches=3), "microbatches",
              "microbatches 3 does not divide the input's batch of 4", kind=PipecError)
     _refused(request(inputs=(TensorSpec("ids", "int64", (4, 16)),)), "input", "not an argument of GPT.forward")
     _refused(request(inputs=(TensorSpec("tokens", "int65", (4, 16)),)), "input", "int65")
@@ -390,7 +391,7 @@ def test_request_errors_say_what_to_do_and_name_their_key():
                    kind=UserCodeError)
     assert isinstance(err.original, ValueError)
     _refused(request(recompute=frozenset({9})), "recompute", "recompute names stage 9")
-    _refused(request(partition=Balanced("speed")), "partition", "balanced")
+    _refused(request(partition=Partition("balanced", "speed")), "partition", "balanced")
     _refused(request(costs="flops"), "costs", "peak_flops")
 
 
@@ -454,7 +455,7 @@ def test_a_model_beside_the_schedule_file_is_found_by_compile_and_by_ranks_from_
 
 
 def test_render_writes_dot_source_and_says_how_to_render_without_dot(tmp_path, monkeypatch):
-    sg = build_stage_graph(request(stages=3, partition=SplitBefore(("blocks.1", "blocks.3")))).place([0, 1, 2])
+    sg = build_stage_graph(request(stages=3, partition=Partition("split", split_before=("blocks.1", "blocks.3")))).place([0, 1, 2])
     assert render_graph(sg, tmp_path / "g.dot") == f"wrote {tmp_path / 'g.dot'}"
     src = (tmp_path / "g.dot").read_text()
     assert "stage 0 · rank 0" in src and "tie wte.weight" in src

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipec.compiler.frontend import TensorSpec, ModelRequest, SplitBefore, build_stage_graph
+from pipec.compiler.frontend import Partition, TensorSpec, build_stage_graph
+from model_requests import model_request
 from test_frontend import assert_stages_match, plan_of
 
 
@@ -27,10 +28,10 @@ def encoder(**kwargs) -> nn.Module:
 
 
 def test_transformer_encoder_one_layer_per_stage():
-    sg = build_stage_graph(ModelRequest(
+    sg = build_stage_graph(model_request(
         target="test_frontend_real:encoder", kwargs=dict(layers=4), inputs=(TensorSpec("x", "float32", (4, 6, 32)),),
         num_microbatches=2, num_stages=4, costs="unit",
-        partition=SplitBefore(("enc.layers.1", "enc.layers.2", "enc.layers.3")),
+        partition=Partition("split", split_before=("enc.layers.1", "enc.layers.2", "enc.layers.3")),
     ))
     assert sg.model["trace"] == "export" and "enc" in sg.notes[0]  # fx keeps the encoder as one leaf
     for s, st in enumerate(sg.stages):

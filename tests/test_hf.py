@@ -6,7 +6,6 @@ the few tests that need it.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -15,10 +14,11 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'transformers>=5,<6')")
 
-from pipec.compiler.frontend import TensorSpec, ModelRequest, build_stage_graph, resolve_init  # noqa: E402
+from pipec.compiler.frontend import TensorSpec, build_stage_graph, resolve_init  # noqa: E402
 from pipec.runtime.stages import build_stages  # noqa: E402
 from pipec.model.weights import initial_values  # noqa: E402
 from test_frontend import assert_stages_match, plan_of  # noqa: E402
+from model_requests import changed, model_request  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -38,9 +38,9 @@ def loss(logits: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("init", ["module", "exact"])
 def test_gpt2_stages_reproduce_outputs_and_gradients(init):
-    sg = build_stage_graph(ModelRequest(
+    sg = build_stage_graph(model_request(
         target="test_hf:gpt2", inputs=(TensorSpec("input_ids", "int64", (4, 16)),), num_microbatches=2, num_stages=3,
-        costs="unit", partition=None,
+        costs="unit",
     ))
     assert sg.model["trace"] == "export" and "fx failed" in sg.notes[0]
     (tie,) = sg.ties  # the LM head is tied to the token embedding
@@ -79,13 +79,13 @@ def test_init_auto_is_module_for_wrapped_hugging_face_models_and_independent_of_
                                seed=0, init="module")
     assert torch.equal(values["model.model.norm.weight"], torch.ones(32))  # _init_weights: RMSNorm weights are 1
     assert values["model.model.layers.0.mlp.up_proj.weight"].std() > 0
-    req = ModelRequest(target="test_hf:wrapped_gpt2", inputs=(TensorSpec("input_ids", "int64", (4, 16)),),
-                       num_microbatches=2, num_stages=2, costs="unit")
+    req = model_request(target="test_hf:wrapped_gpt2", inputs=(TensorSpec("input_ids", "int64", (4, 16)),),
+                        num_microbatches=2, num_stages=2, costs="unit")
     sg = build_stage_graph(req)
     assert sg.model["init"] == "module" and sg.model["notes"] == list(sg.notes)
     _, ref = assert_stages_match(plan_of(sg), loss, init="module", atol=1e-5)
     ref_params = ref.canonical_params()
-    other = plan_of(build_stage_graph(dataclasses.replace(req, num_stages=3)))
+    other = plan_of(build_stage_graph(changed(req, num_stages=3)))
     for mod in build_stages(other, range(3), seed=3, init="module").values():
         for name, p in mod.canonical_params().items():
             assert torch.equal(p, ref_params[name]), name

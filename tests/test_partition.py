@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipec.costs.costs import node_weights
-from pipec.compiler.frontend import Balanced, FrontendError, TensorSpec, Markers, ModelRequest, SplitBefore, build_stage_graph
+from pipec.compiler.frontend import FrontendError, Partition, TensorSpec, build_stage_graph
 from pipec.model.partition import analyse_cuts, assign_stages, balance, split_graph
 from pipec.runtime.stages import build_reference, build_stages, run_stages
 from pipec.model.annotate import propagate
@@ -18,6 +18,7 @@ from pipec.model.load import instantiate
 from pipec.model.tensors import example_inputs
 from pipec.model.trace import pipe_split, trace_model
 from test_frontend import plan_of
+from model_requests import model_request
 
 GPT = "pipec.examples.gpt:build"
 
@@ -73,7 +74,7 @@ def test_balancer_is_within_10_percent_of_brute_force(target, kwargs, inputs, by
     traced = traced_model(target, kwargs, inputs)
     cuts = analyse_cuts(traced)
     weights = node_weights(traced, cuts, by)
-    stage_of = assign_stages(traced, cuts, Balanced(by), stages, weights)
+    stage_of = assign_stages(traced, cuts, Partition("balanced", by), stages, weights)
     assert sorted(set(stage_of.values())) == list(range(stages))
     order = [stage_of[n.name] for n in cuts.nodes]
     assert order == sorted(order)  # contiguous
@@ -82,9 +83,9 @@ def test_balancer_is_within_10_percent_of_brute_force(target, kwargs, inputs, by
 
 
 def test_balancer_prefers_cuts_between_layers():
-    sg = build_stage_graph(ModelRequest(
+    sg = build_stage_graph(model_request(
         target=GPT, kwargs=dict(layers=4, dim=32, heads=2, vocab=64, seq=16), inputs=(TensorSpec("tokens", "int64", (4, 16)),),
-        num_microbatches=2, num_stages=2, costs="unit", partition=Balanced("params")))
+        num_microbatches=2, num_stages=2, costs="unit", partition=Partition("balanced", "params")))
     # one tensor, the residual stream, crosses between two blocks
     assert [t.shape for t in sg.edges[0].tensors] == [(2, 16, 32)]
 
@@ -95,7 +96,7 @@ def test_balancer_prefers_cuts_between_layers():
 def test_split_before_module_paths():
     traced = traced_model(GPT, dict(layers=4, dim=16, heads=2, vocab=32, seq=8), (TensorSpec("tokens", "int64", (2, 8)),))
     cuts = analyse_cuts(traced)
-    stage_of = assign_stages(traced, cuts, SplitBefore(("blocks.2",)), 2)
+    stage_of = assign_stages(traced, cuts, Partition("split", split_before=("blocks.2",)), 2)
     first_of_1 = next(n for n in cuts.nodes if stage_of[n.name] == 1)
     assert first_of_1.name == "blocks_2_ln1"
     assert all(stage_of[n] == 0 for n in ("wte", "blocks_1_mlp_proj")) and stage_of["lm_head"] == 1
@@ -109,20 +110,20 @@ def test_split_point_errors_name_the_problem():
     traced = traced_model(GPT, dict(layers=2, dim=16, heads=2, vocab=32, seq=8), (TensorSpec("tokens", "int64", (2, 8)),))
     cuts = analyse_cuts(traced)
     with pytest.raises(FrontendError, match=r"'block.1'.*did you mean blocks.1"):
-        assign_stages(traced, cuts, SplitBefore(("block.1",)), 2)
+        assign_stages(traced, cuts, Partition("split", split_before=("block.1",)), 2)
     with pytest.raises(FrontendError, match=r"'layers.1'.*did you mean blocks.1\? \(the model's layers are "
                                             r"blocks.0 .. blocks.1\)") as err:
-        assign_stages(traced, cuts, SplitBefore(("blocks.1", "layers.1")), 3)
+        assign_stages(traced, cuts, Partition("split", split_before=("blocks.1", "layers.1")), 3)
     assert (err.value.key, err.value.index) == ("partition", 1)  # the second split point
     with pytest.raises(FrontendError, match="gives 2 stages but stages is 4; list 3 split points or set stages 2"):
-        assign_stages(traced, cuts, SplitBefore(("blocks.1",)), 4)
+        assign_stages(traced, cuts, Partition("split", split_before=("blocks.1",)), 4)
     with pytest.raises(FrontendError, match="gives 3 stages but stages is 2; list 1 split point or set stages 3"):
-        assign_stages(traced, cuts, SplitBefore(("blocks.0", "blocks.1")), 2)
+        assign_stages(traced, cuts, Partition("split", split_before=("blocks.0", "blocks.1")), 2)
     mlp = traced_model("pipec.examples.mlp:build", dict(layers=2, dim=8), X)
     with pytest.raises(FrontendError, match="leaves stage 0 empty"):
-        assign_stages(mlp, analyse_cuts(mlp), SplitBefore(("blocks.0",)), 2)
+        assign_stages(mlp, analyse_cuts(mlp), Partition("split", split_before=("blocks.0",)), 2)
     with pytest.raises(FrontendError, match="in model order"):
-        assign_stages(traced, cuts, SplitBefore(("blocks.1", "blocks.0")), 3)
+        assign_stages(traced, cuts, Partition("split", split_before=("blocks.1", "blocks.0")), 3)
 
 
 class _Linears(nn.Module):
@@ -178,15 +179,16 @@ def test_a_tuple_crossing_a_cut_is_refused_naming_the_node():
     traced = traced_model("test_partition:Chunked", {}, X)
     cuts = analyse_cuts(traced)
     with pytest.raises(FrontendError, match=r"cannot split before 'post': node 'chunk' \(tuple of tensors\)"):
-        assign_stages(traced, cuts, SplitBefore(("post",)), 2)
+        assign_stages(traced, cuts, Partition("split", split_before=("post",)), 2)
     # the balancer avoids it
-    stage_of = assign_stages(traced, cuts, Balanced("flops"), 2, node_weights(traced, cuts, "flops"))
+    stage_of = assign_stages(traced, cuts, Partition("balanced", "flops"), 2, node_weights(traced, cuts, "flops"))
     assert stage_of["chunk"] == stage_of["getitem_1"]
 
 
 def test_python_values_crossing_a_cut_are_folded_and_inputs_routed_through_stage_0():
-    sg = build_stage_graph(ModelRequest(target="test_partition:Shapes", inputs=(TensorSpec("x", "float32", (8, 8)),),
-                                        num_microbatches=2, num_stages=2, costs="unit", partition=SplitBefore(("b",))))
+    sg = build_stage_graph(model_request(target="test_partition:Shapes", inputs=(TensorSpec("x", "float32", (8, 8)),),
+                                         num_microbatches=2, num_stages=2, costs="unit",
+                                         partition=Partition("split", split_before=("b",))))
     # B and D are constants in stage 1; x reaches stage 1 from stage 0
     names = [t.name for t in sg.edges[0].tensors]
     assert names == ["a", "x_to_stages"]
@@ -199,28 +201,28 @@ def test_python_values_crossing_a_cut_are_folded_and_inputs_routed_through_stage
 
 def test_pipe_split_markers_partition_the_model():
     for mode in ("fx", "export"):
-        sg = build_stage_graph(ModelRequest(target="test_partition:Marked", inputs=X, num_microbatches=1, num_stages=3,
-                                            costs="unit", trace=mode))
+        sg = build_stage_graph(model_request(target="test_partition:Marked", inputs=X, num_microbatches=1, num_stages=3,
+                                             costs="unit", trace=mode))
         assert sg.model["trace"] == mode
         assert [st.params for st in sg.stages] == [("a.weight", "a.bias"), ("b.weight", "b.bias"), ("c.weight", "c.bias")]
     with pytest.raises(FrontendError, match="2 pipe_split markers gives 3 stages but stages is 2"):
-        build_stage_graph(ModelRequest(target="test_partition:Marked", inputs=X, num_microbatches=1, num_stages=2,
-                                       costs="unit", partition=Markers()))
+        build_stage_graph(model_request(target="test_partition:Marked", inputs=X, num_microbatches=1, num_stages=2,
+                                        costs="unit", partition=Partition("markers")))
     with pytest.raises(FrontendError, match="has none"):
-        build_stage_graph(ModelRequest(target="test_partition:Shapes", inputs=X, num_microbatches=1, num_stages=2,
-                                       costs="unit", partition=Markers()))
+        build_stage_graph(model_request(target="test_partition:Shapes", inputs=X, num_microbatches=1, num_stages=2,
+                                        costs="unit", partition=Partition("markers")))
 
 
 def test_too_many_stages_is_refused():
     with pytest.raises(FrontendError, match="at most"):
-        build_stage_graph(ModelRequest(target="test_partition:Marked", inputs=X, num_microbatches=1, num_stages=40,
-                                       costs="unit", partition=Balanced("flops")))
+        build_stage_graph(model_request(target="test_partition:Marked", inputs=X, num_microbatches=1, num_stages=40,
+                                        costs="unit", partition=Partition("balanced", "flops")))
 
 
 def test_balance_by_measured_time():
-    sg = build_stage_graph(ModelRequest(
+    sg = build_stage_graph(model_request(
         target="pipec.examples.mlp:build", kwargs=dict(layers=6, dim=32), inputs=(TensorSpec("x", "float32", (8, 32)),),
-        num_microbatches=1, num_stages=3, costs="unit", partition=Balanced("time")))
+        num_microbatches=1, num_stages=3, costs="unit", partition=Partition("balanced", "time")))
     assert [len(st.nodes) for st in sg.stages] and all(st.params for st in sg.stages)
     held = [p for st in sg.stages for p in st.params]
     assert held == sorted(set(held), key=held.index) and len(held) == 6 * 4 + 2  # each parameter in one stage

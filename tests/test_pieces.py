@@ -5,7 +5,6 @@ its own stages."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 from torch import nn
@@ -13,21 +12,22 @@ from torch import nn
 from conftest import spec_file
 
 from pipec.cli import main
-from pipec.compiler.frontend import ModelRequest, TensorSpec, cut_stage_graph, trace_request
+from pipec.compiler.frontend import Partition, TensorSpec, cut_stage_graph, trace_request
 from pipec.costs import costs as costs_pass
 from pipec.costs import pieces as pieces_mod
-from pipec.model.partition import Balanced, split_graph
+from pipec.model.partition import split_graph
 from pipec.costs.pieces import Pieces, _stage_of, cut_positions, grid_of
 from pipec.costs.timings import stage_digest
 from pipec.costs.profile import Profiling
 from pipec.compiler.ir.plan import Cost
+from model_requests import changed, model_request
 
 GPT = dict(layers=4, dim=32, heads=2, vocab=64, seq=8)
 
 
 def _gpt(mb: int = 2, **kw):
-    req = ModelRequest(target="pipec.examples.gpt:build", kwargs={**GPT, **kw}, num_microbatches=1, num_stages=1,
-                       inputs=(TensorSpec("tokens", "int64", (mb, 8)),), costs="unit")
+    req = model_request(target="pipec.examples.gpt:build", kwargs={**GPT, **kw}, num_microbatches=1, num_stages=1,
+                        inputs=(TensorSpec("tokens", "int64", (mb, 8)),), costs="unit")
     return req, trace_request(req)
 
 
@@ -63,8 +63,8 @@ def test_layers_alike_are_one_kind_and_a_wider_one_is_not():
     split = split_graph(tm.traced, _stage_of(tm, grid), len(grid) + 1)
     kinds = [stage_digest(split, s) for s in range(split.num_stages)]
     assert len(set(kinds[1:5])) == 1 and len(set(kinds)) == 3        # embedding, the blocks, the head
-    req = ModelRequest(target=f"{__name__}:build_widths", num_microbatches=1, num_stages=1,
-                       inputs=(TensorSpec("x", "float32", (4, 8)),), costs="unit", loss="mse")
+    req = model_request(target=f"{__name__}:build_widths", num_microbatches=1, num_stages=1,
+                        inputs=(TensorSpec("x", "float32", (4, 8)),), costs="unit", loss="mse")
     tm = trace_request(req)
     grid = grid_of(tm)
     split = split_graph(tm.traced, _stage_of(tm, grid), len(grid) + 1)
@@ -98,9 +98,9 @@ def test_a_cut_is_priced_as_its_stages_would_time(monkeypatch):
     monkeypatch.setattr(costs_pass, "time_nodes", lambda traced, *a, **kw: {
         n.name: float(n.meta.get("pipec_flops", 0)) for n in traced.gm.graph.nodes})
     req, tm = _gpt(mb=2)
-    priced = Pieces(Profiling(), kwargs=req.kwargs, calibration=lambda: tm)
+    priced = Pieces(Profiling(), kwargs=req.model.kwargs, calibration=lambda: tm)
     for stages in (1, 2, 3, 5, 9):   # 3, 5 and 9 stages cut inside the blocks, 9 among the head's nodes too
-        r = replace(req, num_stages=stages, partition=Balanced("flops"))
+        r = changed(req, num_stages=stages, partition=Partition("balanced", "flops"))
         cut = cut_stage_graph(tm, r, runnable=False)
         got = priced.price(tm, cut)
         full = cut_stage_graph(tm, r)        # the same cut, its stages built: what timing them gives

@@ -22,17 +22,27 @@ import torch
 from conftest import PYTHON, REPO
 from pipec.compiler import progress
 from pipec.costs import cache
-from pipec.compiler.frontend import ModelRequest, SplitBefore, TensorSpec, build_stage_graph
+from pipec.compiler.frontend import Host, Partition, TensorSpec, build_stage_graph
+from pipec.compiler.request import CompileRequest
 from pipec.costs import links
 from pipec.costs import profile as prof
+from model_requests import model_request
 
 X = TensorSpec("x", "float32", (8, 16))
 
 
-def _mlp(**kw) -> ModelRequest:
+HOST = Host(threads_per_rank=1, profile_reps=2, local_ranks=1)
+"""One rank of one thread here, each stage timed twice."""
+
+
+def _mlp(**kw) -> CompileRequest:
     base = dict(target="pipec.examples.mlp:build", kwargs=dict(layers=4, dim=16), inputs=(X,), num_microbatches=2,
-                num_stages=2, costs="profile", threads_per_rank=1, profile_reps=2, local_ranks=1)
-    return ModelRequest(**{**base, **kw})
+                num_stages=2, costs="profile")
+    return model_request(**{**base, **kw})
+
+
+def _graph(req: CompileRequest, host: Host = HOST):
+    return build_stage_graph(req, host=host)
 
 
 @pytest.fixture(autouse=True)
@@ -70,9 +80,9 @@ def timed(monkeypatch):
 
 
 def test_an_unchanged_model_is_timed_once(timed):
-    first = build_stage_graph(_mlp())
+    first = _graph(_mlp())
     new_process()
-    again = build_stage_graph(_mlp(num_microbatches=2, recompute=True))  # recompute: nothing more is timed
+    again = _graph(_mlp(num_microbatches=2, recompute=True))  # recompute: nothing more is timed
     assert timed["alone"] == [[0, 1]]  # the second compile timed nothing
     rec0, rec1 = first.model["profile"], again.model["profile"]
     assert [st["reused"] for st in rec0["stages"]] == [False, False]
@@ -84,9 +94,9 @@ def test_an_unchanged_model_is_timed_once(timed):
 
 @pytest.mark.parametrize("change", ["model", "shape", "dtype", "threads", "torch"])
 def test_what_decides_a_timing_changed_times_it_again(change, timed, monkeypatch):
-    build_stage_graph(_mlp())
+    _graph(_mlp())
     new_process()
-    req = _mlp()
+    req, host = _mlp(), HOST
     if change == "model":
         req = _mlp(kwargs=dict(layers=4, dim=16, hidden=32))
     elif change == "shape":
@@ -94,35 +104,36 @@ def test_what_decides_a_timing_changed_times_it_again(change, timed, monkeypatch
     elif change == "dtype":
         req = _mlp(dtype="bfloat16")
     elif change == "threads":
-        req = _mlp(threads_per_rank=2)
+        host = dataclasses.replace(HOST, threads_per_rank=2)
     else:
         monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
-    got = build_stage_graph(req).model["profile"]
+    got = _graph(req, host).model["profile"]
     assert timed["alone"] == [[0, 1], [0, 1]], change
     assert not any(st["reused"] for st in got["stages"])
 
 
 def test_a_stage_of_another_cut_is_reused_and_so_is_the_crowd_of_its_shape(timed):
-    three = _mlp(num_stages=3, partition=SplitBefore(("blocks.1", "blocks.2")), local_ranks=2)
-    two = _mlp(num_stages=2, partition=SplitBefore(("blocks.1",)), local_ranks=2)
-    build_stage_graph(three)
+    three = _mlp(num_stages=3, partition=Partition("split", split_before=("blocks.1", "blocks.2")))
+    two = _mlp(num_stages=2, partition=Partition("split", split_before=("blocks.1",)))
+    local = dataclasses.replace(HOST, local_ranks=2)
+    _graph(three, local)
     new_process()
-    got = build_stage_graph(two).model["profile"]
+    got = _graph(two, local).model["profile"]
     assert timed["alone"] == [[0, 1, 2], [1]]  # stage 0 (blocks.0) is the same stage in both cuts
     assert timed["crowds"] == 1 and got["crowd"]["reused"]  # one microbatch shape, one crowd
     assert [st["reused"] for st in got["stages"]] == [True, False]
-    build_stage_graph(dataclasses.replace(two, local_ranks=3))
+    _graph(two, dataclasses.replace(HOST, local_ranks=3))
     assert timed["crowds"] == 2  # another number of ranks sharing the host: a crowd of its own
 
 
 def test_stages_of_layers_alike_are_timed_once_in_a_compile_and_across_cuts(timed):
-    four = _mlp(num_stages=4, partition=SplitBefore(("blocks.1", "blocks.2", "blocks.3")))
-    got = build_stage_graph(four)
+    four = _mlp(num_stages=4, partition=Partition("split", split_before=("blocks.1", "blocks.2", "blocks.3")))
+    got = _graph(four)
     assert timed["alone"] == [[0, 1, 3]]  # blocks.1 and blocks.2: one layer each, alike (blocks.0 takes x)
     assert got.stages[2].cost == got.stages[1].cost and got.stages[3].cost != got.stages[1].cost
     new_process()
-    three = build_stage_graph(_mlp(num_stages=3, partition=SplitBefore(("blocks.2", "blocks.3")),
-                                   kwargs=dict(layers=4, dim=16)))
+    three = _graph(_mlp(num_stages=3, partition=Partition("split", split_before=("blocks.2", "blocks.3")),
+                        kwargs=dict(layers=4, dim=16)))
     assert timed["alone"] == [[0, 1, 3], [0]]  # blocks.0-1 is new; blocks.2 reads as blocks.1 did
     assert three.stages[1].cost == got.stages[1].cost
     assert [st["reused"] for st in three.model["profile"]["stages"]] == [False, True, True]
@@ -143,10 +154,10 @@ def test_a_tensor_parallel_stage_is_timed_sharded_as_its_rank_runs_it(monkeypatc
         return real(mod, sigs, sources, autocast)
 
     monkeypatch.setattr(timings, "_stage_runner", runner)
-    one = build_stage_graph(_mlp())
+    one = _graph(_mlp())
     assert shapes == [[(16, 64), (16, 64), (64, 16), (64, 16)]] * 2  # tp 1: whole (hidden 4 x 16)
     shapes.clear()
-    two = build_stage_graph(_mlp(tp=2))
+    two = _graph(_mlp(tp=2))
     assert shapes == [[(16, 32), (16, 32), (32, 16), (32, 16)]] * 2  # a miss, timed as tp rank 0 holds them
     for st in two.stages:
         assert st.tp is not None and st.tp.costs_local and st.tp.to_json()["costs_local"] is True
@@ -156,14 +167,14 @@ def test_a_tensor_parallel_stage_is_timed_sharded_as_its_rank_runs_it(monkeypatc
 
 
 def test_a_damaged_entry_is_named_and_measured_again(timed, root):
-    first = build_stage_graph(_mlp())
+    first = _graph(_mlp())
     files = sorted((root / "stage").glob("*.json"))
     assert len(files) == 2
     entries = {p: json.loads(p.read_text()) for p in files}
     bad = next(p for p, e in entries.items() if e["key"]["stage"] == _digest(first, 1))
     bad.write_text(bad.read_text()[:40])  # a write cut short (not ours: ours are atomic)
     new_process()
-    again = build_stage_graph(_mlp())
+    again = _graph(_mlp())
     assert timed["alone"] == [[0, 1], [1]]
     assert any(str(bad) in note and "damaged" in note for note in again.notes)
     assert [st["reused"] for st in again.model["profile"]["stages"]] == [True, False]
@@ -172,7 +183,7 @@ def test_a_damaged_entry_is_named_and_measured_again(timed, root):
                    json.dumps({**entries[bad], "value": {**entries[bad]["value"], "least": [1.0]}})):
         bad.write_text(damage)
         new_process()
-        assert any("damaged" in n for n in build_stage_graph(_mlp()).notes), damage
+        assert any("damaged" in n for n in _graph(_mlp()).notes), damage
     assert timed["alone"][2:] == [[1]] * 3
 
 
@@ -187,11 +198,11 @@ def _digest(graph, s: int) -> str:
 
 
 def test_reprofile_measures_again_once(timed):
-    build_stage_graph(_mlp())
+    _graph(_mlp())
     new_process()
     cache.reprofile()
-    got = build_stage_graph(_mlp()).model["profile"]
-    again = build_stage_graph(_mlp()).model["profile"]  # measured since --reprofile: used (tune's other cuts)
+    got = _graph(_mlp()).model["profile"]
+    again = _graph(_mlp()).model["profile"]  # measured since --reprofile: used (tune's other cuts)
     assert timed["alone"] == [[0, 1], [0, 1]]
     assert not any(st["reused"] for st in got["stages"]) and again["stages"] == got["stages"]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipec.compiler.frontend import SplitBefore
+from pipec.compiler.frontend import Partition
 from pipec.tp.tensor_parallel import plan_stage, plan_stages, shard_stage, unshard
 from pipec.model.tensors import FrontendError
 from pipec.tp.comm import ThreadGroupTP, TPComm
@@ -20,6 +20,7 @@ from pipec.compiler.ir.tensor_parallel import StageTP
 from pipec.runtime.stages import run_stages
 from test_tensor_parallel import GPT, GPT_ARGS, _close, _request, _stages, _xent, _xent_parallel
 from test_tensor_parallel import run_tp as run_sp
+from model_requests import changed, model_request
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -61,7 +62,7 @@ def _tokens(batch: int = 2, seq: int = 16) -> dict:
 
 @pytest.fixture(scope="module")
 def gpt():
-    return _stages(_request(GPT, GPT_ARGS, partition=SplitBefore(("blocks.1",))))
+    return _stages(_request(GPT, GPT_ARGS, partition=Partition("split", split_before=("blocks.1",))))
 
 
 # ----------------------------------------------------------------------------- the example GPT
@@ -209,18 +210,16 @@ def mixer() -> nn.Module:
 
 
 def test_an_op_mixing_positions_is_refused_located():
-    from dataclasses import replace
-
     from pipec.compiler.frontend import build_stage_graph
 
-    req = replace(_request("test_sequence_parallel:mixer", stages=1), tp=2, sequence_parallel=True)
+    req = changed(_request("test_sequence_parallel:mixer", stages=1), tp=2, sequence_parallel=True)
     with pytest.raises(FrontendError) as e:
         build_stage_graph(req)
     said = str(e.value)
     assert "cannot follow the sequence shard" in said and "cumsum runs along the sharded dimension" in said, said
     assert "test_sequence_parallel.py" in said and "x = x.cumsum(dim=1)" in said, said  # the user's line
     assert "sequence_parallel off" in " ".join(e.value.hints) and e.value.key == "sequence_parallel"
-    assert build_stage_graph(replace(req, sequence_parallel=False))  # without it the pairs shard
+    assert build_stage_graph(changed(req, sequence_parallel=False))  # without it the pairs shard
 
 
 class _Reuse(_AfterFirstBlock):
@@ -244,10 +243,10 @@ def test_a_weight_used_whole_and_on_the_parts_is_refused():
 
 
 def test_a_sequence_length_not_divisible_by_tp_is_refused():
-    from pipec.compiler.frontend import ModelRequest, TensorSpec
+    from pipec.compiler.frontend import TensorSpec
 
-    req = ModelRequest(target=GPT, kwargs=GPT_ARGS, inputs=(TensorSpec("tokens", "int64", (2, 10)),),
-                       num_microbatches=1, num_stages=1, costs="unit")
+    req = model_request(target=GPT, kwargs=GPT_ARGS, inputs=(TensorSpec("tokens", "int64", (2, 10)),),
+                        num_microbatches=1, num_stages=1, costs="unit")
     stages = _stages(req)
     with pytest.raises(FrontendError, match=r"sequence length 10 is not divisible by tp 4") as e:
         plan_stages([stages[0]], 4, sequence_parallel=True)
@@ -293,7 +292,7 @@ def test_split_and_gather_whole_are_each_others_gradients():
 @pytest.fixture(scope="module")
 def llama():
     pytest.importorskip("transformers")
-    return _stages(_request("test_hf:llama", name="input_ids", partition=SplitBefore(("model.model.layers.1",))))
+    return _stages(_request("test_hf:llama", name="input_ids", partition=Partition("split", split_before=("model.model.layers.1",))))
 
 
 def test_hf_llama_sequence_parallel_matches(llama):
@@ -502,7 +501,7 @@ def test_hf_gpt2_conv1d_on_the_flattened_batch_matches():
     """HF's Conv1D runs on ``x.view(-1, features)``: the rowwise output ``[B T, C]`` is B blocks of the
     positions, each cut into the tp parts; its reduce-scatter and the colwise inputs' all-gathers act per block."""
     pytest.importorskip("transformers")
-    stages = _stages(_request("test_hf:wrapped_gpt2", name="input_ids", partition=SplitBefore(("model.transformer.h.1",))))
+    stages = _stages(_request("test_hf:wrapped_gpt2", name="input_ids", partition=Partition("split", split_before=("model.transformer.h.1",))))
     plans = plan_stages([stages[0], stages[1]], 2, sequence_parallel=True)
     assert plans[0].seq_outputs and plans[1].seq_inputs == plans[0].seq_outputs
     assert "model.transformer.h.0.ln_2.weight" in plans[0].partial_params

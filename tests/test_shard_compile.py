@@ -16,7 +16,7 @@ from pipec.compiler.ir.program import SHARD_OPS, Instruction, Op, Program, parse
 from pipec.compiler.passes.memory import breakdown, padded_params, state_bytes
 from pipec.compiler.ir.plan import Mesh
 from pipec.compiler.ir.plan_json import load_plan, plan_to_json, read_plan, write_plan
-from pipec.compiler.request import CompileRequest, ModelSpec, PartitionRequest, TensorSpec
+from pipec.compiler.request import CompileRequest, ModelSpec, Partition, TensorSpec
 from pipec.compiler.sim.simulate import plan_costs
 from pipec.compiler.passes.verify import VerifyError, verify
 from pipec.dsl import DSLError, parse_spec
@@ -273,7 +273,7 @@ def thirteen_b(shard: str):
     """The note's example: a 13B GPT on the meta device, pp 1 x dp 8, unit costs (compiles in seconds)."""
     model = ModelSpec(target="pipec.examples.gpt:build", kwargs=GPT_13B,
                       inputs=(TensorSpec("tokens", "int64", (8, 2048)),),
-                      partition=PartitionRequest(method="auto"), costs="unit", trace="auto")
+                      partition=Partition("auto"), costs="unit", trace="auto")
     return compile_request(CompileRequest(schedule="1f1b", mesh=Mesh(pp=1, dp=8, shard=shard), num_microbatches=8,
                                           model=model)).plan
 

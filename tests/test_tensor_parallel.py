@@ -10,13 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipec.compiler.frontend import ModelRequest, SplitBefore, TensorSpec, build_stage_graph, trace_request
+from pipec.compiler.frontend import Partition, TensorSpec, build_stage_graph, trace_request
+from pipec.compiler.request import CompileRequest
 from pipec.tp.tensor_parallel import plan_stage, plan_stages, shard_param, shard_stage, unshard
 from pipec.model.tensors import FrontendError
 from pipec.tp.comm import ProcessGroupTP, ThreadGroupTP, TPComm, vocab_parallel_cross_entropy
 from pipec.compiler.ir.tensor_parallel import ShardedParam
 from pipec.runtime.stages import build_stages, run_stages
 from test_frontend import plan_of
+from model_requests import model_request
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -24,12 +26,12 @@ GPT = "pipec.examples.gpt:build"
 GPT_ARGS = dict(layers=2, dim=32, heads=4, vocab=64, seq=16)
 
 
-def _request(target, kwargs=None, name="tokens", stages=2, partition=None) -> ModelRequest:
-    return ModelRequest(target=target, kwargs=kwargs or {}, inputs=(TensorSpec(name, "int64", (2, 16)),),
-                        num_microbatches=1, num_stages=stages, costs="unit", partition=partition)
+def _request(target, kwargs=None, name="tokens", stages=2, partition=Partition("auto")) -> CompileRequest:
+    return model_request(target=target, kwargs=kwargs or {}, inputs=(TensorSpec(name, "int64", (2, 16)),),
+                         num_microbatches=1, num_stages=stages, costs="unit", partition=partition)
 
 
-def _stages(req: ModelRequest):
+def _stages(req: CompileRequest):
     plan = plan_of(build_stage_graph(req))
     return build_stages(plan, range(plan.num_stages), seed=3)
 
@@ -136,7 +138,7 @@ def _auto(stages, tp: int = 2):
 
 @pytest.fixture(scope="module")
 def gpt():
-    return _stages(_request(GPT, GPT_ARGS, partition=SplitBefore(("blocks.1",))))
+    return _stages(_request(GPT, GPT_ARGS, partition=Partition("split", split_before=("blocks.1",))))
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -207,7 +209,7 @@ def test_gpt_explicit_patterns(gpt):
 def hf_stages(target: str, before: str):
     """A Hugging Face model's two stages (split before module ``before``), skipped without transformers."""
     pytest.importorskip("transformers")
-    return _stages(_request(target, name="input_ids", partition=SplitBefore((before,))))
+    return _stages(_request(target, name="input_ids", partition=Partition("split", split_before=(before,))))
 
 
 @pytest.fixture(scope="module")
@@ -254,9 +256,9 @@ def test_hf_llama_fewer_kv_heads_than_tp_is_refused(llama):
 
 
 def test_torch_transformer_encoder_layer_fused_in_proj():
-    req = ModelRequest(target="test_frontend_real:encoder", kwargs=dict(layers=2), num_microbatches=1, num_stages=2,
-                       inputs=(TensorSpec("x", "float32", (2, 6, 32)),), costs="unit",
-                       partition=SplitBefore(("enc.layers.1",)))
+    req = model_request(target="test_frontend_real:encoder", kwargs=dict(layers=2), num_microbatches=1, num_stages=2,
+                        inputs=(TensorSpec("x", "float32", (2, 6, 32)),), costs="unit",
+                        partition=Partition("split", split_before=("enc.layers.1",)))
     stages = _stages(req)
     plans = [plan_stage(stages[s], 2) for s in range(2)]
     styles = _styles(plans[0]) | _styles(plans[1])
@@ -285,7 +287,7 @@ def test_pattern_naming_a_module_that_cannot_be_sharded_is_refused(gpt):
 
 
 def test_colwise_without_its_rowwise_partner_is_refused_located(gpt):
-    req = _request(GPT, GPT_ARGS, partition=SplitBefore(("blocks.1",)))
+    req = _request(GPT, GPT_ARGS, partition=Partition("split", split_before=("blocks.1",)))
     traced = trace_request(req).traced
     with pytest.raises(FrontendError, match=r"cannot shard node 'blocks_0_mlp_proj' at \S*gpt.py:\d+ \(in forward: "
                                             r"return self.proj\(F.gelu\(self.fc\(x\)\)\)\): blocks.0.mlp.proj is "
@@ -393,7 +395,7 @@ def test_explicit_vocab_style_and_its_refusals(gpt):
 
 
 def test_a_head_whose_vocabulary_tp_does_not_divide_stays_whole():
-    stages = _stages(_request(GPT, {**GPT_ARGS, "vocab": 66}, partition=SplitBefore(("blocks.1",))))
+    stages = _stages(_request(GPT, {**GPT_ARGS, "vocab": 66}, partition=Partition("split", split_before=("blocks.1",))))
     plans, styles = _auto(stages, 4)
     assert styles["lm_head"] == styles["wte"] == "replicated" and not plans[1].loss_parallel
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from pipec.compiler.config import DEFAULTS
-from pipec.compiler.driver import compile_request, model_request, schedule_order
+from pipec.compiler.driver import compile_request, schedule_order
 from pipec.compiler.frontend import build_stage_graph
 from pipec.compiler.ir.plan import DEFAULT_LINKS, Edge, Link, Mesh, Plan, Stage, TensorSpec
 from pipec.compiler.ir.program import Program
@@ -20,7 +20,7 @@ from pipec.compiler.ir.tensor_parallel import Collective, ShardedParam, StageTP
 from pipec.compiler.passes.lower import lower
 from pipec.compiler.passes.memory import (breakdown, local_param_bytes, local_params, megatron_block_activation_bytes,
                                           padded_params, tp_activation_bytes)
-from pipec.compiler.request import CompileRequest, ModelSpec, PartitionRequest
+from pipec.compiler.request import CompileRequest, ModelSpec, Partition
 from pipec.compiler.sim.megatron import megatron_tp, with_megatron_tp
 from pipec.compiler.sim.metrics import plan_single_device_step, scaling_efficiency, single_device_step
 from pipec.compiler.sim.simulate import link_sides, plan_costs, simulate
@@ -210,7 +210,7 @@ def _request(pp=2, dp=1, tp=1, *, nodes=None, model_args=SMALL, batch=4, costs="
     seq = model_args["seq"]
     model = ModelSpec(target="pipec.examples.gpt:build", kwargs=model_args,
                       inputs=(TensorSpec("tokens", "int64", (batch, seq)),),
-                      partition=PartitionRequest(method="balanced", by="flops"), costs=costs, trace="auto")
+                      partition=Partition("balanced", "flops"), costs=costs, trace="auto")
     return CompileRequest(schedule="1f1b", mesh=Mesh(pp=pp, dp=dp, tp=tp, devices_per_node=nodes),
                           num_microbatches=microbatches, model=model, links=links or dict(DEFAULT_LINKS),
                           device_memory=memory, training=replace(DEFAULTS, dtype="bfloat16", peak_flops=1e12))
@@ -218,7 +218,7 @@ def _request(pp=2, dp=1, tp=1, *, nodes=None, model_args=SMALL, batch=4, costs="
 
 @pytest.fixture(scope="module")
 def small_graph():
-    return build_stage_graph(model_request(_request()))
+    return build_stage_graph(_request())
 
 
 def test_megatron_layout_of_the_example_gpts_stages(small_graph):

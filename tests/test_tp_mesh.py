@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import LAUNCHES, PYTHON, compiled, located_refusals, on_threads, run_cli_here, run_job
 
-from pipec.compiler.driver import compile_plan, compile_spec, model_request
+from pipec.compiler.driver import compile_plan, compile_spec
 from pipec.compiler.ir.plan import Mesh, PlanError, Stage
 from pipec.compiler.ir.plan_json import load_plan, plan_to_json, read_plan, write_plan
 from pipec.compiler.ir.tensor_parallel import Collective, ShardedParam, StageTP
@@ -115,9 +115,11 @@ def test_the_front_end_gets_tp_and_the_tensor_parallel_plan():
     spec = parse_spec('model "pipec.examples.gpt:build" (layers=2, dim=32, heads=4, vocab=64, seq=16)\n'
                       'input tokens: int64[8, 16]\npp 2  tp 2  costs unit\n'
                       'tensor_parallel "blocks.*.mlp.fc": colwise\n', filename="m.pipe")
-    req = model_request(spec.request)
-    assert req.tp == 2 and req.tensor_parallel == (("blocks.*.mlp.fc", "colwise"),)
-    assert req.local_ranks == 4 and req.threads_per_rank == 1  # four ranks share this machine
+    from pipec.compiler.frontend import Host
+
+    req = spec.request
+    assert req.mesh.tp == 2 and req.tensor_parallel == (("blocks.*.mlp.fc", "colwise"),)
+    assert Host.of(req.mesh) == Host(local_ranks=4, threads_per_rank=1)  # four ranks share this machine
 
 
 test_refusals_are_located = located_refusals(

@@ -14,7 +14,7 @@ import pytest
 from conftest import small_gpt_pipe, spec_file
 
 from pipec.cli import main
-from pipec.compiler.driver import compile_request, model_request, schedule_order
+from pipec.compiler.driver import compile_request, schedule_order
 from pipec.compiler.frontend import build_stage_graph
 from pipec.compiler.passes.memory import MemoryBudgetError
 from pipec.compiler.ir.plan_json import read_plan
@@ -24,6 +24,7 @@ from pipec.tune.space import TuneError, TuneRequest, candidate_request, candidat
 from pipec.tune.bounds import bounds, candidate_frame
 from pipec.compiler.passes.verify import verify
 from pipec.dsl import load_spec
+from model_requests import graph_key
 
 SMALL = small_gpt_pipe()
 
@@ -46,10 +47,9 @@ def _brute(treq: TuneRequest):
         for k in range(c.num_stages + 1):
             cand = replace(c, recompute=frozenset(range(k)))
             req = candidate_request(treq, cand)
-            mreq = model_request(req)
-            key = repr(mreq)
+            key = graph_key(req)
             if key not in memo:
-                memo[key] = build_stage_graph(mreq)
+                memo[key] = build_stage_graph(req)
             try:
                 plan = compile_request(req, graph=memo[key]).plan
             except MemoryBudgetError:
@@ -154,9 +154,9 @@ def test_the_bounds_hold_for_every_candidate_and_price_communication(tmp_path):
         for k in sorted({0, c.num_stages}):
             cand = replace(c, recompute=frozenset(range(k)))
             req = candidate_request(treq, cand)
-            key = repr(model_request(req))
+            key = graph_key(req)
             if key not in graphs:
-                graphs[key] = build_stage_graph(model_request(req))
+                graphs[key] = build_stage_graph(req)
             plan = compile_request(req, graph=graphs[key]).plan
             step, mem, state = bounds(cand, candidate_frame(req, graphs[key], schedule_order(req)[0]))
             assert step <= plan.prediction.step_time * (1 + 1e-9), cand

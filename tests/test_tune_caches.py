@@ -35,7 +35,7 @@ def _candidate(**kw) -> Candidate:
 
 
 def _fresh_graph(treq: TuneRequest, c: Candidate):
-    return build_stage_graph(driver.model_request(candidate_request(treq, c, global_batch=8)))
+    return build_stage_graph(candidate_request(treq, c, global_batch=8))
 
 
 @pytest.mark.parametrize("change", [{}, {"recompute": frozenset({0})}, {"num_microbatches": 4},

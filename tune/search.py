@@ -148,14 +148,16 @@ class _Graphs:
         self.pieces = None
         """Under costs profile, what the cuts are priced by (:class:`~pipec.costs.pieces.Pieces`)."""
         if space and treq.base.model is not None and treq.base.model.costs == "profile":
+            from pipec.compiler.frontend import Host
             from pipec.costs.costs import profiling
             from pipec.costs.pieces import Pieces
 
             mreq = self._request(space[0])
+            host = Host.of(mreq.mesh)
             smallest = min(space, key=lambda c: self._keys(c)[0])
             crowd = self._crowd_candidate(space)
-            self.pieces = Pieces(profiling(local_ranks=mreq.local_ranks, threads=mreq.threads_per_rank,
-                                           reps=mreq.profile_reps), kwargs=mreq.kwargs,
+            self.pieces = Pieces(profiling(local_ranks=host.local_ranks, threads=host.threads_per_rank,
+                                           reps=host.profile_reps), kwargs=mreq.model.kwargs,
                                  calibration=lambda: self._traced(smallest), crowd=lambda: self._traced(crowd))
 
     def _crowd_candidate(self, space: Sequence[Candidate]) -> Candidate:
@@ -171,9 +173,9 @@ class _Graphs:
         return by_shape[mb]
 
     def _request(self, c: Candidate):
-        from pipec.compiler.driver import model_request
-
-        return replace(model_request(candidate_request(self.treq, c, global_batch=self.batch)), recompute=False)
+        """The candidate's compile request without recompute (derived from the cut, :meth:`_finish`)."""
+        req = candidate_request(self.treq, c, global_batch=self.batch)
+        return replace(req, training=replace(req.training, recompute=()))
 
     def _keys(self, c: Candidate) -> tuple[int, tuple, tuple]:
         """The candidate's microbatch size, its cut's key (stages, microbatch, balance) and its data's."""
@@ -218,8 +220,8 @@ class _Graphs:
                 if self.pieces is None:
                     self.cuts[key] = cut_stage_graph(tm, mreq, runnable=not self.cost_only)
                 else:   # priced from the pieces' timings: the cut itself is cost-only
-                    self.cuts[key] = self.pieces.price(tm, cut_stage_graph(tm, replace(mreq, costs="unit"),
-                                                                           runnable=False))
+                    unit = replace(mreq, model=replace(mreq.model, costs="unit"))
+                    self.cuts[key] = self.pieces.price(tm, cut_stage_graph(tm, unit, runnable=False))
             except FrontendError as err:
                 if err.key not in ("partition", "stages"):
                     raise

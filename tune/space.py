@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from pipec.compiler.ir.plan import SHARD_MODES, Mesh
-from pipec.compiler.request import CompileRequest, PartitionRequest
+from pipec.compiler.request import CompileRequest, Partition
 from pipec.errors import PipecError
 from pipec.schedules import SCHEDULES, ScheduleError, check_rules
 
@@ -213,7 +213,7 @@ def candidate_request(treq: TuneRequest, c: Candidate, *, global_batch: int | No
     m = base.model
     inputs = tuple(replace(t, shape=(batch, *t.shape[1:])) for t in m.inputs)
     targets = tuple(replace(t, shape=(batch, *t.shape[1:])) for t in m.targets)
-    partition = m.partition if c.partition_by is None else PartitionRequest(method="balanced", by=c.partition_by)
+    partition = m.partition if c.partition_by is None else Partition("balanced", c.partition_by)
     model = replace(m, inputs=inputs, targets=targets, partition=partition)
     training = base.training
     peak = treq.peak_flops if treq.peak_flops is not None else training.peak_flops
