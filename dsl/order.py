@@ -286,7 +286,7 @@ def read_csv(path: str, base_dir: str, node: ast.Node, source: Source) -> Expand
             text = f.read()
     except DSLError:
         raise
-    except (OSError, UnicodeDecodeError) as err:
+    except (OSError, UnicodeDecodeError, ValueError) as err:  # ValueError: a path with a NUL byte
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
         raise source.error(node.span, f"cannot read order file '{path}': {reason}",
                            f"paths are relative to {'the schedule file' if base_dir != '.' else 'this folder'}"

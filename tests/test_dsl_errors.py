@@ -379,3 +379,10 @@ def test_error_fields_match_the_rendering() -> None:
     assert (err.file, err.line, err.col) == ("job.pipe", 3, 9)
     assert err.source_line == "virtual 3"
     assert isinstance(err, ValueError)
+
+
+def test_an_order_file_path_with_a_nul_byte_is_a_located_error():
+    # os.path.getsize raises ValueError, not OSError, on such a path
+    with pytest.raises(DSLError, match=r"job\.pipe:2:7: .*cannot read order file") as e:
+        check("pp 2\norder \"a\x00b.csv\"\n")
+    assert "embedded null byte" in str(e.value)
