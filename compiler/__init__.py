@@ -5,12 +5,12 @@ this order:
 
 - :mod:`.request` (the frozen, torch-free :class:`~.request.CompileRequest` the language hands
   over), :mod:`.config` (training settings and their defaults), :mod:`.limits` (the one table of
-  size limits), :mod:`.cache` (the profile cache: timings kept between compiles), :mod:`.progress`
-  (the slow parts' progress line).
+  size limits), :mod:`.progress` (the slow parts' progress line).
 - :mod:`pipec.schedules` (a package of its own): the named schedule's rules and its per-rank
   compute order; a policy's or an explicit order's too.
-- :mod:`.frontend` (the only part of the compiler that imports torch): trace, init, partition,
-  cost and describe the model's data -> a :class:`~.ir.graph.StageGraph`.
+- :mod:`.frontend` (the only module of the compiler that imports torch at module level): runs
+  :mod:`pipec.model` (trace, init, partition, the data), :mod:`pipec.costs` and, at tp > 1,
+  :mod:`pipec.tp` -> a :class:`~.ir.graph.StageGraph`.
 - :mod:`.ir`: the instruction set and its text form (:mod:`.ir.program`), the plan's types
   (:mod:`.ir.plan`), plan.json (:mod:`.ir.plan_json`, read through :mod:`.ir.schema`), the
   :class:`~.ir.timeline.Timeline`, the stage graph, torch's compute+comms CSV form.
