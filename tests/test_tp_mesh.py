@@ -115,11 +115,15 @@ def test_the_front_end_gets_tp_and_the_tensor_parallel_plan():
     spec = parse_spec('model "pipec.examples.gpt:build" (layers=2, dim=32, heads=4, vocab=64, seq=16)\n'
                       'input tokens: int64[8, 16]\npp 2  tp 2  costs unit\n'
                       'tensor_parallel "blocks.*.mlp.fc": colwise\n', filename="m.pipe")
-    from pipec.compiler.frontend import Host
+    from pipec.compiler.frontend import FrontendError, Host, build_stage_graph
 
     req = spec.request
     assert req.mesh.tp == 2 and req.tensor_parallel == (("blocks.*.mlp.fc", "colwise"),)
     assert Host.of(req.mesh) == Host(local_ranks=4, threads_per_rank=1)  # four ranks share this machine
+    # the front end reads tp off the mesh and applies the plan: fc colwise leaves proj's input sharded
+    with pytest.raises(FrontendError, match=r"\(tp 2\) in stage 0 .* blocks\.0\.mlp\.proj is replicated") as err:
+        build_stage_graph(req)
+    assert err.value.key == "tensor_parallel"
 
 
 test_refusals_are_located = located_refusals(
