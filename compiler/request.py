@@ -29,17 +29,13 @@ from typing import Any, Mapping, Sequence, Union
 
 from pipec.compiler.config import DEFAULTS, TrainingConfig
 from pipec.compiler.ir.plan import DEFAULT_LINKS, Link, Mesh, TensorSpec
+from pipec.compiler.ir.tensor_parallel import STYLES as TP_STYLES
 from pipec.errors import PipecError
 from pipec.schedules.order import Action
 from pipec.schedules.policy import Policy
 
 __all__ = ["Location", "KeyOrigin", "DEFAULT_ORIGIN", "TensorSpec", "check_batch", "BALANCE_BY", "Partition",
            "ModelSpec", "CompileRequest", "TP_STYLES", "TensorParallelPlan", "tensor_parallel_json"]
-
-TP_STYLES = ("colwise", "rowwise", "vocab", "replicated")
-"""The styles an explicit ``tensor_parallel`` plan may give a module: ``colwise`` (its output features split),
-``rowwise`` (its input features split, its output all-reduced), ``vocab`` (an embedding's rows split, its
-lookups all-reduced), ``replicated`` (not split)."""
 
 TensorParallelPlan = Union[str, tuple[tuple[str, str], ...]]
 """Key ``tensor_parallel``: ``"auto"``, or (module-path glob, style) pairs."""
