@@ -254,7 +254,7 @@ def tensor_parallel_stages(split: Split, req: CompileRequest) -> tuple[StageTP |
     tp = req.mesh.tp
     if tp == 1:
         return ()
-    from pipec.tp.tensor_parallel import plan_stages
+    from pipec.tp.analysis import plan_stages
 
     traced = split.traced
     values = {c: torch.empty_like(p, device="meta") for c, p in traced.param_of.items()}

@@ -194,7 +194,7 @@ def _runners(split: Split, stages: Sequence[int], autocast: str | None, target: 
         mod = materialize(split, s, {c: values[c] for c in split.parts[s].params}, buffers, "cpu")
         sigs = split.parts[s].inputs
         if (stp := _tp(tps, s)) is not None:
-            from pipec.tp.tensor_parallel import shard_stage
+            from pipec.tp.rewrite import shard_stage
 
             mod = shard_stage(mod, stp, 0)
             seq = dict(stp.seq_inputs)

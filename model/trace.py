@@ -38,7 +38,7 @@ from pipec.model.fingerprint import fingerprint
 from pipec.model.tensors import FrontendError, TensorSpec
 
 __all__ = ["TRACE_PATHS", "Traced", "pipe_split", "is_pipe_split", "trace_model", "module_path", "compute_nodes",
-           "quiet_torch", "forward_failed"]
+           "quiet_torch", "forward_failed", "STACK_FRAME", "user_frame", "frame_text", "node_frame"]
 
 TRACE_PATHS = ("auto", "fx", "export")
 
@@ -256,7 +256,7 @@ def _trace(model: nn.Module, names: list[str], example: Mapping[str, torch.Tenso
             shapes = _positions_problem(model, example)
             if shapes:
                 raise FrontendError(shapes, key="input", hints=_POSITIONS_HINTS) from None
-            at = _frame_text(_user_frame(traceback.extract_tb(e.__traceback__)))
+            at = frame_text(user_frame(traceback.extract_tb(e.__traceback__)))
             if type(e).__module__ == "builtins" and at:  # the user's code raised, or a kernel it called: shapes
                 raise FrontendError(f"the model's forward fails on the declared inputs{at}: {type(e).__name__}: "
                                     f"{_first_line(e)}", key="input", hints=_SHAPES_HINTS) from None
@@ -323,10 +323,10 @@ _NOT_USER = tuple(str(Path(p).resolve()) + os.sep for p in (
 """Folders whose frames are not the user's: torch, Python's own library, pipec's own packages (the example
 models, ``pipec.examples``, count as a user's; the folders sit side by side in a checkout and in a wheel)."""
 
-_STACK_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)\n(?P<code>[^\n]*)')
+STACK_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)\n(?P<code>[^\n]*)')
 
 
-def _user_frame(frames: Sequence[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+def user_frame(frames: Sequence[traceback.FrameSummary]) -> traceback.FrameSummary | None:
     """The innermost frame of the user's code (neither torch's, pipec's nor Python's)."""
     for frame in reversed(frames):
         if frame.filename.startswith("<"):
@@ -336,7 +336,7 @@ def _user_frame(frames: Sequence[traceback.FrameSummary]) -> traceback.FrameSumm
     return None
 
 
-def _frame_text(frame: traceback.FrameSummary | None) -> str:
+def frame_text(frame: traceback.FrameSummary | None) -> str:
     """`` at examples/gpt.py:42 (in forward: y = F.scaled_dot_product_attention(...))``, or ``""``."""
     if frame is None:
         return ""
@@ -348,7 +348,7 @@ def _frame_text(frame: traceback.FrameSummary | None) -> str:
     return f" at {path}:{frame.lineno} (in {frame.name}" + (f": {code}" if code else "") + ")"
 
 
-def _node_frame(traced: Traced, node_name: str) -> traceback.FrameSummary | None:
+def node_frame(traced: Traced, node_name: str) -> traceback.FrameSummary | None:
     """Where in the user's code the node ``node_name`` was made: its stack trace (export records it; an fx
     trace is made again, recording them, which only a failure pays for)."""
     stack = next((n.meta.get("stack_trace") for n in traced.gm.graph.nodes if n.name == node_name), None)
@@ -359,8 +359,8 @@ def _node_frame(traced: Traced, node_name: str) -> traceback.FrameSummary | None
     if not stack:
         return None
     frames = [traceback.FrameSummary(m["file"], int(m["line"]), m["name"], line=m["code"].strip())
-              for m in _STACK_FRAME.finditer(stack)]
-    return _user_frame(frames)
+              for m in STACK_FRAME.finditer(stack)]
+    return user_frame(frames)
 
 
 _POSITION_NAME = re.compile(r"(^|[._])(wpe|pos|pos_emb\w*|position\w*|positional\w*)$")
@@ -401,6 +401,6 @@ def forward_failed(traced: Traced, node_name: str, error: BaseException,
     if shapes:
         return FrontendError(shapes, key="input", hints=_POSITIONS_HINTS)
     cause = error.__cause__ or error
-    at = _frame_text(_node_frame(traced, node_name)) or f" at node {node_name!r}"
+    at = frame_text(node_frame(traced, node_name)) or f" at node {node_name!r}"
     return FrontendError(f"the model's forward fails on the declared inputs{at}: {type(cause).__name__}: "
                          f"{_first_line(cause)}", key="input", hints=_SHAPES_HINTS)

@@ -384,7 +384,7 @@ class Checkpointer:
         tp = self.plan.mesh.tp
         if tp == 1:
             return
-        from pipec.tp.tensor_parallel import shard_param, unshard
+        from pipec.tp.params import shard_param, unshard
 
         splits = {sp.name: sp for s in self.modules if self.plan.stages[s].tp is not None
                   for sp in self.plan.stages[s].tp.params}

@@ -149,7 +149,7 @@ def _split_from_plan(plan: Plan, traced: Traced) -> Split:
 def build_stages(plan: Plan, stage_ids: Iterable[int], *, seed: int, init: str = "module",
                  device: str | torch.device = "cpu", tp_rank: int = 0, tp_group=None) -> dict[int, StageModule]:
     """The requested stages of ``plan`` as runnable modules (see module doc). A stage the plan shards across tp
-    (``plan.stages[s].tp``) is tp rank ``tp_rank``'s part of it (:func:`~pipec.tp.tensor_parallel.
+    (``plan.stages[s].tp``) is tp rank ``tp_rank``'s part of it (:func:`~pipec.tp.rewrite.
     shard_stage`: local sizes, its parameters sliced, Megatron's f and g over ``tp_group``, a
     :class:`~pipec.tp.comm.TPGroup`; None: one rank's shapes alone)."""
     ids = sorted(set(stage_ids))
@@ -167,7 +167,7 @@ def build_stages(plan: Plan, stage_ids: Iterable[int], *, seed: int, init: str =
         stage = materialize(split, s, values, exact_buffers or buffers, device, traced_on=traced_on)
         record = plan.stages[s].tp if plan.stages else None
         if record is not None and record.tp > 1:
-            from pipec.tp.tensor_parallel import shard_stage
+            from pipec.tp.rewrite import shard_stage
 
             stage = shard_stage(stage, record, tp_rank, group=tp_group, traced=traced, where=f" in stage {s}")
         out[s] = stage

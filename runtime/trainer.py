@@ -244,7 +244,7 @@ class Trainer:
 
     def _gather_tp(self, part: torch.Tensor, split) -> torch.Tensor:
         """The whole tensor from each tp rank's ``part`` (every rank gets it: the parts summed into zeros)."""
-        from pipec.tp.tensor_parallel import unshard
+        from pipec.tp.params import unshard
 
         parts = torch.zeros((self.plan.mesh.tp, *part.shape), dtype=part.dtype, device=part.device)
         parts[self.tp_rank] = part.detach()

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pipec.compiler.frontend import Partition
-from pipec.tp.tensor_parallel import plan_stage, plan_stages, shard_stage, unshard
+from pipec.tp import plan_stage, plan_stages, shard_stage, unshard
 from pipec.model.tensors import FrontendError
 from pipec.tp.comm import ThreadGroupTP, TPComm
 from pipec.compiler.ir.tensor_parallel import StageTP

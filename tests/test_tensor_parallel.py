@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from pipec.compiler.frontend import Partition, TensorSpec, build_stage_graph, trace_request
 from pipec.compiler.request import CompileRequest
-from pipec.tp.tensor_parallel import plan_stage, plan_stages, shard_param, shard_stage, unshard
+from pipec.tp import plan_stage, plan_stages, shard_param, shard_stage, unshard
 from pipec.model.tensors import FrontendError
 from pipec.tp.comm import ProcessGroupTP, ThreadGroupTP, TPComm, vocab_parallel_cross_entropy
 from pipec.compiler.ir.tensor_parallel import ShardedParam
@@ -297,7 +297,7 @@ def test_colwise_without_its_rowwise_partner_is_refused_located(gpt):
 
 
 def test_tied_copies_sharded_differently_across_stages_are_refused(gpt, monkeypatch):
-    import pipec.tp.tensor_parallel as tpm
+    import pipec.tp.analysis as tpm
     from pipec.compiler.ir.tensor_parallel import StageTP
 
     def sharding_the_head(st, tp, **kw):  # stage 1 as if it sharded the LM head's weight, tied to stage 0's wte,
@@ -437,9 +437,9 @@ def test_process_group_tp_with_one_rank(tmp_path):
 
 
 def test_view_rule_agrees_with_torch_on_random_reshapes():
-    """Where _map_view says a reshape keeps the shard on dim j (with its segments), reshaping each rank's part to
+    """Where map_view says a reshape keeps the shard on dim j (with its segments), reshaping each rank's part to
     the local shape gives that rank's part of the reshaped full tensor."""
-    from pipec.tp.tensor_parallel import _map_view
+    from pipec.tp.rules import map_view
 
     gen = torch.Generator().manual_seed(5)
     factors = [1, 2, 2, 3, 4]
@@ -466,7 +466,7 @@ def test_view_rule_agrees_with_torch_on_random_reshapes():
                 full = torch.arange(int(torch.tensor(shape).prod())).reshape(shape)
                 sp = ShardedParam(name="x", dim=dim, segments=segs)
                 parts = [shard_param(full, sp, 2, r) for r in range(2)]
-                mapped = _map_view(shape, dim, segs, out)
+                mapped = map_view(shape, dim, segs, out)
                 if mapped is None or mapped[2] % 2:
                     continue
                 j, s2, _ = mapped
@@ -477,3 +477,36 @@ def test_view_rule_agrees_with_torch_on_random_reshapes():
                     assert torch.equal(parts[r].reshape(local), want[r]), (shape, dim, segs, out)
                 checked += 1
     assert checked > 50
+
+
+class _Adapted(torch.nn.Linear):
+    """A subclass of nn.Linear, as adapters and quantised layers are."""
+
+
+def test_a_linear_subclass_is_sharded_as_a_linear():
+    """A subclass of nn.Linear that the trace keeps whole (a call_module) is a Linear-like of the rules' table: made
+    colwise and rowwise, and the ranks' sharded copies give the whole model's output."""
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    class Leaves(torch.fx.Tracer):
+        def is_leaf_module(self, m, name):
+            return isinstance(m, torch.nn.Linear) or super().is_leaf_module(m, name)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Adapted(16, 64), torch.nn.GELU(), _Adapted(64, 16))
+    gm = torch.fx.GraphModule(model, Leaves().trace(model))
+    x = torch.randn(2, 6, 16)
+    ShapeProp(gm).propagate(x)
+    assert [type(gm.get_submodule(str(n.target))) for n in gm.graph.nodes if n.op == "call_module"][::2] == [_Adapted] * 2
+    plan = plan_stage(gm, 2)
+    assert _styles(plan) == {"0": "colwise", "2": "rowwise"}
+    group = ThreadGroupTP(2)
+    ranks = [shard_stage(gm, plan, r, group=group.rank(r)) for r in range(2)]
+    outs: list = [None, None]
+
+    def work(r: int) -> None:
+        outs[r] = ranks[r](x)
+
+    _threads(2, work, group)
+    for r in range(2):
+        _close(outs[r].detach(), model(x).detach(), f"rank {r} output")

@@ -310,7 +310,7 @@ def test_sharded_stages_on_the_fake_transport_match_the_reference():
     from pipec.runtime.executor import Executor
     from pipec.runtime.stages import build_reference
     from pipec.runtime.training import split_microbatches
-    from pipec.tp.tensor_parallel import unshard
+    from pipec.tp import unshard
 
     plan = tiny_gpt("1f1b", dp=2)
     mesh = plan.mesh

@@ -1,6 +1,6 @@
 """What tensor parallelism does to one stage, as plan.json records it (pure: no torch).
 
-The sharding pass (:mod:`pipec.tp.tensor_parallel`) decides, per stage, which modules
+The sharding pass (:mod:`pipec.tp.analysis`) decides, per stage, which modules
 shard which dimension across the stage's ``tp`` ranks (Megatron's column / row pairs); the result is a
 :class:`StageTP`, stored in plan.json under ``stages[s].tp`` and read by
 

@@ -1,7 +1,7 @@
 """Megatron's tensor-parallel layout of a transformer stage, derived from its parameter shapes (no trace).
 
 For plans priced from FLOPs before any sharded trace exists (``pipec tune`` searching tp), this stands in
-for the sharding pass (:mod:`pipec.tp.tensor_parallel`): :func:`megatron_tp` reads a stage's
+for the sharding pass (:mod:`pipec.tp.analysis`): :func:`megatron_tp` reads a stage's
 parameters in order and finds Megatron's pairs (Shoeybi et al. 2019) by shape alone:
 
 - a linear ``A`` of weight ``(o1, i1)`` followed (next 2-D weight) by a linear ``B`` of weight ``(o2, i2)`` that
