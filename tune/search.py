@@ -38,8 +38,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from pipec.compiler.driver import compile_request, with_timeline
 from pipec.compiler.ir.plan import Mesh, Plan
-from pipec.compiler.passes.memory import COMPUTE_BYTES, MemoryBudgetError, bytes_per_param
-from pipec.compiler.sim.megatron import with_megatron_tp
+from pipec.compiler.passes.memory import MemoryBudgetError, bytes_per_param
 from pipec.compiler.sim.metrics import mfu as mfu_of, scaling_efficiency, single_device_step
 from pipec.compiler.passes.verify import VerifyError, verify
 from pipec.compiler.sim.engine import BUFFERED, Deadlock
@@ -130,7 +129,8 @@ class _Graphs:
     """The front end, cached: one trace per microbatch shape (the first one's fx graph annotated again at
     each other shape), one cut per (stages, microbatch shape, balance), the data record per (microbatch
     shape, microbatches, dp) and recompute derived from them, each graph built once (:attr:`graphs`).
-    Cuts are cost-only (read off the trace's nodes, the same StageGraph without the stage modules); the
+    Cuts are cost-only (read off the trace's nodes, the same StageGraph without the stage modules); a tp > 1
+    candidate's cut carries each stage's record from the compile's own analysis (:mod:`.tp_layout`). The
     winner's is confirmed the full way (:meth:`confirm`)."""
 
     cost_only = True
@@ -147,6 +147,7 @@ class _Graphs:
         """Under costs profile, the cuts timed on their own stages (:meth:`timed`)."""
         self.pieces = None
         """Under costs profile, what the cuts are priced by (:class:`~pipec.costs.pieces.Pieces`)."""
+        self._layouts = None
         if space and treq.base.model is not None and treq.base.model.costs == "profile":
             from pipec.compiler.frontend import Host
             from pipec.costs.costs import profiling
@@ -190,23 +191,32 @@ class _Graphs:
             if c.tp == 1:
                 self.graphs[whole] = self._graph(c, key, data_key, mb)
             else:
-                self.graphs[whole] = self._sharded(self.graph(replace(c, tp=1)), c.tp, mb)
+                self.graphs[whole] = self._sharded(self.graph(replace(c, tp=1)), c)
         return self.graphs[whole]
 
-    def _sharded(self, graph, tp: int, mb: int):
-        """The graph with Megatron's layout on every stage at ``tp`` (:func:`~pipec.compiler.sim.megatron.
-        with_megatron_tp`: no sharded trace exists before a tp plan is chosen), its token embedding and LM head
-        vocab-parallel under the built-in cross_entropy, as ``tensor_parallel auto`` shards them (Megatron-LM's
-        layout), so that what tune picks is what a compile of its pick predicts."""
+    def _sharded(self, graph, c: Candidate):
+        """``graph`` (the candidate's cut at tp 1) with every stage's record at the candidate's tp, as a compile
+        of the candidate shards it (:class:`~pipec.tune.tp_layout.Layouts`: the compile's analysis, once per
+        cut and tp); None where the model cannot be cut so or the analysis refuses the cut at that tp."""
         if graph is None:
             return None
-        shape = self.treq.base.model.inputs[0].shape
-        seq = shape[1] if len(shape) > 1 else 1
-        elem = COMPUTE_BYTES.get(self.treq.base.training.dtype, 4)
-        stages = with_megatron_tp(graph.stages, tp=tp, num_tokens=mb * _numel(shape[1:]), seq=seq, elem_bytes=elem,
-                                  flops=graph.flops, sequence_parallel=self.treq.base.mesh.sequence_parallel,
-                                  vocab=self.treq.base.training.loss == "cross_entropy")
-        return replace(graph, stages=stages)
+        from pipec.tune.tp_layout import with_layout
+
+        layout = self.layouts.of(self._keys(c)[1], self._traced(c).traced, graph, c.tp)
+        return None if layout is None else with_layout(graph, layout)
+
+    @property
+    def layouts(self):
+        """The search's tensor-parallel layouts (:class:`~pipec.tune.tp_layout.Layouts`), made at the first tp > 1
+        candidate."""
+        if self._layouts is None:
+            from pipec.tune.space import tp_options
+            from pipec.tune.tp_layout import Layouts
+
+            base = self.treq.base
+            self._layouts = Layouts(degrees=tp_options(self.treq), tensor_parallel=base.tensor_parallel,
+                                    sequence_parallel=base.mesh.sequence_parallel, loss=base.training.loss)
+        return self._layouts
 
     def _graph(self, c: Candidate, key: tuple, data_key: tuple, mb: int):
         from pipec.compiler.frontend import FrontendError, cut_stage_graph
@@ -250,10 +260,10 @@ class _Graphs:
 
     def timed(self, c: Candidate):
         """Under costs profile, the candidate's graph with its own stages timed (a full cut, as ``pipec compile``
-        cuts and times it; tp > 1: the tp 1 cut given Megatron's layout, :meth:`_sharded`)."""
+        cuts and times it; tp > 1: the tp 1 cut timed, given the compile's layout, :meth:`_sharded`)."""
         mb, key, data_key = self._keys(c)
         if c.tp > 1:
-            return self._sharded(self.timed(replace(c, tp=1)), c.tp, mb)
+            return self._sharded(self.timed(replace(c, tp=1)), c)
         from pipec.compiler.frontend import cut_stage_graph
 
         mreq = self._request(c)
@@ -267,14 +277,15 @@ class _Graphs:
         return self.graph(c) if self.pieces is None else self.timed(c)
 
     def confirm(self, c: Candidate) -> None:
-        """Cut the candidate's stages the full way (their modules built, as a run builds them) and check
-        that the cost-only cut it was priced by is the same (the cut at tp 1: a tp candidate's layout is
-        added to that cut's stages, :meth:`_sharded`)."""
+        """Cut the candidate's stages the full way (their modules built and, at tp > 1, analysed, as a compile
+        and a run build them) and check that the cost-only cut it was priced by is the same, its tp records
+        included (:meth:`_sharded`)."""
         from pipec.compiler.frontend import confirm_cut
 
         mb, key, _ = self._keys(c)
         if self.cost_only and self.pieces is None:   # under pieces the pick was cut and timed the full way
-            confirm_cut(self.traces[mb], self._request(replace(c, tp=1)), self.cuts[key])
+            cut = self.cuts[key] if c.tp == 1 else self._sharded(self.cuts[key], c)
+            confirm_cut(self.traces[mb], self._request(c), cut)
 
 
 # ----------------------------------------------------------------------------- bounds and the search
@@ -717,7 +728,9 @@ def _no_fit(treq: TuneRequest, batch: int, refused: list[tuple[int, Candidate]],
 
     budget = memory_budget(treq)
     if not refused:
-        return "no candidate could be cut into its stages: the model has too few places to cut for these layouts"
+        why = "no candidate could be cut into its stages: the model has too few places to cut for these layouts"
+        refusals = graphs._layouts.refusals if graphs._layouts is not None else {}
+        return why + "".join(f"; at tp {tp}: {err}" for tp, err in sorted(refusals.items()))
     least_mem, least = min(refused, key=lambda x: (x[0], x[1].sort_key()))
     total = sum(st.num_params or 0 for st in graphs.graph(least).stages)
     parts = [f"no candidate fits device_memory {human_bytes(budget)} on {treq.num_devices} devices (global batch "
