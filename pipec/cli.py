@@ -161,12 +161,14 @@ def cmd_fmt(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_measured(path: str):
-    """The measured Timeline of a report.json, its dp and tp sizes, and its re-simulated prediction: a report whose
-    ``predicted`` was re-simulated under what the run measured (``--emulate``) keeps the plan's own as
-    ``planned``; None when it has no ``planned`` (its ``predicted`` is the plan's)."""
+def _load_measured(path: str, plan_mesh):
+    """The measured Timeline of a report.json, the run's mesh (its ``mesh``, read once into a
+    :class:`~pipec.compiler.ir.plan.Mesh`; ``pp`` absent: ``plan_mesh``'s), and its re-simulated prediction: a
+    report whose ``predicted`` was re-simulated under what the run measured (``--emulate``) keeps the plan's own
+    as ``planned``; None when it has no ``planned`` (its ``predicted`` is the plan's)."""
     import json
 
+    from pipec.compiler.ir.plan import Mesh
     from pipec.compiler.ir.schema import SchemaError
     from pipec.compiler.ir.timeline import Timeline
 
@@ -179,12 +181,16 @@ def _load_measured(path: str):
         raise UsageError(f"{path}: not a JSON file: {e}") from None
     if not isinstance(report, dict) or "measured" not in report:
         raise UsageError(f"{path}: not a report.json (no 'measured' timeline); write one with `pipec run --report`")
+    raw = report.get("mesh") or {}
+    try:
+        mesh = Mesh(pp=int(raw.get("pp", plan_mesh.pp)), dp=int(raw.get("dp", 1)), tp=int(raw.get("tp", 1)))
+    except (AttributeError, TypeError, ValueError):
+        raise UsageError(f"{path}: mesh: expected pp, dp and tp as integers (a report.json's mesh), got "
+                         f"{report.get('mesh')!r}; write the report with `pipec run --report`") from None
     try:
         resim = Timeline.from_json(report["predicted"], f"{path}: predicted") \
             if "planned" in report and "predicted" in report else None
-        mesh = report.get("mesh", {})
-        return (Timeline.from_json(report["measured"], f"{path}: measured"), int(mesh.get("dp", 1)),
-                int(mesh.get("tp", 1)), resim)
+        return Timeline.from_json(report["measured"], f"{path}: measured"), mesh, resim
     except SchemaError as e:
         raise UsageError(str(e)) from None
 
@@ -200,7 +206,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         from pipec.compiler.driver import prove_and_predict
 
         plan = prove_and_predict(plan)
-    measured, dp, tp, resim = _load_measured(args.measured) if args.measured else (None, None, plan.mesh.tp, None)
+    measured, mesh, resim = _load_measured(args.measured, plan.mesh) if args.measured else (None, plan.mesh, None)
     from pipec.views.picture import render_image
     from pipec.views.summary import show
 
@@ -209,7 +215,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     if resim is not None:  # beside the measured: what the run predicts under its measured links and overhead
         predicted = resim
         title += " (predicted: re-simulated under the run's measured links and overhead)"
-    show(predicted, measured=measured, dp=dp, title=title, tp=tp)
+    show(predicted, measured=measured, mesh=mesh, title=title)
     if (line := _links_line(plan)) is not None:
         print(line)
     from pipec.views.stage_table import stage_table, tp_lines
@@ -231,12 +237,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 
         print(render_graph(plan, args.graph))
     for path in filter(None, (args.svg, args.png)):
-        render_image(predicted, path, measured=measured, dp=dp, title=title, tp=tp)
+        render_image(predicted, path, measured=measured, mesh=mesh, title=title)
         print(f"wrote {path}")
     if args.trace:
         from pipec.views.perfetto import write_perfetto
 
-        write_perfetto(predicted, args.trace, measured=measured, dp=dp, tp=tp)
+        write_perfetto(predicted, args.trace, measured=measured, mesh=mesh)
         print(f"wrote {args.trace} (open it at https://ui.perfetto.dev)")
     return 0
 

@@ -98,7 +98,7 @@ def run_gpt(console: Console, out: str, steps: int, timeout: float) -> list[tupl
             report = json.load(f)
         measured = Timeline.from_json(report["measured"])
         picture = stem + ".timeline.png"
-        render_image(pred, picture, measured=measured, dp=plan.mesh.dp, title=f"{name}: predicted and measured")
+        render_image(pred, picture, measured=measured, mesh=plan.mesh, title=f"{name}: predicted and measured")
         console.print(f"wrote {picture} (predicted and measured timelines)")
         rows.append((name, spec["schedule"], pred, measured, report))
     return rows

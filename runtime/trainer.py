@@ -496,7 +496,7 @@ class Trainer:
             from pipec.views.perfetto import write_perfetto
 
             write_perfetto(Timeline.from_json(report["measured"]), self.options.trace, kind="measured",
-                           dp=self.plan.mesh.dp, tp=self.plan.mesh.tp)
+                           mesh=self.plan.mesh)
         self.summary(report)
 
     def _check_json(self):

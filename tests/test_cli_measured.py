@@ -68,7 +68,7 @@ def _shown(monkeypatch, capsys, *argv):
     real = summary.show
 
     def spy(timeline, **kw):
-        drawn["predicted"], drawn["measured"] = timeline, kw.get("measured")
+        drawn["predicted"], drawn["measured"], drawn["mesh"] = timeline, kw.get("measured"), kw.get("mesh")
         real(timeline, **kw)
 
     monkeypatch.setattr(summary, "show", spy)
@@ -96,3 +96,22 @@ def test_a_report_without_a_resimulation_is_drawn_beside_the_plans_prediction(em
     plan, _, plain, _ = emulated
     drawn, out = _shown(monkeypatch, capsys, plan, "--measured", plain)
     assert drawn["predicted"] == read_plan(plan).prediction and "re-simulated" not in out
+
+
+def test_the_views_get_the_reports_mesh_read_once(emulated, monkeypatch, capsys, tmp_path):
+    from pipec.cli import main
+    from pipec.compiler.ir.plan import Mesh
+
+    plan, _, plain, _ = emulated
+    drawn, _ = _shown(monkeypatch, capsys, plan)                  # no report: the plan's own mesh
+    assert drawn["mesh"] == Mesh(pp=2)
+    drawn, _ = _shown(monkeypatch, capsys, plan, "--measured", plain)
+    assert drawn["mesh"] == Mesh(pp=2, dp=1, tp=1)
+    report = json.loads(plain.read_text())
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**report, "mesh": {"pp": 2, "dp": 3}}))   # 2 x 3 ranks, but the run measured 2
+    assert main(["show", str(plan), "--measured", str(bad)]) != 0
+    assert "expected pp x dp = 2 x 3 = 6" in capsys.readouterr().err
+    bad.write_text(json.dumps({**report, "mesh": {"pp": 2, "dp": "two"}}))
+    assert main(["show", str(plan), "--measured", str(bad)]) != 0
+    assert "mesh: expected pp, dp and tp as integers" in capsys.readouterr().err

@@ -16,6 +16,7 @@ import xml.etree.ElementTree as ET
 import pytest
 from rich.console import Console
 
+from pipec.compiler.ir.plan import Mesh
 from pipec.compiler.ir.program import IRError, Op, parse_instruction
 from pipec.compiler.ir.schema import SchemaError
 from pipec.compiler.ir.timeline import Event, Timeline
@@ -288,7 +289,7 @@ def test_measured_rank_count_must_be_pp_times_dp():
     with pytest.raises(RenderError, match="pp x dp"):
         render_terminal(pred, measured=meas)
     with pytest.raises(RenderError, match="expected pp x dp = 4 x 3 = 12"):
-        render_summary(pred, measured=measured_from(pred, dp=2), dp=3)
+        render_summary(pred, measured=measured_from(pred, dp=2), mesh=Mesh(pp=4, dp=3))
 
 
 def test_later_chunks_are_marked_and_legend_says_so():
@@ -431,8 +432,10 @@ def test_trace_puts_measured_in_its_own_process_with_global_ranks():
 
 def test_trace_of_a_measured_run_alone():
     meas = measured_from(one_f_one_b(2, 2), dp=2)
-    obj = trace_events(meas, kind="measured", dp=2)
+    obj = trace_events(meas, kind="measured", mesh=Mesh(pp=2, dp=2))
     assert {e["args"]["name"] for e in obj["traceEvents"] if e["name"] == "process_name"} == {"measured"}
+    threads = {e["tid"]: e["args"]["name"] for e in obj["traceEvents"] if e["name"] == "thread_name"}
+    assert threads[2] == "rank 2 (pp 1, dp 0)"                 # named by the run's mesh
     assert "note" not in obj["otherData"]
     with pytest.raises(RenderError, match="kind"):
         trace_events(meas, kind="simulated")

@@ -351,7 +351,7 @@ def test_sharded_stages_on_the_fake_transport_match_the_reference():
 
 
 def test_views_draw_one_row_per_replica_and_say_tp_ranks_per_row():
-    from pipec.views.common import RenderError, infer_dp, lanes
+    from pipec.views.common import RenderError, lanes, run_mesh
     from pipec.views.summary import render_summary
 
     plan = compile_plan(num_ranks=2, num_microbatches=4, schedule="1f1b", tp=2).plan
@@ -360,15 +360,15 @@ def test_views_draw_one_row_per_replica_and_say_tp_ranks_per_row():
     per_rank = [replace(pred.per_rank[r // 2], rank=r) for r in range(4)]
     events = tuple(e._replace(rank=e.rank * 2 + t) for e in pred.events for t in range(2))
     measured = replace(pred, per_rank=tuple(per_rank), events=events)
-    assert infer_dp(pred, measured, tp=2) == 1
-    with pytest.raises(RenderError, match=r"expected pp x dp x tp \(tp 2\) = 2 x 2 x 2 = 8"):
-        infer_dp(pred, measured, dp=2, tp=2)
-    rows, _ = lanes(pred, measured=measured, tp=2)
+    assert run_mesh(pred, measured, plan.mesh) == plan.mesh
+    with pytest.raises(RenderError, match=r"expected pp x dp x tp = 2 x 2 x 2 = 8"):
+        run_mesh(pred, measured, replace(plan.mesh, dp=2))
+    rows, _ = lanes(pred, measured=measured, mesh=plan.mesh)
     assert [(lane.source, lane.rank) for lane in rows] == [("predicted", 0), ("measured", 0), ("predicted", 1),
                                                            ("measured", 2)]
     assert rows[0].title == "pp 0 predicted (tp 2 ranks per row)"
     assert rows[3].title == "pp 1 dp 0 measured (global rank 2, tp rank 0 of 2)"
-    assert "tp 2 ranks per row" in str(render_summary(pred, measured=measured, tp=2).caption)
+    assert "tp 2 ranks per row" in str(render_summary(pred, measured=measured, mesh=plan.mesh).caption)
 
 
 def test_stragglers_name_their_tp_rank():

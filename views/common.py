@@ -2,8 +2,9 @@
 
 Every view draws a predicted Timeline, a measured one, or both: with
 ``measured``, each pp rank's predicted lane is followed by the measured lanes
-of its dp replicas (a measured Timeline lists global ranks; global rank ``g``
-is pp rank ``g // dp``). Two timelines in the same unit share one time axis,
+of its dp replicas (a measured Timeline lists global ranks, placed by the run's
+:class:`~pipec.compiler.ir.plan.Mesh`: the plan's, or the report's, which every
+view takes as ``mesh``; :func:`run_mesh`). Two timelines in the same unit share one time axis,
 so a measured step that runs long shows as long; a unit-cost prediction
 (units) beside a measurement (seconds) has each scaled to its own step time
 so that the two line up.
@@ -21,14 +22,14 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from pipec.compiler.ir.plan import Mesh
+from pipec.compiler.ir.plan import Mesh, world_text
 from pipec.compiler.ir.program import COMM_OPS, DP_GROUPS, Op
 from pipec.compiler.ir.timeline import Event, Timeline
 from pipec.compiler.sim.engine import OPTIM_GROUP
 from pipec.errors import PipecError
 
 __all__ = [
-    "RenderError", "KindStyle", "KINDS", "COMPUTE_KINDS", "kind_of", "Lane", "lanes", "split_waits", "infer_dp",
+    "RenderError", "KindStyle", "KINDS", "COMPUTE_KINDS", "kind_of", "Lane", "lanes", "split_waits", "run_mesh",
     "span_of", "format_time", "axis_unit", "ticks", "darken", "tint", "headline",
 ]
 
@@ -94,25 +95,24 @@ class Lane:
     rank 2)``; ``label`` is the terminal's short form (``1 pred``, ``1 meas g2``)."""
 
 
-def infer_dp(timeline: Timeline, measured: Timeline, dp: int | None = None, tp: int = 1) -> int:
-    """The measured run's dp size: ``dp`` checked, or measured ranks / (predicted ranks x ``tp``)."""
+def run_mesh(timeline: Timeline, measured: Timeline, mesh: Mesh | None = None) -> Mesh:
+    """The mesh the measured run ran on: ``mesh`` (the plan's, or the run's report's) checked against the
+    timelines (the predicted one lists its pp ranks, the measured one every global rank); None: pp x dp at tp 1,
+    dp the measured ranks over the predicted ones (timelines drawn without their plan)."""
     num_pp, num_meas = timeline.num_ranks, measured.num_ranks
-    mesh = "pp x dp" if tp == 1 else f"pp x dp x tp (tp {tp})"
-    if dp is None:
-        if num_pp == 0 or num_meas % (num_pp * tp):
+    if mesh is None:
+        if num_pp == 0 or num_meas % num_pp:
             raise RenderError(
                 f"the measured timeline lists {num_meas} global ranks and the predicted one "
-                f"{num_pp} pp ranks: the measured count must be {mesh}; pass dp= explicitly"
+                f"{num_pp} pp ranks: the measured count must be pp x dp; pass the run's mesh (report.json's mesh)"
             )
-        dp = num_meas // (num_pp * tp)
-    if dp < 1 or num_meas != num_pp * dp * tp:
-        want = f"{num_pp} x {dp}" + ("" if tp == 1 else f" x {tp}")
+        return Mesh(pp=num_pp, dp=num_meas // num_pp)
+    if mesh.pp != num_pp or mesh.world_size != num_meas:
         raise RenderError(
-            f"the measured timeline lists {num_meas} global ranks, expected {mesh} = "
-            f"{want} = {num_pp * dp * tp}; pass the run's dp (report.json's mesh.dp"
-            + (")" if tp == 1 else " and mesh.tp)")
+            f"the measured timeline lists {num_meas} global ranks and the predicted one {num_pp} pp ranks, "
+            f"expected {world_text(mesh)}; pass the run's mesh (report.json's mesh)"
         )
-    return dp
+    return mesh
 
 
 def _by_rank(timeline: Timeline) -> dict[int, list[Event]]:
@@ -188,23 +188,26 @@ def split_waits(timeline: Timeline) -> list[Event]:
     return [ev for evs in split.values() for ev in evs]
 
 
-def lanes(timeline: Timeline, *, measured: Timeline | None = None, dp: int | None = None,
-          tp: int = 1) -> tuple[list[Lane], float]:
+def lanes(timeline: Timeline, *, measured: Timeline | None = None,
+          mesh: Mesh | None = None) -> tuple[list[Lane], float]:
     """The rows every view draws, in order, and the length of the shared time axis.
 
     Without ``measured``: one lane per rank. With it: per pp rank, its
-    predicted lane, then one lane per dp replica (global rank ``p x dp + d``).
-    With ``tp`` > 1 a row stands for the replica's tp ranks (they run one program
-    in step): its measured lane is tp rank 0's (global rank ``(p x dp + d) x tp``),
-    and the predicted lane's title says so.
+    predicted lane, then one lane per dp replica (global rank ``p x dp + d``),
+    placed by the run's ``mesh`` (:func:`run_mesh`). With ``mesh.tp`` > 1 a row
+    stands for the replica's tp ranks (they run one program in step): its
+    measured lane is tp rank 0's (global rank ``(p x dp + d) x tp``), and the
+    predicted lane's title says so.
     """
     pred = _collective_waits(_by_rank(timeline))
     span = span_of(timeline)
+    tp = 1 if mesh is None else mesh.tp
     per_row = "" if tp == 1 else f" (tp {tp} ranks per row)"
     if measured is None:
         return [Lane(f"rank {r}", "predicted", r, tuple(evs), 1.0, _chunks(evs), f"pp rank {r}{per_row}")
                 for r, evs in pred.items()], span
-    dp = infer_dp(timeline, measured, dp, tp)
+    mesh = run_mesh(timeline, measured, mesh)
+    dp = mesh.dp
     meas = _by_rank(measured)
     if measured.time_unit == timeline.time_unit:
         span = max(span, span_of(measured))
@@ -212,7 +215,6 @@ def lanes(timeline: Timeline, *, measured: Timeline | None = None, dp: int | Non
     else:
         meas_scale = span / span_of(measured)
     out = []
-    mesh = Mesh(pp=len(pred), dp=dp, tp=tp)
     for i, (p, evs) in enumerate(pred.items()):
         out.append(Lane(f"{p} pred", "predicted", p, tuple(evs), 1.0, _chunks(evs), f"pp {p} predicted{per_row}"))
         for d, g in enumerate(mesh.replicas(i)):

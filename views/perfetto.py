@@ -21,7 +21,7 @@ from typing import Any
 
 from pipec.compiler.ir.plan import Mesh
 from pipec.compiler.ir.timeline import Timeline
-from pipec.views.common import RenderError, infer_dp, kind_of, split_waits
+from pipec.views.common import RenderError, kind_of, run_mesh, split_waits
 
 __all__ = ["trace_events", "write_perfetto", "US_PER"]
 
@@ -40,17 +40,14 @@ def _meta(pid: int, tid: int | None, name: str, value: Any) -> dict[str, Any]:
     return ev
 
 
-def _process(
-    timeline: Timeline, kind: str, dp: int | None, out: list[dict[str, Any]], tp: int = 1
-) -> None:
+def _process(timeline: Timeline, kind: str, mesh: Mesh | None, out: list[dict[str, Any]]) -> None:
     pid = _PID[kind]
     us = US_PER[timeline.time_unit]
     out.append(_meta(pid, None, "process_name", kind))
     out.append(_meta(pid, None, "process_sort_index", pid))
     ranks = sorted({r.rank for r in timeline.per_rank} | {e.rank for e in timeline.events})
-    mesh = Mesh(pp=max(1, len(ranks) // ((dp or 1) * tp)), dp=dp or 1, tp=tp)
     for rank in ranks:
-        if kind == "measured" and dp is not None:
+        if kind == "measured" and mesh is not None:
             name = f"rank {rank} ({mesh.where(rank).partition('(')[2]}"
         else:
             name = f"rank {rank}"
@@ -80,28 +77,28 @@ def trace_events(
     timeline: Timeline,
     *,
     measured: Timeline | None = None,
-    dp: int | None = None,
+    mesh: Mesh | None = None,
     kind: str = "predicted",
-    tp: int = 1,
 ) -> dict[str, Any]:
     """The trace as a JSON-ready dict ``{"traceEvents": [...], "otherData": {...}}``.
 
     ``kind`` names ``timeline``'s process (``"measured"`` for a run's own
-    trace, then ``dp`` names each global rank's coordinates). With
-    ``measured``, ``timeline`` is the prediction and ``dp`` defaults to
-    measured ranks / predicted ranks.
+    trace, then the run's ``mesh``, the plan's, names each global rank's
+    coordinates). With ``measured``, ``timeline`` is the prediction and the
+    mesh is checked against both (None: pp x dp from their rank counts,
+    :func:`~pipec.views.common.run_mesh`).
     """
     if kind not in _PID:
         raise RenderError(f"kind must be 'predicted' or 'measured', got {kind!r}")
     if measured is not None:
         if kind != "predicted":
             raise RenderError("with measured=, the first timeline is the prediction: leave kind='predicted'")
-        dp = infer_dp(timeline, measured, dp, tp)
+        mesh = run_mesh(timeline, measured, mesh)
     events: list[dict[str, Any]] = []
-    _process(timeline, kind, dp, events, tp)
+    _process(timeline, kind, mesh, events)
     units = {kind: timeline.time_unit}
     if measured is not None:
-        _process(measured, "measured", dp, events, tp)
+        _process(measured, "measured", mesh, events)
         units["measured"] = measured.time_unit
     other: dict[str, Any] = {"generator": "pipec", "time_unit": units}
     if "unit" in units.values():
@@ -114,11 +111,10 @@ def write_perfetto(
     path: str | os.PathLike[str],
     *,
     measured: Timeline | None = None,
-    dp: int | None = None,
+    mesh: Mesh | None = None,
     kind: str = "predicted",
-    tp: int = 1,
 ) -> None:
     """Write the trace of :func:`trace_events` to ``path`` (open it in ui.perfetto.dev)."""
-    obj = trace_events(timeline, measured=measured, dp=dp, kind=kind, tp=tp)
+    obj = trace_events(timeline, measured=measured, mesh=mesh, kind=kind)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, separators=(",", ":"))

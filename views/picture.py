@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+from pipec.compiler.ir.plan import Mesh
 from pipec.compiler.ir.timeline import Timeline
 from pipec.views.common import KINDS, RenderError, axis_unit, headline, kind_of, lanes, span_of, tint
 
@@ -32,11 +33,11 @@ def render_image(
     path: str | os.PathLike[str],
     *,
     measured: Timeline | None = None,
-    dp: int | None = None,
+    mesh: Mesh | None = None,
     title: str = "",
-    tp: int = 1,
 ) -> None:
-    """Draw the timeline to ``path``: SVG or PNG by its extension (``tp``: the run's; a row stands for its tp ranks).
+    """Draw the timeline to ``path``: SVG or PNG by its extension (``mesh``: the run's, the plan's; with tp > 1 a
+    row stands for its tp ranks).
 
     One lane per rank (with ``measured``: each pp rank's predicted lane, then
     its replicas' measured lanes), blocks in :data:`KINDS` colours with their
@@ -48,16 +49,15 @@ def render_image(
     ext = os.path.splitext(os.fspath(path))[1].lower()
     if ext not in _FORMATS:
         raise RenderError(f"a picture path must end in .svg or .png, got {os.fspath(path)!r}")
-    figure(timeline, measured=measured, dp=dp, title=title, tp=tp).savefig(os.fspath(path), format=_FORMATS[ext])
+    figure(timeline, measured=measured, mesh=mesh, title=title).savefig(os.fspath(path), format=_FORMATS[ext])
 
 
-def figure(timeline: Timeline, *, measured: Timeline | None = None, dp: int | None = None, title: str = "",
-           tp: int = 1):
+def figure(timeline: Timeline, *, measured: Timeline | None = None, mesh: Mesh | None = None, title: str = ""):
     """The matplotlib Figure :func:`render_image` saves."""
     from matplotlib.figure import Figure  # lazy: the compile path never imports matplotlib
     from matplotlib.patches import Patch
 
-    all_lanes, span = lanes(timeline, measured=measured, dp=dp, tp=tp)
+    all_lanes, span = lanes(timeline, measured=measured, mesh=mesh)
     fig_w = 12.0
     fig = Figure(figsize=(fig_w, 1.8 + 0.42 * len(all_lanes)), layout="constrained")
     ax = fig.add_subplot()

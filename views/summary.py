@@ -22,7 +22,7 @@ from rich.text import Text
 
 from pipec.compiler.ir.plan import Mesh
 from pipec.compiler.ir.timeline import Timeline
-from pipec.views.common import format_time, infer_dp, lanes
+from pipec.views.common import format_time, lanes, run_mesh
 from pipec.views.timeline import render_terminal
 
 __all__ = ["render_summary", "memory_table", "show", "step_caption", "format_bytes"]
@@ -73,13 +73,14 @@ def format_bytes(n: int) -> str:
 
 
 def render_summary(
-    timeline: Timeline, *, measured: Timeline | None = None, dp: int | None = None, title: str = "", tp: int = 1
+    timeline: Timeline, *, measured: Timeline | None = None, mesh: Mesh | None = None, title: str = ""
 ) -> Table:
     """Per rank: compute, comm wait, idle, bubble, peak activations and memory; totals.
 
     With ``measured``, each pp rank's predicted row is followed by its
-    replicas' measured rows, and the totals of both close the table; with ``tp`` > 1 a row stands for its tp
-    ranks (tp rank 0's measured; the caption says so), the measured totals over every rank.
+    replicas' measured rows (placed by the run's ``mesh``, the plan's: :func:`~pipec.views.common.run_mesh`),
+    and the totals of both close the table; with ``mesh.tp`` > 1 a row stands for its tp ranks (tp rank 0's
+    measured; the caption says so), the measured totals over every rank.
     """
     timelines = [timeline] if measured is None else [timeline, measured]
     has_act = any(r.peak_activations is not None for tl in timelines for r in tl.per_rank)
@@ -87,8 +88,8 @@ def render_summary(
     step = ", ".join(
         step_caption(tl, name) for name, tl in zip(("predicted " if measured else "", "measured "), timelines)
     )
-    if tp > 1:
-        step += f"; tp {tp} ranks per row"
+    if mesh is not None and mesh.tp > 1:
+        step += f"; tp {mesh.tp} ranks per row"
     table = Table(title=title or None, caption=step, caption_justify="left", header_style="bold")
     table.add_column("rank", justify="left", no_wrap=True)
     for name in ("compute", "comm wait", "idle", "bubble"):
@@ -97,7 +98,7 @@ def render_summary(
         table.add_column("peak act.", justify="right", no_wrap=True)
     if has_mem:
         table.add_column("peak mem", justify="right", no_wrap=True)
-    all_lanes, _ = lanes(timeline, measured=measured, dp=dp, tp=tp)
+    all_lanes, _ = lanes(timeline, measured=measured, mesh=mesh)
     for lane in all_lanes:
         tl = timeline if lane.source == "predicted" else measured
         assert tl is not None
@@ -149,13 +150,13 @@ blank: not measured"""
 """What each figure of :func:`memory_table` is, under it."""
 
 
-def memory_table(predicted: Timeline, measured: Timeline, *, dp: int | None = None, tp: int = 1) -> Table | None:
-    """Per pp rank, the bytes the prediction counts, then the same bytes its replicas measured; None when the
-    measured timeline has none of them (a run from before they were measured, ``--emulate``)."""
+def memory_table(predicted: Timeline, measured: Timeline, *, mesh: Mesh | None = None) -> Table | None:
+    """Per pp rank, the bytes the prediction counts, then the same bytes its replicas measured (placed by the
+    run's ``mesh``: :func:`~pipec.views.common.run_mesh`); None when the measured timeline has none of them (a
+    run from before they were measured, ``--emulate``)."""
     if not any(getattr(r, field) is not None for r in measured.per_rank for _, field in _MEMORY):
         return None
-    dp = infer_dp(predicted, measured, dp, tp)
-    mesh = Mesh(pp=len(predicted.per_rank), dp=dp, tp=tp)
+    mesh = run_mesh(predicted, measured, mesh)
     table = Table(title="memory: what the prediction counts, and the same measured", header_style="bold",
                   caption=MEMORY_NOTE, caption_justify="left")
     table.add_column("rank", justify="left", no_wrap=True)
@@ -166,7 +167,7 @@ def memory_table(predicted: Timeline, measured: Timeline, *, dp: int | None = No
         table.add_row(f"{p.rank} pred", *_memory_cells(p), style="bold")
         for g in mesh.replicas(i):
             if g in meas:
-                table.add_row(f"{p.rank} meas" if dp == 1 and tp == 1 else f"{p.rank} meas g{g}",
+                table.add_row(f"{p.rank} meas" if mesh.dp == 1 and mesh.tp == 1 else f"{p.rank} meas g{g}",
                               *_memory_cells(meas[g], p))
     return table
 
@@ -189,17 +190,17 @@ def show(
     timeline: Timeline,
     *,
     measured: Timeline | None = None,
-    dp: int | None = None,
+    mesh: Mesh | None = None,
     console: Console | None = None,
     width: int | None = None,
     title: str = "",
-    tp: int = 1,
 ) -> None:
-    """Print the timeline view and the summary table (``pipec show``); ``tp``: the run's (report.json's mesh.tp)."""
+    """Print the timeline view and the summary table (``pipec show``); ``mesh``: the run's (the plan's, or
+    report.json's)."""
     console = console or Console()
-    view = render_terminal(timeline, measured=measured, dp=dp, width=width, title=title, tp=tp)
-    parts = [view, Text(), render_summary(timeline, measured=measured, dp=dp, tp=tp)]
-    memory = None if measured is None else memory_table(timeline, measured, dp=dp, tp=tp)
+    view = render_terminal(timeline, measured=measured, mesh=mesh, width=width, title=title)
+    parts = [view, Text(), render_summary(timeline, measured=measured, mesh=mesh)]
+    memory = None if measured is None else memory_table(timeline, measured, mesh=mesh)
     if memory is not None:
         parts += [Text(), memory]
     console.print(Group(*parts))

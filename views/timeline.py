@@ -17,8 +17,9 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.measure import Measurement
 from rich.text import Text
 
+from pipec.compiler.ir.plan import Mesh
 from pipec.compiler.ir.timeline import Event, Timeline
-from pipec.views.common import KINDS, Lane, axis_unit, darken, headline, infer_dp, kind_of, lanes, ticks
+from pipec.views.common import KINDS, Lane, axis_unit, darken, headline, kind_of, lanes, run_mesh, ticks
 
 __all__ = ["TimelineView", "render_terminal", "IDLE"]
 
@@ -116,22 +117,23 @@ class TimelineView:
 
     timeline: Timeline
     measured: Timeline | None = None
-    dp: int | None = None
+    mesh: Mesh | None = None
+    """The run's mesh (the plan's; :func:`~pipec.views.common.run_mesh`): with tp > 1 a row stands for its tp
+    ranks (tp rank 0's measured)."""
     width: int | None = None
     title: str = ""
-    tp: int = 1
-    """The run's tp: a row stands for its tp ranks (tp rank 0's measured)."""
 
     def lines(self, width: int) -> list[Text]:
         """The view as lines of at most ``width`` cells."""
-        all_lanes, span = lanes(self.timeline, measured=self.measured, dp=self.dp, tp=self.tp)
+        all_lanes, span = lanes(self.timeline, measured=self.measured, mesh=self.mesh)
         pad = max((len(lane.label) for lane in all_lanes), default=0) + 1
         bar = max(8, width - pad)
         out: list[Text] = []
         if self.title:
             out.append(Text(self.title, style="bold"))
         tl, ms = self.timeline, self.measured
-        per_row = "" if self.tp == 1 else f" (tp {self.tp} ranks per row)"
+        tp = 1 if self.mesh is None else self.mesh.tp
+        per_row = "" if tp == 1 else f" (tp {tp} ranks per row)"
         if ms is None:
             out.append(Text(headline(tl) + per_row, style="dim"))
         else:
@@ -170,16 +172,15 @@ def render_terminal(
     timeline: Timeline,
     *,
     measured: Timeline | None = None,
-    dp: int | None = None,
+    mesh: Mesh | None = None,
     width: int | None = None,
     title: str = "",
-    tp: int = 1,
 ) -> TimelineView:
     """The per-rank timeline as a rich renderable (``Console().print(view)``).
 
-    ``width``: total columns (default: the console's). ``dp``: the measured
-    run's dp size (default: measured ranks / (predicted ranks x tp)). ``tp``: the run's tp.
+    ``width``: total columns (default: the console's). ``mesh``: the run's (the plan's; with ``measured`` and
+    None, pp x dp at tp 1 from the rank counts: :func:`~pipec.views.common.run_mesh`).
     """
     if measured is not None:
-        infer_dp(timeline, measured, dp, tp)  # fail here, not while printing
-    return TimelineView(timeline=timeline, measured=measured, dp=dp, width=width, title=title, tp=tp)
+        run_mesh(timeline, measured, mesh)  # fail here, not while printing
+    return TimelineView(timeline=timeline, measured=measured, mesh=mesh, width=width, title=title)
