@@ -59,9 +59,9 @@ def compile_request(req: CompileRequest, *, graph=None, verify: bool = True, eve
 
 
 def _compile(req: CompileRequest, graph=None, verify: bool = True, events: bool = True) -> Compiled:
-    check_limits(pp=req.pp, tp=req.tp, num_stages=req.num_stages, num_microbatches=req.num_microbatches)  # too big
+    check_limits(pp=req.pp, num_stages=req.num_stages, num_microbatches=req.num_microbatches)  # too big
     mesh = req.mesh
-    check_tp(mesh)                                               # tp groups inside nodes (or whole nodes)
+    check_tp(mesh)                                               # tp's range; its groups inside nodes (or whole)
     check_shard(mesh)                                            # a sharding that can work
     check_nodes(mesh)                                            # whole nodes
     order, diagnostics = schedule_order(req)                     # the schedule's rules, then its order

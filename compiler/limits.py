@@ -50,7 +50,6 @@ MAX_DIM = 2**31
 
 LIMITS: Mapping[str, int] = MappingProxyType({
     "pp": MAX_RANKS,
-    "tp": MAX_TP,
     "num_stages": MAX_STAGES,
     "num_microbatches": MAX_MICROBATCHES,
     "instructions": MAX_INSTRUCTIONS,

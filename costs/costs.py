@@ -261,9 +261,11 @@ def stage_costs(
     kwargs: Mapping[str, Any] | None = None,
     search_path: Sequence[str] = (),
     tps: Sequence[Any] = (),
+    tp: int = 1,
 ) -> tuple[StageCost, ...]:
     """Costs and activation bytes of every stage of ``split`` from ``source`` (``unit``/``flops``/``profile``,
-    the last timed as ``profile`` says: a stage with tensor parallelism, ``tps``, as its tp rank 0 runs it)."""
+    the last timed as ``profile`` says: a stage with tensor parallelism, ``tps`` at ``tp`` ranks, as its tp rank 0
+    runs it)."""
     if source not in COST_SOURCES:
         raise FrontendError(f"costs must be one of {', '.join(COST_SOURCES)}, got {source!r}", key="costs")
     num = split.num_stages
@@ -281,7 +283,7 @@ def stage_costs(
         base = [Cost(fwd=f / peak_flops, bwd=(i + w) / peak_flops, bwd_i=i / peak_flops, bwd_w=w / peak_flops) for f, i, w in flops]
     else:
         base, record = profile_stages(split, profile, autocast=autocast, target=target, kwargs=kwargs or {},
-                                      search_path=search_path, tps=tps)
+                                      search_path=search_path, tps=tps, tp=tp)
     out = []
     for s in range(num):
         if source != "unit" and all(src < 0 for src in split.parts[s].sources):

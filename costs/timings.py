@@ -48,6 +48,7 @@ from pipec.costs.profile import (PROFILE_METHOD, Profiling, _cost, _least_sample
                                              _rel_spread, _Sample, _stage_runner, _threads, _total, crowd,
                                              usable_cores)
 from pipec.compiler.ir.plan import Cost
+from pipec.compiler.ir.tensor_parallel import in_effect
 
 __all__ = ["profile_stages", "stage_digest"]
 
@@ -180,9 +181,9 @@ def _check_crowd(value: Mapping[str, Any]) -> None:
 
 
 def _runners(split: Split, stages: Sequence[int], autocast: str | None, target: str, kwargs: Mapping[str, Any],
-             search_path: Sequence[str], tps: Sequence[Any] = ()) -> dict[int, Callable[[], _Sample]]:
+             search_path: Sequence[str], tps: Sequence[Any] = (), tp: int = 1) -> dict[int, Callable[[], _Sample]]:
     """Stage runners of ``stages``, each on its stage module with seeded random parameters (the same in any cut);
-    a stage with tensor parallelism (``tps[s]``) as tp rank 0 runs it: sharded, its inputs at that rank's shapes
+    a stage with tensor parallelism (``tps[s]``, at ``tp`` ranks) as tp rank 0 runs it: sharded, its inputs at that rank's shapes
     (a sequence part under sequence parallelism), its collectives left out (they are priced on the links)."""
     from pipec.model.stages import materialize  # profile -> stages -> partition; late to keep layers clear
 
@@ -193,31 +194,36 @@ def _runners(split: Split, stages: Sequence[int], autocast: str | None, target: 
     for s in stages:
         mod = materialize(split, s, {c: values[c] for c in split.parts[s].params}, buffers, "cpu")
         sigs = split.parts[s].inputs
-        if (stp := _tp(tps, s)) is not None:
+        if (stp := _tp(tps, tp, s)) is not None:
             from pipec.tp.rewrite import shard_stage
 
-            mod = shard_stage(mod, stp, 0)
+            mod = shard_stage(mod, stp, 0, tp=tp)
             seq = dict(stp.seq_inputs)
-            sigs = [replace(x, shape=tuple(d // stp.tp if i == seq[x.name] else d for i, d in enumerate(x.shape)))
+            sigs = [replace(x, shape=tuple(d // tp if i == seq[x.name] else d for i, d in enumerate(x.shape)))
                     if x.name in seq else x for x in sigs]
         out[s] = _stage_runner(mod, sigs, split.parts[s].sources, autocast)
     return out
 
 
-def _tp(tps: Sequence[Any], s: int) -> Any:
-    """Stage ``s``'s tensor parallelism where it shards anything (tp >= 2), else None."""
-    stp = tps[s] if tps else None
-    return stp if stp is not None and stp.tp > 1 else None
+def _tp(tps: Sequence[Any], tp: int, s: int) -> Any:
+    """Stage ``s``'s tensor parallelism where it shards anything (``tp`` >= 2), else None."""
+    return in_effect(tps[s] if tps else None, tp)
+
+
+def _tp_key(stp: Any, tp: int) -> dict[str, Any]:
+    """A sharded stage's part of its profile cache key: its record and the degree (the mesh's ``tp``)."""
+    return {"tp": tp, **stp.to_json()}
 
 
 def profile_stages(split: Split, profile: Profiling, *, autocast: str | None, target: str, kwargs: Mapping[str, Any],
-                   search_path: Sequence[str], tps: Sequence[Any] = (), stages: Sequence[int] | None = None,
+                   search_path: Sequence[str], tps: Sequence[Any] = (), tp: int = 1,
+                   stages: Sequence[int] | None = None,
                    crowd_of: Sequence[int] | None = None,
                    crowd_from: Any | None = None) -> tuple[list[Cost], dict[str, Any]]:
     """The cost of every stage of ``stages`` (None: all of the split's), in that order (its least alone times the
     crowd's slowdown per part; its spread the crowd's, with one rank its own), and plan.json's ``model["profile"]``
     (:func:`_record`), timing only what the profile cache does not hold. ``tps``: each stage's tensor parallelism
-    (none: tp 1); a sharded stage is timed as its tp rank 0 runs it (:func:`_runners`), its cost that rank's. The
+    at ``tp`` ranks (none: tp 1); a sharded stage is timed as its tp rank 0 runs it (:func:`_runners`), its cost that rank's. The
     crowd, where it is measured, runs the stages of ``stages`` at the places ``crowd_of`` (None: all of them;
     :mod:`.pieces` times a few pieces of the model and crowds only its layers). ``crowd_from``: the same model's
     trace at another microbatch shape (a split's ``traced``), whose crowd the caller measured: where the cache
@@ -228,15 +234,15 @@ def profile_stages(split: Split, profile: Profiling, *, autocast: str | None, ta
     chosen = list(range(split.num_stages)) if stages is None else list(stages)
     num, many = len(chosen), profile.num_ranks > 1
     keys = [{"stage": stage_digest(split, s), "inputs": [[list(x.shape), x.dtype] for x in split.parts[s].inputs],
-             "dtype": dtype, **host, **({"tp": stp.to_json()} if (stp := _tp(tps, s)) is not None else {})}
+             "dtype": dtype, **host, **({"tp": _tp_key(stp, tp)} if (stp := _tp(tps, tp, s)) is not None else {})}
             for s in chosen]
     entries: dict[int, cache.Entry] = {}
     for i in range(num):
         if (e := cache.lookup("stage", keys[i], _check_stage)) is not None:
             entries[i] = e
     crowd_key = _crowd_key(split.traced, dtype, profile.num_ranks, host)
-    if any(_tp(tps, s) is not None for s in chosen):  # the crowd's processes run the sharded stages
-        crowd_key["tp"] = [stp.to_json() if (stp := _tp(tps, s)) is not None else None for s in chosen]
+    if any(_tp(tps, tp, s) is not None for s in chosen):  # the crowd's processes run the sharded stages
+        crowd_key["tp"] = [_tp_key(stp, tp) if (stp := _tp(tps, tp, s)) is not None else None for s in chosen]
     shared = cache.lookup("crowd", crowd_key, _check_crowd) if many else None
     if shared is None and many and crowd_from is not None and "tp" not in crowd_key:
         source = _crowd_key(crowd_from, dtype, profile.num_ranks, host)
@@ -255,7 +261,7 @@ def profile_stages(split: Split, profile: Profiling, *, autocast: str | None, ta
     try:
         crowded = list(range(num)) if crowd_of is None else list(crowd_of)
         built = sorted(set(todo) | (set(crowded) if many and shared is None else set()))
-        by_stage = _runners(split, [chosen[i] for i in built], autocast, target, kwargs, search_path, tps) if built \
+        by_stage = _runners(split, [chosen[i] for i in built], autocast, target, kwargs, search_path, tps, tp) if built \
             else {}
         runners = {i: by_stage[chosen[i]] for i in built}
         if todo:

@@ -48,6 +48,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from pipec.compiler.ir.plan import SHARDING, ShardMode
+
 __all__ = [
     "ShardLayout",
     "ParamShards",
@@ -90,9 +92,14 @@ class ShardLayout:
         return cls(mode=mesh.shard, ranks=ranks, index=ranks.index(global_rank))
 
     @property
+    def shard_mode(self) -> ShardMode:
+        """What :attr:`mode` shards (:data:`~pipec.compiler.ir.plan.SHARDING`)."""
+        return SHARDING[self.mode]
+
+    @property
     def params_sharded(self) -> bool:
         """Parameters are sharded at rest (FSDP2: ``grads`` or ``full``)."""
-        return self.mode in ("grads", "full")
+        return self.shard_mode.params
 
     @property
     def size(self) -> int:
@@ -340,7 +347,7 @@ def shard_stages(layout: ShardLayout | None, modules: Mapping[int, nn.Module], m
     if layout is not None and layout.params_sharded:
         sharding = ParamShards(modules, transport.shard_mesh, dtype=dtype)
     params = [p for s in sorted(modules) for p in modules[s].parameters()]
-    if layout is not None and layout.mode == "optimizer":
+    if layout is not None and not layout.params_sharded:  # the optimizer state alone is sharded (ZeRO-1)
         return sharding, OptimizerShards(params, make_optimizer, layout, transport.groups.get(layout.ranks))
     return sharding, make_optimizer(params)
 

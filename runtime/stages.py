@@ -36,6 +36,7 @@ from pipec.model.tensors import FrontendError, TensorSpec, example_inputs
 from pipec.model.trace import Traced, trace_model
 from pipec.model.weights import INIT_MODES, initial_values, resolve_init
 from pipec.compiler.ir.plan import Plan
+from pipec.compiler.ir.tensor_parallel import in_effect
 
 __all__ = ["ReferenceModule", "build_stages", "build_reference", "run_stages"]
 
@@ -165,11 +166,12 @@ def build_stages(plan: Plan, stage_ids: Iterable[int], *, seed: int, init: str =
     out = {}
     for s in ids:
         stage = materialize(split, s, values, exact_buffers or buffers, device, traced_on=traced_on)
-        record = plan.stages[s].tp if plan.stages else None
-        if record is not None and record.tp > 1:
+        record = in_effect(plan.stages[s].tp if plan.stages else None, plan.mesh.tp)
+        if record is not None:
             from pipec.tp.rewrite import shard_stage
 
-            stage = shard_stage(stage, record, tp_rank, group=tp_group, traced=traced, where=f" in stage {s}")
+            stage = shard_stage(stage, record, tp_rank, tp=plan.mesh.tp, group=tp_group, traced=traced,
+                                where=f" in stage {s}")
         out[s] = stage
     return out
 

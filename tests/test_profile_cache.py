@@ -161,8 +161,8 @@ def test_a_tensor_parallel_stage_is_timed_sharded_as_its_rank_runs_it(monkeypatc
     assert shapes == [[(16, 32), (16, 32), (32, 16), (32, 16)]] * 2  # a miss, timed as tp rank 0 holds them
     for st in two.stages:
         assert st.tp is not None and st.tp.costs_local and st.tp.to_json()["costs_local"] is True
-        whole = _unsharded(st.cost, st)
-        assert whole.fwd == pytest.approx(st.cost.fwd / st.tp.compute_share())
+        whole = _unsharded(st.cost, st, 2)
+        assert whole.fwd == pytest.approx(st.cost.fwd / st.tp.compute_share(2))
     assert all(st.tp is None for st in one.stages)
 
 

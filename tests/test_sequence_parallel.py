@@ -113,7 +113,7 @@ def test_the_sharded_stage_holds_the_sequence_part(gpt):
     got: list = [None, None]
 
     def work(r):
-        mod = shard_stage(gpt[0], plans[0], r, group=group.rank(r))
+        mod = shard_stage(gpt[0], plans[0], r, tp=2, group=group.rank(r))
         got[r] = mod(x["tokens"])[0].detach()
 
     threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
@@ -130,7 +130,8 @@ def _saved_shapes(stages, plans, tp: int, inputs: dict) -> list[tuple[int, ...]]
     """The shapes of every tensor tp rank 0's stages save for their backward (not the parameters, nor views of
     them)."""
     group = ThreadGroupTP(tp)
-    ranks = [{s: shard_stage(st, plans[s], r, group=group.rank(r)) for s, st in stages.items()} for r in range(tp)]
+    ranks = [{s: shard_stage(st, plans[s], r, tp=tp, group=group.rank(r)) for s, st in stages.items()}
+             for r in range(tp)]
     params = {p.untyped_storage().data_ptr() for r in ranks for st in r.values() for p in st.parameters()}
     shapes: list = []
 
@@ -309,7 +310,7 @@ def test_llamas_q_k_v_and_gate_up_gather_once_and_save_the_part(llama):
     all-gather, only this rank's part saved (no flattened whole [B T, C] input of theirs, as a gather shared by
     plain Linears would save once per Linear)."""
     plans = plan_stages([llama[0], llama[1]], 2, sequence_parallel=True)
-    sharded = shard_stage(llama[0], plans[0], 0)
+    sharded = shard_stage(llama[0], plans[0], 0, tp=2)
     fused = [n for n in sharded.graph.nodes if n.op == "call_module"
              and getattr(sharded.get_submodule(str(n.target)), "kind", None) == "gather_linear"]
     assert sorted(len(n.args) - 1 for n in fused) == [4, 6], fused  # (gate, up), (q, k, v): weight and bias each
@@ -505,7 +506,7 @@ def test_hf_gpt2_conv1d_on_the_flattened_batch_matches():
     plans = plan_stages([stages[0], stages[1]], 2, sequence_parallel=True)
     assert plans[0].seq_outputs and plans[1].seq_inputs == plans[0].seq_outputs
     assert "model.transformer.h.0.ln_2.weight" in plans[0].partial_params
-    code = shard_stage(stages[0], plans[0], 0).code
+    code = shard_stage(stages[0], plans[0], 0, tp=2).code
     assert "tp_scatter_0_2" in code and "tp_gather_0_2" in code, code  # [2 x 16, 32]: 2 blocks on dim 0
     ids = {"input_ids": torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))}
     assert_sp_matches(stages, plans, 2, ids)

@@ -239,7 +239,7 @@ def _numel(shape):
 def test_memory_per_mode_by_hand(mode, state, unsharded):
     """35 parameters, shapes (10, 3) and (5,), over 4 ranks: dim 0 padded to 12 and 8, so 36 + 8 = 44."""
     plan = _with_params(_plan("1f1b", 1, mode, dp=4), [(10, 3), (5,)])
-    assert padded_params(plan.stages[0], 4) == 44
+    assert padded_params(plan.stages[0], 4, plan.mesh.tp) == 44
     rows = breakdown(plan)
     assert state_bytes(plan) == [state, state]
     assert [m.unsharded for m in rows] == [unsharded, unsharded]

@@ -81,7 +81,8 @@ def run_tp(stages, plans, tp: int, inputs: dict, loss=_xent):
     """Each tp rank's sharded stages run on a thread: its outputs, and its stages. A loss-parallel last stage
     takes :func:`_xent` on its part of the logits."""
     group = ThreadGroupTP(tp)
-    ranks = [{s: shard_stage(st, plans[s], r, group=group.rank(r)) for s, st in stages.items()} for r in range(tp)]
+    ranks = [{s: shard_stage(st, plans[s], r, tp=tp, group=group.rank(r)) for s, st in stages.items()}
+             for r in range(tp)]
     outs: list = [None] * tp
     parallel = plans[max(stages)].loss_parallel
     assert loss is _xent or not parallel, "a loss-parallel plan runs _xent on the parts"
@@ -176,7 +177,7 @@ def test_gpt_head_with_a_custom_loss_stays_whole(gpt):
 
 def test_gpt_rewrite_uses_local_sizes(gpt):
     plan = plan_stage(gpt[0], 2)
-    local = shard_stage(gpt[0], plan, 1)  # no group: one rank's shapes alone
+    local = shard_stage(gpt[0], plan, 1, tp=2)  # no group: one rank's shapes alone
     code = local.code
     assert ".split(16, dim = 2)" in code and ".view(2, 16, 2, 8)" in code and ".reshape(2, 16, 16)" in code
     assert "tp_reduce" in code and "tp_copy" in code
@@ -305,7 +306,7 @@ def test_tied_copies_sharded_differently_across_stages_are_refused(gpt, monkeypa
         if st is not gpt[1]:
             return plan
         params = tuple(p for p in plan.params if p.name != "wte.weight")
-        return StageTP(tp=tp, modules=plan.modules, params=(*params, ShardedParam(name="wte.weight", dim=1)))
+        return StageTP(modules=plan.modules, params=(*params, ShardedParam(name="wte.weight", dim=1)))
 
     monkeypatch.setattr(tpm, "plan_stage", sharding_the_head)
     with pytest.raises(FrontendError, match=r"tied parameter wte.weight is sharded differently .*stage 0: "
@@ -501,7 +502,7 @@ def test_a_linear_subclass_is_sharded_as_a_linear():
     plan = plan_stage(gm, 2)
     assert _styles(plan) == {"0": "colwise", "2": "rowwise"}
     group = ThreadGroupTP(2)
-    ranks = [shard_stage(gm, plan, r, group=group.rank(r)) for r in range(2)]
+    ranks = [shard_stage(gm, plan, r, tp=2, group=group.rank(r)) for r in range(2)]
     outs: list = [None, None]
 
     def work(r: int) -> None:

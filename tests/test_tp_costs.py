@@ -54,9 +54,9 @@ NUM = sum(_numel(s) for s in SHAPES)
 NUM_SHARDED = sum(_numel(s) for n, s in zip(NAMES, SHAPES) if n in SHARDED)
 
 
-def _stage_tp(tp: int, share: float = 0.9) -> StageTP:
-    return StageTP(tp=tp, params=tuple(ShardedParam(name=n, dim=d, segments=3 if "qkv" in n else 1)
-                                       for n, d in SHARDED.items()),
+def _stage_tp(share: float = 0.9) -> StageTP:
+    return StageTP(params=tuple(ShardedParam(name=n, dim=d, segments=3 if "qkv" in n else 1)
+                                for n, d in SHARDED.items()),
                    collectives=(Collective(kind="all_reduce", phase="forward", num_bytes=PAYLOAD, node="a"),
                                 Collective(kind="all_reduce", phase="forward", num_bytes=PAYLOAD, node="b"),
                                 Collective(kind="all_reduce", phase="backward", num_bytes=PAYLOAD, node="c"),
@@ -68,7 +68,7 @@ def _plan(pp: int = 2, dp: int = 2, tp: int = 1, *, stage_tp: bool = True, links
           activation_bytes=10**6, spec=None) -> Plan:
     stages = tuple(Stage(stage=s, rank=s, params=NAMES, param_shapes=SHAPES, num_params=NUM, param_bytes=4 * NUM,
                          activation_bytes=activation_bytes, cost=COST,
-                         tp=_stage_tp(tp) if stage_tp and tp > 1 else None) for s in range(pp))
+                         tp=_stage_tp() if stage_tp and tp > 1 else None) for s in range(pp))
     edges = tuple(Edge(src_stage=s, dst_stage=s + 1, tensors=(TensorSpec("x", "bfloat16", (4096,)),))
                   for s in range(pp - 1))
     return Plan(mesh=Mesh(pp=pp, dp=dp, tp=tp, devices_per_node=nodes, shard=shard), num_stages=pp,
@@ -94,8 +94,8 @@ def test_tp_1_or_no_stage_tp_prices_as_before():
     assert costs.stages == (COST, COST)
     assert costs.activation_bytes == (10**6, 10**6)
     assert costs.allreduce[("dp", 0)] == _ring(DP, 2, 4 * NUM)
-    # a StageTP of tp 1 changes nothing either
-    one = replace(base, stages=tuple(replace(st, tp=_stage_tp(1)) for st in base.stages))
+    # a StageTP in a plan of tp 1 changes nothing either
+    one = replace(base, stages=tuple(replace(st, tp=_stage_tp()) for st in base.stages))
     assert plan_costs(one) == costs
     assert breakdown(one) == breakdown(base)
     assert simulate(_with_program(one)) == simulate(_with_program(base))
@@ -113,7 +113,7 @@ def test_a_tp_mesh_without_stage_tp_replicates_the_stage():
 @pytest.mark.parametrize("tp", [2, 4])
 def test_compute_scales_by_the_share_and_collectives_ride_the_tp_link(tp):
     plan = _plan(tp=tp, links={"pp": DP, "dp": DP, "tp": TP})
-    k = _stage_tp(tp).compute_share()
+    k = _stage_tp().compute_share(tp)
     assert k == pytest.approx(0.9 / tp + 0.1)
     ar = _ring(TP, tp, PAYLOAD)
     c = plan_costs(plan).stages[0]
@@ -121,7 +121,7 @@ def test_compute_scales_by_the_share_and_collectives_ride_the_tp_link(tp):
     assert c.bwd_i == pytest.approx(COST.bwd_i * k + 2 * ar)       # the input-grad half carries the backward's
     assert c.bwd_w == pytest.approx(COST.bwd_w * k)
     assert c.bwd == pytest.approx(COST.bwd * k + 2 * ar)
-    assert c.optim == pytest.approx(COST.optim * local_params(plan.stages[0]) / NUM)
+    assert c.optim == pytest.approx(COST.optim * local_params(plan.stages[0], tp) / NUM)
 
 
 def test_a_recomputed_stage_runs_its_forward_collectives_again():
@@ -133,7 +133,7 @@ def test_a_recomputed_stage_runs_its_forward_collectives_again():
 
 def test_without_a_tp_link_intra_prices_a_group_inside_a_node_and_dp_otherwise():
     inside = _plan(tp=2, nodes=4, links={"pp": DP, "dp": DP, "intra": INTRA, "inter": INTER})
-    k = _stage_tp(2).compute_share()
+    k = _stage_tp().compute_share(2)
     assert plan_costs(inside).stages[0].fwd == pytest.approx(COST.fwd * k + 2 * _ring(INTRA, 2, PAYLOAD))
     assert link_sides(inside)["tp"] == {"intra": 2, "inter": 0}
     # a tp group across 2 nodes of 1 device: the hierarchical ring's inter part only
@@ -148,7 +148,8 @@ def test_without_a_tp_link_intra_prices_a_group_inside_a_node_and_dp_otherwise()
 def test_the_dp_all_reduce_moves_each_tp_ranks_part():
     plan = _plan(tp=4)
     part = 4 * (NUM - NUM_SHARDED + NUM_SHARDED // 4)
-    assert local_param_bytes(plan.stages[0]) == part
+    assert local_param_bytes(plan.stages[0], 4) == part
+    assert local_param_bytes(plan.stages[0], 1) == 4 * NUM        # the same record at tp 1: all of it
     assert plan_costs(plan).allreduce[("dp", 0)] == pytest.approx(_ring(DP, 2, part))
     # by node: tp 4 innermost, so dp 2's replicas of one tp rank are 4 ranks apart: 2 nodes of 4 -> inter
     nodes = _plan(tp=4, nodes=4, links={"pp": DP, "dp": DP, "intra": INTRA, "inter": INTER})
@@ -168,15 +169,15 @@ def test_a_tp_plan_simulates_faster_compute_with_its_collectives():
 def test_state_divides_the_sharded_parameters_by_tp_then_by_the_shard():
     base, tp2 = breakdown(_plan(tp=1)), breakdown(_plan(tp=2))
     local = NUM - NUM_SHARDED + NUM_SHARDED // 2
-    assert local_params(_plan(tp=2).stages[0]) == local
+    assert local_params(_plan(tp=2).stages[0], 2) == local
     assert [m.state for m in tp2] == [16 * local] * 2 and [m.state for m in base] == [16 * NUM] * 2
     assert tp2[0].num_params == local
     # FSDP2 over the tp shards: local shapes first, then dim 0 padded to the shard size and divided
     full = _plan(tp=2, shard="full")
     st = full.stages[0]
-    assert padded_params(st, 2) == local           # every local dim 0 is even: no padding
+    assert padded_params(st, 2, 2) == local        # every local dim 0 is even: no padding
     assert breakdown(full)[0].state == 16 * local // 2
-    assert padded_params(replace(st, tp=None), 2) == NUM
+    assert padded_params(replace(st, tp=None), 2, 2) == NUM
 
 
 def test_activations_follow_megatrons_count():
@@ -186,15 +187,16 @@ def test_activations_follow_megatrons_count():
     full = L * megatron_block_activation_bytes(seq=s, batch=b, hidden=h, heads=a)
     assert full == pytest.approx(L * s * b * h * (34 + 5 * a * s / h))
     payload = s * b * h * 2                          # one all-reduce of b s h bf16 values, 2 forward per block
-    stp = StageTP(tp=t, collectives=tuple(Collective(kind="all_reduce", phase="forward", num_bytes=payload,
+    stp = StageTP(collectives=tuple(Collective(kind="all_reduce", phase="forward", num_bytes=payload,
                                                      node=str(i)) for i in range(2 * L)), sharded_flops=1.0)
     st = Stage(stage=0, rank=0, activation_bytes=round(full), tp=stp)
     want = L * megatron_block_activation_bytes(seq=s, batch=b, hidden=h, heads=a, tp=t)
     assert want == pytest.approx(L * s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
-    assert tp_activation_bytes(st) == pytest.approx(want, rel=1e-6)
-    assert tp_activation_bytes(st, sequence_parallel=True) == pytest.approx(full / t, rel=1e-6)
-    assert tp_activation_bytes(replace(st, tp=None)) == round(full)
-    assert plan_costs(_plan(tp=2)).activation_bytes[0] == tp_activation_bytes(_plan(tp=2).stages[0])
+    assert tp_activation_bytes(st, t) == pytest.approx(want, rel=1e-6)
+    assert tp_activation_bytes(st, t, sequence_parallel=True) == pytest.approx(full / t, rel=1e-6)
+    assert tp_activation_bytes(replace(st, tp=None), t) == round(full)
+    assert tp_activation_bytes(st, 1) == round(full)
+    assert plan_costs(_plan(tp=2)).activation_bytes[0] == tp_activation_bytes(_plan(tp=2).stages[0], 2)
 
 
 # ----------------------------------------------------------------------------- tune's layout is the compile's
@@ -329,7 +331,7 @@ def _check_pick(r, treq):
     best = r.best
     assert best.candidate.tp > 1 and 8 % best.candidate.tp == 0
     assert best.plan.mesh.tp == best.candidate.tp and best.plan.mesh.world_size == 64
-    assert all(st.tp is not None and st.tp.tp == best.candidate.tp for st in best.plan.stages)
+    assert all(st.tp is not None for st in best.plan.stages)
     assert link_sides(best.plan)["tp"]["inter"] == 0              # every tp group inside a node (NVLink)
     assert r.best_tp1 is not None and r.best_tp1.candidate.tp == 1
     assert r.best_tp1.step_time > best.step_time

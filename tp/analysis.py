@@ -437,7 +437,7 @@ def plan_stage(stage: GraphModule, tp: int, *, patterns: Mapping[str, str] | Non
         raise FrontendError(f"tp must be at least 1, got {tp}", key="tp")
     canonical = canonical_of(stage, canonical)
     if tp == 1:
-        return StageTP(tp=1)
+        return StageTP()
     _check_annotated(stage)
     styles = None
     if patterns is not None:

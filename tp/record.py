@@ -98,7 +98,7 @@ def record(an: Analysis, lins: Mapping[Node, Lin], canonical: Mapping[str, str],
                      seq_inputs=tuple((names[h], d) for h, d in an.sp.inputs.items() if h in holders),
                      seq_outputs=tuple((outputs[i], d) for i, d in sorted(an.seq_outputs.items())),
                      partial_params=partial_params(an, canonical, set(params), where, traced))
-    return StageTP(tp=an.tp, modules=tuple(modules.items()), params=tuple(params.values()),
+    return StageTP(modules=tuple(modules.items()), params=tuple(params.values()),
                    collectives=tuple(collectives), sharded_flops=sharded / total if total else 0.0,
                    loss_parallel=an.loss_out, **extra)
 

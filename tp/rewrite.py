@@ -177,16 +177,16 @@ def _functional(graph: Graph, new: Node, lin: Lin, x: Node, *, reduce: str | Non
     return y
 
 
-def shard_stage(stage: GraphModule, plan: StageTP, rank: int, *, group: TPGroup | None = None,
+def shard_stage(stage: GraphModule, plan: StageTP, rank: int, *, tp: int, group: TPGroup | None = None,
                 canonical: Mapping[str, str] | None = None, traced: Traced | None = None, where: str = "",
                 check: bool = True) -> GraphModule:
-    """Tp rank ``rank``'s copy of ``stage`` (unmodified) as ``plan`` shards it: local sizes, f/g inserted (with
-    ``group``; None runs one rank's shapes alone), sharded parameters sliced. A :class:`StageModule` gives a
-    StageModule. ``check`` proves the rewrite on fake tensors (see the module doc)."""
+    """Tp rank ``rank``'s copy (of ``tp``: the plan's ``mesh.tp``) of ``stage`` (unmodified) as ``plan`` shards it:
+    local sizes, f/g inserted (with ``group``; None runs one rank's shapes alone), sharded parameters sliced. A
+    :class:`StageModule` gives a StageModule. ``check`` proves the rewrite on fake tensors (see the module doc)."""
     canonical = canonical_of(stage, canonical)
-    if plan.tp == 1:
+    if tp == 1:
         return stage
-    an, lins = analyse(stage, plan.tp, dict(plan.modules), canonical, {sp.name: sp.segments for sp in plan.params},
+    an, lins = analyse(stage, tp, dict(plan.modules), canonical, {sp.name: sp.segments for sp in plan.params},
                        loss_parallel=plan.loss_parallel)
     if plan.sequence_parallel and not an.failures:
         given = dict(plan.seq_inputs)
@@ -213,14 +213,14 @@ def shard_stage(stage: GraphModule, plan: StageTP, rank: int, *, group: TPGroup 
     def local(p: nn.Parameter, name: str) -> nn.Parameter:
         canon = canonical.get(name, name)
         if canon not in fresh:  # a replicated one shares the data, not the gradient
-            data = shard_param(p.detach(), sharded[canon], plan.tp, rank).clone() if canon in sharded else p.detach()
+            data = shard_param(p.detach(), sharded[canon], tp, rank).clone() if canon in sharded else p.detach()
             fresh[canon] = nn.Parameter(data, requires_grad=p.requires_grad)
         return fresh[canon]
 
     memo: dict[int, nn.Module] = {}
-    attrs: dict[str, Any] = {name: TPComm(kind, dim, size=plan.tp, rank=rank, segments=segs)
+    attrs: dict[str, Any] = {name: TPComm(kind, dim, size=tp, rank=rank, segments=segs)
                              for name, (kind, dim, segs) in comms.items()}
-    attrs.update((name, VocabLookup(rows // plan.tp, rank=rank, padding_idx=pad)) for name, (rows, pad) in lookups.items())
+    attrs.update((name, VocabLookup(rows // tp, rank=rank, padding_idx=pad)) for name, (rows, pad) in lookups.items())
     for n in graph.nodes:
         if n.op not in ("call_module", "get_attr") or n.target in attrs:
             continue

@@ -116,9 +116,9 @@ def memory_bound(frame: Frame, stages) -> tuple[int, int]:
     if any(st.activation_bytes is None for st in stages):
         return 0, 0
     state = [m.state for m in breakdown(frame.plan) or ()] or [0] * frame.plan.mesh.pp
-    sp = frame.plan.mesh.sequence_parallel
+    tp, sp = frame.plan.mesh.tp, frame.plan.mesh.sequence_parallel
     act = _peaks(frame.order, tuple(st.activation_bytes if st.tp is None else
-                                    tp_activation_bytes(st, sequence_parallel=sp) for st in stages))
+                                    tp_activation_bytes(st, tp, sequence_parallel=sp) for st in stages))
     return max(s + a for s, a in zip(state, act)), max(state)
 
 

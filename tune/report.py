@@ -150,7 +150,7 @@ def _tp_reason(r: TuneResult) -> str:
     """Why tensor parallelism: the winner against the best plan without it (:attr:`TuneResult.best_tp1`)."""
     b, c = r.best, r.best.candidate
     stp = next((st.tp for st in b.plan.stages if st.tp is not None), None)
-    share = f"each tp rank computes {stp.compute_share():.1%} of its stage" if stp is not None else ""
+    share = f"each tp rank computes {stp.compute_share(c.tp):.1%} of its stage" if stp is not None else ""
     links = b.plan.links
     where = "the tp link" if "tp" in links else ("NVLink-class intra-node links" if "intra" in links
                                                   else "the dp link")

@@ -295,10 +295,7 @@ def _per_param(c: Candidate, spec) -> float:
     """State bytes per parameter one rank holds at least (shards unpadded; every parameter taken as sharded
     over tp, which only lowers it)."""
     mesh = Mesh(pp=c.pp, dp=c.dp, shard=c.shard, shard_size=c.shard_size)
-    p, g, o = bytes_per_param(spec)
-    n = mesh.num_shards
-    per = (p + g + o / n) if mesh.shard == "optimizer" else (p + g + o) / (n if mesh.params_sharded else 1)
-    return per / c.tp
+    return sum(mesh.shard_mode.state(bytes_per_param(spec), 1.0, 1.0 / mesh.num_shards)) / c.tp
 
 
 def _score(c: Candidate, plan: Plan, tokens: int, peak_flops: float | None, num_devices: int,

@@ -16,6 +16,7 @@ import textwrap
 from rich.table import Table
 
 from pipec.compiler.ir.plan import Plan
+from pipec.compiler.ir.tensor_parallel import in_effect
 
 __all__ = ["stage_table", "tp_lines"]
 
@@ -75,8 +76,8 @@ def tp_lines(plan: Plan) -> list[str]:
     parts, and the share of the FLOPs on shards."""
     out = []
     for st in plan.stages:
-        tp = st.tp
-        if tp is None or tp.tp == 1:
+        tp = in_effect(st.tp, plan.mesh.tp)
+        if tp is None:
             continue
         by_style: dict[str, dict[str, int]] = {}
         for module, style in tp.modules:
@@ -90,7 +91,7 @@ def tp_lines(plan: Plan) -> list[str]:
             n = sum(c.phase == phase for c in tp.collectives)
             if n:
                 comm.append(f"{n} in {phase} ({tp.collective_bytes(phase) / 1024:.1f} KiB)")
-        line = (f"stage {st.stage} (tp {tp.tp}): {'; '.join(parts) or 'nothing to shard: replicated'}"
+        line = (f"stage {st.stage} (tp {plan.mesh.tp}): {'; '.join(parts) or 'nothing to shard: replicated'}"
                 + (f"; tp collectives per microbatch: {', '.join(comm)}" if comm else "")
                 + ("; loss parallel (cross_entropy on the logits' vocabulary parts)" if tp.loss_parallel else "")
                 + f"; {tp.sharded_flops:.0%} of its FLOPs on shards")

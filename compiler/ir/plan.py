@@ -34,6 +34,8 @@ __all__ = [
     "Measured",
     "Overhead",
     "DEFAULT_LINKS",
+    "ShardMode",
+    "SHARDING",
     "SHARD_MODES",
     "Mesh",
     "check_shard",
@@ -110,7 +112,8 @@ class Stage:
     """The shape of each of ``params``, in order (empty: unknown); sharding pads each parameter's
     dim 0 to a multiple of the shard size, as FSDP2 does."""
     tp: StageTP | None = None
-    """What tensor parallelism does to this stage (None: tp 1, or a schedule-only plan)."""
+    """What tensor parallelism does to this stage at the plan's ``mesh.tp`` (None: tp 1, or a schedule-only
+    plan)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -203,11 +206,44 @@ DEFAULT_LINKS: Mapping[str, Link] = {
 }
 
 
-SHARD_MODES = ("none", "optimizer", "grads", "full")
-"""Key ``shard``: how the dp replicas share a stage's state. ``optimizer`` (ZeRO-1): optimizer state
-sharded; ``grads`` (FSDP2 ``reshard_after_forward=False``, ZeRO-2): gradients and optimizer state
-sharded, parameters sharded at rest and gathered once per step; ``full`` (ZeRO-3, FSDP FULL_SHARD):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardMode:
+    """What one value of key ``shard`` shards across a shard group: the one statement of it that the memory
+    model, ``pipec tune``'s bounds, the simulator, the lowering and the runtime read."""
+
+    name: str
+    params: bool = False
+    """Parameters sharded at rest, gathered by ``UNSHARD`` around their computes (FSDP2)."""
+    grads: bool = False
+    """Gradients reduce-scattered to shards (``REDUCE_SCATTER``) instead of all-reduced whole."""
+    optimizer: bool = False
+    """Optimizer state held as shards; with whole parameters ``OPTIM_STEP`` gathers the updated ones."""
+    unshard: str | None = None
+    """The unshard windows (:func:`~pipec.compiler.passes.lower.unshard_windows`): ``step`` (one per stage and
+    step, from its first compute to its last), ``runs`` (resharded after each run of the stage's computes and
+    gathered again), None (no ``UNSHARD``: the parameters stay whole)."""
+
+    def state(self, per: tuple[int, int, int], full: float, shard: float) -> tuple[float, float, float]:
+        """(params, grads, optimizer) bytes of a stage's parameters held whole (``full`` of them) or as one
+        rank's shard (``shard`` of them), at ``per`` = (param, grad, optimizer-state) bytes per parameter."""
+        p, g, o = per
+        return ((shard if self.params else full) * p, (shard if self.grads else full) * g,
+                (shard if self.optimizer else full) * o)
+
+
+SHARDING: Mapping[str, ShardMode] = {m.name: m for m in (
+    ShardMode(name="none"),
+    ShardMode(name="optimizer", optimizer=True),
+    ShardMode(name="grads", params=True, grads=True, optimizer=True, unshard="step"),
+    ShardMode(name="full", params=True, grads=True, optimizer=True, unshard="runs"),
+)}
+"""Key ``shard``'s values, by name: how the dp replicas share a stage's state. ``optimizer`` (ZeRO-1):
+optimizer state sharded; ``grads`` (FSDP2 ``reshard_after_forward=False``, ZeRO-2): gradients and optimizer
+state sharded, parameters sharded at rest and gathered once per step; ``full`` (ZeRO-3, FSDP FULL_SHARD):
 parameters resharded after each forward and gathered again for the backward."""
+
+SHARD_MODES = tuple(SHARDING)
+"""Key ``shard``'s values, in order (:data:`SHARDING`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -237,6 +273,11 @@ class Mesh:
         return self.dp if self.shard_size is None else self.shard_size
 
     @property
+    def shard_mode(self) -> ShardMode:
+        """What ``shard`` shards (:data:`SHARDING`)."""
+        return SHARDING[self.shard]
+
+    @property
     def sharded(self) -> bool:
         """Some state is sharded across dp (``shard`` is not ``none``)."""
         return self.shard != "none"
@@ -244,7 +285,7 @@ class Mesh:
     @property
     def params_sharded(self) -> bool:
         """Parameters are sharded at rest and gathered by ``UNSHARD`` (``shard grads`` or ``full``)."""
-        return self.shard in ("grads", "full")
+        return SHARDING[self.shard].params
 
     @property
     def hybrid(self) -> bool:
@@ -256,21 +297,26 @@ class Mesh:
         """The group a stage's state is sharded over: ``dp``, or ``dp.shard`` under HSDP."""
         return "dp.shard" if self.hybrid else "dp"
 
-    def group_ranks(self, group: str, global_rank: int) -> tuple[int, ...]:
-        """The global ranks of the dp group ``group`` (``dp``, ``dp.shard``, ``dp.replicate``) that
-        ``global_rank`` belongs to, in dp order: ranks of the same pp rank and the same tp rank. Shard groups
-        are consecutive dp ranks; a replicate group holds the same position in each shard group."""
-        pp, d = self.coords(global_rank)
-        t = self.tp_rank(global_rank)
+    def dp_groups(self, group: str) -> tuple[range, ...]:
+        """The dp ranks of each group that dp group ``group`` (``dp``, ``dp.shard``, ``dp.replicate``) cuts the
+        replicas into, in dp order (the same for every pp rank and tp rank). Shard groups are consecutive dp
+        ranks; a replicate group holds the same position in each shard group."""
         n = self.num_shards if self.hybrid else self.dp
         if group == "dp":
-            return tuple(self.replicas(pp, t))
+            return (range(self.dp),)
         if group == "dp.shard":
-            first = d - d % n
-            return tuple(self.global_rank(pp, x, t) for x in range(first, first + n))
+            return tuple(range(first, first + n) for first in range(0, self.dp, n))
         if group == "dp.replicate":
-            return tuple(self.global_rank(pp, x, t) for x in range(d % n, self.dp, n))
+            return tuple(range(d, self.dp, n) for d in range(n))
         raise KeyError(f"{group!r} is not a dp group (dp, dp.shard, dp.replicate)")
+
+    def group_ranks(self, group: str, global_rank: int) -> tuple[int, ...]:
+        """The global ranks of the dp group ``group`` (:meth:`dp_groups`) that ``global_rank`` belongs to, in dp
+        order: ranks of the same pp rank and the same tp rank."""
+        pp, d = self.coords(global_rank)
+        t = self.tp_rank(global_rank)
+        ds = next(ds for ds in self.dp_groups(group) if d in ds)
+        return tuple(self.global_rank(pp, x, t) for x in ds)
 
     @property
     def world_size(self) -> int:
@@ -465,23 +511,22 @@ def local_specs(plan: "Plan", src: int, tensors: Sequence[TensorSpec]) -> tuple[
     producer sends as parts (:attr:`~pipec.compiler.ir.tensor_parallel.StageTP.seq_outputs`) have the sequence
     dim divided by tp (the plan's signatures are the model's, whole)."""
     record = plan.stages[src].tp if plan.stages and src < len(plan.stages) else None
-    if record is None or not record.seq_outputs:
+    if record is None or plan.mesh.tp == 1 or not record.seq_outputs:
         return tuple(tensors)
     out = []
     for t in tensors:
         d = record.seq_dim(t.name)
         out.append(t if d is None else replace(
-            t, shape=tuple(n // record.tp if i == d else n for i, n in enumerate(t.shape))))
+            t, shape=tuple(n // plan.mesh.tp if i == d else n for i, n in enumerate(t.shape))))
     return tuple(out)
 
 
-def check_limits(*, pp: int, num_stages: int, num_microbatches: int, instructions: int | None = None,
-                 tp: int = 1) -> None:
-    """Refuse configurations beyond DESIGN's limits, before any work is done."""
-    got = {"pp": pp, "tp": tp, "num_stages": num_stages, "num_microbatches": num_microbatches}
+def check_limits(*, pp: int, num_stages: int, num_microbatches: int, instructions: int | None = None) -> None:
+    """Refuse configurations beyond DESIGN's limits, before any work is done (``tp``'s is :func:`check_tp`'s)."""
+    got = {"pp": pp, "num_stages": num_stages, "num_microbatches": num_microbatches}
     if instructions is not None:
         got["instructions"] = instructions
-    names = {"pp": "pp ranks", "tp": "tp ranks", "num_stages": "stages", "num_microbatches": "microbatches",
+    names = {"pp": "pp ranks", "num_stages": "stages", "num_microbatches": "microbatches",
              "instructions": "instructions"}
     for key, value in got.items():
         if value > LIMITS[key]:

@@ -264,14 +264,15 @@ def _shapes(rd: Reader, num_params: int) -> tuple[tuple[int, ...], ...]:
 
 
 def _stage_tp(rd: Reader) -> StageTP | None:
-    """A stage's ``tp`` (:meth:`StageTP.to_json`): absent in a plan at tp 1 or from before tensor parallelism."""
+    """A stage's ``tp`` (:meth:`StageTP.to_json`): absent in a plan at tp 1 or from before tensor parallelism; the
+    ``tp`` field of a record written before the degree lived on ``mesh.tp`` alone is ignored."""
     raw = rd.dict("tp", required=False)
     if raw is None:
         return None
     try:
         return StageTP.from_json(raw)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise rd.error("tp", f"expected a stage's tensor-parallel record (tp, modules, params, collectives; "
+        raise rd.error("tp", f"expected a stage's tensor-parallel record (modules, params, collectives; "
                        f"{type(e).__name__}: {e})", raw) from None
 
 
@@ -440,7 +441,7 @@ def load_plan(obj: Any, where: str = "plan") -> Plan:
             raise PlanError(f"{where}.mesh.{e.key}: {e}") from None
         num_stages = rd.int("num_stages", lo=1)
         num_mb = rd.int("num_microbatches", lo=1)
-        check_limits(pp=mesh.pp, tp=mesh.tp, num_stages=num_stages, num_microbatches=num_mb)
+        check_limits(pp=mesh.pp, num_stages=num_stages, num_microbatches=num_mb)
         placement = rd.ints("placement", lo=0, hi=mesh.pp - 1)
         if len(placement) != num_stages:
             raise rd.error("placement", f"expected one pp rank per stage ({num_stages})", list(placement))

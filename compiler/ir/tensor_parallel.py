@@ -32,7 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["STYLES", "COLLECTIVE_KINDS", "LOSS_PARALLEL_VALUES", "loss_collectives", "PHASES", "ShardedParam", "Collective", "StageTP"]
+__all__ = ["STYLES", "COLLECTIVE_KINDS", "LOSS_PARALLEL_VALUES", "loss_collectives", "PHASES", "ShardedParam", "Collective",
+           "StageTP", "in_effect"]
 
 STYLES = ("colwise", "rowwise", "vocab", "replicated")
 """How a module is split: ``colwise`` (its output features), ``rowwise`` (its input features; the output is
@@ -103,9 +104,9 @@ class Collective:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StageTP:
-    """What tensor parallelism does to one stage (see the module doc)."""
+    """What tensor parallelism does to one stage (see the module doc). The degree is the plan's ``mesh.tp``, not
+    the record's: what needs it takes it (:meth:`compute_share`, :func:`in_effect`)."""
 
-    tp: int
     modules: tuple[tuple[str, str], ...] = ()
     """(module path, style) for every module the pass decided on, in graph order; style in :data:`STYLES`."""
     params: tuple[ShardedParam, ...] = ()
@@ -135,9 +136,9 @@ class StageTP:
         """The sharding of canonical parameter ``name``, or None where it is replicated."""
         return next((p for p in self.params if p.name == name), None)
 
-    def compute_share(self) -> float:
-        """The share of the stage's compute each tp rank does: the sharded part / tp plus the rest."""
-        return self.sharded_flops / self.tp + (1.0 - self.sharded_flops)
+    def compute_share(self, tp: int) -> float:
+        """The share of the stage's compute each of its ``tp`` ranks does: the sharded part / tp plus the rest."""
+        return self.sharded_flops / tp + (1.0 - self.sharded_flops)
 
     def collective_bytes(self, phase: str) -> int:
         return sum(c.num_bytes for c in self.collectives if c.phase == phase)
@@ -147,7 +148,7 @@ class StageTP:
         return next((d for name, d in self.seq_outputs if name == output), None)
 
     def to_json(self) -> dict[str, Any]:
-        out = {"tp": self.tp, "modules": [{"module": m, "style": s} for m, s in self.modules],
+        out = {"modules": [{"module": m, "style": s} for m, s in self.modules],
                "params": [p.to_json() for p in self.params],
                "collectives": [c.to_json() for c in self.collectives], "sharded_flops": self.sharded_flops}
         if self.sequence_parallel:  # written only when on: older records read as off
@@ -163,8 +164,10 @@ class StageTP:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "StageTP":
+        """The record :meth:`to_json` writes; a ``tp`` field (records before the degree lived on the mesh alone)
+        is ignored."""
         sp = d.get("sequence_parallel") or {}
-        return cls(tp=int(d["tp"]), modules=tuple((str(m["module"]), str(m["style"])) for m in d.get("modules", ())),
+        return cls(modules=tuple((str(m["module"]), str(m["style"])) for m in d.get("modules", ())),
                    params=tuple(ShardedParam.from_json(p) for p in d.get("params", ())),
                    collectives=tuple(Collective.from_json(c) for c in d.get("collectives", ())),
                    sharded_flops=float(d.get("sharded_flops", 0.0)), sequence_parallel=bool(sp),
@@ -173,3 +176,9 @@ class StageTP:
                    seq_outputs=tuple((str(x["name"]), int(x["dim"])) for x in sp.get("outputs", ())),
                    partial_params=tuple(str(n) for n in sp.get("partial_params", ())),
                    loss_parallel=bool(d.get("loss_parallel", False)), costs_local=bool(d.get("costs_local", False)))
+
+
+def in_effect(record: StageTP | None, tp: int) -> StageTP | None:
+    """A stage's record where tensor parallelism changes anything (a record, and ``tp`` >= 2 ranks), else None:
+    the one test the memory model, the cost model and the simulator make."""
+    return record if record is not None and tp > 1 else None

@@ -44,7 +44,7 @@ from bisect import bisect_right
 from typing import Any, Hashable, Sequence
 
 from pipec.compiler.ir.program import Instruction, Op, Program
-from pipec.compiler.ir.plan import Edge, Mesh, Tie
+from pipec.compiler.ir.plan import SHARDING, Edge, Mesh, Tie
 from pipec.compiler.sim.cost import CostModel
 from pipec.schedules.timing import list_schedule
 from pipec.schedules.order import ComputeOrder, Kind
@@ -208,8 +208,9 @@ def lower(
 
 
 def unshard_windows(stages: Sequence[int], mode: str) -> list[tuple[int, int, int]]:
-    """The unshard windows of one rank's computes (``stages[i]``: the stage of compute i), as
-    (stage, first, last) compute indices, in order of their first compute (see the module docstring)."""
+    """The unshard windows of one rank's computes (``stages[i]``: the stage of compute i) under shard mode
+    ``mode`` (its :attr:`~pipec.compiler.ir.plan.ShardMode.unshard`), as (stage, first, last) compute indices, in
+    order of their first compute (see the module docstring)."""
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     runs: list[list[int]] = []
@@ -220,7 +221,7 @@ def unshard_windows(stages: Sequence[int], mode: str) -> list[tuple[int, int, in
             runs[-1][2] = i
         else:
             runs.append([s, i, i])
-    if mode == "grads":
+    if SHARDING[mode].unshard == "step":
         return sorted(((s, first[s], last[s]) for s in first), key=lambda w: w[1])
     merged: dict[int, list[int]] = {}  # stage -> its open window
     out: list[list[int]] = []

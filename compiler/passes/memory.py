@@ -70,6 +70,7 @@ from typing import Mapping
 
 from pipec.compiler.ir.program import Op
 from pipec.compiler.ir.plan import Mesh, Plan, Stage
+from pipec.compiler.ir.tensor_parallel import in_effect
 from pipec.errors import PipecError
 
 __all__ = ["BYTES_PER_PARAM", "COMPUTE_BYTES", "MemoryBudgetError", "RankMemory", "bytes_per_param", "padded_params",
@@ -127,38 +128,38 @@ def bytes_per_param(spec: Mapping) -> tuple[int, int, int]:
     return 4, 4, 4 if float(opt.get("momentum", 0.0) or 0.0) > 0 else 0
 
 
-def padded_params(stage: Stage, num_shards: int) -> int:
-    """The stage's parameters one tp rank holds (:func:`local_params`; all of them without tp) as sharded over
-    ``num_shards`` ranks hold them all together: each (local) parameter's dim 0 rounded up to a multiple of
-    ``num_shards`` (without shapes: the count rounded up)."""
+def padded_params(stage: Stage, num_shards: int, tp: int) -> int:
+    """The stage's parameters one of its ``tp`` ranks holds (:func:`local_params`; all of them without tp) as
+    sharded over ``num_shards`` ranks hold them all together: each (local) parameter's dim 0 rounded up to a
+    multiple of ``num_shards`` (without shapes: the count rounded up)."""
     n = num_shards
     if n <= 1:
-        return local_params(stage)
+        return local_params(stage, tp)
     if not stage.param_shapes:
-        return -(-local_params(stage) // n) * n
-    if stage.tp is None or stage.tp.tp <= 1:
+        return -(-local_params(stage, tp) // n) * n
+    if in_effect(stage.tp, tp) is None:
         return _padded_shapes(stage.param_shapes, n)
-    local = _local(stage)
+    local = _local(stage, tp)
     if n not in local.padded:
         local.padded[n] = _padded_shapes(local.shapes, n)
     return local.padded[n]
 
 
-def local_shapes(stage: Stage) -> tuple[tuple[int, ...], ...]:
-    """The shape of each of the stage's parameters on one of its tp ranks: a sharded one's dim ``dim`` divided by
-    tp (each of its ``segments`` blocks cut in tp parts: the dim over tp in all), a replicated one whole;
-    ``param_shapes`` itself without tp."""
-    if stage.tp is None or stage.tp.tp <= 1 or not stage.param_shapes:
+def local_shapes(stage: Stage, tp: int) -> tuple[tuple[int, ...], ...]:
+    """The shape of each of the stage's parameters on one of its ``tp`` ranks: a sharded one's dim ``dim``
+    divided by tp (each of its ``segments`` blocks cut in tp parts: the dim over tp in all), a replicated one
+    whole; ``param_shapes`` itself without tp."""
+    if in_effect(stage.tp, tp) is None or not stage.param_shapes:
         return stage.param_shapes
-    return _local(stage).shapes
+    return _local(stage, tp).shapes
 
 
-def local_params(stage: Stage) -> int:
-    """Parameters one of the stage's tp ranks holds: the replicated ones and its part of each sharded one
+def local_params(stage: Stage, tp: int) -> int:
+    """Parameters one of the stage's ``tp`` ranks holds: the replicated ones and its part of each sharded one
     (``num_params`` without tp, or where the shapes are unknown: then nothing is taken as sharded)."""
-    if stage.tp is None or stage.tp.tp <= 1 or not stage.param_shapes:
+    if in_effect(stage.tp, tp) is None or not stage.param_shapes:
         return stage.num_params or 0
-    return _local(stage).count
+    return _local(stage, tp).count
 
 
 @dataclass(slots=True)
@@ -171,13 +172,13 @@ class _Local:
     padded: dict[int, int]
 
 
-_LOCALS: dict[int, _Local] = {}
-"""id(stage) -> :class:`_Local`, holding the stage (so its id is not reused while cached): hashing a stage's
-names, shapes and StageTP on every call cost ``pipec tune`` more than the rest of its memory model."""
+_LOCALS: dict[tuple[int, int], _Local] = {}
+"""(id(stage), tp) -> :class:`_Local`, holding the stage (so its id is not reused while cached): hashing a
+stage's names, shapes and StageTP on every call cost ``pipec tune`` more than the rest of its memory model."""
 
 
-def _local(stage: Stage) -> _Local:
-    got = _LOCALS.get(id(stage))
+def _local(stage: Stage, tp: int) -> _Local:
+    got = _LOCALS.get((id(stage), tp))
     if got is not None and got.stage is stage:
         return got
     stp = stage.tp
@@ -189,11 +190,11 @@ def _local(stage: Stage) -> _Local:
             shapes.append(shape)
             continue
         dim = p.dim % len(shape)
-        shapes.append(tuple(-(-d // stp.tp) if i == dim else d for i, d in enumerate(shape)))
+        shapes.append(tuple(-(-d // tp) if i == dim else d for i, d in enumerate(shape)))
     count = _count(shapes) + (stage.num_params or 0) - _count(stage.param_shapes)
     if len(_LOCALS) >= 16384:
         _LOCALS.clear()
-    got = _LOCALS[id(stage)] = _Local(stage=stage, shapes=tuple(shapes), count=count, padded={})
+    got = _LOCALS[(id(stage), tp)] = _Local(stage=stage, shapes=tuple(shapes), count=count, padded={})
     return got
 
 
@@ -207,13 +208,13 @@ def _count(shapes) -> int:
     return total
 
 
-def local_param_bytes(stage: Stage) -> int:
-    """``param_bytes`` of what one tp rank holds (the dp all-reduce's payload): the sharded parameters' bytes over
-    tp, the replicated ones' whole."""
+def local_param_bytes(stage: Stage, tp: int) -> int:
+    """``param_bytes`` of what one of the stage's ``tp`` ranks holds (the dp all-reduce's payload): the sharded
+    parameters' bytes over tp, the replicated ones' whole."""
     full = stage.param_bytes or 0
-    if stage.tp is None or stage.tp.tp <= 1 or not stage.num_params:
+    if in_effect(stage.tp, tp) is None or not stage.num_params:
         return full
-    return round(full * local_params(stage) / stage.num_params)
+    return round(full * local_params(stage, tp) / stage.num_params)
 
 
 REPLICATED_PER_ALL_REDUCE = 2.5
@@ -223,19 +224,19 @@ lookup's all-reduce and the loss's add none: what the embedding's sum feeds (the
 residual) is in that block's count."""
 
 
-def tp_activation_bytes(stage: Stage, *, sequence_parallel: bool = False) -> int | None:
-    """The stage's saved bytes per microbatch on one tp rank (see the module doc): ``activation_bytes`` without
-    tp; with it the replicated part (:data:`REPLICATED_PER_ALL_REDUCE` x the forward all-reduces' bytes, at most
-    all) whole and the rest over tp; with sequence parallelism all of it over tp."""
+def tp_activation_bytes(stage: Stage, tp: int, *, sequence_parallel: bool = False) -> int | None:
+    """The stage's saved bytes per microbatch on one of its ``tp`` ranks (see the module doc):
+    ``activation_bytes`` without tp; with it the replicated part (:data:`REPLICATED_PER_ALL_REDUCE` x the forward
+    all-reduces' bytes, at most all) whole and the rest over tp; with sequence parallelism all of it over tp."""
     a = stage.activation_bytes
-    stp = stage.tp
-    if a is None or stp is None or stp.tp <= 1:
+    stp = in_effect(stage.tp, tp)
+    if a is None or stp is None:
         return a
     if sequence_parallel:
-        return -(-a // stp.tp)
+        return -(-a // tp)
     payload = sum(c.num_bytes for c in stp.collectives if c.phase == "forward" and c.kind == "all_reduce" and not c.of)
     replicated = min(a, round(REPLICATED_PER_ALL_REDUCE * payload))
-    return replicated + -(-(a - replicated) // stp.tp)
+    return replicated + -(-(a - replicated) // tp)
 
 
 def megatron_block_activation_bytes(*, seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
@@ -268,16 +269,10 @@ def stage_state(st: Stage, plan: Plan) -> tuple[int, int, int]:
 
 
 def _stage_state(st: Stage, mesh: Mesh, per: tuple[int, int, int]) -> tuple[int, int, int]:
-    """(params, grads, optimizer) bytes one rank holds of a stage, as the mesh shards them."""
+    """(params, grads, optimizer) bytes one rank holds of a stage, as the mesh shards them (:class:`~pipec.
+    compiler.ir.plan.ShardMode`)."""
     n = mesh.num_shards
-    full = local_params(st)
-    shard = padded_params(st, n) // n
-    p, g, o = per
-    if mesh.shard == "optimizer":
-        return full * p, full * g, shard * o
-    if mesh.params_sharded:
-        return shard * p, shard * g, shard * o
-    return full * p, full * g, full * o
+    return mesh.shard_mode.state(per, local_params(st, mesh.tp), padded_params(st, n, mesh.tp) // n)
 
 
 def transient_bytes(plan: Plan) -> list[tuple[int, int]]:
@@ -290,11 +285,11 @@ def transient_bytes(plan: Plan) -> list[tuple[int, int]]:
     n = mesh.num_shards if mesh.sharded else 1
     elem = COMPUTE_BYTES.get(str(plan.spec.get("dtype", "float32")), 4)
     grad = bytes_per_param(plan.spec)[1]  # float32
-    padded = {st.stage: padded_params(st, n) for st in plan.stages}
+    padded = {st.stage: padded_params(st, n, mesh.tp) for st in plan.stages}
     full = {s: v * elem for s, v in padded.items()}  # gathered in the compute dtype
     held_by = {  # (opcode, group kind) -> stage -> the flat buffer's bytes
         "RS": {s: v * grad for s, v in padded.items()},
-        "dp": {st.stage: local_params(st) * grad for st in plan.stages},
+        "dp": {st.stage: local_params(st, mesh.tp) * grad for st in plan.stages},
         "dp.replicate": {s: v // n * grad for s, v in padded.items()},
     }
     ties = {f"tie.{t.name}": -(-tie_bytes(plan, t) // (n if mesh.params_sharded else 1)) for t in plan.ties}
@@ -374,10 +369,11 @@ def tie_bytes(plan: Plan, tie) -> int:
     """A tied weight's bytes on one tp rank: over tp where the first stage holding it shards it."""
     full = tie.num_bytes or 0
     st = plan.stages[tie.stages[0]] if plan.stages and tie.stages else None
-    if st is None or st.tp is None or st.tp.tp <= 1:
+    stp = in_effect(st.tp, plan.mesh.tp) if st is not None else None
+    if stp is None:
         return full
     name = tie.params[0] if tie.params else tie.name
-    return -(-full // st.tp.tp) if st.tp.sharded(name) is not None else full
+    return -(-full // plan.mesh.tp) if stp.sharded(name) is not None else full
 
 
 def breakdown(plan: Plan) -> list[RankMemory] | None:
@@ -391,7 +387,7 @@ def breakdown(plan: Plan) -> list[RankMemory] | None:
         row = sums[st.rank]
         for k, v in enumerate(_stage_state(st, plan.mesh, per)):
             row[k] += v
-        row[3] += local_params(st)
+        row[3] += local_params(st, plan.mesh.tp)
     transient = transient_bytes(plan)
     return [RankMemory(rank=r, params=p, grads=g, optimizer=o, unsharded=transient[r][0], buffers=transient[r][1],
                        num_params=n) for r, (p, g, o, n) in enumerate(sums)]

@@ -39,7 +39,7 @@
    into disjoint groups of tp ranks, and the groups a rank's instructions
    name keep its tp rank: its pp peers (sends, receives, tie groups, the grad
    clip) and its dp groups (all-reduce, shard groups) are the ranks of the
-   same tp rank. A stage's tensor-parallel record is for the mesh's tp.
+   same tp rank.
    The mesh arithmetic is affine in each coordinate, so it is checked on every
    coordinate of an axis of up to 16, and on its ends and their neighbours
    beyond.
@@ -650,10 +650,6 @@ def _axis(n: int) -> list[int]:
 def prove_tp(plan: Plan) -> None:
     """Proof 6 (see the module docstring): tp groups and the groups around them are consistent."""
     mesh = plan.mesh
-    for st in plan.stages:
-        if st.tp is not None and st.tp.tp != mesh.tp:
-            raise VerifyError(f"stage {st.stage}'s tensor-parallel record is for tp {st.tp.tp}, but mesh.tp is "
-                              f"{mesh.tp}; recompile the plan for tp {mesh.tp}")
     if mesh.tp == 1:
         return
     dp_groups = ["dp"] + (["dp.shard", "dp.replicate"] if mesh.hybrid else [])

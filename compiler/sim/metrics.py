@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
+from pipec.compiler.ir.tensor_parallel import in_effect
 from pipec.compiler.passes.memory import local_params
 from pipec.schedules.timing import Cost
 
@@ -50,20 +51,20 @@ def plan_single_device_step(plan) -> float | None:
     if plan.unit_costs or not plan.stages:
         return None
     recomputed = set(plan.spec.get("recompute") or ())
-    whole = [_unsharded(replace(st.cost, bwd=st.cost.bwd - st.cost.fwd) if st.stage in recomputed else st.cost, st)
-             for st in plan.stages]
+    whole = [_unsharded(replace(st.cost, bwd=st.cost.bwd - st.cost.fwd) if st.stage in recomputed else st.cost, st,
+                        plan.mesh.tp) for st in plan.stages]
     return single_device_step(whole, plan.num_microbatches * plan.mesh.dp)
 
 
-def _unsharded(cost: Cost, st) -> Cost:
-    """A stage's cost as one device would run it whole: a cost timed on one tp rank's sharded stage
+def _unsharded(cost: Cost, st, tp: int) -> Cost:
+    """A stage's cost as one device would run it whole: a cost timed on one of ``tp`` ranks' sharded stage
     (``costs_local``) over its compute share, its optimizer over the share of the parameters the rank holds; any
     other cost is the unsharded stage's already."""
-    stp = st.tp
-    if stp is None or stp.tp < 2 or not stp.costs_local:
+    stp = in_effect(st.tp, tp)
+    if stp is None or not stp.costs_local:
         return cost
-    k = stp.compute_share()
-    held = local_params(st) / st.num_params if st.num_params else 1.0
+    k = stp.compute_share(tp)
+    held = local_params(st, tp) / st.num_params if st.num_params else 1.0
     return replace(cost, fwd=cost.fwd / k, bwd=cost.bwd / k, bwd_i=cost.bwd_i / k, bwd_w=cost.bwd_w / k,
                    optim=cost.optim / held)
 

@@ -19,13 +19,14 @@ from typing import Mapping, Sequence
 
 from pipec.compiler.ir.plan import UNIT_COST, Edge, Link, Mesh, Plan, Tie, chain_edges, local_specs
 from pipec.compiler.ir.program import Op, Program
+from pipec.compiler.ir.tensor_parallel import in_effect
 from pipec.compiler.ir.timeline import Interval, Timeline
 from pipec.compiler.sim.contention import sharing_of
 from pipec.compiler.sim.cost import COMPUTE_JITTER, TRANSFER_JITTER, CostModel
 from pipec.compiler.sim.history import widened
 from pipec.compiler.sim.engine import (BUFFERED, IN_ORDER, MODELS, Deadlock, Execution, decode, execute, group_members,
                                        spreads)
-from pipec.compiler.sim.tensor_parallel import RING_FACTOR, active, tp_cost
+from pipec.compiler.sim.tensor_parallel import RING_FACTOR, tp_cost
 
 __all__ = [
     "BUFFERED", "IN_ORDER", "MODELS", "CostModel", "Deadlock", "Execution",
@@ -48,8 +49,8 @@ def plan_costs(plan: Plan) -> CostModel:
     training config sets ``grad_clip`` (the runtime runs it only to clip).
 
     Tensor parallelism enters here and nowhere else: a stage whose ``tp`` is set
-    (tp >= 2) costs what one of its tp ranks does (:func:`_stage_costs`: its compute
-    at ``compute_share()`` plus its tp collectives, :mod:`.tensor_parallel`) and saves
+    (``mesh.tp`` >= 2) costs what one of its tp ranks does (:func:`_stage_costs`: its compute
+    at ``compute_share(tp)`` plus its tp collectives, :mod:`.tensor_parallel`) and saves
     what one holds (:func:`_activation_bytes`); its dp, shard and tie collectives move
     one tp rank's part. With tp 1 or no ``Stage.tp`` every figure is as before.
     """
@@ -94,19 +95,20 @@ def _stage_costs(plan: Plan, price: Pricing) -> tuple:
     """Each stage's cost on one of its ranks: its own, or with tp (:func:`~pipec.compiler.sim.tensor_parallel.
     tp_cost`) its compute at its tp share plus its tp collectives, each a ring over its tp group
     (:meth:`Pricing.tp_ring`)."""
-    if not any(active(st.tp) for st in plan.stages):
+    tp = plan.mesh.tp
+    if not _any_tp(plan):
         return tuple(st.cost for st in plan.stages)
     from pipec.compiler.passes.memory import local_params
 
     recomputed = set(plan.spec.get("recompute") or ())
     out = []
     for st in plan.stages:
-        if not active(st.tp):
+        if (stp := in_effect(st.tp, tp)) is None:
             out.append(st.cost)
             continue
         fwd, bwd = price.tp_seconds(st)
-        out.append(tp_cost(st.cost, st.tp, forward_s=fwd, backward_s=bwd, recomputed=st.stage in recomputed,
-                           state_share=local_params(st) / st.num_params if st.num_params else 1.0))
+        out.append(tp_cost(st.cost, stp, tp, forward_s=fwd, backward_s=bwd, recomputed=st.stage in recomputed,
+                           state_share=local_params(st, tp) / st.num_params if st.num_params else 1.0))
     return tuple(out)
 
 
@@ -115,11 +117,19 @@ def _activation_bytes(plan: Plan) -> tuple[int, ...]:
     tp_activation_bytes`); empty when some stage's are unknown."""
     if not plan.stages or any(st.activation_bytes is None for st in plan.stages):
         return ()
-    if not any(active(st.tp) for st in plan.stages):
+    if not _any_tp(plan):
         return tuple(st.activation_bytes or 0 for st in plan.stages)
     from pipec.compiler.passes.memory import tp_activation_bytes
 
-    return tuple(tp_activation_bytes(st, sequence_parallel=plan.mesh.sequence_parallel) or 0 for st in plan.stages)
+    mesh = plan.mesh
+    return tuple(tp_activation_bytes(st, mesh.tp, sequence_parallel=mesh.sequence_parallel) or 0
+                 for st in plan.stages)
+
+
+def _any_tp(plan: Plan) -> bool:
+    """Whether tensor parallelism changes any stage of the plan (:func:`~pipec.compiler.ir.tensor_parallel.
+    in_effect`)."""
+    return any(in_effect(st.tp, plan.mesh.tp) is not None for st in plan.stages)
 
 
 def _host_spread(profile: Mapping | None) -> float | None:
@@ -146,12 +156,12 @@ def _priced(plan: Plan, price: Pricing) -> tuple[dict, dict, dict]:
                 for e in plan.edges}
     allreduce: dict[tuple[str, int], float] = {}
     dp = plan.links.get("dp", pp)
-    tp = any(active(st.tp) for st in plan.stages)
+    tp = _any_tp(plan)
     if tp:
         from pipec.compiler.passes.memory import local_param_bytes, tie_bytes
     for st in plan.stages:
         if mesh.dp > 1 and st.param_bytes:
-            num_bytes = local_param_bytes(st) if tp else st.param_bytes
+            num_bytes = local_param_bytes(st, mesh.tp) if tp else st.param_bytes
             allreduce[("dp", st.stage)] = price.ring("dp", dp, _dp_groups(mesh, "dp", st.rank), num_bytes)
     shard = _shard_costs(plan, allreduce, price)
     tl = plan.links.get("tie", pp)
@@ -272,7 +282,7 @@ def link_sides(plan: Plan) -> dict[str, dict[str, int]]:
         return {}
     _priced(plan, price)
     for st in plan.stages:
-        if active(st.tp):
+        if in_effect(st.tp, plan.mesh.tp) is not None:
             price.tp_seconds(st)
     out: dict[str, dict[str, int]] = {}
     for (axis, _), side in price.sides.items():
@@ -432,18 +442,18 @@ def _shard_costs(plan: Plan, allreduce: dict[tuple[str, int], float],
     from pipec.compiler.passes.memory import COMPUTE_BYTES, padded_params
 
     mesh = plan.mesh
-    n = mesh.num_shards
+    mode, n = mesh.shard_mode, mesh.num_shards
     out: dict[tuple[str, int], float] = {}
     if not mesh.sharded or n < 2 and not mesh.hybrid:
         return out
     link = plan.links.get("shard", plan.links.get("dp", plan.links["pp"]))
-    elem = COMPUTE_BYTES.get(str(plan.spec.get("dtype", "float32")), 4) if mesh.params_sharded else 4
+    elem = COMPUTE_BYTES.get(str(plan.spec.get("dtype", "float32")), 4) if mode.params else 4
 
     for st in plan.stages:
-        padded = padded_params(st, n)
+        padded = padded_params(st, n, mesh.tp)
         ring = price.ring(mesh.shard_group, link, _dp_groups(mesh, mesh.shard_group, st.rank), padded * elem,
                           factor=1.0) if n > 1 else 0.0
-        if mesh.shard == "optimizer":
+        if not mode.params:  # whole parameters, sharded optimizer state: the step gathers the updated ones
             out[("OPTIM_STEP", st.stage)] = ring
             continue
         out[(Op.UNSHARD.value, st.stage)] = out[(Op.REDUCE_SCATTER.value, st.stage)] = ring
@@ -456,19 +466,11 @@ def _shard_costs(plan: Plan, allreduce: dict[tuple[str, int], float],
 
 @lru_cache(maxsize=4096)
 def _dp_groups(mesh: Mesh, group: str, pp: int) -> tuple[tuple[int, ...], ...]:
-    """The distinct groups ``group`` (``dp``, ``dp.shard``, ``dp.replicate``) splits pp rank ``pp``'s replicas
-    into, in dp order, as global ranks: one set per tp rank t (the replicas of tp rank t; with tp 1 the only
-    one; only tp rank 0's where :func:`_aligned`, the rest costing the same). Shard groups are consecutive dp
-    ranks; a replicate group holds the same position in each. Cached on its arguments, all it reads (``pipec tune`` prices thousands of candidates on a few dozen meshes)."""
-    n = mesh.num_shards if mesh.hybrid else mesh.dp
-    if group == "dp":
-        blocks = [range(mesh.dp)]
-    elif group == "dp.shard":
-        blocks = [range(first, first + n) for first in range(0, mesh.dp, n)]
-    elif group == "dp.replicate":
-        blocks = [range(d, mesh.dp, n) for d in range(n)]
-    else:
-        raise KeyError(f"{group!r} is not a dp group (dp, dp.shard, dp.replicate)")
+    """The distinct groups ``group`` (``dp``, ``dp.shard``, ``dp.replicate``: :meth:`Mesh.dp_groups`) splits pp
+    rank ``pp``'s replicas into, in dp order, as global ranks: one set per tp rank t (the replicas of tp rank t;
+    with tp 1 the only one; only tp rank 0's where :func:`_aligned`, the rest costing the same). Cached on its
+    arguments, all it reads (``pipec tune`` prices thousands of candidates on a few dozen meshes)."""
+    blocks = mesh.dp_groups(group)
     return tuple(tuple(mesh.global_rank(pp, d, t) for d in ds) for t in _tp_ranks(mesh) for ds in blocks)
 
 

@@ -1,7 +1,8 @@
 """What tensor parallelism does to a stage's costs: its compute at its tp share, plus its tp collectives.
 
 A stage whose :attr:`~pipec.compiler.ir.plan.Stage.tp` is set (a :class:`~pipec.compiler.ir.tensor_parallel.
-StageTP` of tp >= 2) runs, on each of its tp ranks, ``compute_share()`` of its unsharded compute (forward,
+StageTP`, in a plan of ``mesh.tp`` >= 2: :func:`~pipec.compiler.ir.tensor_parallel.in_effect`) runs, on each of
+its tp ranks, ``compute_share(tp)`` of its unsharded compute (forward,
 input-backward, weight-backward: the FLOP-derived times of the whole stage; under ``costs profile`` the sharded
 stage is timed as one tp rank runs it, ``costs_local``, and its cost is taken as it is) and, per microbatch,
 its tp collectives: the forward ones inside ``F``, the backward ones inside the input half (``I``, or ``B``
@@ -28,20 +29,15 @@ from typing import Sequence
 from pipec.compiler.ir.tensor_parallel import Collective, StageTP
 from pipec.schedules.timing import Cost
 
-__all__ = ["RING_FACTOR", "active", "tp_cost", "phase_collectives"]
+__all__ = ["RING_FACTOR", "tp_cost", "phase_collectives"]
 
 RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
 """Bytes each rank moves, in multiples of ``(n - 1) / n x bytes``, per collective kind."""
 
 
-def active(stp: StageTP | None) -> bool:
-    """Whether a stage's tp changes anything (set, with at least 2 ranks)."""
-    return stp is not None and stp.tp > 1
-
-
-def tp_cost(cost: Cost, stp: StageTP, *, forward_s: float, backward_s: float, recomputed: bool = False,
+def tp_cost(cost: Cost, stp: StageTP, tp: int, *, forward_s: float, backward_s: float, recomputed: bool = False,
             state_share: float = 1.0) -> Cost:
-    """A stage's cost on one of its tp ranks: every compute part at ``stp.compute_share()``, the forward
+    """A stage's cost on one of its ``tp`` ranks: every compute part at ``stp.compute_share(tp)``, the forward
     collectives' ``forward_s`` added to ``F`` (and, when ``recomputed``, to the half of the backward that holds
     the recomputed forward), the backward collectives' ``backward_s`` to the input half (``I``; ``W`` when the
     stage has no input half, a stage fed only by model inputs), the optimizer step at ``state_share`` (the
@@ -51,7 +47,7 @@ def tp_cost(cost: Cost, stp: StageTP, *, forward_s: float, backward_s: float, re
     if stp.costs_local:  # timed as one tp rank runs it: its shares are in the cost already
         k, state_share = 1.0, 1.0
     else:
-        k = stp.compute_share()
+        k = stp.compute_share(tp)
     fwd, bwd_i, bwd_w = cost.fwd * k + forward_s, cost.bwd_i * k, cost.bwd_w * k
     extra = backward_s + (forward_s if recomputed else 0.0)
     if cost.bwd_i > 0:
