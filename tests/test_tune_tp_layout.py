@@ -20,7 +20,7 @@ from pipec.compiler.driver import compile_request
 from pipec.dsl import load_spec
 from pipec.errors import PipecError
 from pipec.tune.search import _Graphs, tune
-from pipec.tune.space import TuneRequest, candidate_request, candidates, total_batch
+from pipec.tune.space import TuneError, TuneRequest, candidate_request, candidates, total_batch
 
 SMALL_GPT = 'model "pipec.examples.gpt:build" (layers=4, dim=32, heads=2, vocab=64, seq=8)\ninput tokens: int64[4, 8]'
 GPT2 = 'model "byom_models:gpt2" (layers=2, dim=32, heads=2, vocab=96, seq=16)\ninput input_ids: int64[4, 16]'
@@ -105,6 +105,9 @@ def test_a_cut_the_analysis_refuses_is_not_built_and_the_reason_kept(tmp_path):
     assert "tp 4" in str(graphs.layouts.refusals[4])
     result = tune(treq)
     assert result.num_unbuildable > 0 and result.best.candidate.tp in (1, 2)
+    with pytest.raises(TuneError, match="at tp 4: tensor parallelism") as err:   # only tp 4: why nothing is left
+        tune(_treq(tmp_path, SMALL_GPT, node=4, extra="tp 4", keep=frozenset({"tp", "dp", "microbatches"})))
+    assert "not divisible by tp 4" in str(err.value)
 
 
 def test_tunes_written_plan_carries_the_records_a_compile_of_its_file_writes(cli, tmp_path):

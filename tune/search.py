@@ -725,9 +725,12 @@ def _no_fit(treq: TuneRequest, batch: int, refused: list[tuple[int, Candidate]],
 
     budget = memory_budget(treq)
     if not refused:
-        why = "no candidate could be cut into its stages: the model has too few places to cut for these layouts"
         refusals = graphs._layouts.refusals if graphs._layouts is not None else {}
-        return why + "".join(f"; at tp {tp}: {err}" for tp, err in sorted(refusals.items()))
+        if not refusals:
+            return "no candidate could be cut into its stages: the model has too few places to cut for these layouts"
+        return ("no candidate could be built (each needs more stages than the model has places to cut, or tensor "
+                "parallelism refuses its cut, as a compile of it would); " +
+                "; ".join(f"at tp {tp}: {err}" for tp, err in sorted(refusals.items())))
     least_mem, least = min(refused, key=lambda x: (x[0], x[1].sort_key()))
     total = sum(st.num_params or 0 for st in graphs.graph(least).stages)
     parts = [f"no candidate fits device_memory {human_bytes(budget)} on {treq.num_devices} devices (global batch "
