@@ -150,9 +150,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
 
     def sum_partial_grads(self) -> None:
-        """Sequence parallelism: the weights used on the sequence parts (norms, rowwise biases) have a partial
-        gradient on each tp rank (its positions'); summed over the tp group here, once the dp and tie
-        reductions are in (sums: the order does not matter), before --check, the clip and the step."""
+        """The replicated weights used on shards (:attr:`StageTP.partial_params`: a per-head norm's weight broadcast
+        over the split heads; under sequence parallelism the norms and rowwise biases used on the sequence parts)
+        have a partial gradient on each tp rank (its heads', its positions'); summed over the tp group here in one
+        all-reduce per step, once the dp and tie reductions are in (sums: the order does not matter), before
+        --check, the clip and the step."""
         grads = []
         for s in self.own:
             record = self.plan.stages[s].tp if self.plan.stages else None
@@ -220,22 +222,42 @@ class Trainer:
         if self.options.baseline and self.env.rank == 0:
             self.reference = ref
         atol, rtol = CHECK_TOLERANCE[self.config.dtype]
+        ref_values = {n: p.detach() for n, p in ref.canonical_params().items()}
         worst = torch.zeros(2, dtype=torch.float64)  # [max abs diff, max excess over tolerance]
+        rows: list[dict[str, Any]] = []  # this rank's copy of each tensor: its gradient and its value
+
+        def compare(name: str, of: str, got: torch.Tensor, want: torch.Tensor | None) -> float:
+            want = torch.zeros_like(got) if want is None else want
+            diff = (got.detach().cpu().double() - want.double()).abs().max().item() if got.numel() else 0.0
+            allowed = atol + rtol * (want.double().abs().max().item() if got.numel() else 0.0)
+            worst[1] = max(worst[1].item(), diff - allowed)
+            rows.append({"name": name, "of": of, "tp_rank": self.tp_rank, "diff": diff, "tolerance": allowed})
+            return diff
+
         for s in self.own:
             for name, p in self.modules[s].canonical_params().items():
-                g_ref = ref_grads.get(name)
                 g = full(p.grad) if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype)  # shards gathered
+                value = full(p.data)
                 if (split := self._tp_split(s, name)) is not None:  # and the tp ranks' parts
-                    g = self._gather_tp(g, split)
-                if g_ref is None:
-                    g_ref = torch.zeros_like(p)
-                diff = (g.detach().cpu().double() - g_ref.double()).abs().max().item() if g.numel() else 0.0
-                allowed = atol + rtol * (g_ref.double().abs().max().item() if g.numel() else 0.0)
-                worst[0] = max(worst[0].item(), diff)
-                worst[1] = max(worst[1].item(), diff - allowed)
+                    g, value = self._gather_tp(g, split), self._gather_tp(value, split)
+                worst[0] = max(worst[0].item(), compare(name, "gradient", g, ref_grads.get(name)))
+                compare(name, "value", value, ref_values.get(name))  # every tp rank's replica, as initialised
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         return {"reference_loss": loss.item(), "max_grad_diff": float(worst[0]), "grad_excess": float(worst[1]),
-                "atol": atol, "rtol": rtol, "policy": self.precision_policy()}
+                "atol": atol, "rtol": rtol, "policy": self.precision_policy(), "worst": self._worst_tensors(rows)}
+
+    def _worst_tensors(self, rows: list[dict[str, Any]], num: int = 5) -> list[dict[str, Any]]:
+        """The ``num`` tensors furthest over their tolerance across all ranks (each (name, tp rank, gradient or
+        value) once), the worst first."""
+        everyone: list[list[dict[str, Any]]] = [[] for _ in range(self.env.world_size)]
+        mine = sorted(rows, key=lambda r: r["diff"] - r["tolerance"], reverse=True)[:num]
+        dist.all_gather_object(everyone, mine)
+        best: dict[tuple, dict[str, Any]] = {}
+        for r in (r for part in everyone for r in part):
+            key = (r["name"], r["of"], r["tp_rank"])
+            if key not in best or r["diff"] > best[key]["diff"]:
+                best[key] = r
+        return sorted(best.values(), key=lambda r: r["diff"] - r["tolerance"], reverse=True)[:num]
 
     def _tp_split(self, s: int, canonical: str):
         """How stage ``s`` splits parameter ``canonical`` across its tp ranks (None: replicated, or tp 1)."""
@@ -442,7 +464,7 @@ class Trainer:
                   f"(diff {res['loss_diff']:.2e}); max gradient diff {res['max_grad_diff']:.2e} "
                   f"(tolerance {atol:g} + {rtol:g} x max|reference| per tensor; {res['policy']}"
                   + ("; the model's dropout off for this step on both sides: its masks are random" if
-                     res.get("dropout_off") else "") + ")", file=sys.stderr, flush=True)
+                     res.get("dropout_off") else "") + ")" + _worst_text(res), file=sys.stderr, flush=True)
         return res["passed"]
 
     def tokens_per_step(self) -> int | None:
@@ -505,7 +527,7 @@ class Trainer:
         r = self.check_result
         return {"passed": r.get("passed", False), "loss_diff": r.get("loss_diff"), "max_grad_diff": r["max_grad_diff"],
                 "tolerance": {"atol": r["atol"], "rtol": r["rtol"]}, "policy": r["policy"],
-                "dropout_off": bool(r.get("dropout_off"))}
+                "dropout_off": bool(r.get("dropout_off")), "worst": r["worst"]}
 
     def state_table(self, held):
         """report.json's ``state_bytes`` as a table: what each rank held after its last step, beside the plan's."""
@@ -597,6 +619,15 @@ def interval_line(report) -> str | None:
     return (f"median step {med:.3f} s: {where} the predicted {got['coverage']:.0%} interval {lo:.3f}-{hi:.3f} s "
             f"(predicted {report['predicted']['step_time']:.3f} s); {got['steps_inside']} of {got['steps_counted']} "
             f"steps{' after the first' if got['after_first'] else ''} inside")
+
+
+def _worst_text(res: dict[str, Any]) -> str:
+    """A failing check's worst tensors, one line each (empty when it passed)."""
+    over = [r for r in res.get("worst", ()) if r["diff"] > r["tolerance"]]
+    if res.get("passed", True) or not over:
+        return ""
+    return "; the worst tensors:" + "".join(f"\n  {r['name']} ({r['of']}, tp rank {r['tp_rank']}): diff {r['diff']:.2e}, "
+                                            f"tolerance {r['tolerance']:.2e}" for r in over)
 
 
 def _coords_title(mesh) -> str:

@@ -511,3 +511,65 @@ def test_a_linear_subclass_is_sharded_as_a_linear():
     _threads(2, work, group)
     for r in range(2):
         _close(outs[r].detach(), model(x).detach(), f"rank {r} output")
+
+
+# ----------------------------------------------------------------------------- partial gradients
+
+
+QWEN3 = {"model": "partial_models:qwen3", "input": "input_ids: int64[8, 16]", "model_args": {"layers": 2}}
+"""Hugging Face Qwen3 (tests/partial_models.py): per-head q/k RMSNorms whose weight every head shares."""
+
+
+def _tp_plan(model: dict, pp: int, **extra):
+    from conftest import compiled
+
+    return compiled({**model, "schedule": "1f1b", "microbatches": 2, "costs": "unit", "pp": pp, "tp": 2,
+                     "tensor_parallel": "auto", **extra})
+
+
+def test_qwen3_per_head_norm_weights_have_partial_gradients_at_tp_2():
+    pytest.importorskip("transformers")
+    (stage,) = _tp_plan(QWEN3, 1).stages
+    norms = [f"model.model.layers.{b}.self_attn.{n}_norm.weight" for b in range(2) for n in ("q", "k")]
+    assert stage.tp.sharded("model.model.layers.0.self_attn.q_proj.weight") is not None  # the heads are split
+    assert stage.tp.partial_params == tuple(norms)  # broadcast over the split heads: this rank's heads' sum
+    # the layer norms before q/k/v and the MLP run on whole activations: their gradients arrive whole
+    assert not any("layernorm" in p or p.endswith("model.norm.weight") for p in stage.tp.partial_params)
+    again = type(stage.tp).from_json(stage.tp.to_json())  # in plan.json without sequence parallelism
+    assert again.partial_params == tuple(norms) and not again.sequence_parallel
+
+
+def test_example_gpt_has_no_partial_gradients_without_sequence_parallelism():
+    gpt = {"model": "pipec.examples.gpt:build", "input": "tokens: int64[8, 16]",
+           "model_args": {"layers": 4, "dim": 32, "heads": 4, "vocab": 64, "seq": 16}}
+    plan = _tp_plan(gpt, 2)
+    assert all(st.tp.params for st in plan.stages) and not any(st.tp.partial_params for st in plan.stages)
+    assert "partial_params" not in plan.stages[0].tp.to_json()
+
+
+def test_hf_llama_rotary_stage_inputs_have_no_gradient_to_keep_whole():
+    """At pp 2 rotary's cos / sin (from a buffer) cross the cut and are broadcast over the split heads: their
+    gradient is partial on each rank, but it goes nowhere, so the compile is not refused."""
+    pytest.importorskip("transformers")
+    llama = {"model": "byom_models:llama", "input": "input_ids: int64[8, 16]", "model_args": {"layers": 4}}
+    plan = _tp_plan(llama, 2, partition="balanced(by=params)")
+    assert [st.tp.partial_params for st in plan.stages] == [(), ()]
+    assert all(st.tp.sharded(f"model.model.layers.{b}.self_attn.q_proj.weight") is not None
+               for st, b in zip(plan.stages, (0, 3)))
+
+
+SCALED = {"model": "partial_models:scaled_heads", "input": "tokens: int64[4, 8]"}
+
+
+def test_a_replicated_linear_broadcast_over_the_heads_has_partial_gradients():
+    (stage,) = _tp_plan(SCALED, 1).stages
+    assert dict(stage.tp.modules)["q"] == "colwise" and dict(stage.tp.modules)["o"] == "rowwise"
+    assert stage.tp.partial_params == ("gain",)
+
+
+def test_a_partial_gradient_into_a_stage_input_is_refused_located():
+    from pipec.errors import PipecError
+
+    with pytest.raises(PipecError, match=r"tensor parallelism \(tp 2\) in stage 1: the gradient of stage input 'tanh' "
+                                         r"\(used at .*\) would be a partial sum on each tp rank"):
+        _tp_plan(SCALED, 2, partition="split before q")

@@ -92,7 +92,22 @@ def _full(folder: Path) -> dict[str, dict]:
     return {"full": run_job(path, "--steps", str(STEPS), "--check", reference=True)}
 
 
+QWEN3 = {"model": "partial_models:qwen3", "input": "input_ids: int64[8, 16]", "model_args": {"layers": 2}}
+"""Hugging Face Qwen3 with its per-head q/k norms' weights drawn around 1 (tests/partial_models.py)."""
+
+
+def _partial(folder: Path) -> dict[str, dict]:
+    """pp 1 x tp 2 (2 ranks) of Qwen3, with --check: its q/k norms' gradients are partial on each tp rank."""
+    if not HAS_TRANSFORMERS:
+        return {}
+    path = folder / "qwen3.json"
+    write_plan(compiled({**QWEN3, "schedule": "1f1b", "pp": 1, "tp": 2, "tensor_parallel": "auto",
+                         "microbatches": 2, "costs": "unit"}), str(path))
+    return {"qwen3": run_job(path, "--steps", str(STEPS), "--check", reference=True)}
+
+
 tp_checks = LAUNCHES.runs("tp_checks", world=4, make=_checks(DEFAULT, memory=True))
+tp_partial = LAUNCHES.runs("tp_partial", world=2, make=_partial)
 tp_checks_slow = LAUNCHES.runs("tp_checks_slow", world=4, make=_checks(SLOW))
 tp_full_8 = LAUNCHES.runs("tp_full_8", world=8, make=_full)
 
@@ -138,6 +153,23 @@ def test_pp2_dp2_tp2_shard_full_check_on_8_ranks(tp_full_8):
     rec = tp_full_8["full"]
     assert_checked("gpt 1f1b pp 2 x dp 2 x tp 2 shard full", rec,
                    {"pp": 2, "dp": 2, "tp": 2, "shard": "full", "shard_size": 2})
+
+
+@pytest.mark.timeout(900)
+def test_qwen3_per_head_norms_partial_gradients_summed_over_tp(tp_partial):
+    """Before the tp all-reduce of partial gradients this failed: each rank's q_norm / k_norm gradient its own
+    heads' sum, 2.06e-3 off the reference's (exit 3)."""
+    if not HAS_TRANSFORMERS:
+        pytest.skip("transformers is not installed (pip install 'transformers>=5,<6')")
+    rec = tp_partial["qwen3"]
+    assert rec["rc"] == 0, rec["stderr"][-4000:]
+    check = rec["check"]
+    assert check["passed"] and check["max_grad_diff"] <= 1e-6, check
+    assert rec["report"]["mesh"] == {"pp": 1, "dp": 1, "tp": 2}
+    assert rec["losses"] == pytest.approx(rec["reference_losses"], rel=1e-5)  # the replicas stayed equal
+    worst = check["worst"]  # every tp rank's copy compared, the worst named
+    assert worst and all(w["diff"] <= w["tolerance"] for w in worst), worst
+    assert {w["of"] for w in worst} <= {"gradient", "value"} and {w["tp_rank"] for w in worst} <= {0, 1}
 
 
 # ----------------------------------------------------------------------------- memory

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from torch.fx import GraphModule, Node
@@ -27,6 +27,7 @@ from pipec.compiler.ir.tensor_parallel import STYLES, ShardedParam, StageTP
 from pipec.model.stages import resolve
 from pipec.model.tensors import FrontendError
 from pipec.model.trace import Traced
+from pipec.tp.partial import grad_outputs
 from pipec.tp.record import canonical_of, check_tied, record, tied_uses
 from pipec.tp.rules import (KEY, RULES, SHAPE_OF, SIZED_VIEWS, SPLITS, UNARY, VIEWS, Lin, Shard, arg, linear_like,
                             locate, map_view, module_rule, norm_dim, op_name, output_values, tensor_shape)
@@ -418,7 +419,7 @@ def plan_stage(stage: GraphModule, tp: int, *, patterns: Mapping[str, str] | Non
                canonical: Mapping[str, str] | None = None, traced: Traced | None = None, where: str = "",
                require_match: bool = True, sequence_parallel: bool = False, seq_len: int | None = None,
                seq_inputs: Mapping[str, int] | None = None, last: bool = True, loss_parallel: bool = False,
-               replicate: frozenset[str] = frozenset()) -> StageTP:
+               replicate: frozenset[str] = frozenset(), grad_inputs: Iterable[str] | None = None) -> StageTP:
     """Which modules of ``stage`` (a stage module, its graph annotated with shapes) shard what across ``tp`` ranks.
 
     ``patterns`` None is ``auto``; else glob over module paths -> ``colwise``/``rowwise``/``replicated`` (the
@@ -432,7 +433,9 @@ def plan_stage(stage: GraphModule, tp: int, *, patterns: Mapping[str, str] | Non
     (they go to the loss), else sent as parts (:attr:`StageTP.seq_outputs`).
 
     ``loss_parallel`` (the last stage, under the built-in cross_entropy): a colwise LM head may leave its logits
-    split on the classes (:attr:`StageTP.loss_parallel`); ``replicate``: canonical weights auto keeps whole."""
+    split on the classes (:attr:`StageTP.loss_parallel`); ``replicate``: canonical weights auto keeps whole;
+    ``grad_inputs``: the stage inputs whose gradient goes back to an earlier stage (None: every floating one),
+    which a partial gradient (:attr:`StageTP.partial_params`) must not reach."""
     if tp < 1:
         raise FrontendError(f"tp must be at least 1, got {tp}", key="tp")
     canonical = canonical_of(stage, canonical)
@@ -456,7 +459,7 @@ def plan_stage(stage: GraphModule, tp: int, *, patterns: Mapping[str, str] | Non
         given = dict(seq_inputs or {})
         sp = SP(seq_len or sequence_length(stage, None), {h: given[v] for h, v in names.items() if v in given}, last)
         an = sp_run(an, sp, where, traced)
-    return record(an, lins, canonical, where=where, traced=traced)
+    return record(an, lins, canonical, where=where, traced=traced, grad_inputs=grad_inputs)
 
 
 def _explicit_failures(an: Analysis, lins: Mapping[Node, Lin], styles: Mapping[str, str], where: str,
@@ -509,13 +512,16 @@ def _plan_each(stages: Sequence[GraphModule], tp: int, patterns: Mapping[str, st
                canonical: Mapping[str, str] | None, traced: Traced | None, sp: bool, seq_len: int | None,
                cross_entropy: bool, replicate: frozenset[str]) -> list[StageTP]:
     parts: dict[str, int] = {}
+    carried: set[str] = set()  # the stage outputs whose gradient goes somewhere (the model's inputs get none)
     plans = []
     for s, st in enumerate(stages):
         names = io_names(st)[0].values()
         last = s == len(stages) - 1
+        grads = {n for n in names if n in carried}
         plans.append(plan_stage(st, tp, patterns=patterns, canonical=canonical, traced=traced, where=f" in stage {s}",
                                 require_match=False, sequence_parallel=sp, seq_len=seq_len,
                                 seq_inputs={n: parts[n] for n in names if n in parts}, last=last,
-                                loss_parallel=last and cross_entropy, replicate=replicate))
+                                loss_parallel=last and cross_entropy, replicate=replicate, grad_inputs=grads))
         parts.update(plans[-1].seq_outputs)
+        carried |= grad_outputs(st, grads)
     return plans

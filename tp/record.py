@@ -3,14 +3,13 @@
 :func:`record` reads a decided analysis (:mod:`.analysis`) into the stage's
 :class:`~pipec.compiler.ir.tensor_parallel.StageTP`: which modules shard what, the collectives and their
 bytes, the sharded share of the FLOPs. The tie checks (:func:`tied_uses`, :func:`check_tied`): a parameter
-tied across stages must be sharded alike in each, and with sequence parallelism its gradient partial in all
-or none.
+tied across stages must be sharded alike in each, and its gradient partial (:mod:`.partial`) in all or none.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from torch.fx import GraphModule, Node
 
@@ -18,7 +17,8 @@ from pipec.compiler.ir.tensor_parallel import Collective, ShardedParam, StageTP,
 from pipec.model.tensors import FrontendError
 from pipec.model.trace import Traced
 from pipec.tp.rules import KEY, Lin, Shard, nbytes, prod, tensor_shape
-from pipec.tp.sequence import SP_KEY, fused, io_names, partial_params
+from pipec.tp.partial import partial_params
+from pipec.tp.sequence import fused, io_names
 
 if TYPE_CHECKING:
     from pipec.tp.analysis import Analysis
@@ -32,10 +32,11 @@ def canonical_of(gm: GraphModule, canonical: Mapping[str, str] | None) -> Mappin
 
 
 def record(an: Analysis, lins: Mapping[Node, Lin], canonical: Mapping[str, str], *, where: str = "",
-           traced: Traced | None = None) -> StageTP:
+           traced: Traced | None = None, grad_inputs: Iterable[str] | None = None) -> StageTP:
     """The :class:`StageTP` of a decided analysis: each module's style, the sharded parameters, the collectives
-    (with their bytes, per phase), the share of the FLOPs that is sharded, and with sequence parallelism what
-    arrives and leaves as parts and the parameters whose gradients are partial."""
+    (with their bytes, per phase), the share of the FLOPs that is sharded, the replicated parameters whose
+    gradients are partial (:mod:`.partial`; ``grad_inputs``: the stage inputs whose gradient goes back to an
+    earlier stage, None: every floating one), and with sequence parallelism what arrives and leaves as parts."""
     modules: dict[str, str] = {}
     params: dict[str, ShardedParam] = {}
     collectives: list[Collective] = []
@@ -96,11 +97,11 @@ def record(an: Analysis, lins: Mapping[Node, Lin], canonical: Mapping[str, str],
         holders = {n.name: n for n in an.gm.graph.nodes if n.op == "placeholder"}
         extra = dict(sequence_parallel=True, seq_len=an.sp.length,
                      seq_inputs=tuple((names[h], d) for h, d in an.sp.inputs.items() if h in holders),
-                     seq_outputs=tuple((outputs[i], d) for i, d in sorted(an.seq_outputs.items())),
-                     partial_params=partial_params(an, canonical, set(params), where, traced))
+                     seq_outputs=tuple((outputs[i], d) for i, d in sorted(an.seq_outputs.items())))
     return StageTP(modules=tuple(modules.items()), params=tuple(params.values()),
                    collectives=tuple(collectives), sharded_flops=sharded / total if total else 0.0,
-                   loss_parallel=an.loss_out, **extra)
+                   loss_parallel=an.loss_out,
+                   partial_params=partial_params(an, canonical, set(params), where, traced, grad_inputs), **extra)
 
 
 
@@ -117,11 +118,12 @@ def tied_uses(stages: Sequence[GraphModule], plans: Sequence[StageTP], canonical
 
 def check_tied(stages: Sequence[GraphModule], plans: Sequence[StageTP], tp: int,
                canonical: Mapping[str, str] | None, held: Mapping[str, Mapping[int, ShardedParam | None]]) -> None:
-    """A tied parameter's copies sharded alike, and (sequence parallelism) its gradient partial in all or none."""
+    """A tied parameter's copies sharded alike, and its gradient partial in all or none."""
     partial = tied_uses(stages, plans, canonical, lambda plan, c: c in plan.partial_params)
     checks = (
-        (partial, lambda p: "partial" if p else "whole", SP_KEY, "sequence_parallel off",
-         lambda c, how: f"sequence parallelism (tp {tp}): tied parameter {c}'s gradient is a partial sum over the "
+        (partial, lambda p: "partial" if p else "whole", KEY, "replicate the modules that use it with tensor_parallel "
+         "patterns, or cut the partition so that one stage holds them",
+         lambda c, how: f"tensor parallelism (tp {tp}): tied parameter {c}'s gradient is a partial sum over the "
                         f"tp ranks in some stages and whole in others ({how})"),
         (held, lambda sp: "replicated" if sp is None else f"dim {sp.dim}", KEY,
          "make the tied modules' styles agree in the patterns, or leave them replicated",

@@ -193,7 +193,8 @@ def shard_stage(stage: GraphModule, plan: StageTP, rank: int, *, tp: int, group:
         sp = SP(plan.seq_len, {h: given[v] for h, v in io_names(stage)[0].items() if v in given},
                 last=not plan.seq_outputs)
         an = sp_run(an, sp, where, traced)
-    rec = None if an.failures else record(an, lins, canonical, where=where, traced=traced)
+    # the stage inputs' partial gradients were refused on compile (which knows the earlier stages): none here
+    rec = None if an.failures else record(an, lins, canonical, where=where, traced=traced, grad_inputs=())
     if rec is None or (rec.params, rec.seq_outputs, rec.partial_params, rec.loss_parallel) != (
             plan.params, plan.seq_outputs, plan.partial_params, plan.loss_parallel):
         raise FrontendError(f"the plan's tensor-parallel sharding{where} does not hold for this stage's graph; "

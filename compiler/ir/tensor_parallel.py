@@ -16,9 +16,12 @@ A parameter not named in :attr:`StageTP.params` is replicated on every tp rank o
 With sequence parallelism (:attr:`StageTP.sequence_parallel`) the activations between a rowwise module and the
 next colwise one are cut on the sequence dimension across the tp ranks: the colwise input's all-reduce
 backward becomes an all-gather forward / reduce-scatter backward, the rowwise output's all-reduce a
-reduce-scatter forward / all-gather backward. The parameters used there (:attr:`StageTP.partial_params`: norm
-weights, rowwise biases) get a partial gradient on each tp rank, summed over the tp group before the optimizer
-step; a stage's outputs in :attr:`StageTP.seq_outputs` travel to the next stage as each tp rank's part.
+reduce-scatter forward / all-gather backward; a stage's outputs in :attr:`StageTP.seq_outputs` travel to the
+next stage as each tp rank's part.
+
+A replicated parameter used on a shard (:attr:`StageTP.partial_params`: a per-head norm's weight broadcast over
+the split heads; with sequence parallelism the norm weights and rowwise biases used on the sequence parts) gets
+a partial gradient on each tp rank, summed over the tp group once per step before the optimizer.
 
 Vocabulary parallelism (Megatron-LM's): an embedding of token ids (style ``vocab``) holds its rows split across
 the tp ranks and all-reduces its masked lookups (reduce-scatters them with sequence parallelism); an LM head
@@ -114,7 +117,7 @@ class StageTP:
     sharded_flops: float = 0.0
     """The share (0..1) of the stage's forward FLOPs that runs on shards (divided by tp)."""
     sequence_parallel: bool = False
-    """Megatron's sequence parallelism (see the module doc); the fields below are empty without it."""
+    """Megatron's sequence parallelism (see the module doc); the three fields below are empty without it."""
     seq_len: int = 0
     """The sequence length the pass followed (the model input's dim 1, one microbatch)."""
     seq_inputs: tuple[tuple[str, int], ...] = ()
@@ -123,7 +126,8 @@ class StageTP:
     """(stage output name, its sequence dim) for every output sent as this tp rank's part (never the last
     stage's: the loss sees whole outputs)."""
     partial_params: tuple[str, ...] = ()
-    """Canonical names of the replicated parameters whose gradients are partial sums on each tp rank."""
+    """Canonical names of the replicated parameters whose gradients are partial sums on each tp rank (with or
+    without sequence parallelism)."""
     loss_parallel: bool = False
     """The last stage's output is its logits split on the last (class) dim across the tp ranks; the loss
     (``cross_entropy``) is computed vocab-parallel (see the module doc)."""
@@ -154,8 +158,9 @@ class StageTP:
         if self.sequence_parallel:  # written only when on: older records read as off
             out["sequence_parallel"] = {
                 "seq_len": self.seq_len, "inputs": [{"name": n, "dim": d} for n, d in self.seq_inputs],
-                "outputs": [{"name": n, "dim": d} for n, d in self.seq_outputs],
-                "partial_params": list(self.partial_params)}
+                "outputs": [{"name": n, "dim": d} for n, d in self.seq_outputs]}
+        if self.partial_params:
+            out["partial_params"] = list(self.partial_params)
         if self.loss_parallel:  # likewise
             out["loss_parallel"] = True
         if self.costs_local:
@@ -165,7 +170,7 @@ class StageTP:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "StageTP":
         """The record :meth:`to_json` writes; a ``tp`` field (records before the degree lived on the mesh alone)
-        is ignored."""
+        is ignored, and ``partial_params`` under ``sequence_parallel`` (records before it was found without) read."""
         sp = d.get("sequence_parallel") or {}
         return cls(modules=tuple((str(m["module"]), str(m["style"])) for m in d.get("modules", ())),
                    params=tuple(ShardedParam.from_json(p) for p in d.get("params", ())),
@@ -174,7 +179,7 @@ class StageTP:
                    seq_len=int(sp.get("seq_len", 0)),
                    seq_inputs=tuple((str(x["name"]), int(x["dim"])) for x in sp.get("inputs", ())),
                    seq_outputs=tuple((str(x["name"]), int(x["dim"])) for x in sp.get("outputs", ())),
-                   partial_params=tuple(str(n) for n in sp.get("partial_params", ())),
+                   partial_params=tuple(str(n) for n in d.get("partial_params", sp.get("partial_params", ()))),
                    loss_parallel=bool(d.get("loss_parallel", False)), costs_local=bool(d.get("costs_local", False)))
 
 
