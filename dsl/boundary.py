@@ -118,13 +118,10 @@ def locate(complaint, spec):
     location, note = _where(complaint, spec)
     if complaint.key == "order" and spec["order"] is not None:
         message = f"invalid order: {message}"
-    hints = (*complaint.hints, note)
-    if isinstance(complaint, Diagnostic) and complaint.level == "note":  # a note's key left at its default: noise
-        return DSLWarning(message, location, tuple(h for h in complaint.hints if h), level="note",
+    if isinstance(complaint, Diagnostic):  # a warning's or note's key left at its default: only --verbose says so
+        return DSLWarning(message, location, tuple(h for h in complaint.hints if h), level=complaint.level,
                           verbose_hints=(note,) if note else ())
-    if isinstance(complaint, Diagnostic):
-        return DSLWarning(message, location, tuple(h for h in hints if h), level=complaint.level)
-    return DSLError(message, location, hints)
+    return DSLError(message, location, (*complaint.hints, note))
 
 
 def _where(complaint, spec) -> tuple[Location, str]:

@@ -24,7 +24,7 @@ from pipec.compiler.ir.plan import SHARD_MODES
 from pipec.dsl import kinds as k
 from pipec.dsl import structured as sk
 from pipec.dsl.values import Links, Partition
-from pipec.schedules import SCHEDULES
+from pipec.schedules import SCHEDULES, schedule_elsewhere
 from pipec.schedules.policy import PRESETS
 
 __all__ = ["Key", "KEYS", "GROUPS", "DERIVED", "key_of_flag"]
@@ -86,7 +86,7 @@ def _table(*rows: str | Key) -> dict[str, Key]:
 
 KEYS: dict[str, Key] = _table(
     "Schedule and mesh",
-    Key(name="schedule", kind=k.Choice(tuple(SCHEDULES)), default="1f1b", default_doc="1f1b",
+    Key(name="schedule", kind=k.Choice(tuple(SCHEDULES), schedule_elsewhere), default="1f1b", default_doc="1f1b",
         meaning=f"The named pipeline schedule, one of {', '.join(SCHEDULES)} (each one's chunks per rank, "
                 "placement and microbatch rule: \"Named schedules\" in docs/reference.md). With `policy` or "
                 "`order` the schedule is custom and this key reads `policy` or `order`.",

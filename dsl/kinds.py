@@ -16,7 +16,7 @@ import math
 import re
 from decimal import Decimal
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from pipec.dsl import ast
 from pipec.dsl.errors import DSLError, Source, did_you_mean
@@ -209,6 +209,8 @@ UNIT_KINDS = (SIZE, DURATION, BANDWIDTH, FLOP_RATE)
 @dataclass(frozen=True, slots=True)
 class Choice(Kind):
     options: tuple[str, ...]
+    elsewhere: Callable[[str], tuple[str, str] | None] | None = None
+    """A name known outside pipec -> (message, hint) said instead of a did-you-mean (torch's schedule names)."""
 
     @property
     def doc(self) -> str:
@@ -223,6 +225,9 @@ class Choice(Kind):
         if isinstance(node, (ast.Word, ast.String, ast.Number)):
             text = node.name if isinstance(node, ast.Word) else getattr(node, "value", None)
             text = node.text if isinstance(node, ast.Number) else text
+            known = self.elsewhere(str(text)) if self.elsewhere is not None else None
+            if known is not None:
+                raise ctx.error(node, *known)
             raise ctx.error(node, f"unknown {ctx.key} '{text}'",
                             did_you_mean(str(text), self.options) or f"{ctx.key} is one of: "
                             + ", ".join(self.options))

@@ -21,6 +21,7 @@ Importing this package is cheap: pure Python, no torch, no networkx.
 from __future__ import annotations
 
 import difflib
+import re
 
 from pipec.schedules import gpipe, interleaved, one_f_one_b, zero_bubble
 from pipec.schedules.order import (
@@ -30,7 +31,7 @@ from pipec.schedules.rules import SAME, FewMicrobatches, MultipleOf, ScheduleInf
 
 __all__ = [
     "Kind", "Action", "ComputeOrder", "ScheduleError", "ScheduleWarning", "validate_order", "loop_placement",
-    "v_placement", "ScheduleInfo", "SCHEDULES", "get_schedule", "build_order", "check_rules",
+    "v_placement", "ScheduleInfo", "SCHEDULES", "get_schedule", "schedule_elsewhere", "build_order", "check_rules",
 ]
 
 _FEWER = "{name} with fewer microbatches ({M}) than ranks ({P})"
@@ -87,11 +88,45 @@ SCHEDULES: dict[str, ScheduleInfo] = {
 """Every named schedule family, by name, with its rules (:mod:`pipec.schedules.rules`)."""
 
 
+_TORCH_CLASSES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved1f1b": "interleaved_1f1b",
+                  "loopedbfs": "looped_bfs", "zbvzerobubble": "zbv"}
+"""torch.distributed.pipelining's class names (lowercase, no ``Schedule``, no punctuation) -> pipec's family."""
+_NOT_YET = {
+    "dualpipev": ("torch's ScheduleDualPipeV (DeepSeek-V3's DualPipe as a V of 2 chunks per rank, forward and "
+                  "backward overlapped)", "zbv"),
+    "interleavedzb": ("torch's ScheduleInterleavedZeroBubble (zero bubble with several chunks per rank)",
+                      "zbv or interleaved_1f1b"),
+    "interleavedzerobubble": ("torch's ScheduleInterleavedZeroBubble (zero bubble with several chunks per rank)",
+                              "zbv or interleaved_1f1b"),
+    "dualpipe": ("DeepSeek-V3's bidirectional DualPipe", "zbv"),
+}
+"""Schedules other libraries ship that pipec does not have yet -> (what it is, the nearest pipec has)."""
+
+
+def schedule_elsewhere(name: str) -> tuple[str, str] | None:
+    """(message, hint) for a schedule name another library uses (torch's class names, DualPipe): pipec's
+    name for it, or that pipec does not have it yet; None for any other name."""
+    plain = re.sub(r"[^a-z0-9]", "", str(name).lower())
+    key = plain.removeprefix("schedule")
+    if key != plain and key in _TORCH_CLASSES:  # a class name (Schedule1F1B); a misspelling gets a did-you-mean
+        ours = _TORCH_CLASSES[key]
+        return f"unknown schedule '{name}'; it is torch's name for pipec's {ours}", f"write: schedule {ours}"
+    if key in _NOT_YET and name not in SCHEDULES:
+        what, near = _NOT_YET[key]
+        return (f"schedule '{name}' is {what}, which pipec does not have yet",
+                f"the nearest pipec has: {near}; pipec's schedules are: {', '.join(SCHEDULES)}")
+    return None
+
+
 def get_schedule(name: str) -> ScheduleInfo:
-    """The family called ``name``; an unknown name raises with a did-you-mean."""
+    """The family called ``name``; an unknown name raises with a did-you-mean (or, for another library's
+    name, pipec's name for it or that pipec does not have it yet)."""
     info = SCHEDULES.get(name) if isinstance(name, str) else None
     if info is not None:
         return info
+    elsewhere = schedule_elsewhere(name)
+    if elsewhere is not None:
+        raise ScheduleError(f"{elsewhere[0]}; {elsewhere[1]}", rule="schedule.name", key="schedule")
     names = ", ".join(SCHEDULES)
     close = difflib.get_close_matches(str(name), list(SCHEDULES), n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'? " if close else ""

@@ -41,6 +41,26 @@ did you mean 'interleaved_1f1b'?
         id='misspelt_schedule',
     ),
     pytest.param(
+        'pp 4\nschedule dualpipev\n',
+        """\
+job.pipe:2:10: error: schedule 'dualpipev' is torch's ScheduleDualPipeV (DeepSeek-V3's DualPipe as a V of 2 chunks per rank, forward and backward overlapped), which pipec does not have yet
+    schedule dualpipev
+             ^~~~~~~~~
+the nearest pipec has: zbv; pipec's schedules are: gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_h1, zbv
+""",
+        id='torch_schedule_pipec_lacks',
+    ),
+    pytest.param(
+        'pp 4\nschedule ScheduleZBVZeroBubble\n',
+        """\
+job.pipe:2:10: error: unknown schedule 'ScheduleZBVZeroBubble'; it is torch's name for pipec's zbv
+    schedule ScheduleZBVZeroBubble
+             ^~~~~~~~~~~~~~~~~~~~~
+write: schedule zbv
+""",
+        id='torch_class_name',
+    ),
+    pytest.param(
         'schedule zbv\npp 4\nvirtual 3\n',
         """\
 job.pipe:3:9: error: zbv needs exactly 2 chunks per rank, got virtual 3; use virtual 2

@@ -203,7 +203,10 @@ def test_later_complaints_about_a_key_are_located_there() -> None:
     assert str(err).startswith("p.pipe:1:4: error: too few ranks")
     warning = spec.locate(Diagnostic("warning", "a predicted bubble above 50%", key="microbatches"))
     assert (warning.line, warning.col) == (1, 4)  # a default: at the statement that made it matter (pp)
-    assert "microbatches was not set" in str(warning) and ": warning: " in str(warning)
+    assert ": warning: " in str(warning) and "microbatches was not set" not in str(warning)  # only --verbose
+    assert "microbatches was not set; its default is used" in warning.render(verbose=True)
+    err = spec.locate(PipecError("too few microbatches", key="microbatches"))
+    assert "microbatches was not set; its default is used" in str(err)  # an error says why it is anchored there
     note = spec.locate(Diagnostic("note", "fell back to torch.export", key="trace"))
     assert (note.line, note.col) == (1, 1) and ": note: " in str(note)  # nothing given it falls back to
     plain = PipecError("not about a key")

@@ -81,6 +81,10 @@ def test_unknown_schedule_suggests_a_name():
     assert "gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_h1, zbv" in str(info.value)
     with pytest.raises(ScheduleError):
         build_order("zigzag", num_ranks=2, num_microbatches=2)
+    with pytest.raises(ScheduleError, match="ScheduleInterleavedZeroBubble .*which pipec does not have yet"):
+        get_schedule("interleaved_zb")
+    with pytest.raises(ScheduleError, match="torch's name for pipec's 1f1b; write: schedule 1f1b"):
+        get_schedule("Schedule1F1B")
 
 
 @pytest.mark.parametrize(
