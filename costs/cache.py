@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-__all__ = ["FORMAT", "KINDS", "Entry", "cache_root", "lookup", "store", "reprofile", "take_notes", "summary", "clear"]
+__all__ = ["FORMAT", "KINDS", "Entry", "cache_root", "lookup", "store", "reprofile", "note", "take_notes", "summary", "clear"]
 
 FORMAT = "pipec.cache/1"
 KINDS = ("host", "stage", "crowd", "links", "runs")
@@ -136,6 +136,11 @@ def store(kind: str, key: Mapping[str, Any], value: Mapping[str, Any]) -> Entry:
             _notes.append(f"profile cache: cannot write {root} ({e.strerror or e}); the timings are kept in this "
                           "process only")
     return Entry(value=obj["value"], at=at, reused=False)
+
+
+def note(message: str) -> None:
+    """A note for the next :func:`take_notes` (plan.json's ``model.profile.notes``)."""
+    _notes.append(message)
 
 
 def take_notes() -> list[str]:

@@ -40,6 +40,7 @@ from torch.fx.node import map_arg
 from pipec.compiler import progress
 
 from pipec.costs import cache
+from pipec.costs.load import Watch, acting, crowded, read_load, timed_at, wait_for_cores
 from pipec.model.fingerprint import _target_str
 from pipec.model.load import instantiate
 from pipec.model.partition import Split, _unit_key
@@ -143,15 +144,6 @@ def stage_digest(split: Split, s: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _load() -> float | None:
-    """The processes wanting a core on this host now besides this one (:func:`~pipec.compiler.sim.contention.
-    host_load`, which ``pipec run`` reads the same way to compare: the 1-minute load average lags a minute and counts
-    this compile's own work)."""
-    from pipec.compiler.sim.contention import host_load
-
-    return round(host_load(), 2)
-
-
 def _floats(value: Any, n: int) -> list[float]:
     if not isinstance(value, list) or len(value) != n or not all(isinstance(x, (int, float)) and x >= 0 for x in value):
         raise ValueError(f"expected {n} non-negative numbers")
@@ -240,6 +232,7 @@ def profile_stages(split: Split, profile: Profiling, *, autocast: str | None, ta
     for i in range(num):
         if (e := cache.lookup("stage", keys[i], _check_stage)) is not None:
             entries[i] = e
+    cores, need_alone, need_crowd = usable_cores(), profile.threads, profile.num_ranks * profile.threads
     crowd_key = _crowd_key(split.traced, dtype, profile.num_ranks, host)
     if any(_tp(tps, tp, s) is not None for s in chosen):  # the crowd's processes run the sharded stages
         crowd_key["tp"] = [_tp_key(stp, tp) if (stp := _tp(tps, tp, s)) is not None else None for s in chosen]
@@ -248,6 +241,7 @@ def profile_stages(split: Split, profile: Profiling, *, autocast: str | None, ta
         source = _crowd_key(crowd_from, dtype, profile.num_ranks, host)
         if (lent := cache.lookup("crowd", source, _check_crowd)) is not None:
             shared = cache.store("crowd", crowd_key, _borrowed(lent, source["inputs"]))
+    shared = _retime_marked(entries, shared, cores, need_alone, need_crowd if many else 0)
     host_entry = cache.lookup("host", host, _check_host)
     baseline = float(host_entry.value["reference_s"]) if host_entry else None
     if baseline is None and entries:  # the host's entry lost: the stages' own speed
@@ -265,8 +259,10 @@ def profile_stages(split: Split, profile: Profiling, *, autocast: str | None, ta
             else {}
         runners = {i: by_stage[chosen[i]] for i in built}
         if todo:
-            load = _load()
-            samples, speed = profile.alone({i: runners[i] for i in todo}, baseline=baseline)
+            before = wait_for_cores(need_alone, cores, "profiling stages alone")
+            with Watch(need_alone) as watch:
+                samples, speed = profile.alone({i: runners[i] for i in todo}, baseline=baseline)
+            load = timed_at(before, watch, need_alone, cores)
             if baseline is None:
                 baseline = statistics.median(speed)
                 cache.store("host", host, {"reference_s": baseline})
@@ -274,17 +270,19 @@ def profile_stages(split: Split, profile: Profiling, *, autocast: str | None, ta
                 entries[i] = cache.store("stage", keys[i], {
                     "least": list(_least_sample(samples[i])), "rounds": len(samples[i]), "baseline_s": baseline,
                     "spread": _rel_spread([_total(x) for x in samples[i]]), "host_spread": _rel_spread(speed),
-                    "load": load})
+                    **load})
         entries.update((i, entries[j]) for i, j in same.items() if i != j)
         assert baseline is not None
         alone = {i: [x * baseline / float(e.value["baseline_s"]) for x in e.value["least"]] for i, e in entries.items()}
         if many and shared is None:
-            load = _load()
-            got = crowd(profile, dict(enumerate(runners[i] for i in crowded)),
-                        dict(enumerate(alone[i] for i in crowded)), len(crowded), baseline)
+            before = wait_for_cores(need_crowd, cores, f"profiling {profile.num_ranks} processes at once")
+            with Watch(need_crowd) as watch:
+                got = crowd(profile, dict(enumerate(runners[i] for i in crowded)),
+                            dict(enumerate(alone[i] for i in crowded)), len(crowded), baseline)
+            load = timed_at(before, watch, need_crowd, cores)
             shared = cache.store("crowd", crowd_key, {
                 "slowdown": list(_median_slowdown(got.repeats)), "repeats": [list(r) for r in got.repeats],
-                "spread": got.spread, "baseline_s": baseline, "host_spread": _rel_spread(got.speed), "load": load,
+                "spread": got.spread, "baseline_s": baseline, "host_spread": _rel_spread(got.speed), **load,
                 "num_stages": len(crowded)})
     finally:
         restore()
@@ -295,6 +293,26 @@ def profile_stages(split: Split, profile: Profiling, *, autocast: str | None, ta
                    float(shared.value["spread"]) if shared else float(entries[i].value["spread"]),
                    stage=entries[i].value, crowd=shared.value if shared else None) for i in range(num)]
     return costs, _record(profile, [entries[i] for i in range(num)], shared)
+
+
+def _retime_marked(entries: dict[int, cache.Entry], shared: cache.Entry | None, cores: int, need_alone: int,
+                   need_crowd: int) -> cache.Entry | None:
+    """On a host quiet enough now, the entries taken under load (``loaded``, :mod:`.load`) are dropped from
+    ``entries`` (and the crowd returned as None) to be timed again, with a note; the crowd otherwise. Nothing is
+    read where no entry is marked, or under ``PIPEC_PROFILE_LOAD=record``."""
+    marked = [i for i, e in entries.items() if e.value.get("loaded")]
+    crowd_marked = shared is not None and bool(shared.value.get("loaded"))
+    if not (marked or crowd_marked) or not acting():
+        return shared
+    now = read_load()
+    was = [float(entries.pop(i).value.get("load", 0)) for i in marked if not crowded(now, need_alone, cores)]
+    if crowd_marked and not crowded(now, need_crowd, cores):
+        was.append(float(shared.value.get("load", 0)))
+        shared = None
+    if was:
+        cache.note(f"profile cache: {len(was)} timing{'s' if len(was) != 1 else ''} taken under load up to "
+                   f"{max(was):g} timed again on a quieter host (load {now:g} now)")
+    return shared
 
 
 def _crowd_key(traced: Any, dtype: str, ranks: int, host: Mapping[str, Any]) -> dict[str, Any]:
@@ -320,8 +338,8 @@ def _record(profile: Profiling, stages: Sequence[cache.Entry], crowd: cache.Entr
     out: dict[str, Any] = {"concurrent_ranks": profile.num_ranks, "threads_per_rank": profile.threads,
                            "reps": profile.reps, "max_reps": profile.max_reps, "spread_target": profile.spread_target,
                            "cpu_count": os.cpu_count(), "cores": usable_cores(), "host": _host_key(profile.threads)}
-    out["stages"] = [{"stage": s, "at": e.at, "reused": e.reused, "rounds": int(e.value["rounds"])}
-                     for s, e in enumerate(stages)]
+    out["stages"] = [{"stage": s, "at": e.at, "reused": e.reused, "rounds": int(e.value["rounds"]),
+                      **_load_of(e)} for s, e in enumerate(stages)]
     timings = [*stages, *([crowd] if crowd else [])]
     out["host_spread"] = round(statistics.median(float(e.value["host_spread"]) for e in timings), 4)
     loads = [e.value.get("load") for e in ([crowd] if crowd else stages)]
@@ -333,13 +351,22 @@ def _record(profile: Profiling, stages: Sequence[cache.Entry], crowd: cache.Entr
         out["crowd_repeats"] = len(crowd.value["repeats"])
         out["slowdown"] = dict(zip(_PARTS, (round(float(x), 4) for x in crowd.value["slowdown"])))
         out["crowd"] = {"at": crowd.at, "reused": crowd.reused, "repeats": len(crowd.value["repeats"]),
-                        "spread": round(float(crowd.value["spread"]), 4)}
+                        "spread": round(float(crowd.value["spread"]), 4), **_load_of(crowd)}
         if isinstance(at := crowd.value.get("measured_at"), Mapping):   # measured at another shape (_borrowed)
             out["crowd"]["measured_at"] = {"inputs": at.get("inputs"), "at": at.get("at")}
     notes = cache.take_notes()
     if notes:
         out["notes"] = notes
     return out
+
+
+def _load_of(e: cache.Entry) -> dict[str, Any]:
+    """An entry's load as plan.json keeps it: ``load`` (other processes wanting a core while it was timed) and
+    ``loaded`` (fewer cores than it needed were free, :mod:`.load`); nothing for an entry that kept none."""
+    load = e.value.get("load")
+    if not isinstance(load, (int, float)):
+        return {}
+    return {"load": round(float(load), 2), "loaded": bool(e.value.get("loaded", False))}
 
 
 _PARTS = ("fwd", "bwd_i", "bwd", "optim")

@@ -90,9 +90,18 @@ def cmd_compile(args: argparse.Namespace) -> int:
           f"{_mesh_words(plan.mesh)} ranks; verified; predicted step "
           f"{format_time(pred.step_time, pred.time_unit)}" + ("" if pred.interval is None else
           f" ({interval_words(pred)})") + f", bubble {pred.bubble_fraction:.1%}")
-    if (line := _links_line(plan)) is not None:
-        print(line)
+    _plan_lines(plan)
     return 0
+
+
+def _plan_lines(plan) -> None:
+    """What ``compile`` and ``show`` say under the prediction: the links that priced each axis, and a profile
+    taken under load (:func:`~pipec.compiler.sim.history.profiled_under_load`)."""
+    from pipec.compiler.sim.history import profiled_under_load
+
+    for line in (_links_line(plan), profiled_under_load(plan)):
+        if line is not None:
+            print(line)
 
 
 def _mesh_words(mesh) -> str:
@@ -216,8 +225,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         predicted = resim
         title += " (predicted: re-simulated under the run's measured links and overhead)"
     show(predicted, measured=measured, mesh=mesh, title=title)
-    if (line := _links_line(plan)) is not None:
-        print(line)
+    _plan_lines(plan)
     from pipec.views.stage_table import stage_table, tp_lines
 
     table = stage_table(plan)

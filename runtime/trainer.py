@@ -36,15 +36,11 @@ from pipec.runtime.training import (
     split_microbatches,
 )
 
-__all__ = ["Trainer", "CHECK_TOLERANCE", "LOAD_WARNING", "interval_line", "activations_line"]
+__all__ = ["Trainer", "CHECK_TOLERANCE", "interval_line", "activations_line"]
 
 CHECK_TOLERANCE = {"float32": (1e-6, 1e-4), "bfloat16": (1e-3, 5e-2), "float16": (1e-3, 5e-2)}
 """--check passes when every gradient differs from the reference's by at most atol + rtol x max|reference|
 of that tensor, and the loss by at most atol + rtol x |reference loss| (per dtype: (atol, rtol))."""
-
-
-LOAD_WARNING = 0.1
-"""Without an interval, a load that changes a compute's time by more than this share gets a warning."""
 
 
 class Trainer:
@@ -368,37 +364,20 @@ class Trainer:
         return self.plan.prediction.interval
 
     def check_load(self) -> None:
-        """Before the first step: the host's load now against the load the plan was profiled at (every rank waits
-        while rank 0 reads it, so the ranks' own start-up is not counted), and a warning when the difference moves
-        the predicted step out of its interval (or by more than :data:`LOAD_WARNING` without one). Only a CPU run of a
-        plan whose profile recorded its load."""
+        """Before the first step: the host's load now, beside the load the plan was profiled at (every rank waits
+        while rank 0 reads it, so the ranks' own start-up is not counted), for the warning the run's steps decide
+        (:func:`~pipec.compiler.sim.history.load_warning`, :meth:`write_outputs`) and report.json's ``host_load``.
+        Only a CPU run of a plan whose profile recorded its load."""
         from pipec.compiler.sim.contention import host_load, load_factor
 
         profile = (self.plan.model or {}).get("profile") or {}
-        pred = self.plan.prediction
-        if self.options.emulate or self.device.type != "cpu" or profile.get("host_load") is None or pred is None:
+        if self.options.emulate or self.device.type != "cpu" or profile.get("host_load") is None or \
+                self.plan.prediction is None:
             return
         self.transport.barrier()
         if self.env.rank == 0:
             now = host_load()
-            factor = load_factor(profile, now)
-            self.host_load = {"profile": float(profile["host_load"]), "run": now, "factor": factor}
-            expected = pred.step_time * factor
-            band = pred.interval
-            # out of the interval on the side the load pushed it (a point outside its own interval, as draws with
-            # a tail put it, is no move: nothing warns at an unchanged load)
-            moved = (factor > 1 and expected > band.step_time[1] or factor < 1 and expected < band.step_time[0]) \
-                if band is not None else abs(factor - 1) > LOAD_WARNING
-            self.host_load["warned"] = moved
-            if moved:
-                print(f"pipec: warning: the host's load is {now:.1f} now, {profile['host_load']:.1f} when the plan was "
-                      f"profiled ({profile.get('cores', '?')} cores, {profile.get('concurrent_ranks', 1)} ranks at "
-                      f"once): each compute would take about {factor:.2f}x its predicted time, a step about "
-                      f"{expected:.3f} s "
-                      f"against the predicted {pred.step_time:.3f} s"
-                      + (f" ({band.coverage:.0%} interval {band.step_time[0]:.3f}-{band.step_time[1]:.3f} s)"
-                         if band is not None else "")
-                      + "; recompile with --reprofile to time the stages under this load", file=sys.stderr, flush=True)
+            self.host_load = {"profile": float(profile["host_load"]), "run": now, "factor": load_factor(profile, now)}
         self.transport.barrier()
 
     def measure_emulation(self):
@@ -505,11 +484,18 @@ class Trainer:
                               goodput=self.attempt_log.summary(
                                   **({"checkpoints": self.checkpointer.stats()} if self.checkpointer else {})))
         if "interval" in report:  # held to the plan's interval: kept for the next compile's (compiler/sim/history.py)
-            from pipec.compiler.sim.history import record
+            from pipec.compiler.sim.history import load_warning, record
 
             steps = report["steps"]
-            record(self.plan, [s["step_time"] for s in (steps[1:] if len(steps) > 1 else steps)],
-                   run_load=(self.host_load or {}).get("run"))
+            held = [s["step_time"] for s in (steps[1:] if len(steps) > 1 else steps)]
+            record(self.plan, held, run_load=(self.host_load or {}).get("run"))
+            warning = load_warning(held, tuple(report["interval"]["step_time"]), self.plan.prediction.step_time,
+                                   self.host_load)
+            if self.host_load is not None:
+                report["host_load"]["warned"] = warning is not None
+            if warning is not None:
+                report["load_warning"] = warning
+                print(f"pipec: warning: {warning}", file=sys.stderr, flush=True)
         if self.options.report:
             with open(self.options.report, "w", encoding="utf-8") as f:
                 json.dump(report, f, indent=1)

@@ -58,6 +58,9 @@ def _profile_cache(tmp_path_factory):
     user's: ``XDG_CACHE_HOME`` for this process and every one it starts. Tests of the cache itself set their own."""
     before = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    # the host's load here is the suite's own: a profile keeps and marks it but neither waits for the cores nor
+    # times a marked entry again (costs/load.py; tests/test_profile_cache.py tests both with a simulated load)
+    os.environ["PIPEC_PROFILE_LOAD"] = "record"
     yield
     if before is None:
         os.environ.pop("XDG_CACHE_HOME", None)

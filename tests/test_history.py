@@ -134,3 +134,15 @@ def test_steps_like_the_kept_ones_fall_inside_as_often_as_it_says():
     share = sum(band.holds(t) for t in later) / len(later)
     assert 0.85 <= share <= 0.99, share
     assert interval_of(plan).holds(plan.prediction.step_time * 1.4) is False  # the simulator's alone misses them
+
+
+def test_how_slow_a_prediction_profiled_under_load_may_be_comes_from_runs_at_both_loads():
+    from pipec.compiler.sim.history import _quiet_runs_ratio
+
+    runs = [{"load": 2.0, "run_load": 0.0, "ratios": [0.6, 0.62, 0.61]},   # profiled loaded, run quiet
+            {"load": 2.1, "run_load": 0.2, "ratios": [0.7, 0.7]},
+            {"load": 2.0, "run_load": 2.0, "ratios": [1.0, 1.0]},          # run loaded too: not a quiet run
+            {"load": 0.0, "run_load": 0.0, "ratios": [1.02, 0.98, 1.0]}]   # profiled and run quiet
+    assert _quiet_runs_ratio(runs, 2.0) == pytest.approx(0.61 / 1.0)
+    assert _quiet_runs_ratio(runs[:2], 2.0) == pytest.approx(0.61)  # no quiet profile kept: against 1
+    assert _quiet_runs_ratio(runs, 4.0) is None

@@ -9,7 +9,8 @@ plan.json and report.json hold of it, and the run's check of its steps and of th
   instruction's host overhead from the probe's scatter.
 - plan.json keeps a cost's spreads, the overhead's and the interval; a malformed interval is named.
 - report.json marks each step in or out of the interval and sums it up, only for a run of the plan's own costs.
-- The host's load now against the profile's: the factor, and a warning that names both loads and --reprofile.
+- The host's load before the first step against the profile's (read, no warning yet), and the warning the run's
+  steps decide (recorded step series: never while the median step is inside; whenever most steps are outside).
 """
 
 from __future__ import annotations
@@ -207,25 +208,50 @@ def _check_load(plan, load_now, monkeypatch, capsys, *, emulate=False, device="c
     return me.host_load, capsys.readouterr().err, len(barriers)
 
 
-def test_a_load_that_moves_the_step_out_of_its_interval_is_warned_about(monkeypatch, capsys):
+def test_the_load_before_the_first_step_is_read_and_nothing_is_said_yet(monkeypatch, capsys):
     plan = _timed(load=0.0)
     got, err, barriers = _check_load(plan, 3.0, monkeypatch, capsys)
-    assert got == {"profile": 0.0, "run": 3.0, "factor": pytest.approx(7 / 4), "warned": True} and barriers == 2
-    assert "the host's load is 3.0 now, 0.0 when the plan was profiled (2 cores, 4 ranks at once)" in err
-    assert "each compute would take about 1.75x its predicted time" in err and "--reprofile" in err
-    assert f"against the predicted {plan.prediction.step_time:.3f} s" in err
-    quiet, err, _ = _check_load(plan, 0.0, monkeypatch, capsys)
-    assert quiet["warned"] is False and err == ""
-    # a point below its own interval (draws with a tail) at an unchanged load: no move, no warning
-    lo, hi = plan.prediction.interval.step_time
-    above = replace(plan, prediction=replace(plan.prediction, interval=replace(plan.prediction.interval,
-                                                                               step_time=(hi * 1.5, hi * 3))))
-    same, err, _ = _check_load(above, 0.0, monkeypatch, capsys)
-    assert same["warned"] is False and err == ""
-    assert _check_load(above, 3.0, monkeypatch, capsys)[0]["warned"] is False  # 1.75x: into its interval, not out
+    assert got == {"profile": 0.0, "run": 3.0, "factor": pytest.approx(7 / 4)} and barriers == 2 and err == ""
     # nothing to compare with: an emulated run, a GPU run, a profile without its load
     for kw, p in (({"emulate": True}, plan), ({"device": "cuda"}, plan), ({}, _timed())):
         assert _check_load(p, 3.0, monkeypatch, capsys, **kw) == (None, "", 0)
+
+
+_BAND = (0.09, 0.12)
+
+
+@pytest.mark.parametrize("steps", [
+    [0.10] * 7,                                    # all inside
+    [0.10, 0.10, 0.10, 0.10, 0.30, 0.30, 0.30],    # 3 of 7 outside: the median inside
+    [0.13, 0.13, 0.13, 0.10, 0.10, 0.11, 0.10],    # 3 of 7 above
+    [0.142, 0.30, 0.31, 0.11, 0.10, 0.12, 0.115],  # the issue's case: 1.75x warned while the median sat inside
+])
+def test_no_load_warning_while_the_median_step_is_inside(steps):
+    from pipec.compiler.sim.history import load_warning
+
+    for loads in (None, {"profile": 0.0, "run": 3.0, "factor": 1.75}, {"profile": 2.0, "run": 0.0, "factor": 0.6}):
+        assert load_warning(steps, _BAND, 0.1, loads) is None
+
+
+def test_the_load_warning_says_which_way_the_step_moved_and_whether_the_load_did():
+    from pipec.compiler.sim.history import load_warning
+
+    slow = [0.20, 0.21, 0.19, 0.22, 0.20, 0.10, 0.21]
+    text = load_warning(slow, _BAND, 0.1, {"profile": 0.0, "run": 2.0, "factor": 1.5})
+    assert text.startswith("the steps ran slower than predicted: median 0.200 s, 2.00x the predicted 0.100 s; "
+                           "6 of 7 steps above the interval 0.090-0.120 s")
+    assert "the host's load is 2, 0 when the plan was profiled: the load moved the way the step did, which the " \
+           "contention model puts at 1.50x" in text
+    fast = [0.05, 0.05, 0.06, 0.05, 0.05, 0.05]   # profiled under load, run on a quiet host: the other direction
+    text = load_warning(fast, _BAND, 0.1, {"profile": 2.0, "run": 0.0, "factor": 0.6})
+    assert text.startswith("the steps ran faster than predicted: median 0.050 s, 0.50x") and "6 of 6 steps below" in text
+    assert "the load moved the way the step did" in text
+    other = load_warning(fast, _BAND, 0.1, {"profile": 0.0, "run": 2.0, "factor": 1.5})
+    assert "the load moved the other way, so it is not the cause; recompile with --reprofile" in other
+    same = load_warning(slow, _BAND, 0.1, {"profile": 1.0, "run": 1.2, "factor": 1.05})
+    assert "is the one the plan was profiled at (1): not the load's doing" in same
+    assert "--reprofile" in load_warning(slow, _BAND, 0.1, None)
+    assert load_warning(slow, None, 0.1, None) is None  # no interval: nothing to hold the steps to
 
 
 def _levels(plan, level=None, crowd=None):

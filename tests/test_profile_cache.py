@@ -26,6 +26,7 @@ from pipec.compiler.frontend import Host, Partition, TensorSpec, build_stage_gra
 from pipec.compiler.request import CompileRequest
 from pipec.costs import links
 from pipec.costs import profile as prof
+from pipec.costs import timings
 from model_requests import model_request
 
 X = TensorSpec("x", "float32", (8, 16))
@@ -197,6 +198,73 @@ def _digest(graph, s: int) -> str:
     return stage_digest(split_graph(trace_request(_mlp()).traced, stage_of, len(graph.stages)), s)
 
 
+def _simulated_load(monkeypatch, load: float) -> None:
+    """The host reads ``load`` other runnable processes, before and while the profile times (costs/load.py)."""
+    from pipec.costs import load as host
+
+    monkeypatch.setattr(host, "read_load", lambda: load)
+    monkeypatch.setattr(timings, "read_load", lambda: load)
+    monkeypatch.setattr(timings, "wait_for_cores", lambda need, cores, what: host.wait_for_cores(
+        need, cores, what, read=lambda: load, sleep=lambda s: None))
+    monkeypatch.setattr(host.Watch, "load", property(lambda self: load))
+
+
+def test_a_profile_under_load_is_marked_and_timed_again_on_a_quiet_host(timed, monkeypatch):
+    from types import SimpleNamespace
+
+    from pipec.compiler.sim.history import profiled_under_load
+
+    monkeypatch.setenv("PIPEC_PROFILE_LOAD", "act")
+    monkeypatch.setenv("PIPEC_PROFILE_WAIT_S", "0")
+    monkeypatch.setattr(prof, "usable_cores", lambda: 2)
+    monkeypatch.setattr(timings, "usable_cores", lambda: 2)
+    local = dataclasses.replace(HOST, local_ranks=2)  # 2 processes at once on 2 cores: any other load crowds them
+    _simulated_load(monkeypatch, 1.0)
+    busy = _graph(_mlp(), local).model["profile"]
+    assert [(st["load"], st["loaded"]) for st in busy["stages"]] == [(1.0, False)] * 2  # 1 + 1 thread of 2 cores
+    assert (busy["crowd"]["load"], busy["crowd"]["loaded"]) == (1.0, True)            # 1 + 2 processes of 2
+    line = profiled_under_load(SimpleNamespace(model={"profile": busy}, links={}))
+    assert line.startswith("profiled under load 1 (the crowd): predictions may be slow by up to 33% (the "
+                           "contention model's figure"), line
+    new_process()
+    _graph(_mlp(), local)
+    assert timed["crowds"] == 1  # still loaded: the marked crowd is kept
+    _simulated_load(monkeypatch, 0.0)
+    new_process()
+    quiet = _graph(_mlp(), local).model["profile"]
+    assert timed["crowds"] == 2 and timed["alone"] == [[0, 1]]  # the crowd timed again, the stages kept
+    assert (quiet["crowd"]["loaded"], quiet["crowd"]["reused"]) == (False, False)
+    assert any("1 timing taken under load up to 1 timed again on a quieter host (load 0 now)" in n
+               for n in quiet["notes"])
+    monkeypatch.setenv("PIPEC_PROFILE_LOAD", "record")  # the suite's setting: kept and marked, never timed again
+    _simulated_load(monkeypatch, 3.0)
+    new_process()
+    cache.reprofile()
+    marked = _graph(_mlp(), local).model["profile"]
+    assert all(st["loaded"] for st in marked["stages"]) and marked["crowd"]["loaded"]
+    _simulated_load(monkeypatch, 0.0)
+    new_process()
+    assert _graph(_mlp(), local).model["profile"]["crowd"]["reused"] and timed["crowds"] == 3
+
+
+def test_a_busy_host_is_waited_for_at_most_the_bound(monkeypatch):
+    from pipec.costs import load as host
+
+    monkeypatch.setenv("PIPEC_PROFILE_LOAD", "act")
+    monkeypatch.setenv("PIPEC_PROFILE_WAIT_S", "3")
+    reads, now = iter([2.0, 2.0, 0.0]), [0.0]
+    lines = []
+    with progress.routed(lines.append):
+        got = host.wait_for_cores(2, 2, "profiling", read=lambda: next(reads),
+                                  sleep=lambda s: now.__setitem__(0, now[0] + s), clock=lambda: now[0])
+    assert got == 0.0 and len(lines) == 2 and "waiting for the host (2 other processes want its 2 cores" in lines[0]
+    stuck = host.wait_for_cores(2, 2, "profiling", read=lambda: 5.0,
+                                sleep=lambda s: now.__setitem__(0, now[0] + s), clock=lambda: now[0])
+    assert stuck == 5.0 and now[0] == pytest.approx(1 + 1 + 3)  # gave up after the bound: timed and marked
+    monkeypatch.setenv("PIPEC_PROFILE_LOAD", "record")
+    assert host.wait_s() == 0.0
+
+
 def test_reprofile_measures_again_once(timed):
     _graph(_mlp())
     new_process()
@@ -353,3 +421,23 @@ def test_a_crowds_repeat_takes_samples_from_one_up_until_its_minimum_time(monkey
     assert len(p.samples(once, warm=True)) == 3  # alone: reps samples
     assert len(p.samples(once, warm=True, reps=1)) == 1  # one that outlasts no minimum
     assert len(p.samples(once, 0.05, warm=True, reps=1)) == 6  # short ones: until they took 0.05 s
+
+
+def test_a_plan_profiled_under_load_says_so_at_compile_and_in_show(tmp_path, monkeypatch, capsys):
+    from pipec.cli import main
+    from pipec.compiler.ir.plan_json import read_plan
+
+    monkeypatch.setenv("PIPEC_PROFILE_LOAD", "act")
+    monkeypatch.setenv("PIPEC_PROFILE_WAIT_S", "0")
+    _simulated_load(monkeypatch, 4.0)  # more than the cores any host has free for one thread here
+    monkeypatch.setattr(timings, "usable_cores", lambda: 2)
+    (tmp_path / "f.pipe").write_text('model "pipec.examples.mlp:build" (layers=4, dim=16)\ninput x: float32[8, 16]\n'
+                                     'pp 2\nmicrobatches 2\nloss mse\ncosts profile\n')
+    assert main(["compile", str(tmp_path / "f.pipe"), "-o", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    assert "profiled under load 4 (2 of 2 stages and the crowd): predictions may be slow by up to 67% (the " \
+           "contention model" in out, out
+    stages = read_plan(str(tmp_path / "plan.json")).model["profile"]["stages"]
+    assert [(st["load"], st["loaded"]) for st in stages] == [(4.0, True), (4.0, True)]  # plan.json keeps them
+    assert main(["show", str(tmp_path / "plan.json")]) == 0
+    assert "profiled under load 4 (2 of 2 stages and the crowd)" in capsys.readouterr().out

@@ -20,6 +20,7 @@ Only the step's range is widened (a run's bubble is not kept); the point stays t
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
@@ -27,7 +28,8 @@ from pipec.costs import cache
 from pipec.compiler.ir.plan import Plan
 from pipec.compiler.ir.timeline import Interval
 
-__all__ = ["history_key", "record", "widened", "MIN_RUNS", "KEEP_RUNS", "KEEP_STEPS", "LOAD_MATCH"]
+__all__ = ["history_key", "record", "widened", "profiled_under_load", "load_warning", "MIN_RUNS", "KEEP_RUNS",
+           "KEEP_STEPS", "LOAD_MATCH"]
 
 MIN_RUNS = 3
 """The fewest earlier runs (at the plan's host load) that widen an interval."""
@@ -117,3 +119,78 @@ def widened(plan: Plan, band: Interval | None, point: float) -> Interval | None:
     lo = _at(ratios, max(0.0, math.floor((k + 1) * (1 - c) / 2) / k))
     step = (min(band.step_time[0], point * lo), max(band.step_time[1], point * hi))
     return replace(band, step_time=step, runs=len(like))
+
+
+def _quiet_runs_ratio(runs: Sequence[Mapping[str, Any]], load: float) -> float | None:
+    """Of the kept runs run on a quiet host (run load within :data:`LOAD_MATCH` of 0), the least median step
+    over its point among those profiled at ``load``, over the median of those profiled quiet (1 where none was):
+    how much faster than predicted a plan profiled at ``load`` ran quiet. None where no such run is kept."""
+    def median_of(run_load: float) -> list[float]:
+        return [statistics.median(float(x) for x in r["ratios"]) for r in runs
+                if r.get("load") is not None and abs(float(r["load"]) - run_load) <= LOAD_MATCH
+                and r.get("run_load") is not None and float(r["run_load"]) <= LOAD_MATCH]
+    loaded, quiet = median_of(load), median_of(0.0)
+    if not loaded:
+        return None
+    return min(loaded) / (statistics.median(quiet) if quiet else 1.0)
+
+
+def profiled_under_load(plan: Plan) -> str | None:
+    """``profiled under load 2.3 (3 of 4 stages): predictions may be slow by up to 40% ...``: a plan whose profile
+    marked timings as taken under load (:mod:`pipec.costs.load`), with how much slower than a quiet host its
+    prediction may be: from this host's kept runs at both loads (:func:`_quiet_runs_ratio`), else the contention
+    model's (:func:`~pipec.compiler.sim.contention.load_factor`); None for any other plan."""
+    from pipec.compiler.sim.contention import load_factor
+
+    profile = (plan.model or {}).get("profile") or {}
+    stages = profile.get("stages") or []
+    marked = [s for s in stages if s.get("loaded")]
+    crowd = (profile.get("crowd") or {}).get("loaded", False)
+    if not marked and not crowd:
+        return None
+    loads = [float(s["load"]) for s in marked] + ([float(profile["crowd"]["load"])] if crowd else [])
+    load = float(profile.get("host_load", max(loads)))
+    key = history_key(plan)
+    ratio = _quiet_runs_ratio(_runs(key), load) if key is not None else None
+    if ratio is not None:
+        source = "as this host's runs at both loads measured"
+    else:
+        factor = load_factor({**profile, "host_load": load}, 0.0)
+        ratio, source = (factor, "the contention model's figure, no quiet run kept yet") if factor else (None, "")
+    what = f"{len(marked)} of {len(stages)} stages" + (" and the crowd" if crowd else "") if marked else "the crowd"
+    slow = f": predictions may be slow by up to {max(0.0, 1 - ratio):.0%} ({source})" if ratio is not None else ""
+    return (f"profiled under load {load:g} ({what}){slow}; a compile on a quieter host times them again by "
+            "itself, or use --reprofile")
+
+
+def load_warning(steps: Sequence[float], band: tuple[float, float] | None, point: float,
+                 host_load: Mapping[str, Any] | None) -> str | None:
+    """The run's load warning, from the steps it measured (those held to the interval ``band``, after the first):
+    None where the median step is inside the interval or no more than half the steps are outside; else which way
+    the step moved and by how much, measured, and whether the host's load (``host_load``: the profile's and the
+    run's, read before the first step) moved with it."""
+    if band is None or not steps or point <= 0:
+        return None
+    lo, hi = band
+    med = statistics.median(steps)
+    outside = sum(1 for s in steps if not lo <= s <= hi)
+    if lo <= med <= hi or 2 * outside <= len(steps):
+        return None
+    slower = med > hi
+    text = (f"the steps ran {'slower' if slower else 'faster'} than predicted: median {med:.3f} s, "
+            f"{med / point:.2f}x the predicted {point:.3f} s; {outside} of {len(steps)} steps "
+            f"{'above' if slower else 'below'} the interval {lo:.3f}-{hi:.3f} s")
+    prof = (host_load or {}).get("profile")
+    run = (host_load or {}).get("run")
+    if prof is None or run is None:
+        return text + "; recompile with --reprofile to time the stages again"
+    prof, run = float(prof), float(run)
+    if abs(run - prof) <= LOAD_MATCH:
+        return (text + f"; the host's load ({run:g}) is the one the plan was profiled at ({prof:g}): not the load's "
+                "doing; recompile with --reprofile to time the stages again")
+    with_it = (run > prof) == slower
+    factor = (host_load or {}).get("factor")
+    expected = f", which the contention model puts at {factor:.2f}x" if isinstance(factor, (int, float)) else ""
+    return (text + f"; the host's load is {run:g}, {prof:g} when the plan was profiled"
+            + (f": the load moved the way the step did{expected}; recompile where the run's load is the profile's"
+               if with_it else ": the load moved the other way, so it is not the cause; recompile with --reprofile"))
