@@ -13,7 +13,12 @@ the last column gives their steps inside alone. Three settings:
   itself after ``--load-limit`` seconds) runs through the compile and the run: profiled and run under the
   same load;
 - ``shifted``: the busy loop runs only through the run: the profile's load is not the run's, and ``pipec run``
-  should say so (the ``warned`` column counts the rounds whose run warned).
+  should say so (the ``warned`` column counts the rounds whose run warned);
+- ``P:R`` (``--settings pairs`` gives all nine of 0-2): P busy loops through the compile, R through the run.
+  The ``right`` column counts the warnings that were right: the steps moved the way it said (above or below the
+  interval, as the median measured) and, where P and R differ, it said the load moved with them.
+  ``PIPEC_PROFILE_WAIT_S`` (default here ``--wait``, 5 s) bounds the profile's wait for the cores, which a
+  busy loop of this script's never gives back.
 
 Per setting: the share of steps inside the interval (goal: the stated coverage, 9 in 10), the share of rounds
 whose median step was inside, the median of the point prediction's relative error per step and per round
@@ -40,6 +45,16 @@ import time
 from pathlib import Path
 
 SETTINGS = ("quiet", "loaded", "shifted")
+PAIRS = tuple(f"{p}:{r}" for p in range(3) for r in range(3))
+"""Busy loops through the compile : through the run (``--settings pairs``)."""
+
+
+def loops(setting: str) -> tuple[int, int]:
+    """The busy loops through the compile and through the run of ``setting``."""
+    if ":" in setting:
+        p, r = setting.split(":")
+        return int(p), int(r)
+    return {"quiet": (0, 0), "loaded": (1, 1), "shifted": (0, 1)}[setting]
 
 MODEL = """\
 model        "pipec.examples.gpt:build" (layers=4, dim=64, heads=2, vocab=256, seq=32)
@@ -58,36 +73,39 @@ def _pipec(*args: str, env: dict, timeout: float = 900) -> subprocess.CompletedP
 
 
 class BusyLoop:
-    """One process spinning on a core, bounded: stopped when the block ends, and by itself after ``limit_s``."""
+    """``n`` processes spinning on a core each, bounded: stopped when the block ends, and by themselves after
+    ``limit_s``."""
 
-    def __init__(self, on: bool, limit_s: float) -> None:
-        self.on, self.limit_s, self.proc = on, limit_s, None
+    def __init__(self, n: int, limit_s: float) -> None:
+        self.n, self.limit_s, self.procs = int(n), limit_s, []
 
     def __enter__(self) -> "BusyLoop":
-        if self.on:
-            code = f"import time\nend = time.monotonic() + {self.limit_s}\nwhile time.monotonic() < end: pass\n"
-            self.proc = subprocess.Popen([sys.executable, "-c", code])
+        code = f"import time\nend = time.monotonic() + {self.limit_s}\nwhile time.monotonic() < end: pass\n"
+        self.procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(self.n)]
+        if self.procs:
             time.sleep(0.5)  # running before what it loads starts
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
 
 
-def one_round(work: Path, setting: str, *, schedule: str, steps: int, load_limit: float) -> dict:
+def one_round(work: Path, setting: str, *, schedule: str, steps: int, load_limit: float, wait: float) -> dict:
     """Compile and run once under ``setting``; what the report says of the interval and the point."""
     work.mkdir(parents=True, exist_ok=True)
     pipe, plan, report = work / "model.pipe", work / "plan.json", work / "report.json"
     pipe.write_text(MODEL.format(schedule=schedule, steps=steps))
-    env = {**os.environ, "XDG_CACHE_HOME": str(work.parent / "cache")}  # the rounds' cache: the runs kept
+    env = {**os.environ, "XDG_CACHE_HOME": str(work.parent / "cache"),  # the rounds' cache: the runs kept
+           "PIPEC_PROFILE_WAIT_S": str(wait)}
+    at_compile, at_run = loops(setting)
     t0 = time.perf_counter()
-    with BusyLoop(setting == "loaded", load_limit):
+    with BusyLoop(at_compile, load_limit):
         _pipec("compile", str(pipe), "-o", str(plan), "--reprofile", env=env)  # the round times anew
     compile_s = time.perf_counter() - t0
-    with BusyLoop(setting in ("loaded", "shifted"), load_limit):
-        run = _pipec("run", str(plan), "--nproc", "2", "--report", str(report), "--quiet", env=env)
+    with BusyLoop(at_run, load_limit):
+        _pipec("run", str(plan), "--nproc", "2", "--report", str(report), "--quiet", env=env)
     rep = json.loads(report.read_text())
     pred = json.loads(plan.read_text())["prediction"]
     band = rep.get("interval")
@@ -100,9 +118,20 @@ def one_round(work: Path, setting: str, *, schedule: str, steps: int, load_limit
         "inside": None if band is None else band["steps_inside"],
         "counted": None if band is None else band["steps_counted"],
         "median_inside": None if band is None else band["median_inside"],
-        "host_load": rep.get("host_load"), "warned": "the host's load is" in run.stderr,
+        "host_load": rep.get("host_load"), "warned": "load_warning" in rep, "warning": rep.get("load_warning"),
+        "right": _right(rep.get("load_warning"), median, band, at_compile != at_run),
         "load_avg": os.getloadavg()[0],
     }
+
+
+def _right(warning: str | None, median: float, band: dict | None, moved: bool) -> bool | None:
+    """Whether a warning was right: the median outside the interval on the side it said and, where the loads
+    differed, saying the load moved with the step; None where no warning was given."""
+    if warning is None or band is None:
+        return None
+    lo, hi = band["step_time"]
+    way = "slower" if median > hi else "faster" if median < lo else None
+    return way is not None and f"ran {way}" in warning and (not moved or "the load moved the way the step did" in warning)
 
 
 def summary(rounds: list[dict], setting: str) -> list[str] | None:
@@ -122,22 +151,25 @@ def summary(rounds: list[dict], setting: str) -> list[str] | None:
             f"{sum(r['median_inside'] for r in banded)}/{len(banded)}" if banded else "-",
             f"{statistics.median(step_err):.1%}", f"{statistics.median(round_err):.1%}",
             f"{statistics.median(widths):.1%}" if widths else "-",
-            f"{sum(r['warned'] for r in mine)}/{len(mine)}", f"{len(held)}/{len(mine)}",
+            f"{sum(r['warned'] for r in mine)}/{len(mine)}",
+            f"{sum(bool(r['right']) for r in mine)}/{sum(r['warned'] for r in mine)}", f"{len(held)}/{len(mine)}",
             f"{held_in}/{held_n} ({held_in / held_n:.0%})" if held_n else "-"]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=20, help="compile+run rounds per setting")
-    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated: " + ", ".join(SETTINGS))
+    ap.add_argument("--settings", default=",".join(SETTINGS),
+                    help="comma-separated: " + ", ".join(SETTINGS) + ", P:R (busy loops through compile:run), or pairs")
+    ap.add_argument("--wait", type=float, default=5.0, help="PIPEC_PROFILE_WAIT_S for the compiles")
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--steps", type=int, default=8, help="steps per run (the first is left out)")
     ap.add_argument("--load-limit", type=float, default=600.0, help="seconds a busy loop runs at most")
     ap.add_argument("--work", help="folder for the plans and reports (default: a temporary one)")
     ap.add_argument("--out", help="write every round's figures here (JSON)")
     args = ap.parse_args(argv)
-    settings = [s for s in args.settings.split(",") if s]
-    unknown = set(settings) - set(SETTINGS)
+    settings = [x for s in args.settings.split(",") if s for x in (PAIRS if s == "pairs" else (s,))]
+    unknown = set(settings) - set(SETTINGS) - set(PAIRS)
     if unknown:
         ap.error(f"unknown setting {sorted(unknown)[0]!r}; expected {', '.join(SETTINGS)}")
     work = Path(args.work or tempfile.mkdtemp(prefix="pipec-coverage-"))
@@ -146,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds = []
     for i in range(args.rounds):
         for setting in settings:  # the settings interleaved, so a busy hour of the machine touches every one
-            r = one_round(work / f"{setting}-{i}", setting, schedule=args.schedule, steps=args.steps,
-                          load_limit=args.load_limit)
+            r = one_round(work / f"{setting.replace(':', '-')}-{i}", setting, schedule=args.schedule,
+                          steps=args.steps, load_limit=args.load_limit, wait=args.wait)
             rounds.append(r)
             band = r["interval"]
             print(f"{setting:8s} round {i + 1}: predicted {r['predicted']:.4f} s"
@@ -157,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                   + (", warned" if r["warned"] else "") + f"; compile {r['compile_s']:.1f} s, "
                   f"load average {r['load_avg']:.2f}", flush=True)
     header = ["setting", "rounds", "steps inside", "medians inside", "point err/step", "point err/round",
-              "width", "warned", "widened", "inside, widened"]
+              "width", "warned", "right", "widened", "inside, widened"]
     rows = [row for s in settings if (row := summary(rounds, s)) is not None]
     widths = [max(len(h), *(len(r[k]) for r in rows)) for k, h in enumerate(header)]
     print()
