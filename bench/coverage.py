@@ -118,20 +118,33 @@ def one_round(work: Path, setting: str, *, schedule: str, steps: int, load_limit
         "inside": None if band is None else band["steps_inside"],
         "counted": None if band is None else band["steps_counted"],
         "median_inside": None if band is None else band["median_inside"],
-        "host_load": rep.get("host_load"), "warned": "load_warning" in rep, "warning": rep.get("load_warning"),
-        "right": _right(rep.get("load_warning"), median, band, at_compile != at_run),
+        "host_load": rep.get("host_load"), "warned": _said(rep) is not None, "warning": rep.get("load_warning"),
+        "right": _right(_said(rep), median, band, at_compile != at_run),
         "load_avg": os.getloadavg()[0],
     }
 
 
-def _right(warning: str | None, median: float, band: dict | None, moved: bool) -> bool | None:
+def _said(rep: dict) -> tuple[str, bool] | None:
+    """What a run's load warning said: the way the step moved (``slower``/``faster``) and whether it put that down
+    to the load; None where it gave none. report.json's ``load_warning`` (the run's steps decide it), or, from a
+    pipec before it (``host_load.warned``, given before the first step), the way its factor pointed, always
+    put down to the load."""
+    if (text := rep.get("load_warning")) is not None:
+        return ("slower" if "ran slower" in text else "faster"), "the load moved the way the step did" in text
+    load = rep.get("host_load") or {}
+    if load.get("warned"):
+        return ("slower" if (load.get("factor") or 1) > 1 else "faster"), True
+    return None
+
+
+def _right(said: tuple[str, bool] | None, median: float, band: dict | None, moved: bool) -> bool | None:
     """Whether a warning was right: the median outside the interval on the side it said and, where the loads
-    differed, saying the load moved with the step; None where no warning was given."""
-    if warning is None or band is None:
+    differed, putting it down to the load; None where no warning was given."""
+    if said is None or band is None:
         return None
     lo, hi = band["step_time"]
     way = "slower" if median > hi else "faster" if median < lo else None
-    return way is not None and f"ran {way}" in warning and (not moved or "the load moved the way the step did" in warning)
+    return way == said[0] and (not moved or said[1])
 
 
 def summary(rounds: list[dict], setting: str) -> list[str] | None:
