@@ -416,13 +416,19 @@ def check_memory(plan: Plan, device_memory: int) -> None:
         if not mesh.params_sharded:
             fixes += "shard grads or full (with dp >= 2), "
         raise MemoryBudgetError(
-            f"pp rank {rt.rank} needs {_gib(rt.peak_memory_bytes)} at its peak but device_memory is "
-            f"{_gib(device_memory)}: parameters, gradients and optimizer state {_gib(m.state)} {how}"
-            + (f" + unsharded parameters and gradients {_gib(m.unsharded)}" if m.unsharded else "")
-            + (f" + collective buffers {_gib(m.buffers)}" if m.buffers else "")
-            + f" + activations {_gib(rt.peak_memory_bytes - m.state - m.transient)} ({rt.peak_activations} "
+            f"pp rank {rt.rank} needs {format_memory(rt.peak_memory_bytes)} at its peak but device_memory is "
+            f"{format_memory(device_memory)}: parameters, gradients and optimizer state {format_memory(m.state)} {how}"
+            + (f" + unsharded parameters and gradients {format_memory(m.unsharded)}" if m.unsharded else "")
+            + (f" + collective buffers {format_memory(m.buffers)}" if m.buffers else "")
+            + f" + activations {format_memory(rt.peak_memory_bytes - m.state - m.transient)} ({rt.peak_activations} "
             f"stage-microbatches in flight at the peak); {fixes}or a larger device_memory", key="device_memory")
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def format_memory(n: float) -> str:
+    """A memory figure for a message: ``1.25 GiB``; below 0.01 GiB in MiB (``3.50 MiB``), below 1 MiB in KiB
+    (``12.00 KiB``), so a small figure never reads ``0.00 GiB``."""
+    if abs(n) >= 0.01 * 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if abs(n) >= 2**20:
+        return f"{n / 2**20:.2f} MiB"
+    return f"{n / 2**10:.2f} KiB"

@@ -1,0 +1,48 @@
+"""Memory figures in messages: a figure below 0.01 GiB prints in MiB or KiB, never as ``0.00 GiB``."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipec.compiler.passes.memory import format_memory
+
+
+def test_gib_at_and_above_a_hundredth():
+    assert format_memory(80 * 2**30) == "80.00 GiB"
+    assert format_memory(1.25 * 2**30) == "1.25 GiB"
+    assert format_memory(0.01 * 2**30) == "0.01 GiB"
+
+
+def test_mib_below_a_hundredth_of_a_gib():
+    assert format_memory(3.5 * 2**20) == "3.50 MiB"
+    assert format_memory(0.0099 * 2**30) == "10.14 MiB"
+
+
+def test_kib_below_a_mib():
+    assert format_memory(12 * 2**10) == "12.00 KiB"
+    assert format_memory(2**20 - 2**10) == "1023.00 KiB"
+    assert format_memory(100) == "0.10 KiB"
+    assert format_memory(0) == "0.00 KiB"
+
+
+def test_a_small_plans_refusal_prints_mib_not_zero_gib():
+    from pipec.compiler.driver import compile_request
+    from pipec.compiler.frontend import TensorSpec
+    from pipec.compiler.ir.plan import Mesh
+    from pipec.compiler.passes.memory import MemoryBudgetError, check_memory
+    from pipec.compiler.request import CompileRequest, ModelSpec, Partition
+
+    model = ModelSpec(target="pipec.examples.gpt:build", kwargs=dict(layers=4, dim=32, heads=2, vocab=64, seq=16),
+                      inputs=(TensorSpec("tokens", "int64", (4, 16)),),
+                      partition=Partition("split", split_before=("blocks.1", "blocks.2", "blocks.3")),
+                      costs="unit", trace="auto")
+    plan = compile_request(CompileRequest(schedule="zbv", mesh=Mesh(pp=2), num_chunks=2, num_microbatches=2,
+                                          model=model)).plan
+    peak = plan.prediction.per_rank[0].peak_memory_bytes
+    assert peak < 0.01 * 2**30  # a few MiB: the case that printed "needs 0.00 GiB"
+    with pytest.raises(MemoryBudgetError) as err:
+        check_memory(plan, peak - 1)
+    message = str(err.value)
+    assert "0.00 GiB" not in message and "GiB" not in message
+    assert f"needs {format_memory(peak)} at its peak but device_memory is {format_memory(peak - 1)}" in message
+    assert format_memory(peak).endswith(("MiB", "KiB"))
