@@ -46,3 +46,29 @@ def test_a_small_plans_refusal_prints_mib_not_zero_gib():
     assert "0.00 GiB" not in message and "GiB" not in message
     assert f"needs {format_memory(peak)} at its peak but device_memory is {format_memory(peak - 1)}" in message
     assert format_memory(peak).endswith(("MiB", "KiB"))
+
+
+def test_checkpoint_save_and_load_are_the_local_shards_and_pipec_show_prints_them(cli, tmp_path):
+    from pipec.compiler.ir.plan_json import read_plan
+    from pipec.compiler.passes.memory import checkpoint_memory
+
+    out = cli("compile", "--model", "pipec.examples.gpt:build", "--model-arg", "layers=2", "--model-arg", "dim=16",
+              "--input", "tokens: int64[4, 16]", "--ranks", "2", "--dp", "2", "--shard", "full", "--costs", "unit",
+              "-o", "p.json")
+    assert out.returncode == 0, out.stderr
+    plan = read_plan(tmp_path / "p.json")
+    rows = checkpoint_memory(plan)
+    for rank, row in enumerate(rows):
+        # by hand: shard full over dp 2 holds half of each (dim-0 padded) parameter; float32 params 4 B, grads 4 B,
+        # AdamW's two moments 8 B per held copy; a save stages params + moments, a load reads params + moments
+        stages = [s for s in plan.stages if s.rank == rank]
+        from pipec.compiler.passes.memory import padded_params
+        copies = sum(padded_params(s, 2, 1) for s in stages) // 2
+        assert row.save_device == 16 * copies
+        assert row.save_staging == row.load_device == 12 * copies
+    shown = cli("show", "p.json")
+    assert shown.returncode == 0, shown.stderr
+    peak = plan.prediction.per_rank[0].peak_memory_bytes
+    assert (f"rank 0 checkpoint: save {format_memory(rows[0].save_device)} on the device + staging copy "
+            f"{format_memory(rows[0].save_staging)} on the host; load {format_memory(rows[0].load_device)}; "
+            f"training peak {format_memory(peak)}") in " ".join(shown.stdout.split())

@@ -64,6 +64,15 @@ def stage_table(plan: Plan) -> Table | None:
         t.caption = (t.caption + "\n" if t.caption else "") + (
             f"rank {m.rank} (MiB): params {m.params / mib:.1f} + grads {m.grads / mib:.1f} + optimizer "
             f"{m.optimizer / mib:.1f} + unsharded {m.unsharded / mib:.1f} + buffers {m.buffers / mib:.1f}{act}")
+    from pipec.compiler.passes.memory import checkpoint_memory, format_memory
+
+    for c in checkpoint_memory(plan) or ():
+        p = peak.get(c.rank)
+        train = "" if p is None or p.peak_memory_bytes is None else (
+            f"; training peak {format_memory(p.peak_memory_bytes)}")
+        t.caption = (t.caption + "\n" if t.caption else "") + (
+            f"rank {c.rank} checkpoint: save {format_memory(c.save_device)} on the device + staging copy "
+            f"{format_memory(c.save_staging)} on the host; load {format_memory(c.load_device)}{train}")
     for tie in plan.ties:
         t.caption = (t.caption + "; " if t.caption else "") + (
             f"tied weight {tie.name}: a copy on stages {', '.join(map(str, tie.stages))}, kept equal by an all-reduce")

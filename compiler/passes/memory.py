@@ -393,6 +393,29 @@ def breakdown(plan: Plan) -> list[RankMemory] | None:
                        num_params=n) for r, (p, g, o, n) in enumerate(sums)]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointMemory:
+    """What one pp rank holds (bytes) while a checkpoint of a sharded run is saved or loaded: each rank its local
+    shards only (params and optimizer state; gradients are not saved)."""
+
+    rank: int
+    save_device: int
+    """On the device during a save: the state at rest at the step boundary (no activations in flight)."""
+    save_staging: int
+    """The asynchronous save's staging copy of the local params and optimizer state (host memory)."""
+    load_device: int
+    """On the device during a load: the local params and optimizer state, read into their shards."""
+
+
+def checkpoint_memory(plan: Plan) -> list[CheckpointMemory] | None:
+    """Per pp rank: predicted memory at checkpoint save and load (:class:`CheckpointMemory`); None if unknown."""
+    rows = breakdown(plan)
+    if rows is None:
+        return None
+    return [CheckpointMemory(rank=m.rank, save_device=m.state, save_staging=m.params + m.optimizer,
+                             load_device=m.params + m.optimizer) for m in rows]
+
+
 def state_bytes(plan: Plan) -> list[int] | None:
     """Per pp rank: params, grads and optimizer state at rest, as sharded; None if unknown."""
     rows = breakdown(plan)
