@@ -83,21 +83,29 @@ SCHEDULES: dict[str, ScheduleInfo] = {
                 per_rank=2, offset=-1, message="{name} fills its pipeline with 2P - 1 = {least} microbatches; "
                 "with {M} its warm-up and cool-down are not overlapped"),
         ),
+        ScheduleInfo(
+            name="interleaved_zb", build=zero_bubble.interleaved_zb, split_backward=True, min_chunks=2,
+            max_chunks=None,
+            reference="torch ScheduleInterleavedZeroBubble.pipeline_order; ZB1P of Qi et al., ICLR 2024",
+            chunks_note="zb_h1 is the one-chunk zero-bubble schedule",
+            chunks_instead=(("schedule", "zb_h1"),),
+            microbatches=MultipleOf(
+                of=interleaved.num_rounds, doc="M a multiple of max(1, M // pp), torch's rule",
+                message="{name} needs the microbatches to be a multiple of its rounds, max(1, M // P) = {of} "
+                        "(torch's ScheduleInterleavedZeroBubble rule)"),
+            few_microbatches=FewMicrobatches(message=_FEWER + " never reaches its steady state"),
+        ),
     )
 }
 """Every named schedule family, by name, with its rules (:mod:`pipec.schedules.rules`)."""
 
 
 _TORCH_CLASSES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved1f1b": "interleaved_1f1b",
-                  "loopedbfs": "looped_bfs", "zbvzerobubble": "zbv"}
+                  "loopedbfs": "looped_bfs", "zbvzerobubble": "zbv", "interleavedzerobubble": "interleaved_zb"}
 """torch.distributed.pipelining's class names (lowercase, no ``Schedule``, no punctuation) -> pipec's family."""
 _NOT_YET = {
     "dualpipev": ("torch's ScheduleDualPipeV (DeepSeek-V3's DualPipe as a V of 2 chunks per rank, forward and "
                   "backward overlapped)", "zbv"),
-    "interleavedzb": ("torch's ScheduleInterleavedZeroBubble (zero bubble with several chunks per rank)",
-                      "zbv or interleaved_1f1b"),
-    "interleavedzerobubble": ("torch's ScheduleInterleavedZeroBubble (zero bubble with several chunks per rank)",
-                              "zbv or interleaved_1f1b"),
     "dualpipe": ("DeepSeek-V3's bidirectional DualPipe", "zbv"),
 }
 """Schedules other libraries ship that pipec does not have yet -> (what it is, the nearest pipec has)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from pipec.schedules.order import Action, ComputeOrder, Kind, gc_paused, loop_placement
 
-__all__ = ["interleaved_1f1b", "interleaved_rounds", "num_rounds", "interleaved_warmup", "looped_bfs"]
+__all__ = ["interleaved_1f1b", "interleaved_rounds", "num_rounds", "interleaved_warmup", "depth_first", "looped_bfs"]
 
 
 def interleaved_rounds(num_ranks: int, num_microbatches: int) -> tuple[int, int]:
@@ -39,24 +39,34 @@ def num_rounds(num_ranks: int, num_microbatches: int) -> int:
     return interleaved_rounds(num_ranks, num_microbatches)[0]
 
 
-def interleaved_warmup(rank: int, *, num_ranks: int, num_microbatches: int, num_chunks: int) -> int:
-    """Warm-up forwards on ``rank``: torch's ``_get_warmup_ops`` with factor 2,
-    ``min((v-1)*mpr + 2*(P-1-rank), v*M)``."""
+def interleaved_warmup(rank: int, *, num_ranks: int, num_microbatches: int, num_chunks: int, per_hop: int = 2) -> int:
+    """Warm-up forwards on ``rank``: torch's ``_get_warmup_ops``,
+    ``min((v-1)*mpr + per_hop*(P-1-rank), v*M)``; ``per_hop`` is 2 for interleaved 1F1B
+    (its ``multiply_factor``), 1 for interleaved zero bubble."""
     _, per_round = interleaved_rounds(num_ranks, num_microbatches)
-    return min((num_chunks - 1) * per_round + 2 * (num_ranks - 1 - rank), num_chunks * num_microbatches)
+    return min((num_chunks - 1) * per_round + per_hop * (num_ranks - 1 - rank), num_chunks * num_microbatches)
+
+
+def depth_first(num_ranks: int, num_microbatches: int, num_chunks: int) -> tuple[list[int], list[int], list[int]]:
+    """A rank's k-th forward and k-th backward, k in 0..v*M-1, in torch's depth-first rounds:
+    ``(forward stage offset, backward stage offset, microbatch)`` per k, the stage being offset + rank.
+
+    The k-th forward (or backward) is in round k // (mpr*v), on chunk (k // mpr) % v
+    (reversed for backwards), microbatch round*mpr + k % mpr (M a multiple of the rounds)."""
+    P, v = num_ranks, num_chunks
+    _, mpr = interleaved_rounds(P, num_microbatches)
+    total = v * num_microbatches
+    fwd_offset = [((k // mpr) % v) * P for k in range(total)]
+    bwd_offset = [(v - 1) * P - o for o in fwd_offset]
+    return fwd_offset, bwd_offset, [(k // (mpr * v)) * mpr + k % mpr for k in range(total)]
 
 
 def interleaved_1f1b(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> ComputeOrder:
     """The interleaved 1F1B order (see the module docstring; counts checked by its rules)."""
     P, M, v = num_ranks, num_microbatches, num_chunks
-    _, mpr = interleaved_rounds(P, M)
     F, B = Kind.F, Kind.B
     total = v * M
-    # The k-th forward (or backward) of a rank: round k // (mpr*v), chunk
-    # (k // mpr) % v (reversed for backwards), microbatch round*mpr + k % mpr.
-    fwd_offset = [((k // mpr) % v) * P for k in range(total)]
-    bwd_offset = [(v - 1) * P - o for o in fwd_offset]
-    mb_of = [(k // (mpr * v)) * mpr + k % mpr for k in range(total)]
+    fwd_offset, bwd_offset, mb_of = depth_first(P, M, v)
     ranks = []
     with gc_paused():
         for r in range(P):

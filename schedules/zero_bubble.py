@@ -32,15 +32,29 @@ placement (rank r holds stages r and 2P-1-r); the order equals the compute
 actions of torch 2.13's ``ScheduleZBVZeroBubble._calculate_single_rank_operations``
 (torch/distributed/pipelining/schedules.py): it is built for
 ``max(2P - 1, M)`` microbatches and the ones >= M are dropped.
+
+``interleaved_zb`` (ZB1P of the paper over v >= 2 chunks per rank on the loop
+placement): the order of torch 2.13's ``ScheduleInterleavedZeroBubble``
+(``_calculate_single_rank_operations``: ``_get_warmup_ops`` with factor 1 and
+``_get_1f1b_rank_ops`` with ``enable_zero_bubble``). Forwards and input grads go
+in interleaved 1F1B's depth-first rounds (torch's microbatch rule: M a multiple
+of ``max(1, M // P)``), rank r runs ``min((v-1)*mpr + (P-1-r), v*M)`` warm-up
+forwards (one per hop to the last rank, where interleaved 1F1B has two), then
+(F, I) pairs while forwards remain, then the remaining I; each ``W`` trails its
+``I`` by r input grads (it goes right after the I r places later; the last r at
+the end), so the weight grads fill the slots where rank r would wait for the
+input grads walking back from the last rank. torch's ``_add_bubbles_to_actions``
+only inserts idle slots, so this is also the order it executes.
 """
 
 from __future__ import annotations
 
+from pipec.schedules.interleaved import depth_first, interleaved_warmup
 from pipec.schedules.one_f_one_b import one_f_one_b_rank
 from pipec.schedules.order import Action, ComputeOrder, Kind, gc_paused, loop_placement, v_placement
 from pipec.schedules.timing import place_weight_grads
 
-__all__ = ["zb_h1", "zbv"]
+__all__ = ["zb_h1", "zbv", "interleaved_zb"]
 
 
 def zb_h1(*, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> ComputeOrder:
@@ -118,3 +132,29 @@ def zbv(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> Comput
     with gc_paused():
         ranks = tuple(tuple(_zbv_rank(r, P, M)) for r in range(P))
     return ComputeOrder(num_ranks=P, num_microbatches=M, placement=v_placement(P, 2 * P), ranks=ranks)
+
+
+def interleaved_zb(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> ComputeOrder:
+    """The interleaved zero-bubble (ZB1P) order (see the module docstring; counts checked by its rules)."""
+    P, M, v = num_ranks, num_microbatches, num_chunks
+    F, I, W = Kind.F, Kind.I, Kind.W
+    total = v * M
+    fwd_offset, bwd_offset, mb_of = depth_first(P, M, v)
+    ranks = []
+    with gc_paused():
+        for r in range(P):
+            warmup = interleaved_warmup(r, num_ranks=P, num_microbatches=M, num_chunks=v, per_hop=1)
+            grads = [(bwd_offset[k] + r, mb_of[k]) for k in range(total)]
+            out = [Action(F, fwd_offset[k] + r, mb_of[k]) for k in range(warmup)]
+            append = out.append
+            for k, (stage, mb) in enumerate(grads):
+                if warmup + k < total:
+                    append(Action(F, fwd_offset[warmup + k] + r, mb_of[warmup + k]))
+                append(Action(I, stage, mb))
+                if k >= r:
+                    append(Action(W, *grads[k - r]))
+            out += [Action(W, stage, mb) for stage, mb in grads[max(total - r, 0):]]
+            ranks.append(tuple(out))
+    return ComputeOrder(
+        num_ranks=P, num_microbatches=M, placement=loop_placement(P, v * P), ranks=tuple(ranks)
+    )

@@ -78,11 +78,13 @@ def test_unknown_schedule_suggests_a_name():
         get_schedule("interleaved1f1b")
     assert info.value.rule == "schedule.name"
     assert "did you mean 'interleaved_1f1b'" in str(info.value)
-    assert "gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_h1, zbv" in str(info.value)
+    assert "gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_h1, zbv, interleaved_zb" in str(info.value)
     with pytest.raises(ScheduleError):
         build_order("zigzag", num_ranks=2, num_microbatches=2)
-    with pytest.raises(ScheduleError, match="ScheduleInterleavedZeroBubble .*which pipec does not have yet"):
-        get_schedule("interleaved_zb")
+    with pytest.raises(ScheduleError, match="ScheduleDualPipeV .*which pipec does not have yet"):
+        get_schedule("dualpipev")
+    with pytest.raises(ScheduleError, match="torch's name for pipec's interleaved_zb"):
+        get_schedule("ScheduleInterleavedZeroBubble")
     with pytest.raises(ScheduleError, match="torch's name for pipec's 1f1b; write: schedule 1f1b"):
         get_schedule("Schedule1F1B")
 
@@ -163,6 +165,10 @@ GOLDEN_RULES = {
     "zbv": (1, "zbv needs exactly 2 chunks per rank, got virtual 1; use virtual 2",
             "zbv fills its pipeline with 2P - 1 = 7 microbatches; with 2 its warm-up and cool-down are not overlapped; "
             "use microbatches >= 7"),
+    "interleaved_zb": (1, "interleaved_zb needs at least 2 chunks per rank (zb_h1 is the one-chunk zero-bubble "
+                       "schedule), got virtual 1; use virtual 2, or schedule zb_h1",
+                       "interleaved_zb with fewer microbatches (2) than ranks (4) never reaches its steady state; "
+                       "use microbatches >= 4"),
 }
 
 

@@ -17,10 +17,11 @@ How the reference is captured:
   ``backward_one_chunk`` record each call. The loop of one rank does not
   depend on the other ranks except through those (here empty) waits, so
   the recorded calls are exactly the compute order that rank executes.
-- The multi-stage schedules (``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``,
-  ``ScheduleZBVZeroBubble``) run ``_PipelineScheduleRuntime``, which executes
+- The multi-stage schedules (``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``,
+  ``ScheduleLoopedBFS``, ``ScheduleZBVZeroBubble``) run ``_PipelineScheduleRuntime``, which executes
   ``pipeline_order_with_comms``: the ``pipeline_order`` lowered by
-  ``_prepare_schedule_with_comms`` (the constructor calls it). We construct
+  ``_prepare_schedule_with_comms`` (the constructor calls it; for interleaved
+  zero bubble, after its ``_add_bubbles_to_actions`` put idle slots in). We construct
   each schedule once per config with duck-typed stages and take the compute
   actions (F, B, I, W) of ``pipeline_order_with_comms`` for every rank; they
   also equal ``pipeline_order`` with its idle slots (None) dropped.
@@ -36,6 +37,7 @@ from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
@@ -202,6 +204,7 @@ def test_torch_1f1b_pipeline_order_is_wrong_on_the_last_rank():
 def _multi(name: str, P: int, M: int, v: int):
     classes = {
         "interleaved_1f1b": ScheduleInterleaved1F1B,
+        "interleaved_zb": ScheduleInterleavedZeroBubble,
         "looped_bfs": ScheduleLoopedBFS,
         "zbv": ScheduleZBVZeroBubble,
     }
@@ -213,7 +216,7 @@ def _multi(name: str, P: int, M: int, v: int):
 
 @pytest.mark.parametrize(
     "name,chunks",
-    [("interleaved_1f1b", (2, 3)), ("looped_bfs", (2, 3)), ("zbv", (2,))],
+    [("interleaved_1f1b", (2, 3)), ("interleaved_zb", (2, 3)), ("looped_bfs", (2, 3)), ("zbv", (2,))],
 )
 @pytest.mark.parametrize("P", RANKS)
 def test_multi_chunk_equals_torch_runtime(name, chunks, P):
@@ -247,3 +250,33 @@ def test_zbv_chunk_rule_matches_torch():
         build_order("zbv", num_ranks=P, num_microbatches=4, num_chunks=3)
     assert info.value.rule == "zbv.chunks"
     assert "use virtual 2" in str(info.value)
+
+
+def test_interleaved_zb_rules_match_torch_where_they_bite():
+    """torch's ScheduleInterleavedZeroBubble refuses M = 2P+1 (M % max(1, M//P)); pipec refuses it at the
+    microbatches key with the counts that fit; one chunk per rank is refused for zb_h1."""
+    P = 4
+    assert _multi("interleaved_zb", P, 2 * P + 1, 2) is None
+    with pytest.raises(ScheduleError) as info:
+        build_order("interleaved_zb", num_ranks=P, num_microbatches=2 * P + 1)
+    assert info.value.rule == "interleaved_zb.microbatches" and info.value.key == "microbatches"
+    assert "use microbatches 8 or 10" in str(info.value)
+    assert "ScheduleInterleavedZeroBubble" in str(info.value)
+    with pytest.raises(ScheduleError) as info:
+        build_order("interleaved_zb", num_ranks=P, num_microbatches=8, num_chunks=1)
+    assert info.value.rule == "interleaved_zb.chunks" and info.value.key == "virtual"
+    assert "use virtual 2, or schedule zb_h1" in str(info.value)
+
+
+def test_interleaved_zb_weight_grads_trail_by_rank():
+    """ZB1P's shape, which the torch equality above holds for every config: rank r runs one warm-up forward
+    per hop to the last rank past (v-1) rounds, and its k-th W right after its (k+r)-th I."""
+    P, M, v = 4, 8, 2
+    order = build_order("interleaved_zb", num_ranks=P, num_microbatches=M, num_chunks=v)
+    for r, actions in enumerate(order.ranks):
+        kinds = [a.kind for a in actions]
+        assert kinds.index(Kind.I) == (v - 1) * P + (P - 1 - r) + 1
+        inputs = [i for i, a in enumerate(actions) if a.kind is Kind.I]
+        weights = [i for i, a in enumerate(actions) if a.kind is Kind.W]
+        for k in range(v * M - r):
+            assert inputs[k + r] < weights[k] and actions[weights[k]][1:] == actions[inputs[k]][1:]
