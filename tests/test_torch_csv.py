@@ -294,6 +294,7 @@ def our_orders() -> list[ComputeOrder]:
     configs = [
         ("gpipe", 3, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 1, 3, 1), ("1f1b", 3, 2, 1),
         ("interleaved_1f1b", 4, 8, 2), ("looped_bfs", 2, 3, 2), ("zb_h1", 4, 8, 1), ("zbv", 4, 8, 2),
+        ("interleaved_zb", 4, 8, 2), ("interleaved_zb", 3, 6, 3),
     ]
     orders = [build_order(n, num_ranks=P, num_microbatches=M, num_chunks=v) for n, P, M, v in configs]
     for name, P, v, M in (TORCH_CASES[0], TORCH_CASES[3]):
