@@ -231,9 +231,10 @@ def cut_stage_graph(tm: TracedModel, req: CompileRequest, *, host: Host | None =
     # activations per stage (or both read off the trace's nodes: a cost-only cut)
     split, stage_costs = _cost_only(tm, req, stage_of, recompute) if not runnable else (None, None)
     tps: tuple[StageTP | None, ...] = ()
+    said: list[str] = []  # what tensor_parallel auto leaves replicated: the compile's warnings
     if split is None:
         split = split_graph(traced, stage_of, req.num_stages)
-        tps = tensor_parallel_stages(split, req)
+        tps = tensor_parallel_stages(split, req, said)
         if m.costs == "profile" and before_timing is not None:  # every check before the first timing
             before_timing(_stage_graph(tm, req, split, costs_pass.stage_costs(split, "unit", recompute=recompute),
                                        ranks, recompute, tps))
@@ -245,12 +246,13 @@ def cut_stage_graph(tm: TracedModel, req: CompileRequest, *, host: Host | None =
         )
         if m.costs == "profile" and req.mesh.tp > 1:  # each sharded stage was timed as its tp rank runs it
             tps = tuple(replace(t, costs_local=True) if t is not None else t for t in tps)
-    return _stage_graph(tm, req, split, stage_costs, ranks, recompute, tps)
+    return replace(_stage_graph(tm, req, split, stage_costs, ranks, recompute, tps), warnings=tuple(said))
 
 
-def tensor_parallel_stages(split: Split, req: CompileRequest) -> tuple[StageTP | None, ...]:
+def tensor_parallel_stages(split: Split, req: CompileRequest,
+                           warnings: list[str] | None = None) -> tuple[StageTP | None, ...]:
     """Each stage's tensor-parallel sharding at the mesh's tp > 1 (:func:`~pipec.tp.analysis.plan_stages` on the
-    stage modules, built on meta: no weights); () at tp 1."""
+    stage modules, built on meta: no weights); () at tp 1. ``warnings`` gets what auto leaves replicated."""
     tp = req.mesh.tp
     if tp == 1:
         return ()
@@ -262,7 +264,7 @@ def tensor_parallel_stages(split: Split, req: CompileRequest) -> tuple[StageTP |
     modules = [materialize(split, s, values, buffers, "meta", traced_on="meta") for s in range(split.num_stages)]
     patterns = None if req.tensor_parallel == "auto" else dict(req.tensor_parallel)
     plans = plan_stages(modules, tp, patterns=patterns, traced=traced, sequence_parallel=req.mesh.sequence_parallel,
-                        loss=req.training.loss)
+                        loss=req.training.loss, warnings=warnings)
     return tuple(plans)
 
 

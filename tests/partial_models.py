@@ -70,3 +70,27 @@ class ScaledHeads(nn.Module):
 
 def scaled_heads() -> nn.Module:
     return ScaledHeads()
+
+
+class Rolled(nn.Module):
+    """An attention-like block whose q features are rolled by one (an op the tp rules do not prove to act shard by
+    shard): ``tensor_parallel auto`` leaves ``q`` replicated, and says so; its MLP (``up``, ``down``) is split."""
+
+    def __init__(self, dim: int = 16, vocab: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.q = nn.Linear(dim, dim)
+        self.o = nn.Linear(dim, dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        h = h + self.o(torch.roll(self.q(h), 1, dims=-1))
+        h = h + self.down(torch.relu(self.up(h)))
+        return self.head(h)
+
+
+def rolled() -> nn.Module:
+    return Rolled()

@@ -573,3 +573,29 @@ def test_a_partial_gradient_into_a_stage_input_is_refused_located():
     with pytest.raises(PipecError, match=r"tensor parallelism \(tp 2\) in stage 1: the gradient of stage input 'tanh' "
                                          r"\(used at .*\) would be a partial sum on each tp rank"):
         _tp_plan(SCALED, 2, partition="split before q")
+
+
+# ----------------------------------------------------------------------------- what auto leaves replicated, said
+
+
+def _diagnostics(model: dict, **extra) -> list[str]:
+    from pipec.compiler.driver import compile_spec
+    from pipec.dsl import load_spec
+
+    spec = {**model, "schedule": "1f1b", "microbatches": 2, "costs": "unit", "pp": 1, "tp": 2,
+            "tensor_parallel": "auto", **extra}
+    return [str(d) for d in compile_spec(load_spec(None, spec)).diagnostics]
+
+
+def test_what_auto_leaves_replicated_is_a_compile_warning_naming_the_module_node_and_line():
+    import partial_models
+
+    said = [d for d in _diagnostics({"model": "partial_models:rolled", "input": "tokens: int64[4, 8]"})
+            if "tensor_parallel auto" in d]
+    line = next(i for i, t in enumerate(open(partial_models.__file__).read().splitlines(), 1) if "torch.roll(" in t)
+    assert len(said) == 1, said  # q alone: o only ever follows it, the MLP is split
+    assert "warning: tensor_parallel auto (tp 2) in stage 0 leaves q replicated: stopped at node 'roll' at " in said[0]
+    assert f"partial_models.py:{line} (in forward: h = h + self.o(torch.roll(" in said[0]
+    assert "q replicated: stopped at" in said[0] and "roll is not known to act shard by shard on 'q', which is sharded" in said[0]
+    gpt = {"model": GPT, "input": "tokens: int64[4, 16]", "model_args": GPT_ARGS}
+    assert not [d for d in _diagnostics(gpt) if "tensor_parallel" in d]  # every block split: nothing to say

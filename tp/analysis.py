@@ -17,6 +17,7 @@ every failure is refused. With sequence parallelism the decided analysis runs on
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -33,7 +34,7 @@ from pipec.tp.rules import (KEY, RULES, SHAPE_OF, SIZED_VIEWS, SPLITS, UNARY, VI
                             locate, map_view, module_rule, norm_dim, op_name, output_values, tensor_shape)
 from pipec.tp.sequence import SP, io_names, sequence_length, sp_run
 
-__all__ = ["Analysis", "analyse", "refusal", "plan_stage", "plan_stages"]
+__all__ = ["Analysis", "analyse", "refusal", "plan_stage", "plan_stages", "replicated_warnings"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,8 @@ class Analysis:
         """Rowwise node -> the segments of its in-features."""
         self.active: set[str] = set()
         """Colwise candidates whose output is sharded."""
+        self.stopped: dict[str, _Failure] = {}
+        """Auto's fixpoint (:func:`analyse`): each candidate it replicated -> the failure that stopped it."""
 
     def run(self) -> "Analysis":
         for n in self.gm.graph.nodes:
@@ -302,6 +305,7 @@ def analyse(gm: GraphModule, tp: int, styles: Mapping[str, str] | None, canonica
                                                                  or tensor_shape(n)[-1] != classes)}
         vocab = {n.name for n, lin in lins.items() if _vocab_candidate(gm, lin, tp)}
     off: set[str] = set(kept)
+    stopped: dict[str, _Failure] = {}
     while True:
         an = Analysis(gm, tp, lins, cands - off, {c: choices[c][pick[c]] for c in choices}, vocab=vocab - off,
                       loss_parallel=loss_parallel).run()
@@ -311,8 +315,11 @@ def analyse(gm: GraphModule, tp: int, styles: Mapping[str, str] | None, canonica
         for b in retry:
             pick[b] += 1
         if not bad or (styles is not None and not retry):
+            an.stopped = stopped
             return an, lins
         if styles is None:
+            for b in bad - retry:
+                stopped[b] = next(f for f in an.failures if not f.size and b in f.sources)
             off |= bad - retry
 
 
@@ -362,6 +369,44 @@ def _size_refusal(an: Analysis, f: _Failure, where: str, traced: Traced | None) 
                            (f"use a tp that divides {m} (the kv heads), or replicate the attention with tensor_parallel "
                             "patterns",))
     return refusal(an.tp, where, f.node, f.reason, traced, (f.hint,))
+
+
+# ----------------------------------------------------------------------------- what auto leaves replicated
+
+
+_RESIDUAL = {"add", "sub", "iadd", "output"}
+
+
+def _feeds_residual(n: Node, f: _Failure) -> bool:
+    """Whether candidate ``n``'s shard stopped straight after it (through views and casts), at a residual add
+    or the stage's output: a Linear that is only ever a pair's second half (an attention's output projection,
+    an MLP's down projection, an LM head), replicated because nothing before it is split. Its pair's first
+    half says why."""
+    cur = n
+    while len(cur.users) == 1 and op_name(nxt := next(iter(cur.users))) in VIEWS | UNARY:
+        cur = nxt
+    return f.node in cur.users and op_name(f.node) in _RESIDUAL or f.node is cur and op_name(cur) in _RESIDUAL
+
+
+def replicated_warnings(an: Analysis, tp: int, where: str, traced: Traced | None) -> list[str]:
+    """One line per group of Linear-likes that auto replicated (:attr:`Analysis.stopped`) and that no other
+    style took (a candidate turned down as colwise can still be rowwise), grouped by the op and source line
+    that stopped them: their module paths (each layer's index a ``*``), the node, where, and why. Embeddings
+    and the Linears that only feed a residual (:func:`_feeds_residual`) are not said."""
+    groups: dict[tuple[str, str], tuple[_Failure, list[str]]] = {}
+    for n in an.lins:
+        f = an.stopped.get(n.name)
+        if f is None or an.lins[n].kind == "embedding" or an.style(n) != "replicated" or _feeds_residual(n, f):
+            continue
+        key = (locate(f.node, traced).partition(" at ")[2] or f.node.name, op_name(f.node))
+        groups.setdefault(key, (f, []))[1].append(an.lins[n].path)
+    out = []
+    for f, paths in groups.values():
+        shown = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", p) for p in paths))
+        count = f" ({len(paths)} modules)" if len(paths) > len(shown) else ""
+        out.append(f"tensor_parallel auto (tp {tp}){where} leaves {', '.join(shown)}{count} replicated: stopped at "
+                   f"{locate(f.node, traced)}: {f.reason}")
+    return out
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -419,7 +464,8 @@ def plan_stage(stage: GraphModule, tp: int, *, patterns: Mapping[str, str] | Non
                canonical: Mapping[str, str] | None = None, traced: Traced | None = None, where: str = "",
                require_match: bool = True, sequence_parallel: bool = False, seq_len: int | None = None,
                seq_inputs: Mapping[str, int] | None = None, last: bool = True, loss_parallel: bool = False,
-               replicate: frozenset[str] = frozenset(), grad_inputs: Iterable[str] | None = None) -> StageTP:
+               replicate: frozenset[str] = frozenset(), grad_inputs: Iterable[str] | None = None,
+               warnings: list[str] | None = None) -> StageTP:
     """Which modules of ``stage`` (a stage module, its graph annotated with shapes) shard what across ``tp`` ranks.
 
     ``patterns`` None is ``auto``; else glob over module paths -> ``colwise``/``rowwise``/``replicated`` (the
@@ -435,7 +481,9 @@ def plan_stage(stage: GraphModule, tp: int, *, patterns: Mapping[str, str] | Non
     ``loss_parallel`` (the last stage, under the built-in cross_entropy): a colwise LM head may leave its logits
     split on the classes (:attr:`StageTP.loss_parallel`); ``replicate``: canonical weights auto keeps whole;
     ``grad_inputs``: the stage inputs whose gradient goes back to an earlier stage (None: every floating one),
-    which a partial gradient (:attr:`StageTP.partial_params`) must not reach."""
+    which a partial gradient (:attr:`StageTP.partial_params`) must not reach. ``warnings`` (auto) gets one line
+    per group of Linear-likes auto leaves replicated, naming them, the node that stopped them and its source
+    line (:func:`replicated_warnings`)."""
     if tp < 1:
         raise FrontendError(f"tp must be at least 1, got {tp}", key="tp")
     canonical = canonical_of(stage, canonical)
@@ -454,6 +502,8 @@ def plan_stage(stage: GraphModule, tp: int, *, patterns: Mapping[str, str] | Non
         _explicit_failures(an, lins, styles, where, traced)
     for f in an.failures:
         raise _size_refusal(an, f, where, traced)
+    if warnings is not None and styles is None:
+        warnings += replicated_warnings(an, tp, where, traced)
     if sequence_parallel:
         names = io_names(stage)[0]
         given = dict(seq_inputs or {})
@@ -481,24 +531,30 @@ def _explicit_failures(an: Analysis, lins: Mapping[Node, Lin], styles: Mapping[s
 
 def plan_stages(stages: Sequence[GraphModule], tp: int, *, patterns: Mapping[str, str] | None = None,
                 canonical: Mapping[str, str] | None = None, traced: Traced | None = None,
-                sequence_parallel: bool = False, loss: str = "cross_entropy") -> list[StageTP]:
+                sequence_parallel: bool = False, loss: str = "cross_entropy",
+                warnings: list[str] | None = None) -> list[StageTP]:
     """:func:`plan_stage` for every stage; a pattern matching no module of any stage is refused. A stage needs
     no values: ``GraphModule(split.traced.gm, split.stage_graph(s))`` (meta parameters) will do, with
     ``canonical=split.traced.canonical``. ``sequence_parallel``: the sequence length is the model input's dim 1
     (see :func:`sequence_length`); a stage output sent as parts arrives as parts at every later stage.
     ``loss``: the plan's; under ``cross_entropy`` the last stage's head may be loss-parallel. In auto, a weight
-    tied across stages that one of them keeps whole (a head that is not loss-parallel) is kept whole in all."""
+    tied across stages that one of them keeps whole (a head that is not loss-parallel) is kept whole in all.
+    ``warnings``: what auto leaves replicated in the stages as planned (see :func:`plan_stage`)."""
     sp = sequence_parallel and tp > 1
     seq_len = sequence_length(stages[0], traced) if sp else None
     replicate: frozenset[str] = frozenset()
     while True:
-        plans = _plan_each(stages, tp, patterns, canonical, traced, sp, seq_len, loss == "cross_entropy", replicate)
+        said: list[str] = []
+        plans = _plan_each(stages, tp, patterns, canonical, traced, sp, seq_len, loss == "cross_entropy", replicate,
+                           said)
         held = tied_uses(stages, plans, canonical)
         split = {c for c, by in held.items() if len(set(by.values())) > 1} - replicate
         if patterns is not None or not split:
             break
         replicate |= split
     check_tied(stages, plans, tp, canonical, held)
+    if warnings is not None:
+        warnings += said
     if patterns is not None and tp > 1:
         paths = {m for p in plans for m, _ in p.modules}
         for pattern in patterns:
@@ -510,7 +566,7 @@ def plan_stages(stages: Sequence[GraphModule], tp: int, *, patterns: Mapping[str
 
 def _plan_each(stages: Sequence[GraphModule], tp: int, patterns: Mapping[str, str] | None,
                canonical: Mapping[str, str] | None, traced: Traced | None, sp: bool, seq_len: int | None,
-               cross_entropy: bool, replicate: frozenset[str]) -> list[StageTP]:
+               cross_entropy: bool, replicate: frozenset[str], warnings: list[str]) -> list[StageTP]:
     parts: dict[str, int] = {}
     carried: set[str] = set()  # the stage outputs whose gradient goes somewhere (the model's inputs get none)
     plans = []
@@ -521,7 +577,8 @@ def _plan_each(stages: Sequence[GraphModule], tp: int, patterns: Mapping[str, st
         plans.append(plan_stage(st, tp, patterns=patterns, canonical=canonical, traced=traced, where=f" in stage {s}",
                                 require_match=False, sequence_parallel=sp, seq_len=seq_len,
                                 seq_inputs={n: parts[n] for n in names if n in parts}, last=last,
-                                loss_parallel=last and cross_entropy, replicate=replicate, grad_inputs=grads))
+                                loss_parallel=last and cross_entropy, replicate=replicate, grad_inputs=grads,
+                                warnings=warnings))
         parts.update(plans[-1].seq_outputs)
         carried |= grad_outputs(st, grads)
     return plans

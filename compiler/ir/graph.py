@@ -38,6 +38,8 @@ class StageGraph:
     """Per stage, forward / input-backward / weight-backward FLOPs per microbatch."""
     notes: tuple[str, ...] = ()
     """Decisions worth telling the user (why auto tracing fell back to export...)."""
+    warnings: tuple[str, ...] = ()
+    """What the user should act on: what ``tensor_parallel auto`` left replicated, and why."""
 
     @property
     def num_stages(self) -> int:
