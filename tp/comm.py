@@ -8,7 +8,13 @@ Both call a *group*: any object with ``all_reduce(tensor) -> tensor`` (the sum o
 For sequence parallelism a group also has ``all_gather(tensor, dim)`` (every rank's tensor concatenated along
 ``dim``, in rank order) and ``reduce_scatter(tensor, dim)`` (the sum's ``rank``-th part along ``dim``), which
 :class:`GatherFromSP` (all-gather forward, reduce-scatter backward: before a colwise group) and
-:class:`ScatterToSP` (reduce-scatter forward, all-gather backward: after a rowwise module) call.
+:class:`ScatterToSP` (reduce-scatter forward, all-gather backward: after a rowwise module) call. Each takes
+``async_op=True`` too: then it gives a handle whose ``wait()`` gives the result (:class:`GatheredLinear`'s
+backward all-gathers the sequence while it computes the input gradient).
+
+Under autocast every collective here moves the autocast dtype (:func:`wire_dtype`: a float32 tensor, a layer
+norm's output or the input gradient flowing back to it, is cast before the collective and back after), as
+Megatron's bfloat16 runs move them; the vocab-parallel loss's per-token values stay float32.
 :class:`ProcessGroupTP` wraps a ``torch.distributed`` process group; :class:`ThreadGroupTP` runs the tp ranks as
 threads of one process (tests, one-process checks). :class:`TPComm` is the ``call_module`` the sharding pass
 inserts: with no group set it is the identity, so a stage's local shapes run (and profile) in one process.
@@ -28,47 +34,130 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-__all__ = ["TPGroup", "ProcessGroupTP", "ThreadGroupTP", "CopyToTP", "ReduceFromTP", "GatherFromSP", "ScatterToSP",
+__all__ = ["TPGroup", "Pending", "IssuingGroup", "dist_issue", "wire_dtype", "ProcessGroupTP", "ThreadGroupTP", "CopyToTP", "ReduceFromTP", "GatherFromSP", "ScatterToSP",
            "SplitToSP", "GatherWholeFromSP", "GatheredLinear", "TPComm", "set_group", "VocabLookup",
            "vocab_parallel_cross_entropy"]
 
 
 class TPGroup(Protocol):
-    """What f and g call: the sum of ``tensor`` over the tp ranks, as a new tensor."""
+    """What f and g call: the sum of ``tensor`` over the tp ranks, as a new tensor (``async_op``: a handle
+    whose ``wait()`` gives it)."""
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False) -> Any: ...
 
-    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor: ...
+    def all_gather(self, tensor: torch.Tensor, dim: int, *, async_op: bool = False) -> Any: ...
 
-    def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor: ...
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int, *, async_op: bool = False) -> Any: ...
 
 
-class ProcessGroupTP:
-    """A ``torch.distributed`` process group (the stage's tp ranks) as a :class:`TPGroup`."""
+def wire_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype a tp collective of ``x`` moves in when it is not ``x``'s own: the autocast dtype while autocast
+    is on for ``x``'s device and ``x`` is floating (None otherwise)."""
+    dev = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+        return None if dtype == x.dtype else dtype
+    return None
+
+
+def _to(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return x if dtype is None or x.dtype == dtype else x.to(dtype)
+
+
+class Pending:
+    """An asynchronous tp collective: :meth:`wait` waits for its work (on CUDA: the caller's stream waits for
+    it) and gives its result."""
+
+    def __init__(self, work: Any, finish: Any) -> None:
+        self.work, self.finish = work, finish
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.finish()
+
+
+class IssuingGroup:
+    """A :class:`TPGroup` over one call, :meth:`issue` (``kind`` ``all_reduce``: ``tensor`` summed in place;
+    ``all_gather``: ``out`` is every rank's ``tensor`` one after the other on dim 0; ``reduce_scatter``: ``out``
+    is the ``rank``-th block of dim 0 of the sum of ``tensor``; asynchronous: a work with ``wait()``): the layouts along
+    ``dim`` around it, and, for a kind not in ``native`` (the backend lacks it), an all-reduce of the zero-padded
+    whole, then the part. Subclasses: :class:`ProcessGroupTP`, the runtime's ``TransportTP``."""
+
+    def __init__(self, size: int, rank: int, native: frozenset[str]) -> None:
+        self.size, self.rank, self.native = size, rank, native
+
+    def issue(self, kind: str, out: torch.Tensor, tensor: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+    def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False) -> Any:
+        out = tensor.detach().contiguous().clone()
+        done = Pending(self.issue("all_reduce", out, out), lambda: out)
+        return done if async_op else done.wait()
+
+    def all_gather(self, tensor: torch.Tensor, dim: int, *, async_op: bool = False) -> Any:
+        """Every rank's ``tensor`` concatenated on ``dim`` in rank order."""
+        n, x = self.size, tensor.detach()
+        dim = dim % x.dim()
+        if "all_gather" not in self.native:  # each rank's part summed into zeros
+            parts = [torch.zeros_like(x) for _ in range(n)]
+            parts[self.rank] = x
+            return self.all_reduce(torch.cat(parts, dim=dim), async_op=async_op)
+        x = x.contiguous()
+        buf = x.new_empty((n * x.shape[0], *x.shape[1:]))  # the parts one after the other on dim 0
+        work = self.issue("all_gather", buf, x)
+        done = Pending(work, lambda: buf if dim == 0 else
+                       buf.view(n, *x.shape).movedim(0, dim).flatten(dim, dim + 1))
+        return done if async_op else done.wait()
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int, *, async_op: bool = False) -> Any:
+        """This rank's part on ``dim`` of the sum over the ranks."""
+        n, x = self.size, tensor.detach()
+        dim = dim % x.dim()
+        if "reduce_scatter" not in self.native:
+            whole = self.all_reduce(x, async_op=True)
+            done = Pending(None, lambda: whole.wait().chunk(n, dim=dim)[self.rank].contiguous())
+            return done if async_op else done.wait()
+        # rank r's part the r-th block of dim 0
+        src = x if dim == 0 else x.unflatten(dim, (n, -1)).movedim(dim, 0).contiguous().flatten(0, 1)
+        src = src.contiguous()
+        out = src.new_empty((src.shape[0] // n, *src.shape[1:]))
+        done = Pending(self.issue("reduce_scatter", out, src), lambda: out)
+        return done if async_op else done.wait()
+
+
+def dist_issue(kind: str, out: torch.Tensor, tensor: torch.Tensor, group: Any) -> Any:
+    """:meth:`IssuingGroup.issue` on a ``torch.distributed`` process group, asynchronous, issued with the
+    current (compute) stream current: NCCL makes the group's own stream wait for the compute so far and runs it
+    there (torch 2.13's ``all_gather_single`` / ``reduce_scatter_single``; earlier ones' ``*_into_tensor`` /
+    ``*_tensor``)."""
+    import torch.distributed as dist
+
+    if kind == "all_reduce":
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    if kind == "all_gather":
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return fn(out, tensor, group=group, async_op=True)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+class ProcessGroupTP(IssuingGroup):
+    """A ``torch.distributed`` process group (the stage's tp ranks; None: the world) as a :class:`TPGroup`,
+    each collective issued on the compute stream (:func:`dist_issue`), the backend's own all-gather and
+    reduce-scatter where it has them (:data:`~pipec.compiler.ir.tensor_parallel.NATIVE`)."""
 
     def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+        from pipec.compiler.ir.tensor_parallel import NATIVE
+
         self.group = group
+        super().__init__(dist.get_world_size(group), dist.get_rank(group),
+                         frozenset(NATIVE.get(dist.get_backend(group), ())))
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        out = tensor.contiguous().clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
-        return out
-
-    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        import torch.distributed as dist
-
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(parts, tensor.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
-
-    def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        import torch.distributed as dist
-
-        # an all-reduce and this rank's part: gloo has no reduce-scatter
-        rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
-        return self.all_reduce(tensor).chunk(size, dim=dim)[rank].contiguous()
+    def issue(self, kind: str, out: torch.Tensor, tensor: torch.Tensor) -> Any:
+        return dist_issue(kind, out, tensor, self.group)
 
 
 class ThreadGroupTP:
@@ -105,39 +194,55 @@ class ThreadGroupTP:
         return self._exchange(r, tensor, total)
 
 
+class _Later:
+    """A thread group's asynchronous collective: it runs at ``wait()`` (every rank waits in the same order)."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    def wait(self) -> torch.Tensor:
+        return self.run()
+
+
 class _ThreadRank:
     def __init__(self, owner: ThreadGroupTP, r: int) -> None:
         self.owner, self.r = owner, r
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False) -> Any:
+        if async_op:
+            return _Later(lambda: self.all_reduce(tensor))
         return self.owner._all_reduce(self.r, tensor)
 
-    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor, dim: int, *, async_op: bool = False) -> Any:
+        if async_op:
+            return _Later(lambda: self.all_gather(tensor, dim))
         return self.owner._exchange(self.r, tensor, lambda slots: torch.cat(slots, dim=dim))
 
-    def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int, *, async_op: bool = False) -> Any:
+        if async_op:
+            return _Later(lambda: self.reduce_scatter(tensor, dim))
         return self.all_reduce(tensor).chunk(self.owner.size, dim=dim)[self.r].contiguous()
 
 
 class CopyToTP(torch.autograd.Function):
-    """Megatron's f: identity forward; the gradient all-reduced backward."""
+    """Megatron's f: identity forward; the gradient all-reduced backward (in the autocast dtype)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: TPGroup) -> torch.Tensor:
-        ctx.group = group
+        ctx.group, ctx.wire = group, wire_dtype(x)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.group.all_reduce(grad), None
+        return _to(ctx.group.all_reduce(_to(grad, ctx.wire)), grad.dtype), None
 
 
 class ReduceFromTP(torch.autograd.Function):
-    """Megatron's g: the partial sums all-reduced forward; identity backward."""
+    """Megatron's g: the partial sums all-reduced forward (in the autocast dtype); identity backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: TPGroup) -> torch.Tensor:
-        return group.all_reduce(x)
+        return _to(group.all_reduce(_to(x, wire_dtype(x))), x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -149,11 +254,11 @@ def _exchange(name: str, forward: str, backward: str, doc: str) -> type:
     gradient (the other's inverse: all-gather and reduce-scatter)."""
 
     def fwd(ctx: Any, x: torch.Tensor, group: TPGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return getattr(group, forward)(x, dim)
+        ctx.group, ctx.dim, ctx.wire = group, dim, wire_dtype(x)
+        return _to(getattr(group, forward)(_to(x, ctx.wire), dim), x.dtype)
 
     def bwd(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return getattr(ctx.group, backward)(grad, ctx.dim), None, None
+        return _to(getattr(ctx.group, backward)(_to(grad, ctx.wire), ctx.dim), grad.dtype), None, None
 
     return type(name, (torch.autograd.Function,), {"__doc__": doc, "__module__": __name__,
                                                    "forward": staticmethod(fwd), "backward": staticmethod(bwd)})
@@ -173,12 +278,13 @@ class SplitToSP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: TPGroup, dim: int, size: int, rank: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
+        ctx.group, ctx.dim, ctx.wire = group, dim, wire_dtype(x)
         return x.chunk(size, dim=dim)[rank].contiguous()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        return ctx.group.all_gather(grad.contiguous(), ctx.dim), None, None, None, None
+        whole = ctx.group.all_gather(_to(grad.contiguous(), ctx.wire), ctx.dim)
+        return _to(whole, grad.dtype), None, None, None, None
 
 
 class GatherWholeFromSP(torch.autograd.Function):
@@ -188,7 +294,7 @@ class GatherWholeFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: TPGroup, dim: int, size: int, rank: int) -> torch.Tensor:
         ctx.dim, ctx.size, ctx.rank = dim, size, rank
-        return group.all_gather(x, dim)
+        return _to(group.all_gather(_to(x, wire_dtype(x)), dim), x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
@@ -198,32 +304,39 @@ class GatherWholeFromSP(torch.autograd.Function):
 class GatheredLinear(torch.autograd.Function):
     """Colwise Linears on the all-gathered sequence, saving only this rank's part (Korthikanti et al. 2022,
     4.2.2): one all-gather forward, then each linear (``params``: weight, bias of each, the bias None where it has
-    none; several when q, k, v or an MLP's gate and up share the input); backward, the input's gradient (the sum
-    over the linears) reduce-scattered once and, for the weights', the sequence all-gathered again once. Under a
-    split backward (``stash``: the zero-bubble :class:`~pipec.model.deferred.WeightGradStash`) the
-    weights' gradients are stashed for ``BWD_W``. One linear gives its output, several a tuple."""
+    none; several when q, k, v or an MLP's gate and up share the input); backward, the sequence all-gathered again
+    for the weights' gradients, started first and overlapped with the input gradient's matmuls (the sum over
+    the linears), which is then reduce-scattered once, overlapped with the weights' gradients (Megatron's
+    overlap). Under autocast the part is cast to the autocast dtype once, before the forward's gather (what
+    the linears would cast it to), and saved so. Under a split backward (``stash``: the zero-bubble
+    :class:`~pipec.model.deferred.WeightGradStash`) the weights' gradients are stashed for ``BWD_W``. One linear
+    gives its output, several a tuple."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: TPGroup, dim: int, stash: Any,
                 *params: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         weights, biases = params[0::2], params[1::2]
         ctx.group, ctx.dim, ctx.stash, ctx.has_bias = group, dim, stash, [b is not None for b in biases]
-        ctx.save_for_backward(x, *weights)
+        ctx.wire, ctx.x_dtype = wire_dtype(x), x.dtype
+        part = _to(x, ctx.wire)
+        ctx.save_for_backward(part, *weights)
         ctx.weights = weights  # the parameters themselves (saved_tensors may give back aliases)
-        full = group.all_gather(x, dim)
+        full = group.all_gather(part, dim)
         out = tuple(torch.nn.functional.linear(full, w, b) for w, b in zip(weights, biases))
         return out[0] if len(out) == 1 else out
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        x, *weights = ctx.saved_tensors
+        part, *weights = ctx.saved_tensors
         need = ctx.needs_input_grad
-        grad_x = None
+        # the weights' gather first, in flight while the input gradient's matmuls run
+        gather = ctx.group.all_gather(part.detach(), ctx.dim, async_op=True) if any(need[4::2]) else None
+        scatter = None
         if need[0]:
             total = sum(g @ w.to(g.dtype) for g, w in zip(grads, weights))
-            grad_x = ctx.group.reduce_scatter(total, ctx.dim)
-        out: list[Any] = [grad_x, None, None, None]
-        full = ctx.group.all_gather(x.detach(), ctx.dim) if any(need[4::2]) else None
+            scatter = ctx.group.reduce_scatter(_to(total, ctx.wire), ctx.dim, async_op=True)
+        out: list[Any] = [None, None, None, None]
+        full = gather.wait() if gather is not None else None
         for i, (g, w) in enumerate(zip(grads, weights)):
             grad_w = grad_b = None
             if need[4 + 2 * i]:
@@ -234,6 +347,8 @@ class GatheredLinear(torch.autograd.Function):
             if ctx.has_bias[i] and need[5 + 2 * i]:
                 grad_b = g.reshape(-1, g.shape[-1]).sum(0)
             out += [grad_w, grad_b]
+        if scatter is not None:  # in flight while the weights' gradients ran
+            out[0] = _to(scatter.wait(), ctx.x_dtype)
         return tuple(out)
 
 
@@ -367,10 +482,22 @@ def vocab_parallel_cross_entropy(output: torch.Tensor, target: torch.Tensor, gro
     """``cross_entropy``'s value on tp rank ``rank``'s part (of ``size``) of the logits (class dim last, split
     in rank order across the group), as pipec's built-in loss takes them: ``[..., C]`` against ``[...]`` class
     ids (a 2-D ``[B, C]`` against ``[B]``); every rank gets the same loss and its part of the logits' gradient.
-    A class id outside ``[0, C)`` (and not ``ignore_index``) raises, as ``F.cross_entropy`` does."""
+    A class id outside ``[0, C)`` (and not ``ignore_index``) raises, as ``F.cross_entropy`` does: on CPU at
+    once; on a GPU without syncing the host each microbatch: the first call of a process checks on the host
+    (one sync: the located error), every later one asserts on the device (``torch._assert_async``: the run
+    stops at its next sync rather than train on a class that is not there)."""
+    global _TARGETS_CHECKED
     rows = output.shape[-1]
     flat = target.reshape(-1)
     bad = ((flat < 0) | (flat >= rows * size)) & (flat != ignore_index)
-    if bool(bad.any()):
-        raise IndexError(f"Target {int(flat[bad][0])} is out of bounds: the logits have {rows * size} classes")
+    if flat.device.type == "cpu" or not _TARGETS_CHECKED:
+        _TARGETS_CHECKED = True
+        if bool(bad.any()):
+            raise IndexError(f"Target {int(flat[bad][0])} is out of bounds: the logits have {rows * size} classes")
+    else:
+        torch._assert_async(~bad.any(), f"a target is out of bounds: the logits have {rows * size} classes")
     return _VocabParallelCE.apply(output.reshape(-1, rows).float(), flat, group, rank * rows, ignore_index)
+
+
+_TARGETS_CHECKED = False
+"""Whether this process's first vocab-parallel loss on a GPU has checked its targets on the host."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["STYLES", "COLLECTIVE_KINDS", "LOSS_PARALLEL_VALUES", "loss_collectives", "PHASES", "ShardedParam", "Collective",
+__all__ = ["STYLES", "COLLECTIVE_KINDS", "NATIVE", "LOSS_PARALLEL_VALUES", "loss_collectives", "PHASES", "ShardedParam", "Collective",
            "StageTP", "in_effect"]
 
 STYLES = ("colwise", "rowwise", "vocab", "replicated")
@@ -43,6 +43,17 @@ STYLES = ("colwise", "rowwise", "vocab", "replicated")
 all-reduced), ``vocab`` (an embedding's rows; the masked lookups are all-reduced), ``replicated``."""
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+NATIVE = {
+    "nccl": {"all_gather": 1.0, "reduce_scatter": 1.0},
+    "gloo": {"all_gather": 1.0, "reduce_scatter": 2.0},
+}
+"""Per torch.distributed backend, the sequence-parallel collectives it runs as one call
+(``all_gather_into_tensor``, ``reduce_scatter_tensor``: what the runtime's tp groups call there) and the bytes
+each rank moves in them, in multiples of ``(n - 1) / n x bytes`` of the whole tensor (the simulator's ring
+factor): NCCL's are rings; gloo's reduce-scatter is an all-reduce and its part (torch's ProcessGroupGloo
+``_reduce_scatter_base``), its all-gather a ring. A kind a backend lacks is run as an all-reduce of the
+zero-padded whole (factor 2)."""
 
 LOSS_PARALLEL_VALUES = 3
 """Float32 values per token a loss-parallel head exchanges in the forward: the max (all-gathered), the sum of
@@ -94,7 +105,6 @@ class Collective:
     of: str = ""
     """What it serves beyond Megatron's column / row pairs: ``vocab`` (a vocab-parallel lookup's partial sums),
     ``loss`` (the loss on the logits' parts); ``""`` for the pairs' f, g and their sequence-parallel forms."""
-
     def to_json(self) -> dict[str, Any]:
         out = {"kind": self.kind, "phase": self.phase, "bytes": self.num_bytes, "node": self.node}
         return {**out, "of": self.of} if self.of else out
