@@ -599,3 +599,19 @@ def test_what_auto_leaves_replicated_is_a_compile_warning_naming_the_module_node
     assert "q replicated: stopped at" in said[0] and "roll is not known to act shard by shard on 'q', which is sharded" in said[0]
     gpt = {"model": GPT, "input": "tokens: int64[4, 16]", "model_args": GPT_ARGS}
     assert not [d for d in _diagnostics(gpt) if "tensor_parallel" in d]  # every block split: nothing to say
+
+
+# ----------------------------------------------------------------------------- grouped-query attention, by hand
+
+
+@pytest.mark.parametrize("expand", [False, True], ids=["repeat_interleave", "expand_reshape"])
+def test_hand_written_llama_gqa_repeat_interleave_or_expand_is_split_and_matches(expand):
+    """GQA whose kv heads are expanded by ``k.repeat_interleave(rep, dim=1)`` (or torchtitan's ``repeat_kv``,
+    expand + reshape): rank t's kv heads, repeated, are exactly its q heads, so q, k, v split and o rowwise."""
+    stages = _stages(_request("family_models:hand_llama", {"expand": expand},
+                              partition=Partition("split", split_before=("blocks.1",))))
+    plans, styles = _auto(stages)
+    for b in range(2):
+        assert [styles[f"blocks.{b}.attn.w{m}"] for m in "qkvo"] == ["colwise"] * 3 + ["rowwise"]
+    assert plans[0].sharded("blocks.0.attn.wk.weight").dim == 0
+    assert_tp_matches(stages, plans, 2, "tokens")

@@ -6,7 +6,7 @@ A value of a stage's graph is *replicated* (None) or sharded (:class:`Shard`). T
 the ``aten.addmm``/``mm`` a Conv1D exports to, embeddings) and follows it through the ops of :data:`RULES`
 (elementwise ops whose other operands broadcast on the sharded dim, views and reshapes (:func:`map_view`),
 transposes, splits of a fused q|k|v into its segments, attention over sharded heads, rotary slicing on other
-dims, GQA's expand + reshape) and the modules of :data:`MODULE_RULES` (activations, dropout, norms). An op
+dims, GQA's expand + reshape or repeat_interleave) and the modules of :data:`MODULE_RULES` (activations, dropout, norms). An op
 named nowhere here is not proven to act shard by shard. A new family (a Linear-like module, an op, a module
 that acts position by position) is one row here.
 """
@@ -325,6 +325,17 @@ def _expand(an: Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
     return replace(s, dim=d)
 
 
+def _repeat_interleave(an: Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
+    """``x.repeat_interleave(r, dim)`` (grouped-query attention's kv heads, each repeated for its q heads): every
+    entry of ``dim`` repeated ``r`` times in place, so each block of the sharded dim keeps its tp parts in order
+    (rank t's kv heads give exactly its q heads); ``r`` an int, the local tensor takes the same ``r``."""
+    x, s = ins[0]
+    reps, dim = arg(n, 1, "repeats"), arg(n, 2, "dim")
+    if x is not n.args[0] or not isinstance(value_of(reps), int) or dim is None or arg(n, 3, "output_size") is not None:
+        return an.fail(n, [s], "it repeats a sharded tensor by a tensor of counts, flattened, or to a given size")
+    return s
+
+
 def _split(an: Analysis, n: Node, ins: list[tuple[Node, Shard]]) -> Any:
     s, shape = ins[0][1], tensor_shape(n.args[0])
     pieces = [tuple(int(d) for d in tm.shape) for tm in n.meta["tensor_meta"]]
@@ -485,6 +496,7 @@ RULES: dict[str, Callable[[Analysis, Node, list], Any]] = {
     **{op: _unary for op in UNARY}, **{op: _elementwise for op in _ELEMENTWISE}, **{op: _view for op in VIEWS},
     **{op: _split for op in SPLITS}, **{op: _along for op in _DIM_OPS}, **{op: _reduce for op in _REDUCTIONS},
     "transpose": _transpose, "permute": _transpose, "t": _transpose, "expand": _expand, "getitem": _index,
+    "repeat_interleave": _repeat_interleave,
     "slice": _slice, "select": _slice, "cat": _cat, "scaled_dot_product_attention": _attention,
     "matmul": _matmul, "bmm": _matmul, "mm": _matmul, "layer_norm": _normalize, "rms_norm": _normalize,
 }
