@@ -50,7 +50,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -66,8 +66,31 @@ from pipec.runtime.sharding import local, local_grad
 from pipec.runtime.transport import P2P, Transport
 from pipec.schedules.order import gc_paused
 
-__all__ = ["RunError", "PlanMismatch", "RankStep", "StepState", "Executor"]
+__all__ = ["RunError", "PlanMismatch", "RankStep", "StepState", "Executor", "rng_snapshot", "replaying"]
 
+
+def rng_snapshot(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The generators a stage's forward draws from on ``device``: the CPU's, and the device's own where it has one
+    (CUDA: dropout draws there), as ``torch.utils.checkpoint`` keeps them for its replay."""
+    if device.type == "cpu":
+        return torch.get_rng_state(), None
+    module = torch.get_device_module(device.type)
+    return torch.get_rng_state(), module.get_rng_state(device)
+
+
+@contextlib.contextmanager
+def replaying(device: torch.device, snap: tuple[torch.Tensor, torch.Tensor | None]) -> Iterator[None]:
+    """Within the block both generators of :func:`rng_snapshot` are as ``snap`` took them (a recomputed forward
+    draws the masks its first run drew), and afterwards as they were before it: the rest of the step's draws are
+    the ones a run without recompute makes."""
+    cpu, dev = snap
+    devices = [] if dev is None else [device.index if device.index is not None else
+                                      torch.get_device_module(device.type).current_device()]
+    with torch.random.fork_rng(devices=devices, device_type=device.type if dev is not None else "cuda"):
+        torch.set_rng_state(cpu)
+        if dev is not None:
+            torch.get_device_module(device.type).set_rng_state(dev, device)
+        yield
 
 class PlanMismatch(PipecError):
     """The model does not produce what the plan says: the plan was compiled for another model or input."""
@@ -612,8 +635,8 @@ class Executor:
                 args.append(values[sig.name])
             else:
                 args.append(st.inputs[m][sig.name])
-        if s in self.recompute:  # keep only the inputs (and the RNG state); the backward replays the forward
-            rng = torch.get_rng_state()
+        if s in self.recompute:  # keep only the inputs (and the RNG states); the backward replays the forward
+            rng = rng_snapshot(self.device)
             with torch.no_grad():
                 loss, named = self.stage_forward(s, m, args, count=True)
             st.saved[(s, m)] = (grad_inputs, None, None, (args, rng))
@@ -655,8 +678,7 @@ class Executor:
         grad_inputs, loss, named, replay = st.saved.pop((s, m))
         if replay is not None:  # recompute: run the forward again, now building the graph
             args, rng = replay
-            with torch.random.fork_rng(devices=[]):
-                torch.set_rng_state(rng)
+            with replaying(self.device, rng):
                 loss, named = self.stage_forward(s, m, args)
         if loss is not None:
             tensors, grads = [loss], None

@@ -29,10 +29,10 @@ TUNED_KEYS = ("pp", "dp", "tp", "shard", "shard_size", "schedule", "virtual", "m
 """The keys the search sets; ``--keep`` pins any of them to the file's value."""
 
 INTERLEAVED_CHUNKS = (2, 4)
-"""Chunks per rank tried for ``interleaved_1f1b`` and ``looped_bfs`` (zbv takes 2, the rest 1)."""
+"""Chunks per rank tried for ``interleaved_1f1b``, ``interleaved_zb`` and ``looped_bfs`` (zbv takes 2, the rest 1)."""
 
 _CHUNKS = {"gpipe": (1,), "1f1b": (1,), "zb_h1": (1,), "zbv": (2,), "interleaved_1f1b": INTERLEAVED_CHUNKS,
-           "looped_bfs": INTERLEAVED_CHUNKS}
+           "interleaved_zb": INTERLEAVED_CHUNKS, "looped_bfs": INTERLEAVED_CHUNKS}
 
 
 class TuneError(PipecError):
