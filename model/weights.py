@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -41,7 +41,7 @@ from pipec.model.load import instantiate
 from pipec.model.tensors import FrontendError, storage_key
 
 __all__ = ["INIT_MODES", "EXACT_MAX_PARAMS", "InitProblem", "init_path", "init_problems", "resolve_init",
-           "module_seed", "initial_values", "module_values"]
+           "module_seed", "initial_values"]
 
 INIT_MODES = ("auto", "module", "exact")
 
@@ -219,41 +219,13 @@ def _listing(problems: Sequence[InitProblem], shown: int = 5) -> str:
 # ----------------------------------------------------------------------------- values
 
 
-def module_values(
-    target: str, kwargs: Mapping[str, Any], needed: Iterable[str], *, seed: int, init: str,
-    search_path: Sequence[str] = (),
-) -> Iterator[tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
-    """The initial values of the ``needed`` canonical parameters, one module at a time, whole:
-    ``(module name, its needed parameters, its buffers)``, each tensor valid until the next item is asked for
-    (copy what is kept). The same values as :func:`initial_values`, so a rank can slice its parts out of each
-    module and drop the rest (:func:`pipec.runtime.stages.init_local`).
-
-    ``module``: the model built on the meta device, each owner module alone on the CPU while it is initialised
-    and yielded, then back on meta (its buffers are not given: the skeleton's are right). ``exact``: the whole
-    model built by its factory (every rank holds it for a moment, see the module doc), each module's
-    tensors dropped once yielded, its buffers given too.
-    """
+def _module_init(target: str, kwargs: Mapping[str, Any], needed: Iterable[str], seed: int,
+                 search_path: Sequence[str]) -> dict[str, torch.Tensor]:
+    scratch, _ = instantiate(target, kwargs, mode="meta", search_path=search_path)
     needed = set(needed)
     owners = {n.rpartition(".")[0] for n in needed}
-    if init == "module":
-        scratch, _ = instantiate(target, kwargs, mode="meta", search_path=search_path)
-    elif init == "exact":
-        scratch, _ = instantiate(target, kwargs, mode="cpu", seed=seed, search_path=search_path)
-    else:
-        raise FrontendError(f"init must be one of {', '.join(INIT_MODES)}, got {init!r}", key="init")
-    done: set[str] = set()
-    if init == "exact":
-        yield "", {}, dict(scratch.named_buffers(remove_duplicate=False))
+    values: dict[str, torch.Tensor] = {}
     for mod_name, mod in scratch.named_modules():
-        prefix = f"{mod_name}." if mod_name else ""
-        if init == "exact":
-            params = {prefix + k: p.detach() for k, p in mod._parameters.items() if p is not None and prefix + k in needed}
-            if params:
-                yield mod_name, params, {}
-            done |= set(params)
-            mod._parameters.update((k, None if p is None else nn.Parameter(p.to("meta"), requires_grad=p.requires_grad))
-                                   for k, p in mod._parameters.items())  # what was yielded is the caller's alone now
-            continue
         if mod_name not in owners:
             continue
         fn = init_path(scratch, mod_name)
@@ -268,20 +240,18 @@ def module_values(
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(module_seed(seed, mod_name))
             fn()
-        params = {}
         for key, p in mod._parameters.items():
-            name = prefix + key
+            name = f"{mod_name}.{key}" if mod_name else key
             if p is not None and name in needed:
                 if p.is_floating_point() and bool(torch.isnan(p).any()):
                     raise FrontendError(
                         f"init module: {type(mod).__name__}'s initialisation left {name!r} (partly) unset; "
                         "initialise every parameter the module owns, or use init exact", key="init")
-                params[name] = p.detach()
-        yield mod_name, params, {}
-        done |= set(params)
+                values[name] = p.detach().clone()
         mod.to_empty(device="meta", recurse=False)  # an enclosing module's init run later never draws for it
-    missing = needed - done
+    missing = needed - set(values)
     assert not missing, sorted(missing)[:3]
+    return values
 
 
 def initial_values(
@@ -293,10 +263,7 @@ def initial_values(
     ``init`` is ``module`` or ``exact`` (``auto`` resolved first, by :func:`resolve_init`).
     """
     if init == "module":
-        values: dict[str, torch.Tensor] = {}
-        for _, params, _ in module_values(target, kwargs, needed, seed=seed, init=init, search_path=search_path):
-            values.update((n, t.clone()) for n, t in params.items())
-        return values, None
+        return _module_init(target, kwargs, needed, seed, search_path), None
     if init == "exact":
         model, _ = instantiate(target, kwargs, mode="cpu", seed=seed, search_path=search_path)
         params = dict(model.named_parameters())

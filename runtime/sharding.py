@@ -342,17 +342,10 @@ class OptimizerShards:
 def shard_stages(layout: ShardLayout | None, modules: Mapping[int, nn.Module], make_optimizer, transport, *,
                  dtype: str) -> tuple[ParamShards | None, Any]:
     """This rank's stages sharded as ``layout`` says, and the optimizer over what it steps:
-    (the FSDP2 driver or None, the optimizer). ``make_optimizer(params)`` builds the plan's optimizer.
-
-    Stages built deferred (``build_stages(defer=True)``: parameters on meta) get their values here, after
-    ``fully_shard`` has cut them into dp shards, so a rank allocates only its shards
-    (:func:`~pipec.runtime.stages.init_local`)."""
-    from pipec.runtime.stages import init_local
-
+    (the FSDP2 driver or None, the optimizer). ``make_optimizer(params)`` builds the plan's optimizer."""
     sharding = None
     if layout is not None and layout.params_sharded:
         sharding = ParamShards(modules, transport.shard_mesh, dtype=dtype)
-    init_local(modules)
     params = [p for s in sorted(modules) for p in modules[s].parameters()]
     if layout is not None and not layout.params_sharded:  # the optimizer state alone is sharded (ZeRO-1)
         return sharding, OptimizerShards(params, make_optimizer, layout, transport.groups.get(layout.ranks))

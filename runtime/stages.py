@@ -20,7 +20,7 @@ real CPU construction with parameters on meta, so a causal mask computed in
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -31,15 +31,14 @@ from torch.utils._pytree import tree_leaves
 from pipec.model.annotate import propagate
 from pipec.model.load import instantiate
 from pipec.model.partition import Split, split_graph
-from pipec.model import weights
-from pipec.model.stages import StageModule, _retarget, materialize
+from pipec.model.stages import StageModule, materialize
 from pipec.model.tensors import FrontendError, TensorSpec, example_inputs
 from pipec.model.trace import Traced, trace_model
 from pipec.model.weights import INIT_MODES, initial_values, resolve_init
 from pipec.compiler.ir.plan import Plan
 from pipec.compiler.ir.tensor_parallel import in_effect
 
-__all__ = ["ReferenceModule", "build_stages", "init_local", "PendingInit", "build_reference", "run_stages"]
+__all__ = ["ReferenceModule", "build_stages", "build_reference", "run_stages"]
 
 
 class ReferenceModule(nn.Module):
@@ -149,17 +148,11 @@ def _split_from_plan(plan: Plan, traced: Traced) -> Split:
 
 
 def build_stages(plan: Plan, stage_ids: Iterable[int], *, seed: int, init: str = "module",
-                 device: str | torch.device = "cpu", tp_rank: int = 0, tp_group=None,
-                 defer: bool = False) -> dict[int, StageModule]:
+                 device: str | torch.device = "cpu", tp_rank: int = 0, tp_group=None) -> dict[int, StageModule]:
     """The requested stages of ``plan`` as runnable modules (see module doc). A stage the plan shards across tp
     (``plan.stages[s].tp``) is tp rank ``tp_rank``'s part of it (:func:`~pipec.tp.rewrite.
     shard_stage`: local sizes, its parameters sliced, Megatron's f and g over ``tp_group``, a
-    :class:`~pipec.tp.comm.TPGroup`; None: one rank's shapes alone).
-
-    ``defer``: the stages' parameters stay on the meta device, at their tp part's shapes (buffers and the
-    graph's devices are ``device``'s already); :func:`init_local` gives them their values, after FSDP2 has
-    sharded them or not (:func:`pipec.runtime.sharding.shard_stages` calls it), so no rank ever allocates more
-    of a stage than its own parts (see *Runtime: start-up* in docs/design.md)."""
+    :class:`~pipec.tp.comm.TPGroup`; None: one rank's shapes alone)."""
     ids = sorted(set(stage_ids))
     m = _plan_model(plan)
     init = m.resolve(init)
@@ -169,138 +162,18 @@ def build_stages(plan: Plan, stage_ids: Iterable[int], *, seed: int, init: str =
     traced, buffers, traced_on = _retrace(plan, m)
     split = _split_from_plan(plan, traced)
     needed = {c for s in ids for c in split.parts[s].params}
-    if defer:
-        values = {c: torch.empty(p.shape, dtype=p.dtype, device="meta") for c, p in traced.param_of.items() if c in needed}
-        exact_buffers = None
-    else:
-        values, exact_buffers = initial_values(m.target, m.kwargs, needed, seed=seed, init=init,
-                                               search_path=m.search_path)
-    device = torch.device(device)
+    values, exact_buffers = initial_values(m.target, m.kwargs, needed, seed=seed, init=init, search_path=m.search_path)
     out = {}
     for s in ids:
-        if defer:  # all on meta (tp shards it there); the graph's devices and the buffers put on device below
-            stage = materialize(split, s, values, buffers, "meta", traced_on=traced_on)
-        else:
-            stage = materialize(split, s, values, exact_buffers or buffers, device, traced_on=traced_on)
+        stage = materialize(split, s, values, exact_buffers or buffers, device, traced_on=traced_on)
         record = in_effect(plan.stages[s].tp if plan.stages else None, plan.mesh.tp)
         if record is not None:
             from pipec.tp.rewrite import shard_stage
 
             stage = shard_stage(stage, record, tp_rank, tp=plan.mesh.tp, group=tp_group, traced=traced,
                                 where=f" in stage {s}")
-        if defer:
-            _on_device(stage, device, exact_buffers or buffers)
-            stage.pending_init = PendingInit(
-                target=m.target, kwargs=m.kwargs, search_path=m.search_path, seed=seed, init=init, device=str(device),
-                tp=plan.mesh.tp,
-                tp_rank=tp_rank, sharded={sp.name: sp for sp in record.params} if record is not None else {})
         out[s] = stage
     return out
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PendingInit:
-    """What :func:`init_local` needs to give a deferred stage (``build_stages(defer=True)``) its values."""
-
-    target: str
-    kwargs: Mapping[str, Any]
-    search_path: tuple[str, ...]
-    seed: int
-    init: str
-    """``module`` or ``exact``."""
-    device: str
-    """Where the parameters go."""
-    tp: int
-    tp_rank: int
-    sharded: Mapping[str, Any]
-    """Canonical name -> its :class:`~pipec.compiler.ir.tensor_parallel.ShardedParam` (the tp-sharded ones)."""
-
-
-def _on_device(stage: StageModule, device: torch.device, buffers: Mapping[str, torch.Tensor]) -> None:
-    """A stage materialised on meta: its graph's devices become ``device``, its buffers the model's (by name)."""
-    _retarget(stage, device, "meta")
-    stage.recompile()
-    for mod_name, mod in stage.named_modules(remove_duplicate=False):
-        prefix = f"{mod_name}." if mod_name else ""
-        for key, b in list(mod._buffers.items()):
-            if b is not None:
-                if prefix + key not in buffers:
-                    raise FrontendError(f"stage {stage.stage}: buffer {prefix + key!r} has no value; register the "
-                                        "model's buffers in __init__")
-                mod._buffers[key] = buffers[prefix + key].to(device, copy=True)
-
-
-def init_local(stages: Mapping[int, nn.Module]) -> None:
-    """Give deferred stages (``build_stages(defer=True)``, FSDP2's ``fully_shard`` applied or not) their values:
-    each meta parameter becomes a tensor of its local shape on the build's device (a plain tensor: its tp part; an FSDP2
-    DTensor: its dp shard of that), then the model's initial values stream in one module at a time
-    (:func:`~pipec.model.weights.module_values`), each whole only while this rank's part is cut out of it:
-    ``shard_param`` for its tp part, then FSDP2's dim-0 rows for its dp shard. The values are those the
-    unpartitioned model gets for the same seed. Stages without a pending init are left alone."""
-    from pipec.tp.params import shard_param
-
-    pending = {s: st.pending_init for s, st in stages.items() if getattr(st, "pending_init", None) is not None}
-    if not pending:
-        return
-    first = next(iter(pending.values()))
-    assert all(replace(p, sharded={}) == replace(first, sharded={}) for p in pending.values()), "one build's stages"
-    device = torch.device(first.device)
-    fresh: dict[int, nn.Parameter] = {}
-    for s in pending:
-        for mod in stages[s].modules():
-            for key, p in list(mod._parameters.items()):
-                if p is not None and p.is_meta:
-                    if id(p) not in fresh:
-                        fresh[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-                    mod._parameters[key] = fresh[id(p)]
-        _reset_fsdp(stages[s])
-    targets: dict[str, list[tuple[torch.Tensor, Any]]] = {}
-    """Canonical name -> each distinct parameter that holds a part of it, and how tp shards it there."""
-    for s, pend in pending.items():
-        for canon, p in stages[s].canonical_params().items():
-            if all(t is not p for t, _ in targets.get(canon, ())):
-                targets.setdefault(canon, []).append((p, pend.sharded.get(canon)))
-    left = set(targets)
-    with torch.no_grad():
-        for _, params, _ in weights.module_values(first.target, first.kwargs, set(targets), seed=first.seed,
-                                                   init=first.init, search_path=first.search_path):
-            for canon, whole in params.items():
-                for p, sp in targets[canon]:
-                    _fill(p, shard_param(whole, sp, first.tp, first.tp_rank) if sp is not None else whole, canon)
-                left.discard(canon)
-    assert not left, sorted(left)[:3]
-    for s in pending:
-        del stages[s].pending_init
-
-
-def _fill(p: nn.Parameter, part: torch.Tensor, canon: str) -> None:
-    """Copy this rank's ``part`` (its tp part of ``canon``, whole over dp) into parameter ``p``: all of it, or an
-    FSDP2 DTensor's dim-0 rows (as ``torch.chunk`` cuts them, the rows FSDP2's ``Shard(0)`` keeps)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(p, DTensor):
-        local = p.to_local()
-        mesh = p.device_mesh
-        if part.dim():
-            per = -(-part.shape[0] // mesh.size())
-            start = min(part.shape[0], per * mesh.get_local_rank())
-            part = part[start:start + per]
-    else:
-        local = p.data
-    if tuple(local.shape) != tuple(part.shape):
-        raise AssertionError(f"{canon}: local shape {tuple(local.shape)}, its part {tuple(part.shape)}")
-    local.copy_(part)
-
-
-def _reset_fsdp(stage: nn.Module) -> None:
-    """FSDP2 re-reads a module's sharded parameters (their padded storage) once they are no longer on meta, as
-    its ``_apply`` does after ``to_empty``."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(stage, FSDPModule):
-        for group in stage._get_fsdp_state()._fsdp_param_groups:
-            for fp in group.fsdp_params:
-                fp.reset_sharded_param()
 
 
 def build_reference(plan: Plan, *, seed: int, init: str = "module", device: str | torch.device = "cpu") -> ReferenceModule:
