@@ -48,7 +48,7 @@ def test_a_small_plans_refusal_prints_mib_not_zero_gib():
     assert format_memory(peak).endswith(("MiB", "KiB"))
 
 
-def test_checkpoint_save_and_load_are_the_local_shards_and_pipec_show_prints_them(cli, tmp_path):
+def test_checkpoint_save_and_load_without_tp_are_the_local_shards_and_pipec_show_prints_them(cli, tmp_path):
     from pipec.compiler.ir.plan_json import read_plan
     from pipec.compiler.passes.memory import checkpoint_memory
 
@@ -72,3 +72,27 @@ def test_checkpoint_save_and_load_are_the_local_shards_and_pipec_show_prints_the
     assert (f"rank 0 checkpoint: save {format_memory(rows[0].save_device)} on the device + staging copy "
             f"{format_memory(rows[0].save_staging)} on the host; load {format_memory(rows[0].load_device)}; "
             f"training peak {format_memory(peak)}") in " ".join(shown.stdout.split())
+
+
+def test_under_tp_a_checkpoint_holds_each_tp_parameter_and_its_moments_whole(cli, tmp_path):
+    """As runtime/checkpoint.py's _tp_whole does today: every tp rank builds each sharded parameter and both AdamW
+    moments whole (float32) to save them, and allocates them whole to load into."""
+    import math
+
+    from pipec.compiler.ir.plan_json import read_plan
+    from pipec.compiler.passes.memory import breakdown, checkpoint_memory
+
+    out = cli("compile", "--model", "pipec.examples.gpt:build", "--model-arg", "layers=2", "--model-arg", "dim=16",
+              "--input", "tokens: int64[4, 16]", "--ranks", "1", "--tp", "2", "--costs", "unit", "-o", "t.json")
+    assert out.returncode == 0, out.stderr
+    plan = read_plan(tmp_path / "t.json")
+    (row,), (m,) = checkpoint_memory(plan), breakdown(plan)
+    sharded = {sp.name for st in plan.stages for sp in st.tp.params}
+    assert sharded
+    wholes = [math.prod(shape) for st in plan.stages for name, shape in zip(st.params, st.param_shapes)
+              if name in sharded]
+    assert row.tp_whole == 12 * sum(w - w // 2 for w in wholes)  # param 4 B + two moments 8 B, beyond its half
+    assert row.load_device == m.params + m.optimizer + row.tp_whole
+    assert row.save_device == m.state + row.tp_whole + 4 * max(wholes)  # and the largest one's gathered pieces
+    shown = cli("show", "t.json")
+    assert "tensor-parallel parameters and moments made whole on every tp rank" in " ".join(shown.stdout.split())

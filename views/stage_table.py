@@ -72,7 +72,9 @@ def stage_table(plan: Plan) -> Table | None:
             f"; training peak {format_memory(p.peak_memory_bytes)}")
         t.caption = (t.caption + "\n" if t.caption else "") + (
             f"rank {c.rank} checkpoint: save {format_memory(c.save_device)} on the device + staging copy "
-            f"{format_memory(c.save_staging)} on the host; load {format_memory(c.load_device)}{train}")
+            f"{format_memory(c.save_staging)} on the host; load {format_memory(c.load_device)}"
+            + (f" (of each, {format_memory(c.tp_whole)} of tensor-parallel parameters and moments made whole on "
+               "every tp rank)" if c.tp_whole else "") + train)
     for tie in plan.ties:
         t.caption = (t.caption + "; " if t.caption else "") + (
             f"tied weight {tie.name}: a copy on stages {', '.join(map(str, tie.stages))}, kept equal by an all-reduce")

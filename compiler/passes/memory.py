@@ -64,6 +64,8 @@ No torch (nor networkx) here: the driver runs it on every compile.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Mapping
@@ -395,16 +397,39 @@ def breakdown(plan: Plan) -> list[RankMemory] | None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CheckpointMemory:
-    """What one pp rank holds (bytes) while a checkpoint of a sharded run is saved or loaded: each rank its local
-    shards only (params and optimizer state; gradients are not saved)."""
+    """What one pp rank holds (bytes; its tp rank 0, the writer, where tp > 1) while a checkpoint is saved or
+    loaded, as ``runtime/checkpoint.py`` does it: the local shards of what is not tensor-parallel (gradients are
+    not saved), and each tensor-parallel parameter and its optimizer moments whole, on every tp rank
+    (``_tp_whole``: gathered whole to save, allocated whole to load into)."""
 
     rank: int
     save_device: int
-    """On the device during a save: the state at rest at the step boundary (no activations in flight)."""
+    """On the device during a save: the state at rest at the step boundary (no activations in flight), plus the
+    tensor-parallel tensors whole and the largest one's gathered pieces."""
     save_staging: int
-    """The asynchronous save's staging copy of the local params and optimizer state (host memory)."""
+    """The asynchronous save's staging copy of what the rank writes, params and optimizer state (host memory)."""
     load_device: int
-    """On the device during a load: the local params and optimizer state, read into their shards."""
+    """On the device during a load: the local params and optimizer state, and the tensor-parallel ones' wholes."""
+    tp_whole: int = 0
+    """Of the above, the tensor-parallel tensors made whole (0 at tp 1)."""
+
+
+def _tp_whole_numel(plan: Plan, rank: int) -> tuple[int, int]:
+    """The elements of the tensor-parallel parameters pp rank ``rank`` holds, whole, beyond its own parts, and the
+    largest one's whole count (0, 0 at tp 1 or without shapes)."""
+    tp = plan.mesh.tp
+    extra = largest = 0
+    for st in plan.stages:
+        split = in_effect(st.tp, tp)
+        if st.rank != rank or split is None or not st.param_shapes:
+            continue
+        sharded = {sp.name for sp in split.params}
+        for name, shape in zip(st.params, st.param_shapes):
+            if name in sharded:
+                whole = math.prod(shape)
+                extra += whole - whole // tp
+                largest = max(largest, whole)
+    return extra, largest
 
 
 def checkpoint_memory(plan: Plan) -> list[CheckpointMemory] | None:
@@ -412,8 +437,15 @@ def checkpoint_memory(plan: Plan) -> list[CheckpointMemory] | None:
     rows = breakdown(plan)
     if rows is None:
         return None
-    return [CheckpointMemory(rank=m.rank, save_device=m.state, save_staging=m.params + m.optimizer,
-                             load_device=m.params + m.optimizer) for m in rows]
+    param_b, _, optim_b = bytes_per_param(plan.spec)
+    out = []
+    for m in rows:
+        extra, largest = _tp_whole_numel(plan, m.rank)
+        whole = extra * (param_b + optim_b)
+        out.append(CheckpointMemory(rank=m.rank, save_device=m.state + whole + largest * param_b,
+                                    save_staging=m.params + m.optimizer + whole,
+                                    load_device=m.params + m.optimizer + whole, tp_whole=whole))
+    return out
 
 
 def state_bytes(plan: Plan) -> list[int] | None:
