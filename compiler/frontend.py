@@ -326,7 +326,9 @@ def confirm_cut(tm: TracedModel, req: CompileRequest, graph: StageGraph, *, host
 
 
 def _but_data(graph: StageGraph) -> StageGraph:
-    return replace(graph, model={k: v for k, v in graph.model.items() if k != "data"})
+    """The graph but its data record and its warnings (what tp's analysis says of the stages it built: a cost-only
+    cut builds none)."""
+    return replace(graph, model={k: v for k, v in graph.model.items() if k != "data"}, warnings=())
 
 
 def with_recompute_stages(graph: StageGraph, recompute: frozenset[int]) -> StageGraph:
