@@ -46,7 +46,7 @@ did you mean 'interleaved_1f1b'?
 job.pipe:2:10: error: schedule 'dualpipev' is torch's ScheduleDualPipeV (DeepSeek-V3's DualPipe as a V of 2 chunks per rank, forward and backward overlapped), which pipec does not have yet
     schedule dualpipev
              ^~~~~~~~~
-the nearest pipec has: zbv; pipec's schedules are: gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_h1, zbv
+the nearest pipec has: zbv; pipec's schedules are: gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_h1, zbv, interleaved_zb
 """,
         id='torch_schedule_pipec_lacks',
     ),
