@@ -37,6 +37,13 @@ __all__ = [
 _FEWER = "{name} with fewer microbatches ({M}) than ranks ({P})"
 """How most families' warning begins."""
 
+def _torch_rounds(torch_class: str) -> MultipleOf:
+    """torch's rule for its interleaved schedules: M a multiple of its rounds, max(1, M // P)."""
+    return MultipleOf(of=interleaved.num_rounds, doc="M a multiple of max(1, M // pp), torch's rule",
+                      message="{name} needs the microbatches to be a multiple of its rounds, max(1, M // P) = {of} "
+                              f"(torch's {torch_class} rule)")
+
+
 SCHEDULES: dict[str, ScheduleInfo] = {
     info.name: info
     for info in (
@@ -57,10 +64,7 @@ SCHEDULES: dict[str, ScheduleInfo] = {
             name="interleaved_1f1b", build=interleaved.interleaved_1f1b, min_chunks=2, max_chunks=None,
             reference="torch ScheduleInterleaved1F1B.pipeline_order; Narayanan et al. SC 2021 §2.2.2",
             chunks_instead=(("schedule", "1f1b"),),
-            microbatches=MultipleOf(
-                of=interleaved.num_rounds, doc="M a multiple of max(1, M // pp), torch's rule",
-                message="{name} needs the microbatches to be a multiple of its rounds, max(1, M // P) = {of} "
-                        "(torch's ScheduleInterleaved1F1B rule)"),
+            microbatches=_torch_rounds("ScheduleInterleaved1F1B"),
             few_microbatches=FewMicrobatches(message=_FEWER + " never reaches its steady state"),
         ),
         ScheduleInfo(
@@ -89,10 +93,7 @@ SCHEDULES: dict[str, ScheduleInfo] = {
             reference="torch ScheduleInterleavedZeroBubble.pipeline_order; ZB1P of Qi et al., ICLR 2024",
             chunks_note="zb_h1 is the one-chunk zero-bubble schedule",
             chunks_instead=(("schedule", "zb_h1"),),
-            microbatches=MultipleOf(
-                of=interleaved.num_rounds, doc="M a multiple of max(1, M // pp), torch's rule",
-                message="{name} needs the microbatches to be a multiple of its rounds, max(1, M // P) = {of} "
-                        "(torch's ScheduleInterleavedZeroBubble rule)"),
+            microbatches=_torch_rounds("ScheduleInterleavedZeroBubble"),
             few_microbatches=FewMicrobatches(message=_FEWER + " never reaches its steady state"),
         ),
     )
