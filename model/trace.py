@@ -107,6 +107,9 @@ class Traced:
     """Why ``auto`` fell back to export ("" when it did not)."""
     param_of: Mapping[str, nn.Parameter] = field(default_factory=dict, repr=False)
     """Canonical name -> the model's parameter."""
+    stacks: dict[str, str] | None = field(default=None, repr=False, compare=False)
+    """Node name -> the stack trace that made it, from one fx trace made again recording them (see
+    :func:`node_frame`); None until a message first asks."""
 
 
 def _hides_layers(mod: nn.Module) -> bool:
@@ -353,9 +356,13 @@ def node_frame(traced: Traced, node_name: str) -> traceback.FrameSummary | None:
     trace is made again, recording them, which only a failure pays for)."""
     stack = next((n.meta.get("stack_trace") for n in traced.gm.graph.nodes if n.name == node_name), None)
     if not stack and traced.path == "fx":
-        with contextlib.suppress(Exception):
-            gm = _fx_trace(traced.model, [s.name for s in traced.inputs], stack_traces=True)
-            stack = next((n.meta.get("stack_trace") for n in gm.graph.nodes if n.name == node_name), None)
+        if traced.stacks is None:   # one trace again per model, however many messages ask
+            stacks: dict[str, str] = {}
+            with contextlib.suppress(Exception):
+                gm = _fx_trace(traced.model, [s.name for s in traced.inputs], stack_traces=True)
+                stacks = {n.name: n.meta["stack_trace"] for n in gm.graph.nodes if n.meta.get("stack_trace")}
+            object.__setattr__(traced, "stacks", stacks)
+        stack = traced.stacks.get(node_name)
     if not stack:
         return None
     frames = [traceback.FrameSummary(m["file"], int(m["line"]), m["name"], line=m["code"].strip())

@@ -544,7 +544,7 @@ def plan_stages(stages: Sequence[GraphModule], tp: int, *, patterns: Mapping[str
     seq_len = sequence_length(stages[0], traced) if sp else None
     replicate: frozenset[str] = frozenset()
     while True:
-        said: list[str] = []
+        said: list[str] | None = [] if warnings is not None else None   # a search asks for none: locating is dear
         plans = _plan_each(stages, tp, patterns, canonical, traced, sp, seq_len, loss == "cross_entropy", replicate,
                            said)
         held = tied_uses(stages, plans, canonical)
@@ -553,7 +553,7 @@ def plan_stages(stages: Sequence[GraphModule], tp: int, *, patterns: Mapping[str
             break
         replicate |= split
     check_tied(stages, plans, tp, canonical, held)
-    if warnings is not None:
+    if warnings is not None and said:
         warnings += said
     if patterns is not None and tp > 1:
         paths = {m for p in plans for m, _ in p.modules}
@@ -566,7 +566,7 @@ def plan_stages(stages: Sequence[GraphModule], tp: int, *, patterns: Mapping[str
 
 def _plan_each(stages: Sequence[GraphModule], tp: int, patterns: Mapping[str, str] | None,
                canonical: Mapping[str, str] | None, traced: Traced | None, sp: bool, seq_len: int | None,
-               cross_entropy: bool, replicate: frozenset[str], warnings: list[str]) -> list[StageTP]:
+               cross_entropy: bool, replicate: frozenset[str], warnings: list[str] | None) -> list[StageTP]:
     parts: dict[str, int] = {}
     carried: set[str] = set()  # the stage outputs whose gradient goes somewhere (the model's inputs get none)
     plans = []
