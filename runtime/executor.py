@@ -50,7 +50,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -66,31 +66,48 @@ from pipec.runtime.sharding import local, local_grad
 from pipec.runtime.transport import P2P, Transport
 from pipec.schedules.order import gc_paused
 
+if TYPE_CHECKING:
+    from pipec.tp.rng import TPStream
+
 __all__ = ["RunError", "PlanMismatch", "RankStep", "StepState", "Executor", "rng_snapshot", "replaying"]
 
 
-def rng_snapshot(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+Snapshot = tuple[torch.Tensor, "torch.Tensor | None", tuple[tuple["TPStream", dict[str, torch.Tensor]], ...]]
+"""What :func:`rng_snapshot` keeps: the CPU generator's state, the device's (None on the CPU), and each tp
+stream's with the stream."""
+
+
+def rng_snapshot(device: torch.device, streams: Iterable["TPStream"] = ()) -> Snapshot:
     """The generators a stage's forward draws from on ``device``: the CPU's, and the device's own where it has one
-    (CUDA: dropout draws there), as ``torch.utils.checkpoint`` keeps them for its replay."""
+    (CUDA: dropout draws there), as ``torch.utils.checkpoint`` keeps them for its replay; and ``streams``, the
+    stage's tp stream (pipec/tp/rng.py: its random ops on shards draw there)."""
+    tp = tuple((st, st.state()) for st in streams)
     if device.type == "cpu":
-        return torch.get_rng_state(), None
+        return torch.get_rng_state(), None, tp
     module = torch.get_device_module(device.type)
-    return torch.get_rng_state(), module.get_rng_state(device)
+    return torch.get_rng_state(), module.get_rng_state(device), tp
 
 
 @contextlib.contextmanager
-def replaying(device: torch.device, snap: tuple[torch.Tensor, torch.Tensor | None]) -> Iterator[None]:
-    """Within the block both generators of :func:`rng_snapshot` are as ``snap`` took them (a recomputed forward
+def replaying(device: torch.device, snap: Snapshot) -> Iterator[None]:
+    """Within the block the generators of :func:`rng_snapshot` are as ``snap`` took them (a recomputed forward
     draws the masks its first run drew), and afterwards as they were before it: the rest of the step's draws are
     the ones a run without recompute makes."""
-    cpu, dev = snap
+    cpu, dev, tp = snap
     devices = [] if dev is None else [device.index if device.index is not None else
                                       torch.get_device_module(device.type).current_device()]
+    now = [(st, st.state()) for st, _ in tp]
     with torch.random.fork_rng(devices=devices, device_type=device.type if dev is not None else "cuda"):
         torch.set_rng_state(cpu)
         if dev is not None:
             torch.get_device_module(device.type).set_rng_state(dev, device)
-        yield
+        for st, state in tp:
+            st.set_state(state)
+        try:
+            yield
+        finally:
+            for st, state in now:
+                st.set_state(state)
 
 class PlanMismatch(PipecError):
     """The model does not produce what the plan says: the plan was compiled for another model or input."""
@@ -261,6 +278,13 @@ class Executor:
         self.global_rank = plan.mesh.global_rank(pp_rank, dp_rank, tp_rank)
         self.transport = transport
         self.modules = dict(modules or {})
+        self.streams: dict[int, tuple[TPStream, ...]] = dict.fromkeys(self.modules, ())
+        """Each stage's tp stream (pipec/tp/rng.py: where its random ops on shards draw), which a recompute's
+        replay sets as well."""
+        if plan.mesh.tp > 1:
+            from pipec.tp.rng import stream_of
+
+            self.streams = {s: tuple(st for st in (stream_of(m),) if st is not None) for s, m in self.modules.items()}
         self.loss_fn = loss_fn
         self.emulate = emulate
         self.device = torch.device(device)
@@ -636,7 +660,7 @@ class Executor:
             else:
                 args.append(st.inputs[m][sig.name])
         if s in self.recompute:  # keep only the inputs (and the RNG states); the backward replays the forward
-            rng = rng_snapshot(self.device)
+            rng = rng_snapshot(self.device, self.streams[s])
             with torch.no_grad():
                 loss, named = self.stage_forward(s, m, args, count=True)
             st.saved[(s, m)] = (grad_inputs, None, None, (args, rng))

@@ -5,7 +5,8 @@
 the sizes in views, expands and splits of a sharded value become local ints, sizes read off sharded tensors
 are folded to their full values, f/g are :class:`~pipec.tp.comm.TPComm` call_modules, rowwise biases follow
 the all-reduce, vocab-parallel lookups are :class:`~pipec.tp.comm.VocabLookup` ones, sharded parameters are
-sliced (:func:`~.params.shard_param`). Then it proves the rewrite (:func:`_prove`): shapes are propagated
+sliced (:func:`~.params.shard_param`), and the random ops of the sharded region draw from the stage's own
+stream on this tp rank (:mod:`.rng`). Then it proves the rewrite (:func:`_prove`): shapes are propagated
 again on fake tensors and every node must have its full shape with the sharded dim divided by tp.
 """
 
@@ -30,6 +31,7 @@ from pipec.tp.analysis import Analysis, analyse, refusal
 from pipec.tp.comm import TPComm, TPGroup, VocabLookup, set_group
 from pipec.tp.params import local_shape, shard_param
 from pipec.tp.record import canonical_of, record
+from pipec.tp.rng import TPStream, derived_seed, is_random, wrap_random
 from pipec.tp.rules import KEY, SHAPE_OF, SIZED_VIEWS, Lin, Shard, arg, norm_dim, op_name, tensor_shape, value_of
 from pipec.tp.sequence import SP, fused_group, io_names, sp_run
 
@@ -208,6 +210,14 @@ def shard_stage(stage: GraphModule, plan: StageTP, rank: int, *, tp: int, group:
     comms: dict[str, tuple[str, int, int]] = {}
     lookups: dict[str, tuple[int, int | None]] = {}
     result = _rewrite(an, lins, graph, env, comms, lookups)
+    memo: dict[int, nn.Module] = {}
+    attrs: dict[str, Any] = {}
+    drawing = [env[n] for n in an.gm.graph.nodes if is_random(an.gm, n) and _on_shard(an, n)]
+    if drawing:  # Megatron's per-tp-rank stream: seeded afresh by the runtime (runtime/checkpoint.py)
+        device = next((t.device for t in (*stage.parameters(), *stage.buffers())), torch.device("cpu"))
+        stream = TPStream(device, derived_seed("pipec-tp-rng", getattr(stage, "stage", 0), rank))
+        wrap_random(graph, drawing, lambda path: clone_tree(resolve(stage, path), memo), stream, _STREAM)
+        attrs[_STREAM] = stream
     sharded = {sp.name: sp for sp in plan.params}
     fresh: dict[str, nn.Parameter] = {}
 
@@ -218,9 +228,8 @@ def shard_stage(stage: GraphModule, plan: StageTP, rank: int, *, tp: int, group:
             fresh[canon] = nn.Parameter(data, requires_grad=p.requires_grad)
         return fresh[canon]
 
-    memo: dict[int, nn.Module] = {}
-    attrs: dict[str, Any] = {name: TPComm(kind, dim, size=tp, rank=rank, segments=segs)
-                             for name, (kind, dim, segs) in comms.items()}
+    attrs.update((name, TPComm(kind, dim, size=tp, rank=rank, segments=segs))
+                 for name, (kind, dim, segs) in comms.items())
     attrs.update((name, VocabLookup(rows // tp, rank=rank, padding_idx=pad)) for name, (rows, pad) in lookups.items())
     for n in graph.nodes:
         if n.op not in ("call_module", "get_attr") or n.target in attrs:
@@ -248,6 +257,17 @@ def shard_stage(stage: GraphModule, plan: StageTP, rank: int, *, tp: int, group:
         _prove(an, gm, result, where, traced)
     set_group(gm, group)
     return gm
+
+
+_STREAM = "tp_rng"
+"""The rewritten stage's :class:`~pipec.tp.rng.TPStream` (its random ops on shards call it)."""
+
+
+def _on_shard(an: Analysis, n: Node) -> bool:
+    """Whether node ``n`` reads or gives a sharded value."""
+    def sharded(st: Any) -> bool:
+        return isinstance(st, Shard) or (isinstance(st, (tuple, list)) and any(isinstance(x, Shard) for x in st))
+    return sharded(an.of(n)) or any(sharded(an.of(a)) for a in n.all_input_nodes)
 
 
 class _Prop(ShapeProp):
