@@ -44,7 +44,8 @@ from pipec.runtime.failures import RankReport, summarise
 from pipec.runtime.training import make_data, make_loss, split_microbatches
 from pipec.runtime.transport import FakeWorld
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2), ("zb_h1", 1), ("zbv", 2)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2), ("zb_h1", 1), ("zbv", 2),
+             ("interleaved_zb", 2)]
 
 
 def tiny_gpt(schedule: str, virtual: int, pp: int, dp: int = 1, microbatches: int = 4, **extra):
