@@ -29,12 +29,11 @@ TUNED_KEYS = ("pp", "dp", "tp", "shard", "shard_size", "schedule", "virtual", "m
 """The keys the search sets; ``--keep`` pins any of them to the file's value."""
 
 INTERLEAVED_CHUNKS = (2, 4)
-"""Chunks per rank tried for ``interleaved_1f1b`` and ``looped_bfs`` (zbv takes 2, the rest 1)."""
+"""Chunks per rank tried for ``interleaved_1f1b``, ``looped_bfs`` and ``interleaved_zb`` (zbv takes 2, the rest 1)."""
 
 _CHUNKS = {"gpipe": (1,), "1f1b": (1,), "zb_h1": (1,), "zbv": (2,), "interleaved_1f1b": INTERLEAVED_CHUNKS,
-           "looped_bfs": INTERLEAVED_CHUNKS}
-"""The schedules tune searches, with their chunks. Not ``interleaved_zb`` yet: with it the 13B whole-space search
-ran past 300 s (42 s without), so it waits for a bound that prunes its candidates."""
+           "looped_bfs": INTERLEAVED_CHUNKS, "interleaved_zb": INTERLEAVED_CHUNKS}
+"""The schedules tune searches, with their chunks."""
 
 
 class TuneError(PipecError):
