@@ -69,7 +69,8 @@ CASES = {  # name -> (model kwargs, batch, microbatches)
 microbatches) and compute-bound."""
 DEMO = ("examples/gpt_1f1b.pipe", "examples/gpt_interleaved.pipe")
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}  # name -> chunks per rank
-EMULATED_CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "looped_bfs": 2, "zb_h1": 1, "zbv": 2}
+EMULATED_CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "looped_bfs": 2, "zb_h1": 1, "zbv": 2,
+                   "interleaved_zb": 2}
 """Every schedule the emulated fidelity runs, with its chunks per rank."""
 EMULATED = [(schedule, ranks, 2 * ranks, v, 0.01) for ranks in (4, 8) for schedule, v in EMULATED_CHUNKS.items()]
 """(schedule, ranks, microbatches, virtual, unit time in seconds): the issue's goal, M = 2P at the default
