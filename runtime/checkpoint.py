@@ -30,10 +30,13 @@ under tp alone. Every tensor is loaded in place, into the parameters and
 optimizer state themselves (hyperparameters come from the plan, not from the
 checkpoint's ``param_groups``);
 - ``step``: steps done (the data position: data is a function of the step);
-- ``rng.rank<r>``: each global rank's torch RNG state, restored only under the
+- ``rng.rank<r>`` (and ``rng.cuda<r>``): each global rank's torch RNG state, the stream shared by the tp
+  ranks of one (pp, dp); ``rng.tp<r>_stage<s>_cpu`` (and ``_device``): stage s's tp stream on that rank, where
+  the random ops of its sharded region draw (pipec/tp/rng.py); restored only under the
   same layout (pp, dp and tp) (another layout draws its random numbers in another order
-  anyway). A fresh start seeds each rank's RNG from (seed, global rank), a
-  resharded resume from (seed, global rank, step), so runs are reproducible.
+  anyway). A fresh start seeds the shared stream from (seed, tp rank 0's global rank) and each tp
+  stream from (seed, global rank, stage), a resharded resume both with the step too, so runs are
+  reproducible.
 
 Folder layout under ``checkpoint_dir``::
 
@@ -413,10 +416,23 @@ class Checkpointer:
         self._tp_slice = lambda whole, sp: shard_param(whole, sp, tp, self.plan.mesh.tp_rank(self.rank))
 
     def _rng_state(self) -> dict[str, torch.Tensor]:
+        """This rank's random streams: the shared one (``rank<r>``, ``cuda<r>``) and each stage's tp stream
+        (``tp<r>_stage<s>_cpu``, ``_device``: pipec/tp/rng.py), copies."""
         out = {f"rank{self.rank}": torch.get_rng_state()}
         if torch.cuda.is_available():
             out[f"cuda{self.rank}"] = torch.cuda.get_rng_state()
+        for s, stream in self._streams().items():
+            for kind, t in stream.state().items():
+                out[f"tp{self.rank}_stage{s}_{kind}"] = t
         return out
+
+    def _streams(self) -> dict[int, Any]:
+        """Each stage's tp stream (pipec/tp/rng.py ``TPStream``: its random ops on shards draw there)."""
+        if self.plan.mesh.tp == 1:
+            return {}
+        from pipec.tp.rng import stream_of
+
+        return {s: st for s, m in sorted(self.modules.items()) if (st := stream_of(m)) is not None}
 
     # ------------------------------------------------------------------ save
 
@@ -540,12 +556,19 @@ class Checkpointer:
             return 0
         return self._load(*chosen)
 
-    def _seed_rng(self, step: int) -> None:
-        """A fresh start (or a resharded resume) draws random numbers from (seed, global rank, step); the tp ranks
-        of one (pp, dp) draw tp rank 0's (a stage run replicated on them must compute the same thing)."""
-        rank = self.rank - self.plan.mesh.tp_rank(self.rank)
-        digest = hashlib.sha256(f"pipec-rng:{self.config.seed}:{rank}:{step}".encode()).digest()
-        torch.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    def _seed_rng(self, step: int, streams: Any = None) -> None:
+        """A fresh start (or a resharded resume) draws random numbers from (seed, global rank, step): the shared
+        stream from tp rank 0's (a region run replicated on the tp ranks of one (pp, dp) must compute the same
+        thing), each stage's tp stream (its random ops on shards) from (seed, this rank, stage, step), Megatron's
+        two streams. ``streams``: the tp streams to seed, alone (None: every stream)."""
+        if streams is None:
+            rank = self.rank - self.plan.mesh.tp_rank(self.rank)
+            digest = hashlib.sha256(f"pipec-rng:{self.config.seed}:{rank}:{step}".encode()).digest()
+            torch.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+        from pipec.tp.rng import derived_seed
+
+        for s, stream in (self._streams() if streams is None else streams).items():
+            stream.seed(derived_seed("pipec-tp-rng", self.config.seed, self.rank, s, step))
 
     def _choose(self, src: Path, explicit: bool, rejected: set[Path]) -> tuple[Path, Manifest] | None:
         if not src.exists():
@@ -612,6 +635,10 @@ class Checkpointer:
         first, more = self._params()
         init_optimizer_state(self.optimizer, [p for s in sorted(self.modules) for p in self.modules[s].parameters()])
         state, copies = self._state(rng=rng)
+        if rng:  # what the checkpoint holds of this rank's streams (one written before the tp streams, or on a host
+            # without the device, holds fewer): the others start afresh below
+            saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            state["rng"] = {k: v for k, v in state["rng"].items() if f"rng.{k}" in saved}
         # hyperparameters are the plan's: only the optimizer's tensors (and its step counts) are loaded
         state["optim"] = {k: v for k, v in state["optim"].items() if k.startswith("state.")}
         dcp.load(state, checkpoint_id=path, process_group=self.group)  # in place, resharded as needed
@@ -633,6 +660,14 @@ class Checkpointer:
             torch.set_rng_state(state["rng"][f"rank{self.rank}"])
             if torch.cuda.is_available() and f"cuda{self.rank}" in state["rng"]:
                 torch.cuda.set_rng_state(state["rng"][f"cuda{self.rank}"])
+            afresh = {}
+            for s, stream in self._streams().items():
+                kept = {kind: state["rng"].get(f"tp{self.rank}_stage{s}_{kind}") for kind in stream.state()}
+                if None in kept.values():
+                    afresh[s] = stream
+                else:
+                    stream.set_state(kept)
+            self._seed_rng(step, afresh)
         else:
             self._seed_rng(step)
         if self.rank == 0:
