@@ -71,6 +71,7 @@ def _compile(req: CompileRequest, graph=None, verify: bool = True, events: bool 
     if graph is not None:
         check_stage_count(graph, order)
         diagnostics += [Diagnostic("note", note, key="trace") for note in graph.notes]
+        diagnostics += [Diagnostic("note", note, key="partition") for note in graph.cut_notes]
         diagnostics += [Diagnostic("warning", w, key="tensor_parallel") for w in graph.warnings]
     plan = bare_plan(req, graph, order.placement)                # everything but the program and prediction
     if graph is not None and req.model.costs == "profile" and req.origin("links").kind == "default":

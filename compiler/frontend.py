@@ -16,7 +16,7 @@ language can print it at that key.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -120,6 +120,8 @@ class TracedModel:
     """What the trace depends on but the microbatch shape (:func:`_model_key`)."""
     table: NodeTable | None = None
     """What each node contributes to a cut (:func:`~.cutcost.node_table`; None: cost-only cuts decline)."""
+    inside: dict = field(default_factory=dict, compare=False, repr=False)
+    """(tp, patterns, loss) -> the cut positions inside a tensor-parallel pair (:func:`inside_tp_pairs`)."""
 
 
 def build_stage_graph(req: CompileRequest, *, host: Host | None = None, placement: Sequence[int] | None = None,
@@ -199,7 +201,7 @@ def with_data(graph: StageGraph, tm: TracedModel, req: CompileRequest) -> StageG
 
 def cut_stage_graph(tm: TracedModel, req: CompileRequest, *, host: Host | None = None,
                     placement: Sequence[int] | None = None, runnable: bool = True,
-                    before_timing: Callable[[StageGraph], None] | None = None) -> StageGraph:
+                    before_timing: Callable[[StageGraph], None] | None = None, cut_tp: int | None = None) -> StageGraph:
     """Partition, split and cost a traced model into ``req.num_stages`` stages (steps 7-9); ``req`` is
     the one ``tm`` was traced for, or one differing only in stages, partition, recompute and costs.
     ``host``: how the stages are timed (``costs profile``, ``balanced(by=time)``); None: :meth:`Host.of` the
@@ -208,7 +210,9 @@ def cut_stage_graph(tm: TracedModel, req: CompileRequest, *, host: Host | None =
     StageGraph without building the stage modules; :func:`confirm_cut` checks one the full way.
     ``before_timing``: called, when ``costs profile`` is about to time the stages, with the stage graph as
     cut, its costs unit (its byte counts are final), so the caller's checks (memory) run first; with
-    ``balanced(by=time)`` the partition itself is timed, and the call follows that timing."""
+    ``balanced(by=time)`` the partition itself is timed, and the call follows that timing.
+    ``cut_tp``: the tp whose pairs the cut keeps whole (:func:`inside_tp_pairs`; default the request's), for
+    ``pipec tune``, which cuts at tp 1 and shards the cut after."""
     traced, src, cuts = tm.traced, tm.src, tm.cuts
     m, peak_flops = _model(req), req.training.peak_flops
     host = host if host is not None else Host.of(req.mesh)
@@ -226,7 +230,9 @@ def cut_stage_graph(tm: TracedModel, req: CompileRequest, *, host: Host | None =
             times = costs_pass.time_nodes(traced, src.target, m.kwargs, threads=host.threads_per_rank,
                                           search_path=src.search_path)
         weights = costs_pass.node_weights(traced, cuts, partition.by, times=times)
-    stage_of = assign_stages(traced, cuts, partition, req.num_stages, weights)
+    cut_notes: list[str] = []
+    stage_of = assign_stages(traced, cuts, partition, req.num_stages, weights, inside=inside_tp_pairs(tm, req, cut_tp),
+                             notes=cut_notes)
     # 8. split with torch.fx split_module: stage inputs/outputs, skip edges, tie groups; 9. costs and saved
     # activations per stage (or both read off the trace's nodes: a cost-only cut)
     split, stage_costs = _cost_only(tm, req, stage_of, recompute) if not runnable else (None, None)
@@ -246,7 +252,24 @@ def cut_stage_graph(tm: TracedModel, req: CompileRequest, *, host: Host | None =
         )
         if m.costs == "profile" and req.mesh.tp > 1:  # each sharded stage was timed as its tp rank runs it
             tps = tuple(replace(t, costs_local=True) if t is not None else t for t in tps)
-    return replace(_stage_graph(tm, req, split, stage_costs, ranks, recompute, tps), warnings=tuple(said))
+    return replace(_stage_graph(tm, req, split, stage_costs, ranks, recompute, tps), warnings=tuple(said),
+                   cut_notes=tuple(cut_notes))
+
+
+def inside_tp_pairs(tm: TracedModel, req: CompileRequest, tp: int | None = None) -> Mapping[int, str]:
+    """The cut positions of ``tm`` inside a tensor-parallel pair at ``tp`` (default the request's;
+    :func:`~pipec.tp.cuts.inside_positions`: the whole model analysed once per tp, patterns and loss); empty at
+    tp 1."""
+    tp = req.mesh.tp if tp is None else tp
+    if tp == 1 or req.num_stages == 1:
+        return {}
+    patterns = None if req.tensor_parallel == "auto" else dict(req.tensor_parallel)
+    key = (tp, None if patterns is None else tuple(patterns.items()), req.training.loss)
+    if key not in tm.inside:
+        from pipec.tp.cuts import inside_positions
+
+        tm.inside[key] = inside_positions(tm.traced, tm.cuts, tp, patterns, req.training.loss)
+    return tm.inside[key]
 
 
 def tensor_parallel_stages(split: Split, req: CompileRequest,

@@ -267,12 +267,17 @@ def _layer_ranges(paths: Sequence[str]) -> dict[str, tuple[int, int]]:
 
 
 def assign_stages(
-    traced: Traced, cuts: Cuts, partition: Partition, num_stages: int, weights: Sequence[float] | None = None
+    traced: Traced, cuts: Cuts, partition: Partition, num_stages: int, weights: Sequence[float] | None = None,
+    *, inside: Mapping[int, str] | None = None, notes: list[str] | None = None,
 ) -> dict[str, int]:
     """Node name -> stage, for every compute node (markers excluded).
 
     ``weights`` (one per node of ``cuts.nodes``) drive ``balanced``; ``auto`` is :func:`resolved` first.
+    ``inside``: the positions inside a tensor-parallel pair (:func:`~pipec.tp.cuts.inside_positions`: position
+    -> the shard crossing it): ``balanced`` cuts elsewhere (``notes`` gets a line where that moved a cut), and
+    a split point or marker there is refused.
     """
+    inside = inside or {}
     if num_stages < 1:
         raise FrontendError(f"stages must be at least 1, got {num_stages}", key="stages")
     partition = resolved(partition, cuts)
@@ -293,6 +298,8 @@ def assign_stages(
             if not cuts.valid[pos]:
                 raise FrontendError(f"cannot split before {path!r}: {_blocker(cuts, pos)}; split before another module",
                                     key="partition", index=i)
+            if pos in inside:
+                raise _inside_pair(traced, cuts, inside, pos, f"split before {path!r}", index=i)
     elif partition.method == "markers":
         if not cuts.marker_cuts:
             raise FrontendError("partition by pipe_split markers, but the traced model has none; call pipe_split() in "
@@ -305,12 +312,26 @@ def assign_stages(
                                     "layers", key="partition")
             if not cuts.valid[pos]:
                 raise FrontendError(f"cannot split at pipe_split marker {k + 1}: {_blocker(cuts, pos)}", key="partition")
+            if pos in inside:
+                raise _inside_pair(traced, cuts, inside, pos, f"pipe_split marker {k + 1}")
     elif partition.method == "balanced":
         if partition.by not in BALANCE_BY:
             raise FrontendError(f"balanced(by=...) must be one of {', '.join(BALANCE_BY)}, got {partition.by!r}",
                                 key="partition")
         assert weights is not None and len(weights) == len(cuts.nodes)
-        positions = _balanced_positions(cuts, weights, num_stages)
+        positions = _balanced_positions(cuts, weights, num_stages, inside)
+        if inside and notes is not None:
+            moved = [p for p in _balanced_positions(cuts, weights, num_stages) if p in inside]
+            if moved and set(positions) & set(inside):
+                notes.append(f"the balanced partition cuts inside a tensor-parallel pair before node "
+                             f"{cuts.nodes[moved[0]].name!r} ({inside[moved[0]]} crosses it): the model has too few "
+                             "places between its pairs for so many stages, and that pair stays replicated")
+            elif moved:
+                notes.append(f"the balanced cut before node {cuts.nodes[moved[0]].name!r} ({_where(cuts, moved[0])}) "
+                             f"fell inside a tensor-parallel pair ({inside[moved[0]]} crosses it)"
+                             + (f" and {len(moved) - 1} more" if len(moved) > 1 else "")
+                             + "; the stages are cut between the pairs instead, before "
+                             + ", ".join(_where(cuts, p) for p in positions))
     else:
         raise AssertionError(partition)
     stage_of: dict[str, int] = {}
@@ -321,6 +342,30 @@ def assign_stages(
             s += 1
         stage_of[n.name] = s
     return stage_of
+
+
+def _where(cuts: Cuts, pos: int) -> str:
+    """``blocks.4`` (the module the node after cut ``pos`` belongs to), or ``node 'add_3'``."""
+    return module_path(cuts.nodes[pos]) or f"node {cuts.nodes[pos].name!r}"
+
+
+def _inside_pair(traced: Traced, cuts: Cuts, inside: Mapping[int, str], pos: int, what: str,
+                 index: int | None = None) -> FrontendError:
+    """The refusal of a cut the user named at ``pos``, inside a tensor-parallel pair, with the nearest cuts
+    between layers on either side that are not."""
+    keys = [_unit_key(n, traced.model) for n in cuts.nodes]
+    near = [p for p in (max((p for p in range(1, pos) if _between(cuts, inside, keys, p)), default=None),
+                        min((p for p in range(pos + 1, len(cuts.nodes)) if _between(cuts, inside, keys, p)),
+                            default=None)) if p is not None]
+    hint = (f"split before {' or '.join(repr(keys[p]) for p in near)} instead (between the layers)" if near else
+            "cut between the model's layers, or use balanced(by=flops)")
+    return FrontendError(f"{what} cuts inside a tensor-parallel pair: {inside[pos]} crosses it, and a stage boundary "
+                         "there would leave the pair's modules replicated on every tp rank", key="partition",
+                         index=index, hints=(hint,))
+
+
+def _between(cuts: Cuts, inside: Mapping[int, str], keys: Sequence[str], p: int) -> bool:
+    return cuts.valid[p] and cuts.unit_start[p] and p not in inside and not keys[p].startswith("node:")
 
 
 UNIT_SLACK = 0.05
@@ -334,7 +379,8 @@ def _best_cuts(candidates: list[int], weights: Sequence[float], num_nodes: int, 
     return [bounds[g] for g in starts], worst
 
 
-def _balanced_positions(cuts: Cuts, weights: Sequence[float], num_stages: int) -> list[int]:
+def _balanced_positions(cuts: Cuts, weights: Sequence[float], num_stages: int,
+                        inside: Mapping[int, str] | None = None) -> list[int]:
     if num_stages == 1:
         return []
     valid = [i for i in range(len(cuts.nodes)) if cuts.valid[i]]
@@ -343,6 +389,9 @@ def _balanced_positions(cuts: Cuts, weights: Sequence[float], num_stages: int) -
             f"cannot cut the model into {num_stages} stages: it has only {len(valid)} places where only tensors "
             f"cross; use at most {len(valid) + 1} stages", key="partition",
         )
+    between = [i for i in valid if i not in (inside or {})]
+    if len(between) >= num_stages - 1:
+        valid = between
     anywhere, worst = _best_cuts(valid, weights, len(cuts.nodes), num_stages)
     units = [i for i in valid if cuts.unit_start[i]]
     if len(units) >= num_stages - 1:

@@ -615,3 +615,46 @@ def test_hand_written_llama_gqa_repeat_interleave_or_expand_is_split_and_matches
         assert [styles[f"blocks.{b}.attn.w{m}"] for m in "qkvo"] == ["colwise"] * 3 + ["rowwise"]
     assert plans[0].sharded("blocks.0.attn.wk.weight").dim == 0
     assert_tp_matches(stages, plans, 2, "tokens")
+
+
+# ----------------------------------------------------------------------------- cuts between the tp pairs
+
+
+def _llama_at_pp2(layers: int, **extra):
+    from pipec.compiler.driver import compile_spec
+    from pipec.dsl import load_spec
+
+    spec = {"model": "family_models:hand_llama", "input": "tokens: int64[4, 16]", "model_args": {"layers": layers},
+            "schedule": "1f1b", "microbatches": 2, "costs": "unit", "partition": "balanced(by=flops)", "pp": 2,
+            "tp": 2, "tensor_parallel": "auto", **extra}
+    return compile_spec(load_spec(None, spec))
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_at_tp_2_the_balanced_partition_cuts_between_the_pairs_and_says_where_it_moved(layers):
+    """By FLOPs alone the hand-written Llama's cut falls between w1 and w2 (1 and 3 layers) or inside an
+    attention (2 layers), where each side would keep its half of the pair whole; at tp 2 it moves to the
+    nearest place no shard crosses, and the compile says so."""
+    compiled = _llama_at_pp2(layers)
+    for st in compiled.plan.stages:
+        styles = dict(st.tp.modules)
+        assert "replicated" not in styles.values(), styles
+        for b in range(layers):   # a block's pairs, each wholly in one stage or the other
+            for pair in (("attn.wq", "attn.wo"), ("w1", "w2")):
+                assert (f"blocks.{b}.{pair[0]}" in styles) == (f"blocks.{b}.{pair[1]}" in styles), (b, pair, styles)
+    notes = [str(d) for d in compiled.diagnostics if "tensor-parallel pair" in str(d)]
+    assert len(notes) == 1 and "note: the balanced cut before node" in notes[0], notes
+    assert "crosses it); the stages are cut between the pairs instead, before blocks." in notes[0]
+    assert not [d for d in compiled.diagnostics if "tensor_parallel auto" in str(d)]   # nothing left replicated
+
+
+def test_a_split_point_the_user_names_inside_a_tp_pair_is_refused_with_the_layers_either_side():
+    from pipec.errors import PipecError
+
+    with pytest.raises(PipecError, match=r"split before 'blocks.1.attn.wo' cuts inside a tensor-parallel pair: node "
+                                         r"'\w+' \(a shard of blocks.1.attn.w[qkv]'s output\) crosses it") as err:
+        _llama_at_pp2(3, partition="split before blocks.1.attn.wo")
+    assert "split before 'blocks.1' or 'blocks.2' instead (between the layers)" in str(err.value)
+    assert [st.stage for st in _llama_at_pp2(3, partition="split before blocks.2").plan.stages] == [0, 1]
+    at_tp1 = _llama_at_pp2(3, partition="split before blocks.1.attn.wo", tp=1)   # no pair at tp 1: cut as asked
+    assert len(at_tp1.plan.stages) == 2

@@ -169,3 +169,18 @@ def test_hf_bert_encoder_layout_is_the_compiles(hf, tmp_path):
     for m in ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense"):
         assert styles[f"{at}.{m}"] == "colwise", m
     assert styles[f"{at}.attention.output.dense"] == styles[f"{at}.output.dense"] == "rowwise"
+
+
+HAND_LLAMA = 'model "family_models:hand_llama" (layers=2)\ninput tokens: int64[4, 16]'
+
+
+def test_a_cut_kept_out_of_a_tp_pair_is_the_compiles_and_not_the_tp_1_cut(tmp_path):
+    """The hand-written Llama's balanced cut at tp 1 falls inside an attention; tune prices its tp 2
+    candidates on the cut a compile makes at tp 2 (between the pairs), every layer split, not on the tp 1 cut."""
+    graphs, pairs = _tuned_and_compiled(_treq(tmp_path, HAND_LLAMA))
+    _assert_same_layouts(pairs)
+    c, two, plan = next(p for p in pairs if p[0].num_stages == 2)
+    assert [st.nodes for st in two.stages] == [st.nodes for st in plan.stages]
+    assert "replicated" not in _styles(two).values()
+    at_tp1 = graphs.graph(next(x for x in candidates(graphs.treq) if x.tp == 1 and x.num_stages == 2))
+    assert [st.nodes for st in at_tp1.stages] != [st.nodes for st in two.stages]

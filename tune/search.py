@@ -127,7 +127,7 @@ class TuneResult:
 
 class _Graphs:
     """The front end, cached: one trace per microbatch shape (the first one's fx graph annotated again at
-    each other shape), one cut per (stages, microbatch shape, balance), the data record per (microbatch
+    each other shape), one cut per (stages, microbatch shape, balance, the tp pairs it keeps whole), the data record per (microbatch
     shape, microbatches, dp) and recompute derived from them, each graph built once (:attr:`graphs`).
     Cuts are cost-only (read off the trace's nodes, the same StageGraph without the stage modules); a tp > 1
     candidate's cut carries each stage's record from the compile's own analysis (:mod:`.tp_layout`). The
@@ -145,6 +145,8 @@ class _Graphs:
         (the bisection on recompute asks for the same graphs from every schedule and shard mode)."""
         self.timed_cuts: dict[tuple[int, int, str | None], Any] = {}
         """Under costs profile, the cuts timed on their own stages (:meth:`timed`)."""
+        self.pairs: dict[tuple[int, int], tuple] = {}
+        """(microbatch size, tp) -> the cut key's part for the positions inside a tensor-parallel pair."""
         self.pieces = None
         """Under costs profile, what the cuts are priced by (:class:`~pipec.costs.pieces.Pieces`)."""
         self._layouts = None
@@ -155,7 +157,7 @@ class _Graphs:
 
             mreq = self._request(space[0])
             host = Host.of(mreq.mesh)
-            smallest = min(space, key=lambda c: self._keys(c)[0])
+            smallest = min(space, key=lambda c: self._mb(c))
             crowd = self._crowd_candidate(space)
             self.pieces = Pieces(profiling(local_ranks=host.local_ranks, threads=host.threads_per_rank,
                                            reps=host.profile_reps), kwargs=mreq.model.kwargs,
@@ -165,9 +167,9 @@ class _Graphs:
         """A candidate at the microbatch shape whose crowd prices every shape (:class:`~pipec.costs.pieces.
         Pieces`): the file's own candidate's shape where the space has it (the plan a compile of the file would
         time), else the middle of the space's shapes."""
-        by_shape = {self._keys(c)[0]: c for c in reversed(space)}   # the first candidate of each shape
+        by_shape = {self._mb(c): c for c in reversed(space)}   # the first candidate of each shape
         start = start_candidate(self.treq)
-        mb = self._keys(start)[0] if start is not None else None
+        mb = self._mb(start) if start is not None else None
         if mb not in by_shape:
             shapes = sorted(by_shape)
             mb = shapes[len(shapes) // 2]
@@ -179,9 +181,26 @@ class _Graphs:
         return replace(req, training=replace(req.training, recompute=()))
 
     def _keys(self, c: Candidate) -> tuple[int, tuple, tuple]:
-        """The candidate's microbatch size, its cut's key (stages, microbatch, balance) and its data's."""
-        mb = self.batch // c.dp // c.num_microbatches
-        return mb, (c.num_stages, mb, c.partition_by), (mb, c.num_microbatches, c.dp)
+        """The candidate's microbatch size, its cut's key (stages, microbatch, balance, and at tp > 1 the cut
+        positions inside a tensor-parallel pair, which the cut keeps out of) and its data's."""
+        mb = self._mb(c)
+        return mb, (c.num_stages, mb, c.partition_by, *self._pairs(c)), (mb, c.num_microbatches, c.dp)
+
+    def _mb(self, c: Candidate) -> int:
+        """The candidate's microbatch size."""
+        return self.batch // c.dp // c.num_microbatches
+
+    def _pairs(self, c: Candidate) -> tuple:
+        """The cut positions inside a tensor-parallel pair at the candidate's tp, as a compile of it cuts
+        (:func:`~pipec.compiler.frontend.inside_tp_pairs`); () at tp 1."""
+        if c.tp == 1 or c.num_stages == 1:
+            return ()
+        from pipec.compiler.frontend import inside_tp_pairs
+
+        at = (self._mb(c), c.tp)   # the trace's shape and the tp: all they depend on
+        if at not in self.pairs:
+            self.pairs[at] = (tuple(sorted(inside_tp_pairs(self._traced(c), self._request(c)))),)
+        return self.pairs[at]
 
     def graph(self, c: Candidate):
         """The candidate's StageGraph, or None when the model cannot be cut that way."""
@@ -190,8 +209,10 @@ class _Graphs:
         if whole not in self.graphs:
             if c.tp == 1:
                 self.graphs[whole] = self._graph(c, key, data_key, mb)
-            else:
+            elif key == self._keys(replace(c, tp=1))[1]:   # no pair to keep whole: the tp 1 cut
                 self.graphs[whole] = self._sharded(self.graph(replace(c, tp=1)), c)
+            else:
+                self.graphs[whole] = self._sharded(self._graph(replace(c, tp=1), key, data_key, mb, cut_tp=c.tp), c)
         return self.graphs[whole]
 
     def _sharded(self, graph, c: Candidate):
@@ -218,7 +239,8 @@ class _Graphs:
                                     sequence_parallel=base.mesh.sequence_parallel, loss=base.training.loss)
         return self._layouts
 
-    def _graph(self, c: Candidate, key: tuple, data_key: tuple, mb: int):
+    def _graph(self, c: Candidate, key: tuple, data_key: tuple, mb: int, cut_tp: int | None = None):
+        """The cut under ``key`` (``cut_tp``: keeping that tp's pairs whole, :meth:`_keys`) for candidate ``c``."""
         from pipec.compiler.frontend import FrontendError, cut_stage_graph
 
         mreq = None
@@ -228,10 +250,10 @@ class _Graphs:
         if key not in self.cuts:
             try:
                 if self.pieces is None:
-                    self.cuts[key] = cut_stage_graph(tm, mreq, runnable=not self.cost_only)
+                    self.cuts[key] = cut_stage_graph(tm, mreq, runnable=not self.cost_only, cut_tp=cut_tp)
                 else:   # priced from the pieces' timings: the cut itself is cost-only
                     unit = replace(mreq, model=replace(mreq.model, costs="unit"))
-                    self.cuts[key] = self.pieces.price(tm, cut_stage_graph(tm, unit, runnable=False))
+                    self.cuts[key] = self.pieces.price(tm, cut_stage_graph(tm, unit, runnable=False, cut_tp=cut_tp))
             except FrontendError as err:
                 if err.key not in ("partition", "stages"):
                     raise
@@ -253,7 +275,7 @@ class _Graphs:
         """The model traced at the candidate's microbatch shape (once per shape)."""
         from pipec.compiler.frontend import trace_request
 
-        mb = self._keys(c)[0]
+        mb = self._mb(c)
         if mb not in self.traces:
             self.traces[mb] = trace_request(self._request(c), like=next(iter(self.traces.values()), None))
         return self.traces[mb]
@@ -263,12 +285,15 @@ class _Graphs:
         cuts and times it; tp > 1: the tp 1 cut timed, given the compile's layout, :meth:`_sharded`)."""
         mb, key, data_key = self._keys(c)
         if c.tp > 1:
-            return self._sharded(self.timed(replace(c, tp=1)), c)
+            return self._sharded(self._timed(replace(c, tp=1), key, data_key, c.tp), c)
+        return self._timed(c, key, data_key)
+
+    def _timed(self, c: Candidate, key: tuple, data_key: tuple, cut_tp: int | None = None):
         from pipec.compiler.frontend import cut_stage_graph
 
         mreq = self._request(c)
         if key not in self.timed_cuts:
-            self.timed_cuts[key] = cut_stage_graph(self._traced(c), mreq)
+            self.timed_cuts[key] = cut_stage_graph(self._traced(c), mreq, cut_tp=cut_tp)
         return self._finish(self.timed_cuts[key], c, data_key, mreq)
 
     def final(self, c: Candidate):

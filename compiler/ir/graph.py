@@ -40,6 +40,9 @@ class StageGraph:
     """Decisions worth telling the user (why auto tracing fell back to export...)."""
     warnings: tuple[str, ...] = ()
     """What the user should act on: what ``tensor_parallel auto`` left replicated, and why."""
+    cut_notes: tuple[str, ...] = ()
+    """How the partition placed its cuts where that is not what balance alone gives (a cut kept out of a
+    tensor-parallel pair)."""
 
     @property
     def num_stages(self) -> int:
