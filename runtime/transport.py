@@ -13,7 +13,7 @@ Tensor parallelism's collectives (:class:`TransportTP`, what a sharded stage's f
 :meth:`Transport.tp` instead: issued on the compute stream, over the tp group's own process group (NCCL runs
 them on that group's stream), never on the comm stream, so they do not queue behind a pipeline send whose
 receiver has not posted or behind a dp all-reduce; the all-gather and reduce-scatter are the backend's own
-(``all_gather_into_tensor`` / ``reduce_scatter_tensor``, :data:`~pipec.compiler.sim.tensor_parallel.NATIVE`)
+(``all_gather_into_tensor`` / ``reduce_scatter_tensor``, :data:`~pipec.compiler.ir.tensor_parallel.NATIVE`)
 where it has them, else an all-reduce of the zero-padded whole. The fake keeps a log of every call
 (:class:`Call`: which collective, which stream, which dtype) for the tests, and with ``ordered`` completes a
 rank's comm-stream work in the order posted, as one CUDA stream would.

@@ -8,7 +8,6 @@ tied across stages must be sharded alike in each, and its gradient partial (:mod
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from torch.fx import GraphModule, Node
@@ -16,7 +15,7 @@ from torch.fx import GraphModule, Node
 from pipec.compiler.ir.tensor_parallel import Collective, ShardedParam, StageTP, loss_collectives
 from pipec.model.tensors import FrontendError
 from pipec.model.trace import Traced
-from pipec.tp.rules import KEY, Lin, Shard, nbytes, prod, tensor_shape
+from pipec.tp.rules import KEY, Lin, Shard, dtype_name, nbytes, prod, tensor_shape
 from pipec.tp.partial import partial_params
 from pipec.tp.sequence import fused, io_names
 
@@ -43,36 +42,32 @@ def record(an: Analysis, lins: Mapping[Node, Lin], canonical: Mapping[str, str],
     copied: set[Node] = set()
     seq_on = an.sp is not None
 
-    def pair(first: str, second: str, num_bytes: int, node: str) -> list[Collective]:
-        return [Collective(kind=first, phase="forward", num_bytes=num_bytes, node=node),
-                Collective(kind=second, phase="backward", num_bytes=num_bytes, node=node)]
+    def one(kind: str, phase: str, x: Node, of: str = "") -> Collective:
+        return Collective(kind=kind, phase=phase, num_bytes=nbytes(x), node=x.name, of=of, dtype=dtype_name(x))
+
+    def pair(first: str, second: str, x: Node, of: str = "") -> list[Collective]:
+        return [one(first, "forward", x, of), one(second, "backward", x, of)]
 
     for n, lin in lins.items():
         modules.setdefault(lin.path, an.style(n))
         if n.name in an.vocab_on:  # the lookups' partial sums: all-reduced, or reduce-scattered
-            collectives += [replace(c, of="vocab") for c in (
-                pair("reduce_scatter", "all_gather", nbytes(n), n.name) if seq_on else
-                [Collective(kind="all_reduce", phase="forward", num_bytes=nbytes(n), node=n.name)])]
+            collectives += (pair("reduce_scatter", "all_gather", n, "vocab") if seq_on else
+                            [one("all_reduce", "forward", n, "vocab")])
         if n.name in an.active and lin.x not in copied:
             copied.add(lin.x)
             if "gather" in an.gathers.get(lin.x, ()):
-                collectives += pair("all_gather", "reduce_scatter", nbytes(lin.x), lin.x.name)
+                collectives += pair("all_gather", "reduce_scatter", lin.x)
                 if fused(an, lins, n):  # the sequence gathered again for the weight's gradient
-                    collectives.append(Collective(kind="all_gather", phase="backward", num_bytes=nbytes(lin.x),
-                                                  node=lin.x.name))
+                    collectives.append(one("all_gather", "backward", lin.x))
             else:
-                collectives.append(Collective(kind="all_reduce", phase="backward", num_bytes=nbytes(lin.x),
-                                              node=lin.x.name))
+                collectives.append(one("all_reduce", "backward", lin.x))
         if n.name in an.rowwise:
-            if seq_on:
-                collectives += pair("reduce_scatter", "all_gather", nbytes(n), n.name)
-            else:
-                collectives.append(Collective(kind="all_reduce", phase="forward", num_bytes=nbytes(n), node=n.name))
+            collectives += pair("reduce_scatter", "all_gather", n) if seq_on else [one("all_reduce", "forward", n)]
     for x, how in an.gathers.items():
         if "gather_whole" in how:  # before a replicated consumer: the backward keeps this rank's part
-            collectives.append(Collective(kind="all_gather", phase="forward", num_bytes=nbytes(x), node=x.name))
+            collectives.append(one("all_gather", "forward", x))
     for a in dict.fromkeys(a for a, _ in an.splits):  # a replicated value cut: all-gathered backward
-        collectives.append(Collective(kind="all_gather", phase="backward", num_bytes=nbytes(a), node=a.name))
+        collectives.append(one("all_gather", "backward", a))
     if an.loss_out:  # the loss on the logits' parts: the max (gathered), the sum of exponentials, the target's
         out = next(n for n in an.gm.graph.nodes if n.op == "output")
         tokens = prod(tensor_shape(out.all_input_nodes[0])[:-1])

@@ -88,6 +88,11 @@ def nbytes(node: Node) -> int:
     return n * torch.empty((), dtype=tm.dtype).element_size()
 
 
+def dtype_name(node: Node) -> str:
+    """The traced value's dtype as plan.json writes it (``float32``, ``bfloat16``, ...)."""
+    return str(node.meta["tensor_meta"].dtype).removeprefix("torch.")
+
+
 def arg(node: Node, i: int, name: str, default: Any = None) -> Any:
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 

@@ -99,20 +99,26 @@ class Collective:
     phase: str
     """``forward`` or ``backward`` (the input-gradient part of the backward)."""
     num_bytes: int
-    """The full (unsharded) tensor's bytes: an all-reduce's payload."""
+    """The full (unsharded) tensor's bytes, in :attr:`dtype`: an all-reduce's payload."""
     node: str
     """The traced node it belongs to (for messages and ``pipec show``)."""
     of: str = ""
     """What it serves beyond Megatron's column / row pairs: ``vocab`` (a vocab-parallel lookup's partial sums),
     ``loss`` (the loss on the logits' parts); ``""`` for the pairs' f, g and their sequence-parallel forms."""
+    dtype: str = "float32"
+    """The payload's dtype as traced (under ``dtype bfloat16`` the trace runs under autocast: a Linear's output is
+    bfloat16, a norm's float32). What a run moves can differ: the simulator prices that
+    (:func:`~pipec.compiler.sim.tensor_parallel.wire_bytes`)."""
+
     def to_json(self) -> dict[str, Any]:
         out = {"kind": self.kind, "phase": self.phase, "bytes": self.num_bytes, "node": self.node}
-        return {**out, "of": self.of} if self.of else out
+        out |= {"of": self.of} if self.of else {}
+        return out | ({"dtype": self.dtype} if self.dtype != "float32" else {})
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Collective":
         return cls(kind=str(d["kind"]), phase=str(d["phase"]), num_bytes=int(d["bytes"]), node=str(d["node"]),
-                   of=str(d.get("of", "")))
+                   of=str(d.get("of", "")), dtype=str(d.get("dtype", "float32")))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

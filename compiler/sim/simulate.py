@@ -26,7 +26,7 @@ from pipec.compiler.sim.cost import COMPUTE_JITTER, TRANSFER_JITTER, CostModel
 from pipec.compiler.sim.history import widened
 from pipec.compiler.sim.engine import (BUFFERED, IN_ORDER, MODELS, Deadlock, Execution, decode, execute, group_members,
                                        spreads)
-from pipec.compiler.sim.tensor_parallel import RING_FACTOR, tp_cost
+from pipec.compiler.sim.tensor_parallel import backend_of, collective_price, tp_cost
 
 __all__ = [
     "BUFFERED", "IN_ORDER", "MODELS", "CostModel", "Deadlock", "Execution",
@@ -236,13 +236,16 @@ class Pricing:
         return seconds
 
     def tp_seconds(self, stage) -> tuple[float, float]:
-        """(forward, backward) seconds of a tp stage's collectives per microbatch, each a :meth:`tp_ring`."""
+        """(forward, backward) seconds of a tp stage's collectives per microbatch, each a :meth:`tp_ring` of what
+        the run issues for it on the plan's backend, in the dtype it moves
+        (:func:`~pipec.compiler.sim.tensor_parallel.collective_price`)."""
         out = {"forward": 0.0, "backward": 0.0}
-        seen: dict[tuple[str, int], float] = {}
+        seen: dict[tuple[float, float], float] = {}
+        backend, dtype = backend_of(self.plan), str(self.plan.spec.get("dtype", "float32"))
         for c in stage.tp.collectives:
-            key = (c.kind, c.num_bytes)
+            key = collective_price(c, backend, dtype)
             if key not in seen:
-                seen[key] = self.tp_ring(stage.rank, c.num_bytes, RING_FACTOR.get(c.kind, 2.0))
+                seen[key] = self.tp_ring(stage.rank, key[1], key[0])
             out[c.phase] = out.get(c.phase, 0.0) + seen[key]
         return out["forward"], out["backward"]
 

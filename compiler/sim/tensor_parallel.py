@@ -12,11 +12,18 @@ the parameters a tp rank holds (:func:`~pipec.compiler.passes.memory.local_param
 share. :func:`tp_cost` is the one place these terms are added; :func:`~pipec.compiler.sim.simulate.plan_costs`
 calls it for every stage of a plan in seconds (unit costs are units: a stage's tp changes none of them).
 
-Each collective is a ring over the stage's tp group (:meth:`~pipec.compiler.sim.simulate.Pricing.tp_ring`):
-``latency + f (n - 1) / n x bytes / bandwidth`` with f = 2 for an all-reduce and 1 for an all-gather or a
-reduce-scatter (sequence parallelism), on the ``tp`` link when the plan has one; otherwise priced as the dp
-collectives are, on the ``dp`` link, or by node with ``devices_per_node`` and ``intra`` / ``inter`` links
-(one node: ``intra``; spanning nodes: the hierarchical ring).
+Each collective is priced as what the run issues for it (:func:`collective_price`), a ring over the stage's tp
+group (:meth:`~pipec.compiler.sim.simulate.Pricing.tp_ring`): ``latency + f (n - 1) / n x bytes / bandwidth``.
+``f`` is the collective's ring factor on the plan's backend (:func:`backend_of`): 2 for an all-reduce; an
+all-gather or a reduce-scatter (sequence parallelism) takes the backend's own factor from
+:data:`~pipec.compiler.ir.tensor_parallel.NATIVE` (NCCL 1 and 1, gloo 1 and 2: its reduce-scatter is an
+all-reduce), and 2 on a backend that lacks the call (the runtime all-reduces the zero-padded whole). ``bytes``
+are the whole tensor's in the dtype the run moves (:func:`wire_bytes`): under a 2-byte run dtype (autocast, or
+FSDP2's mixed precision) every floating payload moves in it, whatever its traced dtype (a norm's float32
+output, the gradient into it), but for the loss-parallel loss's per-token values (float32). The ring is on the
+``tp`` link when the plan has one; otherwise priced as the dp collectives are, on the ``dp`` link, or by node
+with ``devices_per_node`` and ``intra`` / ``inter`` links (one node: ``intra``; spanning nodes: the
+hierarchical ring).
 
 torch-free.
 """
@@ -26,13 +33,55 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from pipec.compiler.ir.tensor_parallel import Collective, StageTP
+from pipec.compiler.ir.plan import Plan
+from pipec.compiler.ir.tensor_parallel import NATIVE, Collective, StageTP
 from pipec.schedules.timing import Cost
 
-__all__ = ["RING_FACTOR", "tp_cost", "phase_collectives"]
+__all__ = ["ALL_REDUCE_FACTOR", "ELEMENT_BYTES", "backend_of", "ring_factor", "wire_bytes", "collective_price",
+           "tp_cost", "phase_collectives"]
 
-RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
-"""Bytes each rank moves, in multiples of ``(n - 1) / n x bytes``, per collective kind."""
+ALL_REDUCE_FACTOR = 2.0
+"""Bytes each rank of a ring all-reduce moves, in multiples of ``(n - 1) / n x bytes``: a reduce-scatter, then an
+all-gather."""
+
+ELEMENT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of the floating dtypes a collective's payload is traced in or a run moves."""
+
+
+def backend_of(plan: Plan) -> str:
+    """The torch.distributed backend the plan's run uses, as the plan tells it: the one its links were measured
+    on (``costs profile``'s probe); else ``gloo`` for a plan whose stages were profiled (``costs profile`` times
+    them on this host's CPU, where the runtime takes gloo); else ``nccl`` (a plan priced from FLOPs and
+    given links: GPUs, where the runtime takes NCCL)."""
+    measured = sorted({link.measured.backend for link in plan.links.values() if link.measured is not None})
+    if measured:
+        return measured[0]
+    return "gloo" if (plan.model or {}).get("profile") else "nccl"
+
+
+def ring_factor(kind: str, backend: str) -> float:
+    """Bytes each rank moves in one collective of ``kind`` on ``backend``, in multiples of ``(n - 1) / n x bytes``
+    of the whole tensor: the backend's own all-gather or reduce-scatter where it has one (:data:`NATIVE`), else
+    (and for an all-reduce) an all-reduce's."""
+    if kind == "all_reduce":
+        return ALL_REDUCE_FACTOR
+    return NATIVE.get(backend, {}).get(kind, ALL_REDUCE_FACTOR)
+
+
+def wire_bytes(c: Collective, run_dtype: str) -> float:
+    """The whole tensor's bytes as the run moves them: in ``run_dtype`` (the plan's ``dtype``) where it is a
+    reduced precision and the payload is floating (tp's collectives cast to the autocast dtype, ``tp/comm.py``'s
+    ``wire_dtype``; under FSDP2's mixed precision the values are in it already), else as traced; the loss-parallel
+    loss's values (``of == "loss"``) stay float32."""
+    run, own = ELEMENT_BYTES.get(run_dtype), ELEMENT_BYTES.get(c.dtype)
+    if c.of == "loss" or own is None or run is None or run >= 4:
+        return float(c.num_bytes)
+    return c.num_bytes / own * run
+
+
+def collective_price(c: Collective, backend: str, run_dtype: str) -> tuple[float, float]:
+    """(ring factor, bytes) of collective ``c`` as a run on ``backend`` in ``run_dtype`` issues it."""
+    return ring_factor(c.kind, backend), wire_bytes(c, run_dtype)
 
 
 def tp_cost(cost: Cost, stp: StageTP, tp: int, *, forward_s: float, backward_s: float, recomputed: bool = False,
